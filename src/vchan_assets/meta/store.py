@@ -1,0 +1,278 @@
+"""The metastore: etcd v3 through the `etcd3` client, with typed errors and bounded waits.
+
+Why `MultiEndpointEtcd3Client` with a short `time_retry`: the client marks an endpoint
+failed after one connection error and refuses every call to it for `time_retry`
+seconds (300 s by default). With 0.5 s, a restarted etcd is used again at once.
+Every call has the settings' timeout, so an etcd that is down gives a
+`MetaUnavailableError` within a bounded time, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import etcd3
+import etcd3.exceptions
+import grpc
+
+from vchan_assets.config import Settings
+from vchan_assets.meta.codec import Model, decode, encode
+from vchan_assets.meta.errors import (
+    CasConflictError,
+    LeaseLostError,
+    MalformedValueError,
+    MetaError,
+    MetaUnavailableError,
+)
+from vchan_assets.meta.keys import Keys
+from vchan_assets.model import ChannelLease
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+ENDPOINT_RETRY_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    version: int  # 1 on creation, +1 per change; 0 means "absent" in a CAS
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Keys under a prefix, read atomically at `revision`."""
+
+    items: list[KeyValue]
+    revision: int
+
+
+@dataclass(frozen=True)
+class Decoded(Generic[M]):
+    model: M
+    kv: KeyValue
+
+
+def _kv(meta: Any) -> KeyValue:
+    return KeyValue(
+        key=meta.key.decode(),
+        value=bytes(meta.value),
+        version=meta.version,
+        mod_revision=meta.mod_revision,
+        create_revision=meta.create_revision,
+        lease=meta.lease,
+    )
+
+
+def _as_bytes(value: bytes | Model | dict[str, Any]) -> bytes:
+    return value if isinstance(value, bytes) else encode(value)
+
+
+class MetaStore:
+    """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions."""
+
+    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, endpoints: Sequence[str], keys: Keys):
+        self.client = client
+        self.endpoints = tuple(endpoints)
+        self.keys = keys
+        self.malformed_skipped = 0  # metric: values skipped because they did not decode
+
+    # --- construction ----------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, settings: Settings, endpoints: Sequence[str] | None = None) -> MetaStore:
+        endpoints = tuple(endpoints or settings.etcd_endpoints or ())
+        if not endpoints:
+            raise MetaError("no etcd endpoints: start the embedded stack or set VCHAN_ETCD_ENDPOINTS")
+        creds = None
+        if settings.etcd_ca_cert:
+            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(
+                settings.etcd_ca_cert, settings.etcd_key, settings.etcd_cert
+            )
+        eps = []
+        for endpoint in endpoints:
+            host, _, port = endpoint.removeprefix("http://").removeprefix("https://").rpartition(":")
+            eps.append(
+                etcd3.Endpoint(
+                    host, int(port), secure=creds is not None, creds=creds, time_retry=ENDPOINT_RETRY_SECONDS
+                )
+            )
+        store_ops = f"connect to {','.join(endpoints)}"
+        try:
+            client = etcd3.MultiEndpointEtcd3Client(
+                endpoints=eps,
+                timeout=settings.etcd_timeout,
+                user=settings.etcd_user,
+                password=settings.etcd_password,
+                failover=True,
+            )
+        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+            raise MetaUnavailableError(endpoints, store_ops, _reason(exc)) from exc
+        return cls(client, endpoints, Keys(settings.root))
+
+    def close(self) -> None:
+        self.client.close()
+
+    @contextlib.contextmanager
+    def _call(self, operation: str) -> Iterator[None]:
+        try:
+            yield
+        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
+            if isinstance(exc, etcd3.exceptions.RevisionCompactedError):
+                raise
+            raise MetaUnavailableError(self.endpoints, operation, _reason(exc)) from exc
+
+    # --- reads ----------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        with self._call(f"get {key}"):
+            resp = self.client.get_response(key)
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    def get_model(self, key: str, model: type[M]) -> Decoded[M] | None:
+        kv = self.get(key)
+        if kv is None:
+            return None
+        return Decoded(decode(key, kv.value, model), kv)
+
+    def list_prefix(self, prefix: str) -> Snapshot:
+        with self._call(f"list {prefix}"):
+            resp = self.client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
+        return Snapshot([_kv(kv) for kv in resp.kvs], resp.header.revision)
+
+    def list_models(
+        self, prefix: str, model: type[M], skip_malformed: bool = False
+    ) -> tuple[list[Decoded[M]], int]:
+        """Decode every value under a prefix; malformed ones raise, or are logged and skipped."""
+        snap = self.list_prefix(prefix)
+        out: list[Decoded[M]] = []
+        for kv in snap.items:
+            try:
+                out.append(Decoded(decode(kv.key, kv.value, model), kv))
+            except MalformedValueError as exc:
+                if not skip_malformed:
+                    raise
+                self.malformed_skipped += 1
+                log.error("skipping %s", exc)
+        return out, snap.revision
+
+    def revision(self) -> int:
+        """The store's current revision."""
+        with self._call("status"):
+            resp = self.client.get_response(self.keys.root + "/")
+        return int(resp.header.revision)
+
+    # --- writes ---------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes | Model | dict[str, Any], lease: int | None = None) -> int:
+        with self._call(f"put {key}"):
+            resp = self.client.put(key, _as_bytes(value), lease=lease)
+        return int(resp.header.revision)
+
+    def delete(self, key: str) -> bool:
+        with self._call(f"delete {key}"):
+            return bool(self.client.delete(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        with self._call(f"delete {prefix}"):
+            self.client.delete_prefix(prefix)
+
+    def cas(
+        self,
+        key: str,
+        expected_version: int,
+        value: bytes | Model | dict[str, Any] | None,
+        lease: int | None = None,
+    ) -> int:
+        """Compare-version-and-swap: write (or delete, if value is None) only if the key's
+        version is still `expected_version` (0: the key must not exist). Returns the new
+        revision; raises CasConflictError with the version found otherwise."""
+        tx = self.client.transactions
+        op = tx.delete(key) if value is None else tx.put(key, _as_bytes(value), lease=lease)
+        with self._call(f"compare-and-swap {key}"):
+            ok, responses = self.client.transaction(
+                compare=[tx.version(key) == expected_version], success=[op], failure=[tx.get(key)]
+            )
+        if not ok:
+            found = responses[0][0][1].version if responses and responses[0] else 0
+            # (responses hold (value, KVMetadata) pairs for the failure branch's get)
+            raise CasConflictError(key, expected_version, found)
+        return _txn_revision(responses)
+
+    def guarded_txn(
+        self,
+        channel: str,
+        lease: ChannelLease,
+        puts: Mapping[str, bytes | Model | dict[str, Any]],
+        deletes: Sequence[str] = (),
+    ) -> int:
+        """Commit all `puts` and `deletes` in one transaction, only if `channel-lease/{channel}`
+        still holds `lease` (lease MEP: every meta write of a channel is guarded by its lease).
+        On a lost lease nothing is written and LeaseLostError says who holds it now."""
+        lease_key = self.keys.channel_lease(channel)
+        tx = self.client.transactions
+        success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()]
+        success += [tx.delete(k) for k in deletes]
+        with self._call(f"guarded commit on {channel}"):
+            ok, responses = self.client.transaction(
+                compare=[tx.value(lease_key) == encode(lease)], success=success, failure=[tx.get(lease_key)]
+            )
+        if not ok:
+            found = None
+            if responses and responses[0]:
+                raw = responses[0][0][0]
+                try:
+                    found = decode(lease_key, raw, ChannelLease).lease_id
+                except MalformedValueError:
+                    found = -1
+            raise LeaseLostError(channel, lease.lease_id, found)
+        return _txn_revision(responses)
+
+    def read_lease(self, channel: str) -> ChannelLease | None:
+        found = self.get_model(self.keys.channel_lease(channel), ChannelLease)
+        return None if found is None else found.model
+
+    # --- etcd leases (TTL) -------------------------------------------------------------
+
+    def grant(self, ttl: float) -> int:
+        with self._call("grant lease"):
+            return int(self.client.lease(max(1, round(ttl))).id)
+
+    def keepalive(self, lease_id: int) -> int:
+        """Refresh an etcd lease; returns its remaining TTL (<= 0: expired)."""
+        with self._call("keep-alive"):
+            responses = list(self.client.refresh_lease(lease_id))
+        return int(responses[0].TTL) if responses else 0
+
+    def revoke(self, lease_id: int) -> None:
+        with self._call("revoke lease"):
+            self.client.revoke_lease(lease_id)
+
+    def compact(self, revision: int) -> None:
+        with self._call(f"compact to {revision}"):
+            self.client.compact(revision, physical=True)
+
+
+def _txn_revision(responses: list[Any]) -> int:
+    """Revision of a successful transaction, from the header of its first write."""
+    for response in responses:
+        for kind in ("response_put", "response_delete_range"):
+            if response.HasField(kind):
+                return int(getattr(response, kind).header.revision)
+    return 0
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        details = exc.details() if hasattr(exc, "details") else ""
+        return f"{exc.code().name}: {details}" if hasattr(exc, "code") else str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,5 @@
+"""Object storage: one pyarrow filesystem for local paths and S3, and the file layouts."""
+
+from vchan_assets.storage.fs import Storage, StorageError
+
+__all__ = ["Storage", "StorageError"]

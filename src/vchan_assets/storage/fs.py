@@ -1,0 +1,134 @@
+"""Filesystem resolution: local directories and S3 buckets through pyarrow's filesystems.
+
+`Storage` holds a pyarrow filesystem and a base path; everything above it uses
+relative keys ("wal/ch0/00000000000000000000.parquet"), so local and S3 are one
+code path. It is picklable, so Spark tasks can rebuild it on the executors.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from vchan_assets.config import Settings
+
+
+class StorageError(OSError):
+    """Object storage could not be read or written; names the path."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"storage error at {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A storage root: `uri` is a local directory or s3://bucket/prefix."""
+
+    uri: str
+    s3_endpoint: str | None = None
+    s3_region: str = "us-east-1"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Storage:
+        return cls(settings.storage_uri, settings.s3_endpoint, settings.s3_region)
+
+    @property
+    def is_s3(self) -> bool:
+        return self.uri.startswith("s3://")
+
+    @property
+    def base(self) -> str:
+        """Base path inside the filesystem (bucket/prefix on S3, absolute dir locally)."""
+        if self.is_s3:
+            return self.uri.removeprefix("s3://").rstrip("/")
+        return os.path.abspath(self.uri)
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        # Built on demand (cheap) so that the object stays picklable for Spark.
+        if self.is_s3:
+            scheme, _, host = (self.s3_endpoint or "").partition("://")
+            kwargs: dict[str, object] = {"region": self.s3_region}
+            if self.s3_endpoint:
+                kwargs["endpoint_override"] = host or scheme
+                kwargs["scheme"] = scheme if host else "https"
+            return pafs.S3FileSystem(**kwargs)  # credentials from the AWS_* environment
+        return pafs.LocalFileSystem()
+
+    def path(self, key: str) -> str:
+        """Full filesystem path of a relative key."""
+        return f"{self.base}/{key.lstrip('/')}"
+
+    def key_of(self, path: str) -> str:
+        """Relative key of a full filesystem path."""
+        prefix = self.base + "/"
+        if not path.startswith(prefix):
+            raise StorageError(path, f"not under the storage root {self.base}")
+        return path[len(prefix) :]
+
+    def ensure_root(self) -> None:
+        try:
+            self.filesystem.create_dir(self.base, recursive=True)
+        except OSError as exc:
+            raise StorageError(self.base, str(exc)) from exc
+
+    def write_atomic(self, key: str, data: bytes | pa.Buffer) -> str:
+        """Write a whole object so readers never see half of it; returns the full path.
+
+        Locally: write a temporary name, then rename. On S3 a single PUT is atomic.
+        """
+        fs = self.filesystem
+        final = self.path(key)
+        try:
+            if self.is_s3:
+                with fs.open_output_stream(final) as out:
+                    out.write(data)
+                return final
+            parent = final.rsplit("/", 1)[0]
+            fs.create_dir(parent, recursive=True)
+            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as out:
+                out.write(memoryview(data) if isinstance(data, pa.Buffer) else data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.rename(tmp, final)
+            return final
+        except OSError as exc:
+            raise StorageError(final, str(exc)) from exc
+
+    def exists(self, key: str) -> bool:
+        return self.filesystem.get_file_info(self.path(key)).type == pafs.FileType.File
+
+    def list_files(self, prefix: str) -> list[pafs.FileInfo]:
+        """Every file under a relative prefix, recursively, skipping temporary files."""
+        selector = pafs.FileSelector(self.path(prefix), recursive=True, allow_not_found=True)
+        try:
+            infos = self.filesystem.get_file_info(selector)
+        except OSError as exc:
+            raise StorageError(self.path(prefix), str(exc)) from exc
+        return sorted(
+            (i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".tmp-")),
+            key=lambda i: i.path,
+        )
+
+    def read_bytes(self, key: str) -> bytes:
+        path = self.path(key)
+        try:
+            with self.filesystem.open_input_stream(path) as f:
+                return bytes(f.read())
+        except OSError as exc:
+            raise StorageError(path, str(exc)) from exc
+
+    def delete(self, key: str) -> None:
+        try:
+            self.filesystem.delete_file(self.path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StorageError(self.path(key), str(exc)) from exc
