@@ -214,28 +214,41 @@ class MetaStore:
         lease: ChannelLease,
         puts: Mapping[str, bytes | Model | dict[str, Any]],
         deletes: Sequence[str] = (),
+        expect_versions: Mapping[str, int] | None = None,
     ) -> int:
         """Commit all `puts` and `deletes` in one transaction, only if `channel-lease/{channel}`
-        still holds `lease` (lease MEP: every meta write of a channel is guarded by its lease).
-        On a lost lease nothing is written and LeaseLostError says who holds it now."""
+        still holds `lease` (lease MEP: every meta write of a channel is guarded by its lease)
+        and every key of `expect_versions` still has that version (0: absent).
+
+        On a lost lease nothing is written and LeaseLostError says who holds it now; on a
+        changed key, CasConflictError names it (the caller re-reads and retries).
+        Returns the revision of the commit."""
         lease_key = self.keys.channel_lease(channel)
+        expect = dict(expect_versions or {})
         tx = self.client.transactions
         success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()]
         success += [tx.delete(k) for k in deletes]
+        compare = [tx.value(lease_key) == encode(lease)]
+        compare += [tx.version(k) == v for k, v in expect.items()]
+        failure = [tx.get(lease_key)] + [tx.get(k) for k in expect]
         with self._call(f"guarded commit on {channel}"):
-            ok, responses = self.client.transaction(
-                compare=[tx.value(lease_key) == encode(lease)], success=success, failure=[tx.get(lease_key)]
-            )
-        if not ok:
+            ok, responses = self.client.transaction(compare=compare, success=success, failure=failure)
+        if ok:
+            return _txn_revision(responses)
+        current = responses[0][0][0] if responses and responses[0] else None
+        if current != encode(lease):
             found = None
-            if responses and responses[0]:
-                raw = responses[0][0][0]
+            if current is not None:
                 try:
-                    found = decode(lease_key, raw, ChannelLease).lease_id
+                    found = decode(lease_key, current, ChannelLease).lease_id
                 except MalformedValueError:
                     found = -1
             raise LeaseLostError(channel, lease.lease_id, found)
-        return _txn_revision(responses)
+        for (key, version), got in zip(expect.items(), responses[1:], strict=True):
+            found_version = got[0][1].version if got else 0
+            if found_version != version:
+                raise CasConflictError(key, version, found_version)
+        raise MetaError(f"guarded commit on {channel} failed without a visible cause")
 
     def read_lease(self, channel: str) -> ChannelLease | None:
         found = self.get_model(self.keys.channel_lease(channel), ChannelLease)

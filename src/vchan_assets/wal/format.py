@@ -1,0 +1,144 @@
+"""The log's file format (DESIGN section 5), shared by the writer, the reader and the sync.
+
+One Parquet file per appended batch: `wal/{vchannel}/{first_offset:020d}.parquet`,
+offsets dense and contiguous inside the file and across files. Columns, in order:
+
+    offset        int64     dense per channel, starting at 0
+    msg_type      string    one of MsgType
+    timestamp     int64     hybrid timestamp from the TSO
+    segment_id    int64     insert rows: the segment the row belongs to; else null
+    partition_id  int64     insert/delete/partition DDL rows; else null
+    payload       string    DDL rows: JSON details; else null
+    {pk}          int64     insert and delete rows: the primary key; else null
+    {fields...}   the collection's other fields, nullable; float vectors are
+                  fixed_size_binary(dim * 4), little-endian float32 (as Milvus stores them)
+
+File key-value metadata: `vchan.channel`, `vchan.collection_id`, `vchan.first_offset`,
+`vchan.count`, `vchan.last_timestamp`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import pyarrow as pa
+
+from vchan_assets.model import CollectionSchema, DataType, FieldSchema
+
+
+class MsgType(str, enum.Enum):
+    INSERT = "insert"
+    DELETE = "delete"
+    TIME_TICK = "timetick"
+    CREATE_COLLECTION = "create_collection"
+    DROP_COLLECTION = "drop_collection"
+    CREATE_PARTITION = "create_partition"
+    DROP_PARTITION = "drop_partition"
+
+
+MSG_TYPES = frozenset(m.value for m in MsgType)
+
+SYSTEM_COLUMNS = ("offset", "msg_type", "timestamp", "segment_id", "partition_id", "payload")
+
+META_CHANNEL = b"vchan.channel"
+META_COLLECTION = b"vchan.collection_id"
+META_FIRST_OFFSET = b"vchan.first_offset"
+META_COUNT = b"vchan.count"
+META_LAST_TS = b"vchan.last_timestamp"
+
+
+class LogError(RuntimeError):
+    """Base class of errors reading or writing the log."""
+
+
+class CorruptLogError(LogError):
+    """A log file cannot be read, or its offsets are not what its name promises."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"corrupt log file {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class SchemaMismatchError(LogError):
+    """A log file's columns do not match the collection's schema."""
+
+    def __init__(self, path: str, expected: pa.Schema, found: pa.Schema) -> None:
+        missing = set(expected.names) - set(found.names)
+        extra = set(found.names) - set(expected.names)
+        changed = [
+            f"{n}: {found.field(n).type} (expected {expected.field(n).type})"
+            for n in expected.names
+            if n in found.names and not found.field(n).type.equals(expected.field(n).type)
+        ]
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing {sorted(missing)}" if missing else "",
+                f"unexpected {sorted(extra)}" if extra else "",
+                f"changed {changed}" if changed else "",
+            )
+            if part
+        )
+        super().__init__(f"log file {path} does not match the collection schema: {detail}")
+        self.path = path
+
+
+class UnknownMessageTypeError(LogError):
+    def __init__(self, path: str, offset: int, msg_type: str) -> None:
+        super().__init__(
+            f"log file {path}: message at offset {offset} has unknown type {msg_type!r}; "
+            f"known: {sorted(MSG_TYPES)}"
+        )
+        self.path = path
+        self.offset = offset
+        self.msg_type = msg_type
+
+
+def arrow_type(field: FieldSchema) -> pa.DataType:
+    if field.is_vector:
+        assert field.dim is not None
+        return pa.binary(field.dim * 4)
+    return {
+        DataType.INT64: pa.int64(),
+        DataType.FLOAT: pa.float32(),
+        DataType.DOUBLE: pa.float64(),
+        DataType.STRING: pa.string(),
+        DataType.BOOL: pa.bool_(),
+    }[field.dtype]
+
+
+def user_fields(schema: CollectionSchema) -> list[pa.Field]:
+    """The collection's fields as Arrow fields: primary key first, then the rest in order."""
+    ordered = [schema.primary] + [f for f in schema.fields if not f.is_primary]
+    return [pa.field(f.name, arrow_type(f), nullable=True) for f in ordered]
+
+
+def log_schema(schema: CollectionSchema) -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("offset", pa.int64(), nullable=False),
+            pa.field("msg_type", pa.string(), nullable=False),
+            pa.field("timestamp", pa.int64(), nullable=False),
+            pa.field("segment_id", pa.int64()),
+            pa.field("partition_id", pa.int64()),
+            pa.field("payload", pa.string()),
+            *user_fields(schema),
+        ]
+    )
+
+
+def wal_prefix(vchannel: str) -> str:
+    return f"wal/{vchannel}/"
+
+
+def wal_key(vchannel: str, first_offset: int) -> str:
+    return f"wal/{vchannel}/{first_offset:020d}.parquet"
+
+
+def first_offset_of(key: str) -> int:
+    """First offset of a log file from its name; raises ValueError for other names."""
+    name = key.rsplit("/", 1)[-1]
+    if not name.endswith(".parquet") or len(name) != 28 or not name[:20].isdigit():
+        raise ValueError(f"not a log file name: {name}")
+    return int(name[:20])
