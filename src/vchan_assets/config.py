@@ -105,7 +105,9 @@ class Variable:
 VARIABLES: tuple[Variable, ...] = (
     Variable("VCHAN_HOME", ".vchan", _text, "directory of the embedded stack (etcd data, storage)"),
     Variable("VCHAN_ROOT", "vchan", _root, "root prefix of every etcd key"),
-    Variable("VCHAN_ETCD_ENDPOINTS", None, _endpoints, "host:port,... of an etcd cluster; unset: embedded etcd"),
+    Variable(
+        "VCHAN_ETCD_ENDPOINTS", None, _endpoints, "host:port,... of an etcd cluster; unset: embedded etcd"
+    ),
     Variable("VCHAN_ETCD_USER", None, _text, "etcd user (with VCHAN_ETCD_PASSWORD)"),
     Variable("VCHAN_ETCD_PASSWORD", None, _text, "etcd password"),
     Variable("VCHAN_ETCD_CA_CERT", None, _existing_file, "CA certificate: enables TLS to etcd"),
@@ -113,23 +115,56 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("VCHAN_ETCD_KEY", None, _existing_file, "client key for etcd TLS"),
     Variable("VCHAN_ETCD_TIMEOUT", "5", _positive_float, "seconds before an etcd call fails"),
     Variable("VCHAN_STORAGE_URI", None, _storage_uri, "object storage root; default $VCHAN_HOME/storage"),
-    Variable("VCHAN_S3_ENDPOINT", None, _text, "endpoint override for S3-compatible servers (http://host:port)"),
+    Variable(
+        "VCHAN_S3_ENDPOINT", None, _text, "endpoint override for S3-compatible servers (http://host:port)"
+    ),
     Variable("VCHAN_S3_REGION", "us-east-1", _text, "S3 region"),
     Variable("VCHAN_SPARK_MASTER", "local[*]", _text, "Spark master URL"),
-    Variable("VCHAN_SPARK_REMOTE", None, _spark_remote, "Spark Connect URL (sc://host:port); wins over the master"),
+    Variable(
+        "VCHAN_SPARK_REMOTE", None, _spark_remote, "Spark Connect URL (sc://host:port); wins over the master"
+    ),
     Variable("VCHAN_SESSION_TTL", "10", _positive_float, "seconds a node session lives without keep-alive"),
-    Variable("VCHAN_WATCH_TIMEOUT", "300", _positive_float, "seconds before a stuck ToWatch/ToRelease is reassigned"),
+    Variable(
+        "VCHAN_WATCH_TIMEOUT",
+        "300",
+        _positive_float,
+        "seconds before a stuck ToWatch/ToRelease is reassigned",
+    ),
     Variable("VCHAN_TICKLER_INTERVAL", "15", _positive_float, "seconds between watch progress updates"),
     Variable("VCHAN_SEGMENT_MAX_SIZE_MB", "1024", _positive_float, "segment size at which it is sealed"),
-    Variable("VCHAN_SEGMENT_SEAL_PROPORTION", "0.12", _proportion, "growing-segment share of max size that may be sealed early"),
-    Variable("VCHAN_SEGMENT_MAX_LIFE", "86400", _positive_float, "seconds after which a growing segment is sealed"),
-    Variable("VCHAN_SEGMENT_MAX_IDLE", "600", _positive_float, "seconds without inserts after which a segment is sealed"),
+    Variable(
+        "VCHAN_SEGMENT_SEAL_PROPORTION",
+        "0.12",
+        _proportion,
+        "growing-segment share of max size that may be sealed early",
+    ),
+    Variable(
+        "VCHAN_SEGMENT_MAX_LIFE", "86400", _positive_float, "seconds after which a growing segment is sealed"
+    ),
+    Variable(
+        "VCHAN_SEGMENT_MAX_IDLE",
+        "600",
+        _positive_float,
+        "seconds without inserts after which a segment is sealed",
+    ),
     Variable("VCHAN_SYNC_BUFFER_MB", "16", _positive_float, "buffered log data that triggers a sync"),
-    Variable("VCHAN_SYNC_MAX_AGE", "600", _positive_float, "age in seconds of the oldest unsynced row that triggers a sync"),
+    Variable(
+        "VCHAN_SYNC_MAX_AGE",
+        "600",
+        _positive_float,
+        "age in seconds of the oldest unsynced row that triggers a sync",
+    ),
     Variable("VCHAN_TIMETICK_LAG_WARN", "120", _positive_float, "seconds of time-tick lag before a warning"),
     Variable("VCHAN_GC_INTERVAL", "3600", _positive_float, "seconds between garbage collections"),
-    Variable("VCHAN_GC_MISSING_TOLERANCE", "86400", _positive_float, "seconds before an orphan file is removed"),
-    Variable("VCHAN_GC_DROP_TOLERANCE", "10800", _positive_float, "seconds before a dropped segment's files are removed"),
+    Variable(
+        "VCHAN_GC_MISSING_TOLERANCE", "86400", _positive_float, "seconds before an orphan file is removed"
+    ),
+    Variable(
+        "VCHAN_GC_DROP_TOLERANCE",
+        "10800",
+        _positive_float,
+        "seconds before a dropped segment's files are removed",
+    ),
     Variable("VCHAN_SPARK_PARTITIONS", "2", _positive_int, "Spark tasks per sync job"),
 )
 

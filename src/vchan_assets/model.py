@@ -115,7 +115,7 @@ class MsgPosition:
 # --- schema and collections ------------------------------------------------------------
 
 
-class DataType(str, enum.Enum):
+class DataType(enum.StrEnum):
     INT64 = "int64"
     FLOAT = "float"
     DOUBLE = "double"
@@ -223,7 +223,13 @@ class CollectionSchema:
 
     def row_bytes(self) -> int:
         """Estimated bytes per row, for segment capacity (strings count 64 bytes)."""
-        sizes = {DataType.INT64: 8, DataType.FLOAT: 4, DataType.DOUBLE: 8, DataType.BOOL: 1, DataType.STRING: 64}
+        sizes = {
+            DataType.INT64: 8,
+            DataType.FLOAT: 4,
+            DataType.DOUBLE: 8,
+            DataType.BOOL: 1,
+            DataType.STRING: 64,
+        }
         total = 16  # row id + timestamp
         for f in self.fields:
             total += f.dim * 4 if f.is_vector and f.dim else sizes[f.dtype]
@@ -290,7 +296,7 @@ class CollectionInfo:
 # --- segments and binlogs ---------------------------------------------------------------
 
 
-class SegmentState(str, enum.Enum):
+class SegmentState(enum.StrEnum):
     GROWING = "Growing"
     SEALED = "Sealed"
     FLUSHING = "Flushing"
@@ -298,7 +304,7 @@ class SegmentState(str, enum.Enum):
     DROPPED = "Dropped"
 
 
-class SegmentLevel(str, enum.Enum):
+class SegmentLevel(enum.StrEnum):
     L0 = "L0"  # deletes only
     L1 = "L1"
     L2 = "L2"
@@ -479,7 +485,7 @@ class ChannelLease:
         return cls(_get(d, "lease_id", int), _get(d, "node_id", int), _get(d, "granted_at", float))
 
 
-class WatchState(str, enum.Enum):
+class WatchState(enum.StrEnum):
     TO_WATCH = "ToWatch"
     WATCH_SUCCESS = "WatchSuccess"
     WATCH_FAILURE = "WatchFailure"

@@ -23,7 +23,9 @@ def _read_mark(store: MetaStore, key: str) -> tuple[int, int]:
     try:
         return int(kv.value), kv.version
     except ValueError:
-        raise MalformedValueError(key, f"expected an integer high-water mark, got {kv.value[:40]!r}") from None
+        raise MalformedValueError(
+            key, f"expected an integer high-water mark, got {kv.value[:40]!r}"
+        ) from None
 
 
 class IdAllocator:

@@ -137,7 +137,11 @@ class EmbeddedEtcd:
         self.directory.mkdir(parents=True, exist_ok=True)
         state = self._read_state()
         if state and _pid_alive(state["pid"]) and healthy(f"127.0.0.1:{state['client_port']}"):
-            self.client_port, self.peer_port, self.pid = state["client_port"], state["peer_port"], state["pid"]
+            self.client_port, self.peer_port, self.pid = (
+                state["client_port"],
+                state["peer_port"],
+                state["pid"],
+            )
             self.owned = False
             log.info("reusing embedded etcd pid=%s at %s", self.pid, self.endpoint)
             return self

@@ -33,9 +33,7 @@ class CasConflictError(MetaError):
     """Compare-version-and-swap lost: somebody changed the key since it was read."""
 
     def __init__(self, key: str, expected_version: int, found_version: int) -> None:
-        super().__init__(
-            f"conflict on {key}: expected version {expected_version}, found {found_version}"
-        )
+        super().__init__(f"conflict on {key}: expected version {expected_version}, found {found_version}")
         self.key = key
         self.expected_version = expected_version
         self.found_version = found_version

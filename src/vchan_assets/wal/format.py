@@ -26,7 +26,7 @@ import pyarrow as pa
 from vchan_assets.model import CollectionSchema, DataType, FieldSchema
 
 
-class MsgType(str, enum.Enum):
+class MsgType(enum.StrEnum):
     INSERT = "insert"
     DELETE = "delete"
     TIME_TICK = "timetick"
