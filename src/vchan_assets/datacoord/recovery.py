@@ -1,0 +1,86 @@
+"""Recovery info per vchannel (seed: DataNode recovery design) and orphan binlogs.
+
+A DataNode restarting a vchannel asks for the same thing as one starting it: where to
+seek (the channel checkpoint, or the collection's start position), and which segments
+are unflushed, flushed or dropped, with their meta.
+"""
+
+from __future__ import annotations
+
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import (
+    CollectionInfo,
+    MsgPosition,
+    RecoveryInfo,
+    SegmentInfo,
+    SegmentState,
+)
+from vchan_assets.storage import Storage
+from vchan_assets.storage.layout import BINLOG_ROOTS
+
+
+def channel_checkpoint(store: MetaStore, vchannel: str) -> Decoded[MsgPosition] | None:
+    return store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
+
+
+def channel_segments(store: MetaStore, collection_id: int, vchannel: str) -> list[Decoded[SegmentInfo]]:
+    """Every segment of the collection on this vchannel, with its etcd version."""
+    found, _ = store.list_models(store.keys.segments(collection_id), SegmentInfo)
+    return [d for d in found if d.model.vchannel == vchannel]
+
+
+def start_position(collection: CollectionInfo, vchannel: str) -> MsgPosition:
+    for position in collection.start_positions:
+        if position.channel == vchannel:
+            return position
+    return MsgPosition(vchannel, -1, 0)
+
+
+def recovery_info(store: MetaStore, collection: CollectionInfo, vchannel: str) -> RecoveryInfo:
+    if vchannel not in collection.vchannels:
+        raise KeyError(f"collection {collection.name!r} has no vchannel {vchannel!r}")
+    checkpoint = channel_checkpoint(store, vchannel)
+    seek = checkpoint.model if checkpoint else start_position(collection, vchannel)
+    segments = [d.model for d in channel_segments(store, collection.id, vchannel)]
+    by_state: dict[str, list[int]] = {"unflushed": [], "flushed": [], "dropped": []}
+    for seg in segments:
+        if seg.state is SegmentState.FLUSHED:
+            by_state["flushed"].append(seg.id)
+        elif seg.state is SegmentState.DROPPED:
+            by_state["dropped"].append(seg.id)
+        else:
+            by_state["unflushed"].append(seg.id)
+    return RecoveryInfo(
+        vchannel=vchannel,
+        collection_id=collection.id,
+        seek_position=seek,
+        unflushed_segment_ids=tuple(sorted(by_state["unflushed"])),
+        flushed_segment_ids=tuple(sorted(by_state["flushed"])),
+        dropped_segment_ids=tuple(sorted(by_state["dropped"])),
+        segments=tuple(segments),
+    )
+
+
+def referenced_paths(store: MetaStore) -> set[str]:
+    """Every binlog, delta log and stats log key that segment meta points to."""
+    segments, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    paths: set[str] = set()
+    for decoded in segments:
+        seg = decoded.model
+        paths.update(b.path for b in seg.binlog_files)
+        paths.update(b.path for b in seg.deltalogs)
+        paths.update(b.path for b in seg.statslogs)
+    return paths
+
+
+def list_orphans(store: MetaStore, storage: Storage) -> list[str]:
+    """Binlog files no segment meta points to (left by a crash before the meta commit,
+    or by a writer whose lease was revoked): candidates for garbage collection."""
+    referenced = referenced_paths(store)
+    orphans = []
+    for root in BINLOG_ROOTS:
+        for info in storage.list_files(root + "/"):
+            key = storage.key_of(info.path)
+            if key not in referenced:
+                orphans.append(key)
+    return orphans

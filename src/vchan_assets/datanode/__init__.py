@@ -1,0 +1,1 @@
+"""DataNode role: persisting vchannels into binlogs, segment meta and checkpoints."""

@@ -1,0 +1,255 @@
+"""The work of one sync task: log files in, binlog files out (pure pyarrow).
+
+Runs inside a Spark Python worker (or in-process for the local engine). It reads
+its share of the log range file by file, drops rows already persisted (at or below
+each segment's dml_position: replay after a crash), and writes:
+  - insert binlogs per segment and column group (storage v2: the scalar and system
+    fields together, each vector field in its own group, every group with row_id);
+  - a stats log per insert binlog: pk min/max and a bloom filter;
+  - delta logs (pk, timestamp) per partition, into that partition's L0 segment.
+Memory is bounded by `buffer_bytes`, not by the number of rows: a segment's buffer
+is written out as soon as the buffers together pass the budget.
+Returns one `WrittenFile` per file; nothing here touches etcd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vchan_assets.datanode.stats import PkStats
+from vchan_assets.model import CollectionSchema
+from vchan_assets.storage import Storage
+from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log_key
+from vchan_assets.wal.format import MsgType
+from vchan_assets.wal.reader import read_log_file
+
+INSERT, DELTA, STATS = "insert", "delta", "stats"
+SCALAR_GROUP = 0
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything one task needs; picklable, shipped to the Spark worker."""
+
+    task: int
+    storage: Storage
+    collection_id: int
+    vchannel: str
+    schema: dict[str, Any]  # CollectionSchema.to_dict()
+    file_keys: tuple[str, ...]
+    after_offset: int  # exclusive
+    up_to_offset: int  # inclusive
+    insert_floor: dict[int, int]  # segment -> offset already persisted (dml_position)
+    delete_floor: dict[int, int]  # partition -> offset of deletes already persisted
+    l0_segments: dict[int, int]  # partition -> L0 segment for this sync's deletes
+    id_base: int
+    id_count: int
+    buffer_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    kind: str  # insert | delta | stats
+    segment_id: int
+    partition_id: int
+    group: int  # column group of insert binlogs; -1 otherwise
+    log_id: int
+    key: str
+    entries: int
+    ts_from: int
+    ts_to: int
+    size_bytes: int
+    min_offset: int
+    min_offset_ts: int
+    max_offset: int
+    max_offset_ts: int
+
+
+RESULT_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),
+        ("segment_id", pa.int64()),
+        ("partition_id", pa.int64()),
+        ("group", pa.int64()),
+        ("log_id", pa.int64()),
+        ("key", pa.string()),
+        ("entries", pa.int64()),
+        ("ts_from", pa.int64()),
+        ("ts_to", pa.int64()),
+        ("size_bytes", pa.int64()),
+        ("min_offset", pa.int64()),
+        ("min_offset_ts", pa.int64()),
+        ("max_offset", pa.int64()),
+        ("max_offset_ts", pa.int64()),
+    ]
+)
+
+
+def column_groups(schema: CollectionSchema) -> list[tuple[int, list[str]]]:
+    """(group id, log columns) of each column group: group 0 holds row_id, timestamp,
+    pk and the scalars; each vector field is its own group (with row_id to align)."""
+    scalars = [f.name for f in [schema.primary, *(f for f in schema.scalar_fields if not f.is_primary)]]
+    groups = [(SCALAR_GROUP, ["offset", "timestamp", *scalars])]
+    groups += [(f.field_id, ["offset", f.name]) for f in schema.vector_fields]
+    return groups
+
+
+def group_field_ids(schema: CollectionSchema) -> dict[int, tuple[int, ...]]:
+    """Field IDs stored in each column group (0 = row id, 1 = timestamp, as in Milvus)."""
+    out: dict[int, tuple[int, ...]] = {
+        SCALAR_GROUP: (0, 1, *(f.field_id for f in schema.fields if not f.is_vector))
+    }
+    for f in schema.vector_fields:
+        out[f.field_id] = (0, f.field_id)
+    return out
+
+
+class _Ids:
+    def __init__(self, base: int, count: int) -> None:
+        self.next, self.end = base, base + count
+
+    def take(self) -> int:
+        if self.next >= self.end:
+            raise RuntimeError("sync task ran out of pre-allocated log ids")
+        self.next += 1
+        return self.next - 1
+
+
+@dataclass
+class _Buffer:
+    segment_id: int
+    partition_id: int
+    tables: list[pa.Table] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class TaskWriter:
+    def __init__(self, spec: TaskSpec) -> None:
+        self.spec = spec
+        self.schema = CollectionSchema.from_dict(spec.schema)
+        self.groups = column_groups(self.schema)
+        self.pk = self.schema.primary.name
+        self.ids = _Ids(spec.id_base, spec.id_count)
+        self.buffers: dict[int, _Buffer] = {}
+        self.deletes: dict[int, list[pa.Table]] = {}
+        self.written: list[WrittenFile] = []
+
+    def run(self) -> list[WrittenFile]:
+        for key in self.spec.file_keys:
+            self._consume(read_log_file(self.spec.storage, key, self.schema))
+        for seg in list(self.buffers):
+            self._flush_segment(seg)
+        for partition, tables in self.deletes.items():
+            self._write_deltas(partition, pa.concat_tables(tables))
+        return self.written
+
+    def _consume(self, table: pa.Table) -> None:
+        offsets = table["offset"]
+        in_range = pc.and_(pc.greater(offsets, self.spec.after_offset), pc.less_equal(offsets, self.spec.up_to_offset))
+        table = table.filter(in_range)
+        kinds = table["msg_type"]
+        inserts = table.filter(pc.equal(kinds, MsgType.INSERT.value))
+        if inserts.num_rows:
+            self._buffer_inserts(inserts)
+        deletes = table.filter(pc.equal(kinds, MsgType.DELETE.value))
+        if deletes.num_rows:
+            self._buffer_deletes(deletes)
+
+    def _buffer_inserts(self, inserts: pa.Table) -> None:
+        segment_ids = inserts["segment_id"]
+        for seg in pc.unique(segment_ids).to_pylist():
+            rows = inserts.filter(pc.equal(segment_ids, seg))
+            floor = self.spec.insert_floor.get(seg)
+            if floor is not None:
+                rows = rows.filter(pc.greater(rows["offset"], floor))
+            if not rows.num_rows:
+                continue
+            buf = self.buffers.get(seg)
+            if buf is None:
+                buf = self.buffers[seg] = _Buffer(seg, rows["partition_id"][0].as_py())
+            buf.tables.append(rows)
+            buf.nbytes += rows.nbytes
+        while sum(b.nbytes for b in self.buffers.values()) > self.spec.buffer_bytes:
+            self._flush_segment(max(self.buffers.values(), key=lambda b: b.nbytes).segment_id)
+
+    def _buffer_deletes(self, deletes: pa.Table) -> None:
+        partitions = deletes["partition_id"]
+        for partition in pc.unique(partitions).to_pylist():
+            rows = deletes.filter(pc.equal(partitions, partition))
+            floor = self.spec.delete_floor.get(partition)
+            if floor is not None:
+                rows = rows.filter(pc.greater(rows["offset"], floor))
+            if rows.num_rows:
+                self.deletes.setdefault(partition, []).append(rows.select(["offset", "timestamp", self.pk]))
+
+    def _flush_segment(self, seg: int) -> None:
+        buf = self.buffers.pop(seg)
+        rows = pa.concat_tables(buf.tables)
+        coll, part = self.spec.collection_id, buf.partition_id
+        span = _span(rows)
+        for group, columns in self.groups:
+            log_id = self.ids.take()
+            part_table = rows.select(columns).rename_columns(["row_id", *columns[1:]])
+            key = insert_log_key(coll, part, seg, group, log_id)
+            size = self._write_parquet(key, part_table, vector=group != SCALAR_GROUP)
+            self.written.append(WrittenFile(INSERT, seg, part, group, log_id, key, rows.num_rows, *span[:2], size, *span[2:]))
+        pks = rows[self.pk].to_numpy()
+        log_id = self.ids.take()
+        key = stats_log_key(coll, part, seg, log_id)
+        payload = PkStats.build(pks).to_bytes()
+        self.spec.storage.write_atomic(key, payload)
+        self.written.append(WrittenFile(STATS, seg, part, -1, log_id, key, rows.num_rows, *span[:2], len(payload), *span[2:]))
+
+    def _write_deltas(self, partition: int, rows: pa.Table) -> None:
+        seg = self.spec.l0_segments[partition]
+        log_id = self.ids.take()
+        key = delta_log_key(self.spec.collection_id, partition, seg, log_id)
+        table = pa.table({"pk": rows[self.pk], "timestamp": rows["timestamp"], "offset": rows["offset"]})
+        size = self._write_parquet(key, table, vector=False)
+        span = _span(rows)
+        self.written.append(WrittenFile(DELTA, seg, partition, -1, log_id, key, rows.num_rows, *span[:2], size, *span[2:]))
+
+    def _write_parquet(self, key: str, table: pa.Table, vector: bool) -> int:
+        sink = pa.BufferOutputStream()
+        # Random vectors do not compress and dictionary encoding only costs time on them.
+        pq.write_table(
+            table,
+            sink,
+            compression="none" if vector else "snappy",
+            use_dictionary=False if vector else True,
+            write_statistics=not vector,
+        )
+        data = sink.getvalue()
+        self.spec.storage.write_atomic(key, data)
+        return int(data.size)
+
+
+def _span(rows: pa.Table) -> tuple[int, int, int, int, int, int]:
+    """(ts_from, ts_to, min_offset, min_offset_ts, max_offset, max_offset_ts); rows are in log order."""
+    ts = rows["timestamp"].to_numpy()
+    offsets = rows["offset"].to_numpy()
+    return int(ts.min()), int(ts.max()), int(offsets[0]), int(ts[0]), int(offsets[-1]), int(ts[-1])
+
+
+def run_task(spec: TaskSpec) -> list[WrittenFile]:
+    return TaskWriter(spec).run()
+
+
+def run_tasks_arrow(specs: list[TaskSpec], batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: the input holds task indices; yields one batch of WrittenFile rows."""
+    for batch in batches:
+        for task in batch.column(0).to_pylist():
+            written = run_task(specs[int(task)])
+            rows = [asdict(w) for w in written]
+            yield pa.RecordBatch.from_pylist(rows, schema=RESULT_SCHEMA)
+
+
+def from_record(row: dict[str, Any]) -> WrittenFile:
+    return WrittenFile(**{k: row[k] for k in WrittenFile.__dataclass_fields__})
+

@@ -1,0 +1,37 @@
+"""Named failpoints, the way etcd's gofail works: a test sets VCHAN_FAILPOINT to
+`name` (or `name=kill`) and the process SIGKILLs itself exactly at that step, or to
+`name=stop` and the process SIGSTOPs itself there (after touching
+`$VCHAN_FAILPOINT_MARKER` if set) until the test sends SIGCONT.
+
+Names used by the sync task, in commit order:
+  after_binlogs        binlog files written, no meta yet
+  after_segment_meta   the first segment-meta transaction committed, maybe not all
+  before_checkpoint    all segment meta committed, channel checkpoint not yet
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+ENV = "VCHAN_FAILPOINT"
+MARKER_ENV = "VCHAN_FAILPOINT_MARKER"
+
+
+def failpoint(name: str) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    point, _, action = spec.partition("=")
+    if point != name:
+        return
+    marker = os.environ.get(MARKER_ENV)
+    if marker:
+        Path(marker).write_text(name)
+    if action in ("", "kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise ValueError(f"{ENV}={spec!r}: action must be kill or stop")

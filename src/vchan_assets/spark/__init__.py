@@ -1,0 +1,1 @@
+"""Spark: the session factory and the sync job's transformations."""

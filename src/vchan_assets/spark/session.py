@@ -1,0 +1,103 @@
+"""SparkSession factory: local[*] by default, a cluster master, or Spark Connect.
+
+One session per process (getOrCreate). Settings chosen for a sync job whose input
+is a handful of task descriptions and whose work happens in Python workers:
+few shuffle partitions, Python worker reuse, no UI, no console progress bars.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+from pyspark.sql import SparkSession
+
+from vchan_assets.config import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SparkJobTimeoutError(TimeoutError):
+    """A Spark job did not finish in time and was cancelled."""
+
+    def __init__(self, description: str, timeout: float) -> None:
+        super().__init__(f"Spark job {description!r} did not finish within {timeout:.0f}s and was cancelled")
+        self.description = description
+        self.timeout = timeout
+
+
+def spark_conf(settings: Settings) -> dict[str, str]:
+    return {
+        "spark.app.name": "vchan_assets",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": str(settings.spark_partitions),
+        "spark.default.parallelism": str(settings.spark_partitions),
+        "spark.python.worker.reuse": "true",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.driver.memory": os.environ.get("VCHAN_SPARK_DRIVER_MEMORY", "2g"),
+        # The sync's tasks are long Python functions: don't speculate or retry them blindly.
+        "spark.task.maxFailures": "1",
+    }
+
+
+def get_spark(settings: Settings) -> SparkSession:
+    """The process's SparkSession (created on first use)."""
+    # Python workers must run this interpreter (the venv that has vchan_assets), not `python3`.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder
+    if settings.spark_remote:
+        builder = builder.remote(settings.spark_remote)
+    else:
+        builder = builder.master(settings.spark_master)
+        for key, value in spark_conf(settings).items():
+            builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    if not settings.spark_remote:
+        spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def run_job(spark: SparkSession, description: str, job: Callable[[], T], timeout: float) -> T:
+    """Run a Spark action with a deadline: on timeout the job is cancelled and
+    SparkJobTimeoutError raised (a hung Python worker must not hang the sync)."""
+    group = f"vchan-{uuid.uuid4().hex[:8]}"
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            if settings_is_connect(spark):
+                spark.addTag(group)
+            else:
+                spark.sparkContext.setJobGroup(group, description, interruptOnCancel=True)
+            outcome["value"] = job()
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"spark-job-{group}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.error("Spark job %r exceeded %.0fs; cancelling", description, timeout)
+        if settings_is_connect(spark):
+            spark.interruptTag(group)
+        else:
+            spark.sparkContext.cancelJobGroup(group)
+        thread.join(30)
+        raise SparkJobTimeoutError(description, timeout)
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
+
+
+def settings_is_connect(spark: SparkSession) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
