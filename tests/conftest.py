@@ -52,3 +52,79 @@ def store(settings: Settings) -> Iterator[MetaStore]:
     meta = MetaStore.connect(settings)
     yield meta
     meta.close()
+
+
+@pytest.fixture
+def private_settings(settings: Settings, private_etcd: EmbeddedEtcd) -> Settings:
+    """Settings of one test pointing at its private etcd server."""
+    return replace(settings, etcd_endpoints=(private_etcd.endpoint,))
+
+
+@pytest.fixture
+def private_store(private_settings: Settings) -> Iterator[MetaStore]:
+    meta = MetaStore.connect(private_settings)
+    yield meta
+    meta.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real S3-compatible server (moto's, as its own process on loopback) with one bucket.
+
+    Yields {"endpoint": "http://127.0.0.1:PORT", "bucket": NAME}. Test credentials are set
+    in os.environ for the session, where pyarrow's S3 filesystem reads them."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    import boto3
+
+    from vchan_assets.meta.embedded import free_port
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata probing by the AWS SDK
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    binary = Path(sys.executable).parent / "moto_server"
+    command = [str(binary)] if binary.exists() else [sys.executable, "-m", "moto.server"]
+    logfile = tmp_path_factory.mktemp("s3") / "moto.log"
+    with open(logfile, "wb") as out:
+        process = subprocess.Popen(
+            [*command, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start; see {logfile}") from None
+                time.sleep(0.1)
+        bucket = "vchan-test"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield {"endpoint": endpoint, "bucket": bucket}
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

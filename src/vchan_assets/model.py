@@ -253,6 +253,7 @@ class CollectionInfo:
     start_positions: tuple[MsgPosition, ...] = ()
     created_at: float = 0.0
     partition_names: tuple[str, ...] = ()
+    dropped_at: float = 0.0  # 0: live; else when it was dropped (its log stays readable)
 
     def partition_id(self, name: str) -> int:
         try:
@@ -270,6 +271,7 @@ class CollectionInfo:
             "vchannels": list(self.vchannels),
             "start_positions": [p.to_dict() for p in self.start_positions],
             "created_at": self.created_at,
+            "dropped_at": self.dropped_at,
         }
 
     @classmethod
@@ -290,6 +292,7 @@ class CollectionInfo:
             start_positions=_nested_list(d, "start_positions", MsgPosition),
             created_at=_get(d, "created_at", float, 0.0),
             partition_names=names,
+            dropped_at=_get(d, "dropped_at", float, 0.0),
         )
 
 
@@ -381,7 +384,7 @@ class SegmentInfo:
     last_flush_ts: int = 0
     created_at: float = 0.0
     last_insert_at: float = 0.0
-    seal_ts: int = 0  # flush timestamp that sealed it (0: sealed by policy or not sealed)
+    seal_ts: int = 0  # TSO timestamp of the seal (policy or flush); 0: not sealed
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)

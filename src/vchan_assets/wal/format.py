@@ -48,13 +48,22 @@ META_LAST_TS = b"vchan.last_timestamp"
 
 
 class LogError(RuntimeError):
-    """Base class of errors reading or writing the log."""
+    """Base class of errors reading or writing the log.
+
+    Picklable with their constructor arguments: a Spark task raises them and the
+    driver re-raises the same typed error."""
+
+    _args: tuple[object, ...] = ()
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), self._args)
 
 
 class CorruptLogError(LogError):
     """A log file cannot be read, or its offsets are not what its name promises."""
 
     def __init__(self, path: str, reason: str) -> None:
+        self._args = (path, reason)
         super().__init__(f"corrupt log file {path}: {reason}")
         self.path = path
         self.reason = reason
@@ -64,6 +73,7 @@ class SchemaMismatchError(LogError):
     """A log file's columns do not match the collection's schema."""
 
     def __init__(self, path: str, expected: pa.Schema, found: pa.Schema) -> None:
+        self._args = (path, expected, found)
         missing = set(expected.names) - set(found.names)
         extra = set(found.names) - set(expected.names)
         changed = [
@@ -86,6 +96,7 @@ class SchemaMismatchError(LogError):
 
 class UnknownMessageTypeError(LogError):
     def __init__(self, path: str, offset: int, msg_type: str) -> None:
+        self._args = (path, offset, msg_type)
         super().__init__(
             f"log file {path}: message at offset {offset} has unknown type {msg_type!r}; "
             f"known: {sorted(MSG_TYPES)}"

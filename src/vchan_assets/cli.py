@@ -1,0 +1,324 @@
+"""The `vchan` command.
+
+Every subcommand is a `Command`: its name, a function adding its arguments, and a
+function `(args, settings) -> exit code`. Add one with the `@command(...)` decorator
+(or append to `COMMANDS`); `main` builds the parser from the list.
+
+Configuration comes from the environment (`Settings.from_env`, see config.py): a bad
+value prints the message and exits 2. Without VCHAN_ETCD_ENDPOINTS the embedded etcd
+under $VCHAN_HOME is used (started if it is not running). Errors of the system (etcd,
+log, storage, bad input) print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from vchan_assets.config import ConfigError, Settings
+from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionCatalog, CollectionExistsError
+from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
+from vchan_assets.meta.errors import MetaError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionSchema
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.wal.format import LogError
+from vchan_assets.wal.producer import ChannelAppend, Producer, generate_rows
+
+log = logging.getLogger("vchan")
+
+Run = Callable[[argparse.Namespace, Settings], int]
+Configure = Callable[[argparse.ArgumentParser], None]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Configure
+    run: Run
+
+
+COMMANDS: list[Command] = []
+
+
+def command(name: str, help: str, configure: Configure | None = None) -> Callable[[Run], Run]:
+    """Register a subcommand: `@command("status", "show ...", _status_args)`."""
+
+    def register(run: Run) -> Run:
+        COMMANDS.append(Command(name, help, configure or (lambda parser: None), run))
+        return run
+
+    return register
+
+
+# --- shared plumbing --------------------------------------------------------------------
+
+
+def connect(settings: Settings) -> MetaStore:
+    """The metastore: VCHAN_ETCD_ENDPOINTS, or the embedded etcd (reused if running)."""
+    if settings.embedded_etcd:
+        etcd = EmbeddedEtcd(settings.etcd_dir).start()
+        return MetaStore.connect(settings, endpoints=[etcd.endpoint])
+    return MetaStore.connect(settings)
+
+
+@contextlib.contextmanager
+def open_producer(settings: Settings) -> Iterator[Producer]:
+    store = connect(settings)
+    try:
+        yield Producer(store, Storage.from_settings(settings), settings)
+    finally:
+        store.close()
+
+
+def _names(raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+def _scalars(raw: str) -> dict[str, str]:
+    out = {}
+    for item in _names(raw):
+        name, sep, dtype = item.partition(":")
+        if not sep:
+            raise ValueError(
+                f"--scalars item {item!r}: expected name:type (int64, float, double, string, bool)"
+            )
+        out[name.strip()] = dtype.strip()
+    return out
+
+
+# --- create-collection ------------------------------------------------------------------
+
+
+def _create_collection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", "--name", dest="collection", required=True, help="collection name")
+    parser.add_argument("--dim", type=int, default=128, help="dimension of the vector field (default 128)")
+    parser.add_argument("--vector", default="vector", help="name of the vector field (default: vector)")
+    parser.add_argument("--pk", default="id", help="name of the int64 primary key (default: id)")
+    parser.add_argument(
+        "--scalars",
+        default="age:int64,label:string",
+        help="scalar fields as name:type,... (types: int64 float double string bool)",
+    )
+    parser.add_argument("--shards", type=int, default=2, help="number of vchannels (default 2)")
+    parser.add_argument("--partitions", default="", help="extra partitions besides _default: a,b,...")
+    parser.add_argument("--if-not-exists", action="store_true", help="succeed if the collection exists")
+
+
+@command("create-collection", "create a collection and its vchannels", _create_collection_args)
+def create_collection(args: argparse.Namespace, settings: Settings) -> int:
+    schema = CollectionSchema.build(args.pk, {args.vector: args.dim}, _scalars(args.scalars))
+    with open_producer(settings) as producer:
+        try:
+            info = producer.create_collection(
+                args.collection, schema, _names(args.partitions), num_channels=args.shards
+            )
+        except CollectionExistsError:
+            if not args.if_not_exists:
+                raise
+            info = producer.collection(args.collection)
+            print(f"collection {info.name} exists (id {info.id})")
+            return 0
+    print(f"created collection {info.name} (id {info.id})")
+    print(f"  fields: {', '.join(f'{f.name}:{f.dtype.value}' for f in info.schema.fields)}")
+    print(f"  partitions: {', '.join(info.partition_names)}")
+    print(f"  vchannels: {', '.join(info.vchannels)}")
+    return 0
+
+
+# --- produce ----------------------------------------------------------------------------
+
+
+def _positive(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{raw} is not a positive integer")
+    return value
+
+
+def _produce_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection to insert into")
+    parser.add_argument("--rows", type=_positive, required=True, help="rows to insert")
+    parser.add_argument(
+        "--batch", type=_positive, default=10_000, help="rows per insert call (default 10000)"
+    )
+    parser.add_argument(
+        "--deletes", type=int, default=0, help="delete this many of the inserted pks at the end"
+    )
+    parser.add_argument("--partition", default=DEFAULT_PARTITION, help="partition to insert into")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the generated data")
+    parser.add_argument(
+        "--start-pk",
+        type=int,
+        default=None,
+        help="first primary key (default: fresh IDs, unique across runs)",
+    )
+    parser.add_argument("--flush", action="store_true", help="seal the collection's segments at the end")
+
+
+@command("produce", "insert generated rows (and deletes) into a collection's log", _produce_args)
+def produce(args: argparse.Namespace, settings: Settings) -> int:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    if args.deletes < 0 or args.deletes > args.rows:
+        raise ValueError(f"--deletes must be between 0 and --rows ({args.rows})")
+    with open_producer(settings) as producer:
+        info = producer.collection(args.collection)
+        start_pk = producer.ids.alloc(args.rows) if args.start_pk is None else args.start_pk
+        appended: dict[str, ChannelAppend] = {}
+        segments: set[int] = set()
+        started = time.monotonic()
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        with progress:
+            task = progress.add_task(f"insert {info.name}", total=args.rows, rate="")
+            done = 0
+            while done < args.rows:
+                n = min(args.batch, args.rows - done)
+                rows = generate_rows(info.schema, n, start_pk + done, seed=args.seed + done)
+                for vchannel, result in producer.insert(info.name, rows, args.partition).items():
+                    appended[vchannel] = result
+                    segments.update(s for s, _ in result.segments)
+                done += n
+                rate = done / max(time.monotonic() - started, 1e-9)
+                progress.update(task, completed=done, rate=f"{rate:,.0f} rows/s")
+            insert_seconds = time.monotonic() - started
+            if args.deletes:
+                rng = np.random.default_rng(args.seed)
+                pks = start_pk + rng.choice(args.rows, size=args.deletes, replace=False)
+                task = progress.add_task("delete", total=args.deletes, rate="")
+                for i in range(0, args.deletes, args.batch):
+                    chunk = pks[i : i + args.batch]
+                    appended.update(producer.delete(info.name, chunk))
+                    progress.update(task, advance=len(chunk))
+        flush_ts = producer.flush(info.name) if args.flush else None
+    print(
+        f"inserted {args.rows} rows (pk {start_pk}..{start_pk + args.rows - 1}) into {info.name} "
+        f"in {insert_seconds:.2f}s ({args.rows / max(insert_seconds, 1e-9):,.0f} rows/s), "
+        f"{len(segments)} segments; deleted {args.deletes}"
+    )
+    for vchannel in info.vchannels:
+        if vchannel in appended:
+            print(
+                f"  {vchannel}: head offset {appended[vchannel].last_offset} ts {appended[vchannel].timestamp}"
+            )
+    if flush_ts is not None:
+        print(f"flush_ts {flush_ts}")
+    return 0
+
+
+# --- sync -------------------------------------------------------------------------------
+
+EXIT_LEASE_LOST = 3
+
+
+def _sync_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    parser.add_argument("--channel", help="one vchannel (default: every vchannel of the collection)")
+    lease = parser.add_mutually_exclusive_group(required=True)
+    lease.add_argument("--lease-id", type=int, help="sync under this channel lease (it must be current)")
+    lease.add_argument(
+        "--take-lease",
+        action="store_true",
+        help="grant a new lease to this command first (fences off the channel's current writer)",
+    )
+    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where tasks run")
+
+
+@command("sync", "persist a collection's vchannels from their checkpoints into binlogs", _sync_args)
+def sync(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.datacoord.leases import grant_channel_lease
+    from vchan_assets.datanode.sync import sync_channel
+    from vchan_assets.meta.allocator import IdAllocator
+    from vchan_assets.meta.errors import LeaseLostError
+
+    store = connect(settings)
+    try:
+        storage = Storage.from_settings(settings)
+        info = CollectionCatalog(store).get_by_name(args.collection)
+        channels = [args.channel] if args.channel else list(info.vchannels)
+        for vchannel in channels:
+            lease_id = args.lease_id
+            if args.take_lease:
+                lease_id = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=0).lease_id
+            try:
+                result = sync_channel(store, storage, settings, info, vchannel, lease_id, engine=args.engine)
+            except LeaseLostError as exc:
+                print(f"vchan sync: stopped {vchannel}: {exc}", file=sys.stderr)
+                return EXIT_LEASE_LOST
+            if result.skipped:
+                print(f"{vchannel}: nothing to sync ({result.skipped})")
+            else:
+                print(
+                    f"{vchannel}: ({result.start.offset}, {result.end.offset}] {result.rows} rows, "
+                    f"{result.deletes} deletes, {result.files} files, {result.bytes / 1e6:.1f} MB, "
+                    f"{len(result.flushed_segments)} segments flushed in {result.seconds:.2f}s"
+                )
+    finally:
+        store.close()
+    return 0
+
+
+# --- entry point ------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vchan", description="Milvus-style vchannels to binlogs on etcd, Spark and Dagster."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", required=True)
+    for cmd in COMMANDS:
+        child = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.configure(child)
+        child.set_defaults(command=cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = Settings.from_env()
+    except ConfigError as exc:
+        print(f"vchan: configuration error: {exc}", file=sys.stderr)
+        return 2
+    cmd: Command = args.command
+    try:
+        return cmd.run(args, settings)
+    except (MetaError, LogError, StorageError, EmbeddedEtcdError, ValueError) as exc:
+        print(f"vchan {cmd.name}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"vchan {cmd.name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

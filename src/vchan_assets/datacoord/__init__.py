@@ -1,0 +1,1 @@
+"""DataCoord role: collections, segment allocation, flush, recovery info, orphans."""

@@ -1,0 +1,315 @@
+"""Collections and partitions in etcd (the part of Milvus' RootCoord meta this system needs).
+
+A collection is stored as `CollectionInfo` at `meta/collection/{id}`; its name is
+reserved by `meta/collection-name/{name}` (value: the collection id), created in the
+same transaction, so two concurrent creates of one name cannot both win. Every change
+is a compare-version-and-swap on the version read, retried after a conflict.
+
+Dropping a collection keeps its `CollectionInfo` (marked `dropped_at`): DataNodes still
+need the schema to read what is left of its log; the name is freed at once. The
+matching DDL messages in the log are the producer's job (`wal.producer`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.codec import decode_dict, encode
+from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
+
+DEFAULT_PARTITION = "_default"
+MAX_NAME_LENGTH = 255
+MAX_CHANNELS = 64
+MAX_PARTITIONS = 4096  # as Milvus' rootCoord.maxPartitionNum
+CAS_RETRIES = 50
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class CollectionError(MetaError):
+    """Base class of collection and partition errors."""
+
+
+class InvalidNameError(CollectionError, ValueError):
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__(
+            f"invalid {kind} name {name!r}: use letters, digits and underscores, not starting "
+            f"with a digit, at most {MAX_NAME_LENGTH} characters"
+        )
+        self.kind = kind
+        self.name = name
+
+
+class InvalidSchemaError(CollectionError, ValueError):
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"collection {name!r}: invalid schema: {reason}")
+
+
+class CollectionExistsError(CollectionError):
+    def __init__(self, name: str, collection_id: int | None) -> None:
+        super().__init__(f"collection {name!r} already exists (id {collection_id})")
+        self.name = name
+        self.collection_id = collection_id
+
+
+class CollectionNotFoundError(CollectionError, LookupError):
+    def __init__(self, ref: str | int) -> None:
+        kind = "id" if isinstance(ref, int) else "name"
+        super().__init__(f"no collection with {kind} {ref!r}")
+        self.ref = ref
+
+
+class PartitionExistsError(CollectionError):
+    def __init__(self, collection: str, partition: str) -> None:
+        super().__init__(f"collection {collection!r} already has a partition {partition!r}")
+
+
+class PartitionNotFoundError(CollectionError, LookupError):
+    def __init__(self, collection: str, partition: str) -> None:
+        super().__init__(f"collection {collection!r} has no partition {partition!r}")
+
+
+def validate_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or len(name) > MAX_NAME_LENGTH or not _NAME.fullmatch(name):
+        raise InvalidNameError(kind, str(name))
+    return name
+
+
+def vchannel_names(root: str, collection_id: int, count: int) -> tuple[str, ...]:
+    """Milvus-style names `{root}-dml_{i}_{collection_id}v{i}`, safe as a path component
+    and an etcd key segment (characters other than letters, digits, `_.-` become `-`)."""
+    prefix = _UNSAFE.sub("-", root)
+    return tuple(f"{prefix}-dml_{i}_{collection_id}v{i}" for i in range(count))
+
+
+def validate_schema(name: str, schema: CollectionSchema) -> None:
+    """What a collection accepts: an int64 primary key, one or more float vectors of a
+    fixed dimension, scalars (int64, float, double, string, bool)."""
+    if not schema.vector_fields:
+        raise InvalidSchemaError(name, "at least one float vector field is needed")
+    for field in schema.fields:
+        if field.is_vector and (field.dim is None or not 0 < field.dim <= 32768):
+            raise InvalidSchemaError(name, f"vector {field.name!r} needs a dim in [1, 32768]")
+        if field.name in ("offset", "msg_type", "timestamp", "segment_id", "partition_id", "payload"):
+            raise InvalidSchemaError(name, f"field name {field.name!r} is reserved by the log")
+
+
+class CollectionCatalog:
+    """Create, find, list and drop collections and partitions in etcd."""
+
+    def __init__(
+        self, store: MetaStore, ids: IdAllocator | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.store = store
+        self.ids = ids or IdAllocator(store)
+        self.clock = clock
+
+    # --- keys --------------------------------------------------------------------------
+
+    def _name_key(self, name: str) -> str:
+        return f"{self.store.keys.root}/meta/collection-name/{name}"
+
+    # --- reads -------------------------------------------------------------------------
+
+    def get(self, collection_id: int, include_dropped: bool = False) -> CollectionInfo:
+        found = self.store.get_model(self.store.keys.collection(collection_id), CollectionInfo)
+        if found is None or (found.model.dropped_at and not include_dropped):
+            raise CollectionNotFoundError(collection_id)
+        return found.model
+
+    def find(self, name: str) -> CollectionInfo | None:
+        """The live collection called `name`, or None."""
+        validate_name("collection", name)
+        kv = self.store.get(self._name_key(name))
+        if kv is None:
+            return None
+        try:
+            return self.get(_collection_id(kv.key, kv.value))
+        except CollectionNotFoundError:
+            return None
+
+    def get_by_name(self, name: str) -> CollectionInfo:
+        found = self.find(name)
+        if found is None:
+            raise CollectionNotFoundError(name)
+        return found
+
+    def list(self, include_dropped: bool = False) -> list[CollectionInfo]:
+        """Every collection, by id; malformed values are logged and skipped."""
+        found, _ = self.store.list_models(self.store.keys.collections(), CollectionInfo, skip_malformed=True)
+        return [d.model for d in found if include_dropped or not d.model.dropped_at]
+
+    # --- collections -------------------------------------------------------------------
+
+    def create(
+        self,
+        name: str,
+        schema: CollectionSchema,
+        partitions: Sequence[str] = (DEFAULT_PARTITION,),
+        num_channels: int = 2,
+    ) -> CollectionInfo:
+        """Create a collection with `num_channels` vchannels; `_default` is always a
+        partition. Raises CollectionExistsError if the name is taken."""
+        validate_name("collection", name)
+        validate_schema(name, schema)
+        if not 1 <= num_channels <= MAX_CHANNELS:
+            raise ValueError(f"num_channels must be in [1, {MAX_CHANNELS}], got {num_channels}")
+        names = [DEFAULT_PARTITION] + [p for p in dict.fromkeys(partitions) if p != DEFAULT_PARTITION]
+        for partition in names:
+            validate_name("partition", partition)
+        if len(names) > MAX_PARTITIONS:
+            raise ValueError(f"at most {MAX_PARTITIONS} partitions")
+        if self.find(name) is not None:
+            raise CollectionExistsError(name, self.get_by_name(name).id)
+        collection_id = self.ids.alloc()
+        first_partition = self.ids.alloc(len(names))
+        info = CollectionInfo(
+            id=collection_id,
+            name=name,
+            schema=schema,
+            partitions=tuple(first_partition + i for i in range(len(names))),
+            partition_names=tuple(names),
+            vchannels=vchannel_names(self.store.keys.root, collection_id, num_channels),
+            created_at=self.clock(),
+        )
+        name_key, key = self._name_key(name), self.store.keys.collection(collection_id)
+        ok, _ = self._txn(
+            compare={name_key: 0, key: 0},
+            puts={name_key: encode({"collection_id": collection_id}), key: encode(info)},
+            operation=f"create collection {name}",
+        )
+        if not ok:
+            existing = self.find(name)
+            raise CollectionExistsError(name, existing.id if existing else None)
+        return info
+
+    def drop(self, name: str) -> CollectionInfo:
+        """Mark the collection dropped and free its name; returns the dropped info."""
+        validate_name("collection", name)
+        name_key = self._name_key(name)
+        for _ in range(CAS_RETRIES):
+            name_kv = self.store.get(name_key)
+            if name_kv is None:
+                raise CollectionNotFoundError(name)
+            key = self.store.keys.collection(_collection_id(name_kv.key, name_kv.value))
+            found = self.store.get_model(key, CollectionInfo)
+            if found is None or found.model.dropped_at:
+                raise CollectionNotFoundError(name)
+            dropped = replace(found.model, dropped_at=self.clock())
+            ok, _ = self._txn(
+                compare={key: found.kv.version, name_key: name_kv.version},
+                puts={key: encode(dropped)},
+                deletes=[name_key],
+                operation=f"drop collection {name}",
+            )
+            if ok:
+                return dropped
+        raise CasConflictError(name_key, -1, -1)
+
+    def set_start_positions(self, collection_id: int, positions: Sequence[MsgPosition]) -> CollectionInfo:
+        """Record where each vchannel starts (the create_collection message)."""
+        by_channel = {p.channel: p for p in positions}
+
+        def change(info: CollectionInfo) -> CollectionInfo:
+            unknown = set(by_channel) - set(info.vchannels)
+            if unknown:
+                raise ValueError(f"collection {info.name!r} has no vchannels {sorted(unknown)}")
+            merged = {p.channel: p for p in info.start_positions} | by_channel
+            ordered = tuple(merged[c] for c in info.vchannels if c in merged)
+            return replace(info, start_positions=ordered)
+
+        return self.update(collection_id, change)
+
+    # --- partitions --------------------------------------------------------------------
+
+    def create_partition(self, name: str, partition: str) -> tuple[CollectionInfo, int]:
+        """Add a partition; returns the new info and the partition's id."""
+        validate_name("partition", partition)
+        collection = self.get_by_name(name)
+        partition_id = self.ids.alloc()
+
+        def change(info: CollectionInfo) -> CollectionInfo:
+            if partition in info.partition_names:
+                raise PartitionExistsError(name, partition)
+            if len(info.partitions) >= MAX_PARTITIONS:
+                raise ValueError(f"collection {name!r} already has {MAX_PARTITIONS} partitions")
+            return replace(
+                info,
+                partitions=(*info.partitions, partition_id),
+                partition_names=(*info.partition_names, partition),
+            )
+
+        return self.update(collection.id, change), partition_id
+
+    def drop_partition(self, name: str, partition: str) -> tuple[CollectionInfo, int]:
+        """Remove a partition (not `_default`); returns the new info and the dropped id."""
+        if partition == DEFAULT_PARTITION:
+            raise ValueError("the _default partition cannot be dropped")
+        collection = self.get_by_name(name)
+        dropped: list[int] = []
+
+        def change(info: CollectionInfo) -> CollectionInfo:
+            if partition not in info.partition_names:
+                raise PartitionNotFoundError(name, partition)
+            i = info.partition_names.index(partition)
+            dropped[:] = [info.partitions[i]]
+            return replace(
+                info,
+                partitions=info.partitions[:i] + info.partitions[i + 1 :],
+                partition_names=info.partition_names[:i] + info.partition_names[i + 1 :],
+            )
+
+        return self.update(collection.id, change), dropped[0]
+
+    # --- writes ------------------------------------------------------------------------
+
+    def update(
+        self, collection_id: int, change: Callable[[CollectionInfo], CollectionInfo]
+    ) -> CollectionInfo:
+        """Read-modify-write of a live collection with compare-and-swap, retried on conflict."""
+        key = self.store.keys.collection(collection_id)
+        for _ in range(CAS_RETRIES):
+            found = self.store.get_model(key, CollectionInfo)
+            if found is None or found.model.dropped_at:
+                raise CollectionNotFoundError(collection_id)
+            new = change(found.model)
+            try:
+                self.store.cas(key, found.kv.version, new)
+            except CasConflictError:
+                continue
+            return new
+        raise CasConflictError(key, -1, -1)
+
+    def _txn(
+        self,
+        compare: dict[str, int],
+        puts: dict[str, bytes],
+        operation: str,
+        deletes: Sequence[str] = (),
+    ) -> tuple[bool, Any]:
+        """One etcd transaction: all puts/deletes if every key still has its version."""
+        client = self.store.client
+        tx = client.transactions
+        with self.store._call(operation):
+            result: tuple[bool, Any] = client.transaction(
+                compare=[tx.version(k) == v for k, v in compare.items()],
+                success=[tx.put(k, v) for k, v in puts.items()] + [tx.delete(k) for k in deletes],
+                failure=[],
+            )
+        return result
+
+
+def _collection_id(key: str, raw: bytes) -> int:
+    """The collection id a name key points to."""
+    collection_id = decode_dict(key, raw).get("collection_id")
+    if not isinstance(collection_id, int) or isinstance(collection_id, bool):
+        raise MalformedValueError(key, "expected {'collection_id': int}")
+    return collection_id

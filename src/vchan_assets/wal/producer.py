@@ -1,0 +1,488 @@
+"""The producer: Milvus' proxy role, writing inserts, deletes, time ticks and DDL to the log.
+
+Per channel, under the channel's lock, a batch is: a timestamp from the TSO, segment IDs
+from DataCoord's segment manager (inserts), the rows, then a time tick, all in ONE
+log file, so the tick is the batch's last message (DESIGN section 5) and the channel's
+head. Rows go to vchannels by primary key (`pk % K`; Milvus hashes the pk).
+
+Ordering rule the flush relies on: the timestamp of a batch is taken after the channel
+lock and before `assign`, from the segment manager's own oracle; so a segment sealed at
+`seal_ts` only receives rows with smaller timestamps, and every such row is in the log
+before any time tick with a timestamp >= `seal_ts`.
+
+One producer per channel is assumed (as one proxy per vchannel in Milvus): collection
+meta is cached here and refreshed on a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import (
+    DEFAULT_PARTITION,
+    CollectionCatalog,
+    PartitionNotFoundError,
+)
+from vchan_assets.datacoord.segment_manager import SealedSegment, SegmentManager
+from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
+from vchan_assets.storage import Storage
+from vchan_assets.wal.format import MsgType, arrow_type, log_schema
+from vchan_assets.wal.reader import WalReader
+from vchan_assets.wal.writer import WalWriter
+
+
+@dataclass(frozen=True)
+class ChannelAppend:
+    """What one batch appended to one channel."""
+
+    vchannel: str
+    first_offset: int
+    last_offset: int  # the batch's closing time tick
+    timestamp: int  # of that time tick
+    rows: int  # messages before the tick
+    segments: tuple[tuple[int, int], ...] = ()  # (segment_id, rows) of inserts
+
+    @property
+    def position(self) -> MsgPosition:
+        """The channel position after this batch (its time tick)."""
+        return MsgPosition(self.vchannel, self.last_offset, self.timestamp)
+
+
+class Producer:
+    """Writes a collection's messages to its vchannels (the proxy role)."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        storage: Storage,
+        settings: Settings,
+        *,
+        ids: IdAllocator | None = None,
+        tso: TimestampOracle | None = None,
+        segments: SegmentManager | None = None,
+        catalog: CollectionCatalog | None = None,
+        seal_after_insert: bool = True,
+    ) -> None:
+        if segments is not None and tso is not None and tso is not segments.tso:
+            raise ValueError("the producer must share the segment manager's timestamp oracle")
+        self.store = store
+        self.storage = storage
+        self.settings = settings
+        self.ids = ids or (segments.ids if segments else IdAllocator(store))
+        self.tso = segments.tso if segments else (tso or TimestampOracle(store))
+        self.segments = segments or SegmentManager(store, settings, self.ids, self.tso)
+        self.catalog = catalog or CollectionCatalog(store, self.ids)
+        self.seal_after_insert = seal_after_insert
+        self.last_sealed: list[SealedSegment] = []
+        self._collections: dict[str, CollectionInfo] = {}
+        self._writers: dict[str, WalWriter] = {}
+
+    # --- collections ---------------------------------------------------------------------
+
+    def collection(self, name: str, refresh: bool = False) -> CollectionInfo:
+        """The collection's meta (cached); a collection whose channels lack their
+        create_collection message (a crash during create) is completed here."""
+        info = None if refresh else self._collections.get(name)
+        if info is None:
+            info = self.catalog.get_by_name(name)
+            if len(info.start_positions) < len(info.vchannels):
+                info = self._start_channels(info)
+            self._collections[name] = info
+        return info
+
+    def create_collection(
+        self,
+        name: str,
+        schema: CollectionSchema,
+        partitions: Sequence[str] = (),
+        num_channels: int = 2,
+    ) -> CollectionInfo:
+        """Create the collection's meta, then write a create_collection message at offset 0
+        of every vchannel and record those as the start positions."""
+        info = self.catalog.create(name, schema, [DEFAULT_PARTITION, *partitions], num_channels)
+        info = self._start_channels(info)
+        self._collections[name] = info
+        return info
+
+    def _start_channels(self, info: CollectionInfo) -> CollectionInfo:
+        started = {p.channel for p in info.start_positions}
+        payload = info.to_dict()
+        payload.pop("start_positions")
+        positions = []
+        for vchannel in info.vchannels:
+            if vchannel in started:
+                continue
+            writer = self._writer(info, vchannel)
+            with writer.lock:
+                if writer.next_offset == 0:
+                    done = self._append_control(info, vchannel, MsgType.CREATE_COLLECTION, payload)
+                    positions.append(MsgPosition(vchannel, done.first_offset, done.timestamp - 1))
+                else:  # written before a crash: the channel's first message is the create
+                    first = WalReader(self.storage, vchannel, info).files()[0]
+                    positions.append(MsgPosition(vchannel, first.first_offset, first.first_timestamp or 0))
+        return self.catalog.set_start_positions(info.id, positions) if positions else info
+
+    def drop_collection(self, collection_name: str) -> CollectionInfo:
+        """Mark the collection dropped, its segments Dropped, and write drop_collection
+        on every channel."""
+        info = self.collection(collection_name, refresh=True)
+        with self._all_channels(info):
+            dropped = self.catalog.drop(collection_name)
+            self.segments.drop_collection(info.id)
+            payload = {"collection_id": info.id, "collection_name": info.name}
+            for vchannel in info.vchannels:
+                self._append_control(info, vchannel, MsgType.DROP_COLLECTION, payload)
+        self._collections.pop(collection_name, None)
+        for vchannel in info.vchannels:
+            self._writers.pop(vchannel, None)
+        return dropped
+
+    def create_partition(self, collection_name: str, partition: str) -> int:
+        """Add a partition and write create_partition on every channel; returns its id."""
+        info = self.collection(collection_name, refresh=True)
+        with self._all_channels(info):
+            info, partition_id = self.catalog.create_partition(collection_name, partition)
+            self._collections[collection_name] = info
+            payload = {"collection_id": info.id, "partition_id": partition_id, "partition_name": partition}
+            for vchannel in info.vchannels:
+                self._append_control(info, vchannel, MsgType.CREATE_PARTITION, payload, partition_id)
+        return partition_id
+
+    def drop_partition(self, collection_name: str, partition: str) -> int:
+        """Remove a partition, mark its segments Dropped, write drop_partition everywhere."""
+        info = self.collection(collection_name, refresh=True)
+        with self._all_channels(info):
+            info, partition_id = self.catalog.drop_partition(collection_name, partition)
+            self._collections[collection_name] = info
+            self.segments.drop_partition(info.id, partition_id)
+            payload = {"collection_id": info.id, "partition_id": partition_id, "partition_name": partition}
+            for vchannel in info.vchannels:
+                self._append_control(info, vchannel, MsgType.DROP_PARTITION, payload, partition_id)
+        return partition_id
+
+    # --- data ----------------------------------------------------------------------------
+
+    def insert(
+        self,
+        collection_name: str,
+        rows: pa.Table | pa.RecordBatch | Mapping[str, Any],
+        partition: str = DEFAULT_PARTITION,
+    ) -> dict[str, ChannelAppend]:
+        """Insert rows (every field of the schema; vectors as float32 arrays (n, dim),
+        lists, fixed_size_list or fixed_size_binary(dim*4)). Returns per channel what
+        was appended; each channel's batch ends with a time tick."""
+        info = self.collection(collection_name)
+        partition_id = self._partition_id(info, partition)
+        table = to_insert_table(info.schema, rows)
+        out = {}
+        for vchannel, part in self._route(info, table, table.column(info.schema.primary.name)):
+            out[vchannel] = self._append_inserts(info, vchannel, partition_id, part)
+        if self.seal_after_insert:
+            self.last_sealed = self.segments.seal_by_policy()
+        return out
+
+    def delete(
+        self, collection_name: str, pks: Sequence[int] | np.ndarray | pa.Array, partition: str | None = None
+    ) -> dict[str, ChannelAppend]:
+        """Delete by primary key, in one partition or (None, as Milvus) in every
+        partition: one delete message per (pk, partition), routed like the inserts."""
+        info = self.collection(collection_name)
+        partition_ids = list(info.partitions) if partition is None else [self._partition_id(info, partition)]
+        keys = pa.array(np.asarray(pks, dtype=np.int64))
+        if len(keys) == 0:
+            raise ValueError("no primary keys to delete")
+        out = {}
+        for vchannel, part in self._route(info, pa.table({"pk": keys}), keys):
+            out[vchannel] = self._append_deletes(info, vchannel, partition_ids, part.column("pk"))
+        return out
+
+    def time_tick(self, collection_name: str) -> dict[str, MsgPosition]:
+        """Append a time tick to every channel (lets checkpoints pass a flush timestamp)."""
+        info = self.collection(collection_name)
+        out = {}
+        for vchannel in info.vchannels:
+            writer = self._writer(info, vchannel)
+            with writer.lock:
+                ts = self.tso.now()
+                first, _ = writer.append(self._control_table(info, MsgType.TIME_TICK, ts))
+            out[vchannel] = MsgPosition(vchannel, first, ts)
+        return out
+
+    def flush(self, collection_name: str) -> int:
+        """Seal every growing segment of the collection and tick every channel; returns
+        the flush timestamp to poll `flush_state` with."""
+        info = self.collection(collection_name)
+        flush_ts = self.segments.flush(info.id)
+        self.time_tick(collection_name)
+        return flush_ts
+
+    def flush_state(self, collection_name: str, flush_ts: int) -> bool:
+        return self.segments.flush_state(self.collection(collection_name).id, flush_ts)
+
+    def wait_flushed(
+        self, collection_name: str, flush_ts: int, timeout: float = 60.0, poll: float = 0.2
+    ) -> bool:
+        """Poll flush_state until true or `timeout`; returns the last state."""
+        deadline = time.monotonic() + timeout
+        while not self.flush_state(collection_name, flush_ts):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll)
+        return True
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _writer(self, info: CollectionInfo, vchannel: str) -> WalWriter:
+        writer = self._writers.get(vchannel)
+        if writer is None or writer.collection.id != info.id:
+            writer = self._writers[vchannel] = WalWriter(self.storage, vchannel, info)
+        return writer
+
+    @contextlib.contextmanager
+    def _all_channels(self, info: CollectionInfo) -> Iterator[None]:
+        """Hold every channel lock of the collection (in name order: no deadlock), so a
+        DDL message is not interleaved with a batch prepared under the old meta."""
+        with contextlib.ExitStack() as stack:
+            for vchannel in sorted(info.vchannels):
+                stack.enter_context(self._writer(info, vchannel).lock)
+            yield
+
+    def _partition_id(self, info: CollectionInfo, partition: str) -> int:
+        if partition not in info.partition_names:
+            info = self.collection(info.name, refresh=True)  # created by someone else?
+            if partition not in info.partition_names:
+                raise PartitionNotFoundError(info.name, partition)
+        return info.partition_id(partition)
+
+    def _route(
+        self, info: CollectionInfo, table: pa.Table, pks: pa.ChunkedArray | pa.Array
+    ) -> Iterator[tuple[str, pa.Table]]:
+        """(vchannel, rows) by pk % K; one copy of the rows at most (a stable sort)."""
+        k = len(info.vchannels)
+        if k == 1:
+            yield info.vchannels[0], table
+            return
+        channel = np.mod(np.asarray(pks.to_numpy(), dtype=np.int64), k)
+        order = np.argsort(channel, kind="stable")
+        counts = np.bincount(channel, minlength=k)
+        ordered = table.take(pa.array(order))
+        start = 0
+        for vchannel, count in zip(info.vchannels, counts.tolist(), strict=True):
+            if count:
+                yield vchannel, ordered.slice(start, count)
+            start += count
+
+    def _append_inserts(
+        self, info: CollectionInfo, vchannel: str, partition_id: int, rows: pa.Table
+    ) -> ChannelAppend:
+        writer = self._writer(info, vchannel)
+        n = rows.num_rows
+        with writer.lock:
+            tick_ts = self.tso.alloc(2)
+            ts = tick_ts - 1
+            assigned = self.segments.assign(info.id, partition_id, vchannel, n, ts)
+            segment_ids = np.repeat(
+                np.array([s for s, _ in assigned], dtype=np.int64), [c for _, c in assigned]
+            )
+            system = {
+                "msg_type": pa.repeat(pa.scalar(MsgType.INSERT.value), n),
+                "timestamp": pa.array(np.full(n, ts, dtype=np.int64)),
+                "segment_id": pa.array(segment_ids),
+                "partition_id": pa.array(np.full(n, partition_id, dtype=np.int64)),
+                "payload": pa.nulls(n, pa.string()),
+            }
+            batch = pa.Table.from_arrays([*system.values(), *rows.columns], schema=_batch_schema(info))
+            first, last = writer.append(
+                pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
+            )
+        return ChannelAppend(vchannel, first, last, tick_ts, n, tuple(assigned))
+
+    def _append_deletes(
+        self, info: CollectionInfo, vchannel: str, partition_ids: list[int], pks: pa.ChunkedArray
+    ) -> ChannelAppend:
+        writer = self._writer(info, vchannel)
+        keys = np.tile(np.asarray(pks.to_numpy(), dtype=np.int64), len(partition_ids))
+        parts = np.repeat(np.array(partition_ids, dtype=np.int64), len(pks))
+        n = len(keys)
+        with writer.lock:
+            tick_ts = self.tso.alloc(2)
+            schema = _batch_schema(info)
+            values = {
+                "msg_type": pa.repeat(pa.scalar(MsgType.DELETE.value), n),
+                "timestamp": pa.array(np.full(n, tick_ts - 1, dtype=np.int64)),
+                "partition_id": pa.array(parts),
+                info.schema.primary.name: pa.array(keys),
+            }
+            batch = pa.Table.from_arrays(
+                [values.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema
+            )
+            first, last = writer.append(
+                pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
+            )
+        return ChannelAppend(vchannel, first, last, tick_ts, n)
+
+    def _append_control(
+        self,
+        info: CollectionInfo,
+        vchannel: str,
+        kind: MsgType,
+        payload: Mapping[str, Any],
+        partition_id: int | None = None,
+    ) -> ChannelAppend:
+        """A DDL message followed by a time tick, as one batch."""
+        writer = self._writer(info, vchannel)
+        with writer.lock:
+            tick_ts = self.tso.alloc(2)
+            message = self._control_table(info, kind, tick_ts - 1, payload, partition_id)
+            tick = self._control_table(info, MsgType.TIME_TICK, tick_ts)
+            first, last = writer.append(pa.concat_tables([message, tick]))
+        return ChannelAppend(vchannel, first, last, tick_ts, 1)
+
+    @staticmethod
+    def _control_table(
+        info: CollectionInfo,
+        kind: MsgType,
+        ts: int,
+        payload: Mapping[str, Any] | None = None,
+        partition_id: int | None = None,
+    ) -> pa.Table:
+        """One message without data columns, in the log's column order (nulls elsewhere)."""
+        schema = _batch_schema(info)
+        values: dict[str, Any] = {
+            "msg_type": kind.value,
+            "timestamp": ts,
+            "partition_id": partition_id,
+            "payload": json.dumps(payload, separators=(",", ":")) if payload is not None else None,
+        }
+        return pa.Table.from_arrays(
+            [pa.array([values.get(f.name)], type=f.type) for f in schema], schema=schema
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _log_schema_without_offset(schema: CollectionSchema) -> pa.Schema:
+    return log_schema(schema).remove(0)
+
+
+def _batch_schema(info: CollectionInfo) -> pa.Schema:
+    """The log schema without `offset` (the writer adds it)."""
+    return _log_schema_without_offset(info.schema)
+
+
+# --- input conversion -------------------------------------------------------------------
+
+
+def to_insert_table(
+    schema: CollectionSchema, rows: pa.Table | pa.RecordBatch | Mapping[str, Any]
+) -> pa.Table:
+    """The rows as a table of the schema's fields in log order (pk first), with vectors as
+    fixed_size_binary(dim*4). Raises ValueError naming the field that does not fit."""
+    if isinstance(rows, pa.RecordBatch):
+        rows = pa.Table.from_batches([rows])
+    names = list(rows.column_names) if isinstance(rows, pa.Table) else list(rows.keys())
+    expected = [schema.primary] + [f for f in schema.fields if not f.is_primary]
+    missing = [f.name for f in expected if f.name not in names]
+    unknown = [n for n in names if n not in {f.name for f in expected}]
+    if missing or unknown:
+        raise ValueError(f"insert rows do not match the schema: missing {missing}, unknown {unknown}")
+    columns = []
+    for field in expected:
+        raw = rows.column(field.name) if isinstance(rows, pa.Table) else rows[field.name]
+        try:
+            column = _vector_array(raw, field) if field.is_vector else _scalar_array(raw, field)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise ValueError(f"field {field.name!r}: {exc}") from None
+        if column.null_count:
+            raise ValueError(f"field {field.name!r} has nulls")
+        columns.append(column)
+    lengths = {len(c) for c in columns}
+    if len(lengths) != 1:
+        raise ValueError(f"columns differ in length: {sorted(lengths)}")
+    if not lengths.pop():
+        raise ValueError("no rows to insert")
+    return pa.Table.from_arrays(columns, names=[f.name for f in expected])
+
+
+def _scalar_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
+    target = arrow_type(field)
+    if isinstance(raw, pa.ChunkedArray):
+        if raw.type.equals(target):
+            return raw
+        raw = raw.combine_chunks()
+    if isinstance(raw, pa.Array):
+        return raw if raw.type.equals(target) else pc.cast(raw, target)
+    return pa.array(raw, type=target)
+
+
+def _vector_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
+    assert field.dim is not None
+    dim = field.dim
+    target = pa.binary(dim * 4)
+    if isinstance(raw, pa.ChunkedArray):
+        if raw.type.equals(target):
+            return raw  # no copy
+        raw = raw.combine_chunks()
+    if isinstance(raw, pa.Array):
+        if raw.type.equals(target):
+            return raw
+        if (
+            pa.types.is_fixed_size_list(raw.type)
+            or pa.types.is_list(raw.type)
+            or pa.types.is_large_list(raw.type)
+        ):
+            if raw.null_count:
+                raise ValueError("vectors have nulls")
+            lengths = pc.list_value_length(raw)
+            if len(raw) and (pc.min(lengths).as_py() != dim or pc.max(lengths).as_py() != dim):
+                raise ValueError(f"every vector needs {dim} values")
+            raw = np.asarray(raw.flatten().to_numpy(zero_copy_only=False), dtype="<f4").reshape(-1, dim)
+        else:
+            raise ValueError(f"type {raw.type} is not a float vector of dim {dim}")
+    matrix = np.ascontiguousarray(np.asarray(raw, dtype="<f4"))
+    if matrix.ndim != 2 or matrix.shape[1] != dim:
+        raise ValueError(f"expected vectors of shape (n, {dim}), got {matrix.shape}")
+    return pa.FixedSizeBinaryArray.from_buffers(target, matrix.shape[0], [None, pa.py_buffer(matrix)])
+
+
+# --- synthetic data ---------------------------------------------------------------------
+
+
+def generate_rows(schema: CollectionSchema, n: int, start_pk: int = 0, seed: int = 0) -> pa.Table:
+    """`n` random rows for `schema` (pks start_pk, start_pk+1, ...): for tests, benches, demos."""
+    rng = np.random.default_rng(seed)
+    pks = np.arange(start_pk, start_pk + n, dtype=np.int64)
+    columns: dict[str, pa.Array] = {}
+    for field in [schema.primary] + [f for f in schema.fields if not f.is_primary]:
+        if field.is_primary:
+            columns[field.name] = pa.array(pks)
+        elif field.is_vector:
+            assert field.dim is not None
+            matrix = rng.random((n, field.dim), dtype=np.float32)
+            columns[field.name] = pa.FixedSizeBinaryArray.from_buffers(
+                pa.binary(field.dim * 4), n, [None, pa.py_buffer(matrix)]
+            )
+        elif field.dtype is DataType.INT64:
+            columns[field.name] = pa.array(rng.integers(0, 1_000_000, n, dtype=np.int64))
+        elif field.dtype is DataType.FLOAT:
+            columns[field.name] = pa.array(rng.random(n, dtype=np.float32))
+        elif field.dtype is DataType.DOUBLE:
+            columns[field.name] = pa.array(rng.random(n))
+        elif field.dtype is DataType.BOOL:
+            columns[field.name] = pa.array(rng.random(n) < 0.5)
+        else:  # STRING: a small vocabulary, as real tags
+            words = pa.array([f"{field.name}_{i}" for i in range(100)])
+            columns[field.name] = words.take(pa.array(rng.integers(0, 100, n)))
+    return pa.table(columns)

@@ -1,0 +1,329 @@
+"""Reading a vchannel's write-ahead log: file listing from footers, head, validated ranges.
+
+Log files are immutable once visible, so their footers (first offset, count, last
+timestamp) are read once per reader and cached. Everything read is validated against
+what the file name and the collection promise; a file that cannot be read, or whose
+offsets are not the ones its name says, raises `CorruptLogError` naming its path.
+`read_log_file` is the same validated read for one key, usable on Spark workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.wal.format import (
+    META_CHANNEL,
+    META_COLLECTION,
+    META_COUNT,
+    META_FIRST_OFFSET,
+    META_LAST_TS,
+    MSG_TYPES,
+    CorruptLogError,
+    MsgType,
+    SchemaMismatchError,
+    UnknownMessageTypeError,
+    first_offset_of,
+    log_schema,
+    wal_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+_MSG_TYPE_SET = pa.array(sorted(MSG_TYPES))
+
+
+@dataclass(frozen=True)
+class WalFile:
+    """One log file, described by its name and footer."""
+
+    key: str  # relative to the storage root
+    first_offset: int
+    count: int
+    last_timestamp: int
+    size_bytes: int
+    first_timestamp: int | None = None  # min of the timestamp column (footer statistics)
+
+    @property
+    def last_offset(self) -> int:
+        return self.first_offset + self.count - 1
+
+    @property
+    def end_offset(self) -> int:
+        """One past the last offset: the first offset of the next file."""
+        return self.first_offset + self.count
+
+    def overlaps(self, after_offset: int, up_to_offset: int | None) -> bool:
+        """True if the file holds an offset in (after_offset, up_to_offset]."""
+        return self.last_offset > after_offset and (up_to_offset is None or self.first_offset <= up_to_offset)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What is in the log after a position: for the sync policy (size or age)."""
+
+    messages: int
+    size_bytes: int  # sum of the sizes of the files overlapping the range (an estimate)
+    files: int
+    oldest_timestamp: int | None  # smallest timestamp in those files
+    head: MsgPosition | None
+
+
+def _meta_int(meta: dict[bytes, bytes], key: bytes, path: str) -> int:
+    raw = meta.get(key)
+    if raw is None:
+        raise CorruptLogError(path, f"footer has no {key.decode()!r} entry")
+    try:
+        return int(raw)
+    except ValueError:
+        raise CorruptLogError(
+            path, f"footer entry {key.decode()!r} is not an integer: {raw[:40]!r}"
+        ) from None
+
+
+def _check_footer(
+    md: pq.FileMetaData, path: str, key: str, vchannel: str | None, collection_id: int | None
+) -> tuple[int, int, int]:
+    """(first_offset, count, last_timestamp) of a footer, checked against the file name."""
+    meta = md.metadata or {}
+    first = _meta_int(meta, META_FIRST_OFFSET, path)
+    count = _meta_int(meta, META_COUNT, path)
+    last_ts = _meta_int(meta, META_LAST_TS, path)
+    named = first_offset_of(key)
+    if first != named:
+        raise CorruptLogError(path, f"footer says first offset {first}, the name says {named}")
+    if count != md.num_rows or count <= 0:
+        raise CorruptLogError(path, f"footer says {count} messages, the file has {md.num_rows} rows")
+    if vchannel is not None and meta.get(META_CHANNEL, b"").decode(errors="replace") != vchannel:
+        raise CorruptLogError(path, f"footer channel {meta.get(META_CHANNEL)!r} is not {vchannel!r}")
+    if collection_id is not None and _meta_int(meta, META_COLLECTION, path) != collection_id:
+        raise CorruptLogError(
+            path, f"footer collection {meta.get(META_COLLECTION)!r} is not collection {collection_id}"
+        )
+    return first, count, last_ts
+
+
+def _channel_of(key: str) -> str | None:
+    parts = key.split("/")
+    return parts[1] if len(parts) == 3 and parts[0] == "wal" else None
+
+
+def _first_timestamp(md: pq.FileMetaData) -> int | None:
+    try:
+        index = md.schema.names.index("timestamp")
+    except ValueError:
+        return None
+    values = []
+    for i in range(md.num_row_groups):
+        stats = md.row_group(i).column(index).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        values.append(int(stats.min))
+    return min(values) if values else None
+
+
+def read_log_file(
+    storage: Storage,
+    key: str,
+    schema: CollectionSchema,
+    filesystem: pafs.FileSystem | None = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """Read one log file and validate it whole: footer against the name, columns against
+    the collection schema, offsets dense from the first, message types known.
+
+    Raises CorruptLogError, SchemaMismatchError or UnknownMessageTypeError naming the path.
+    `columns` restricts the read (offset, msg_type and timestamp are always included)."""
+    path = storage.path(key)
+    fs = filesystem or storage.filesystem
+    expected = log_schema(schema)
+    try:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f, page_checksum_verification=True)
+            first, count, _ = _check_footer(pf.metadata, path, key, _channel_of(key), None)
+            found = pf.schema_arrow
+            if found.names != expected.names or any(
+                not found.field(n).type.equals(expected.field(n).type) for n in expected.names
+            ):
+                raise SchemaMismatchError(path, expected, found)
+            wanted = None
+            if columns is not None:
+                wanted = [n for n in expected.names if n in {"offset", "msg_type", "timestamp", *columns}]
+            table = pf.read(columns=wanted)
+    except FileNotFoundError:
+        raise CorruptLogError(path, "the file disappeared (log truncated or removed?)") from None
+    except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, StorageError):
+            raise
+        raise CorruptLogError(path, f"unreadable: {exc}") from None
+    if table.num_rows != count:
+        raise CorruptLogError(path, f"read {table.num_rows} rows, the footer promises {count}")
+    offsets = table.column("offset").to_numpy()
+    if offsets[0] != first or offsets[-1] != first + count - 1 or bool((np.diff(offsets) != 1).any()):
+        raise CorruptLogError(
+            path, f"offsets are not dense from {first} to {first + count - 1} as the name and footer say"
+        )
+    kinds = table.column("msg_type")
+    if kinds.null_count:
+        raise CorruptLogError(path, "msg_type has nulls")
+    known = pc.is_in(kinds, value_set=_MSG_TYPE_SET)
+    if not pc.all(known).as_py():
+        index = pc.index(known, False).as_py()
+        raise UnknownMessageTypeError(path, first + index, kinds[index].as_py())
+    target = expected if wanted is None else pa.schema([expected.field(n) for n in wanted])
+    return pa.Table.from_arrays(table.columns, schema=target)
+
+
+class WalReader:
+    """Read side of one vchannel's log. Cheap to create; caches the immutable footers."""
+
+    def __init__(self, storage: Storage, vchannel: str, collection: CollectionInfo) -> None:
+        self.storage = storage
+        self.vchannel = vchannel
+        self.collection = collection
+        self.schema = log_schema(collection.schema)
+        self._fs: pafs.FileSystem | None = None
+        self._footers: dict[str, WalFile] = {}
+        self._ticks: dict[str, MsgPosition | None] = {}  # last time tick of a file
+        self.skipped_files = 0  # metric: files in the channel directory that are not log files
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        if self._fs is None:
+            self._fs = self.storage.filesystem
+        return self._fs
+
+    # --- listing ---------------------------------------------------------------------
+
+    def _listing(self) -> list[pafs.FileInfo]:
+        out = []
+        for info in self.storage.list_files(wal_prefix(self.vchannel)):
+            key = self.storage.key_of(info.path)
+            try:
+                first_offset_of(key)
+            except ValueError:
+                self.skipped_files += 1
+                log.warning("ignoring %s: not a log file name", info.path)
+                continue
+            if _channel_of(key) != self.vchannel:
+                continue  # a nested directory is not part of the channel
+            out.append(info)
+        return out
+
+    def _describe(self, info: pafs.FileInfo) -> WalFile:
+        key = self.storage.key_of(info.path)
+        cached = self._footers.get(key)
+        if cached is not None and cached.size_bytes == info.size:
+            return cached
+        try:
+            with self.filesystem.open_input_file(info.path) as f:
+                md = pq.ParquetFile(f).metadata
+        except FileNotFoundError:
+            raise CorruptLogError(info.path, "the file disappeared while listing") from None
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptLogError(info.path, f"unreadable footer: {exc}") from None
+        first, count, last_ts = _check_footer(md, info.path, key, self.vchannel, self.collection.id)
+        described = WalFile(key, first, count, last_ts, int(info.size or 0), _first_timestamp(md))
+        self._footers[key] = described
+        return described
+
+    def files(self) -> list[WalFile]:
+        """Every log file of the channel in offset order, checked to be contiguous."""
+        files = [self._describe(info) for info in self._listing()]
+        for before, after in zip(files, files[1:], strict=False):
+            if after.first_offset != before.end_offset:
+                raise CorruptLogError(
+                    self.storage.path(after.key),
+                    f"starts at offset {after.first_offset} but the previous file ends at "
+                    f"{before.last_offset}: the log has a gap or an overlap",
+                )
+        return files
+
+    def last_file(self) -> WalFile | None:
+        """The newest log file (only its footer is read)."""
+        listing = self._listing()
+        return self._describe(listing[-1]) if listing else None
+
+    def files_between(self, after_offset: int, up_to_offset: int | None = None) -> list[WalFile]:
+        """Files holding an offset in (after_offset, up_to_offset] (up to the end if None)."""
+        return [f for f in self.files() if f.overlaps(after_offset, up_to_offset)]
+
+    # --- positions ---------------------------------------------------------------------
+
+    def head(self) -> MsgPosition | None:
+        """Position of the latest time tick (None if the channel has none yet).
+
+        The producer ends every batch with a time tick, so normally this is the last
+        message of the last file; files are searched backwards otherwise."""
+        return self._head_of(self.files())
+
+    def _head_of(self, files: list[WalFile]) -> MsgPosition | None:
+        for f in reversed(files):
+            tick = self._last_tick(f)
+            if tick is not None:
+                return tick
+        return None
+
+    def end_offset(self) -> int:
+        """Offset after the last message (0 for an empty channel)."""
+        last = self.last_file()
+        return 0 if last is None else last.end_offset
+
+    def _last_tick(self, f: WalFile) -> MsgPosition | None:
+        if f.key not in self._ticks:
+            table = read_log_file(
+                self.storage, f.key, self.collection.schema, self.filesystem, columns=["msg_type"]
+            )
+            is_tick = pc.equal(table.column("msg_type"), MsgType.TIME_TICK.value).to_numpy(
+                zero_copy_only=False
+            )
+            indexes = np.flatnonzero(is_tick)
+            if len(indexes) == 0:
+                self._ticks[f.key] = None
+            else:
+                i = int(indexes[-1])
+                ts = int(table.column("timestamp")[i].as_py())
+                self._ticks[f.key] = MsgPosition(self.vchannel, f.first_offset + i, ts)
+        return self._ticks[f.key]
+
+    # --- data --------------------------------------------------------------------------
+
+    def read(self, after_offset: int = -1, up_to_offset: int | None = None) -> pa.Table:
+        """Messages with offset in (after_offset, up_to_offset], validated, in offset order."""
+        tables = []
+        for f in self.files_between(after_offset, up_to_offset):
+            table = read_log_file(self.storage, f.key, self.collection.schema, self.filesystem)
+            if f.first_offset <= after_offset or (up_to_offset is not None and f.last_offset > up_to_offset):
+                start = max(after_offset + 1 - f.first_offset, 0)
+                stop = f.count if up_to_offset is None else min(up_to_offset + 1 - f.first_offset, f.count)
+                table = table.slice(start, stop - start)
+            tables.append(table)
+        if not tables:
+            return self.schema.empty_table()
+        return pa.concat_tables(tables)
+
+    def size_between(self, after_offset: int = -1, up_to_offset: int | None = None) -> int:
+        """Bytes of the files overlapping (after_offset, up_to_offset]: the buffered size
+        a sync of that range would read."""
+        return sum(f.size_bytes for f in self.files_between(after_offset, up_to_offset))
+
+    def backlog(self, after_offset: int = -1) -> Backlog:
+        """Messages, bytes and age of what follows `after_offset` (a channel checkpoint)."""
+        every = self.files()
+        files = [f for f in every if f.overlaps(after_offset, None)]
+        stamps = [f.first_timestamp for f in files if f.first_timestamp is not None]
+        return Backlog(
+            messages=sum(f.end_offset - max(f.first_offset, after_offset + 1) for f in files),
+            size_bytes=sum(f.size_bytes for f in files),
+            files=len(files),
+            oldest_timestamp=min(stamps) if stamps else None,
+            head=self._head_of(every),
+        )
