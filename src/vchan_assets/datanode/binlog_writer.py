@@ -14,19 +14,21 @@ Returns one `WrittenFile` per file; nothing here touches etcd.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.model import CollectionSchema
-from vchan_assets.storage import Storage
+from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log_key
-from vchan_assets.wal.format import MsgType
+from vchan_assets.wal.format import LogError, MsgType
 from vchan_assets.wal.reader import read_log_file
 
 INSERT, DELTA, STATS = "insert", "delta", "stats"
@@ -87,6 +89,7 @@ RESULT_SCHEMA = pa.schema(
         ("min_offset_ts", pa.int64()),
         ("max_offset", pa.int64()),
         ("max_offset_ts", pa.int64()),
+        ("error", pa.binary()),  # a pickled typed error (LogError, StorageError) instead of a file
     ]
 )
 
@@ -150,43 +153,48 @@ class TaskWriter:
         return self.written
 
     def _consume(self, table: pa.Table) -> None:
-        offsets = table["offset"]
-        in_range = pc.and_(pc.greater(offsets, self.spec.after_offset), pc.less_equal(offsets, self.spec.up_to_offset))
-        table = table.filter(in_range)
+        # Offsets are dense and sorted (the reader checked): the range is a slice.
+        first = table["offset"][0].as_py() if table.num_rows else 0
+        start = max(0, self.spec.after_offset + 1 - first)
+        stop = min(table.num_rows, self.spec.up_to_offset + 1 - first)
+        if stop <= start:
+            return
+        table = table.slice(start, stop - start)
         kinds = table["msg_type"]
-        inserts = table.filter(pc.equal(kinds, MsgType.INSERT.value))
-        if inserts.num_rows:
-            self._buffer_inserts(inserts)
-        deletes = table.filter(pc.equal(kinds, MsgType.DELETE.value))
-        if deletes.num_rows:
-            self._buffer_deletes(deletes)
+        offsets = table["offset"].to_numpy()
+        inserts = pc.equal(kinds, MsgType.INSERT.value).to_numpy(zero_copy_only=False)
+        if inserts.any():
+            segment_ids = table["segment_id"].fill_null(-1).to_numpy()
+            for seg in np.unique(segment_ids[inserts]).tolist():
+                mask = inserts & (segment_ids == seg)
+                floor = self.spec.insert_floor.get(seg)
+                if floor is not None:
+                    mask &= offsets > floor
+                self._buffer_insert(seg, take_rows(table, mask))
+        deletes = pc.equal(kinds, MsgType.DELETE.value).to_numpy(zero_copy_only=False)
+        if deletes.any():
+            partitions = table["partition_id"].fill_null(-1).to_numpy()
+            for partition in np.unique(partitions[deletes]).tolist():
+                mask = deletes & (partitions == partition)
+                floor = self.spec.delete_floor.get(partition)
+                if floor is not None:
+                    mask &= offsets > floor
+                rows = take_rows(table, mask)
+                if rows.num_rows:
+                    self.deletes.setdefault(partition, []).append(
+                        rows.select(["offset", "timestamp", self.pk])
+                    )
 
-    def _buffer_inserts(self, inserts: pa.Table) -> None:
-        segment_ids = inserts["segment_id"]
-        for seg in pc.unique(segment_ids).to_pylist():
-            rows = inserts.filter(pc.equal(segment_ids, seg))
-            floor = self.spec.insert_floor.get(seg)
-            if floor is not None:
-                rows = rows.filter(pc.greater(rows["offset"], floor))
-            if not rows.num_rows:
-                continue
-            buf = self.buffers.get(seg)
-            if buf is None:
-                buf = self.buffers[seg] = _Buffer(seg, rows["partition_id"][0].as_py())
-            buf.tables.append(rows)
-            buf.nbytes += rows.nbytes
+    def _buffer_insert(self, seg: int, rows: pa.Table) -> None:
+        if not rows.num_rows:
+            return
+        buf = self.buffers.get(seg)
+        if buf is None:
+            buf = self.buffers[seg] = _Buffer(seg, rows["partition_id"][0].as_py())
+        buf.tables.append(rows)
+        buf.nbytes += rows.nbytes
         while sum(b.nbytes for b in self.buffers.values()) > self.spec.buffer_bytes:
             self._flush_segment(max(self.buffers.values(), key=lambda b: b.nbytes).segment_id)
-
-    def _buffer_deletes(self, deletes: pa.Table) -> None:
-        partitions = deletes["partition_id"]
-        for partition in pc.unique(partitions).to_pylist():
-            rows = deletes.filter(pc.equal(partitions, partition))
-            floor = self.spec.delete_floor.get(partition)
-            if floor is not None:
-                rows = rows.filter(pc.greater(rows["offset"], floor))
-            if rows.num_rows:
-                self.deletes.setdefault(partition, []).append(rows.select(["offset", "timestamp", self.pk]))
 
     def _flush_segment(self, seg: int) -> None:
         buf = self.buffers.pop(seg)
@@ -198,13 +206,17 @@ class TaskWriter:
             part_table = rows.select(columns).rename_columns(["row_id", *columns[1:]])
             key = insert_log_key(coll, part, seg, group, log_id)
             size = self._write_parquet(key, part_table, vector=group != SCALAR_GROUP)
-            self.written.append(WrittenFile(INSERT, seg, part, group, log_id, key, rows.num_rows, *span[:2], size, *span[2:]))
+            self.written.append(
+                WrittenFile(INSERT, seg, part, group, log_id, key, rows.num_rows, *span[:2], size, *span[2:])
+            )
         pks = rows[self.pk].to_numpy()
         log_id = self.ids.take()
         key = stats_log_key(coll, part, seg, log_id)
         payload = PkStats.build(pks).to_bytes()
         self.spec.storage.write_atomic(key, payload)
-        self.written.append(WrittenFile(STATS, seg, part, -1, log_id, key, rows.num_rows, *span[:2], len(payload), *span[2:]))
+        self.written.append(
+            WrittenFile(STATS, seg, part, -1, log_id, key, rows.num_rows, *span[:2], len(payload), *span[2:])
+        )
 
     def _write_deltas(self, partition: int, rows: pa.Table) -> None:
         seg = self.spec.l0_segments[partition]
@@ -213,7 +225,9 @@ class TaskWriter:
         table = pa.table({"pk": rows[self.pk], "timestamp": rows["timestamp"], "offset": rows["offset"]})
         size = self._write_parquet(key, table, vector=False)
         span = _span(rows)
-        self.written.append(WrittenFile(DELTA, seg, partition, -1, log_id, key, rows.num_rows, *span[:2], size, *span[2:]))
+        self.written.append(
+            WrittenFile(DELTA, seg, partition, -1, log_id, key, rows.num_rows, *span[:2], size, *span[2:])
+        )
 
     def _write_parquet(self, key: str, table: pa.Table, vector: bool) -> int:
         sink = pa.BufferOutputStream()
@@ -230,6 +244,17 @@ class TaskWriter:
         return int(data.size)
 
 
+def take_rows(table: pa.Table, mask: np.ndarray) -> pa.Table:
+    """The rows where `mask` is true; a zero-copy slice when they form one run, which is
+    the common case (a producer batch is one segment's rows followed by a time tick)."""
+    index = np.flatnonzero(mask)
+    if len(index) == 0:
+        return table.slice(0, 0)
+    if index[-1] - index[0] + 1 == len(index):
+        return table.slice(int(index[0]), len(index))
+    return table.take(pa.array(index))
+
+
 def _span(rows: pa.Table) -> tuple[int, int, int, int, int, int]:
     """(ts_from, ts_to, min_offset, min_offset_ts, max_offset, max_offset_ts); rows are in log order."""
     ts = rows["timestamp"].to_numpy()
@@ -242,14 +267,25 @@ def run_task(spec: TaskSpec) -> list[WrittenFile]:
 
 
 def run_tasks_arrow(specs: list[TaskSpec], batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: the input holds task indices; yields one batch of WrittenFile rows."""
+    """mapInArrow body: the input holds task indices; yields one batch of WrittenFile rows.
+
+    A bad input (corrupt log file, schema mismatch, unreadable storage) comes back as
+    a row carrying the pickled typed error, so the driver raises the same error type
+    with its path instead of a generic Spark task failure."""
     for batch in batches:
         for task in batch.column(0).to_pylist():
-            written = run_task(specs[int(task)])
-            rows = [asdict(w) for w in written]
+            try:
+                rows = [{**asdict(w), "error": None} for w in run_task(specs[int(task)])]
+            except (LogError, StorageError) as exc:
+                rows = [{**_EMPTY_ROW, "error": pickle.dumps(exc)}]
             yield pa.RecordBatch.from_pylist(rows, schema=RESULT_SCHEMA)
 
 
-def from_record(row: dict[str, Any]) -> WrittenFile:
-    return WrittenFile(**{k: row[k] for k in WrittenFile.__dataclass_fields__})
+_EMPTY_ROW: dict[str, Any] = {name: None for name in RESULT_SCHEMA.names}
 
+
+def from_record(row: dict[str, Any]) -> WrittenFile:
+    """A result row back into a WrittenFile; re-raises a task's typed error."""
+    if row.get("error") is not None:
+        raise pickle.loads(row["error"])
+    return WrittenFile(**{k: row[k] for k in WrittenFile.__dataclass_fields__})

@@ -44,7 +44,9 @@ class PkStats:
         k = max(1, round(m / n * math.log(2)))
         bitset = np.zeros(m // 8, dtype=np.uint8)
         for idx in _positions(pks, m, k):
-            np.bitwise_or.at(bitset, (idx >> np.uint64(3)).astype(np.int64), (1 << (idx & np.uint64(7))).astype(np.uint8))
+            np.bitwise_or.at(
+                bitset, (idx >> np.uint64(3)).astype(np.int64), (1 << (idx & np.uint64(7))).astype(np.uint8)
+            )
         return cls(
             entries=int(len(pks)),
             pk_min=int(pks.min()) if len(pks) else 0,

@@ -91,7 +91,9 @@ class _SegmentUpdate:
     rows: int = 0
     first: MsgPosition | None = None
 
-    def apply(self, seg: SegmentInfo, end: MsgPosition, group_fields: dict[int, tuple[int, ...]]) -> SegmentInfo:
+    def apply(
+        self, seg: SegmentInfo, end: MsgPosition, group_fields: dict[int, tuple[int, ...]]
+    ) -> SegmentInfo:
         groups = {g.group: g for g in seg.binlogs}
         for group, logs in self.binlogs.items():
             old = groups.get(group)
@@ -148,7 +150,9 @@ class SyncTask:
         if end is None or end.offset <= start.offset:
             # Nothing new in the log; sealed segments may still be ready to flush.
             flushed = self._commit_segments({}, segments, start) if end else ()
-            return SyncResult(self.vchannel, start, start, flushed_segments=flushed, skipped="no new time tick")
+            return SyncResult(
+                self.vchannel, start, start, flushed_segments=flushed, skipped="no new time tick"
+            )
         if end.timestamp < start.timestamp:
             raise RuntimeError(f"{self.vchannel}: time tick {end} is older than checkpoint {start}")
 
@@ -261,7 +265,8 @@ class SyncTask:
         ready = {
             sid
             for sid, d in segments.items()
-            if d.model.state in (SegmentState.SEALED, SegmentState.FLUSHING) and d.model.seal_ts <= end.timestamp
+            if d.model.state in (SegmentState.SEALED, SegmentState.FLUSHING)
+            and d.model.seal_ts <= end.timestamp
         }
         todo = sorted(set(updates) | ready)
         group_fields = group_field_ids(self.collection.schema)
@@ -310,7 +315,9 @@ class SyncTask:
                 return flushed
             except CasConflictError as exc:
                 log.info("segment changed during commit on %s (%s); re-reading", self.vchannel, exc.key)
-                fresh = {d.model.id: d for d in channel_segments(self.store, self.collection.id, self.vchannel)}
+                fresh = {
+                    d.model.id: d for d in channel_segments(self.store, self.collection.id, self.vchannel)
+                }
                 segments.update({sid: fresh[sid] for sid in chunk if sid in fresh})
         raise CasConflictError(f"segments of {self.vchannel}", -1, -1)
 
@@ -333,9 +340,13 @@ class SyncTask:
         """Checkpoints only move forward (invariant 4); the version read at the start
         guards against anyone else having moved it since."""
         if before and end.offset <= before.model.offset:
-            raise RuntimeError(f"{self.vchannel}: refusing to move checkpoint back from {before.model} to {end}")
+            raise RuntimeError(
+                f"{self.vchannel}: refusing to move checkpoint back from {before.model} to {end}"
+            )
         key = self.store.keys.channel_checkpoint(self.vchannel)
-        self.store.guarded_txn(self.vchannel, self.lease, {key: end}, expect_versions={key: before.kv.version if before else 0})
+        self.store.guarded_txn(
+            self.vchannel, self.lease, {key: end}, expect_versions={key: before.kv.version if before else 0}
+        )
 
 
 def _ready_to_flush(seg: SegmentInfo, end: MsgPosition) -> bool:
@@ -344,7 +355,9 @@ def _ready_to_flush(seg: SegmentInfo, end: MsgPosition) -> bool:
     return seg.state in (SegmentState.SEALED, SegmentState.FLUSHING) and seg.seal_ts <= end.timestamp
 
 
-def _run_on_spark(settings: Settings, specs: list[TaskSpec], timeout: float, vchannel: str) -> list[WrittenFile]:
+def _run_on_spark(
+    settings: Settings, specs: list[TaskSpec], timeout: float, vchannel: str
+) -> list[WrittenFile]:
     from vchan_assets.spark.session import get_spark, run_job
 
     spark = get_spark(settings)
@@ -358,3 +371,19 @@ def _run_on_spark(settings: Settings, specs: list[TaskSpec], timeout: float, vch
     rows = run_job(spark, f"sync {vchannel}", lambda: df.collect(), timeout)
     return [from_record(r.asDict()) for r in rows]
 
+
+def sync_channel(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    collection: CollectionInfo,
+    vchannel: str,
+    lease_id: int,
+    engine: Engine = "spark",
+) -> SyncResult:
+    """One sync of `vchannel` by the holder of `lease_id` (what `vchan sync` runs).
+    Raises LeaseLostError before doing anything if the lease is no longer current."""
+    from vchan_assets.datacoord.leases import current_lease
+
+    lease = current_lease(store, vchannel, lease_id)
+    return SyncTask(store, storage, settings, collection, vchannel, lease, engine=engine).run()

@@ -25,6 +25,9 @@ class StorageError(OSError):
         self.path = path
         self.reason = reason
 
+    def __reduce__(self) -> tuple[object, ...]:  # picklable across Spark tasks
+        return (type(self), (self.path, self.reason))
+
 
 @dataclass(frozen=True)
 class Storage:

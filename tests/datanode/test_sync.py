@@ -1,0 +1,359 @@
+"""The sync task: exactly-once persistence of vchannels into binlogs (DESIGN invariants 1-4, 6).
+
+Real etcd, real Spark (local[2]), real files; crashes are SIGKILLs of a real
+`vchan sync` process at a named commit step.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datacoord.recovery import list_orphans, recovery_info
+from vchan_assets.datanode.stats import PkStats
+from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.errors import LeaseLostError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.wal.format import (
+    CorruptLogError,
+    SchemaMismatchError,
+    UnknownMessageTypeError,
+    log_schema,
+    wal_key,
+)
+from vchan_assets.wal.producer import Producer
+from vchan_assets.wal.reader import WalReader
+
+from .helpers import (
+    SCHEMA,
+    Produced,
+    assert_exactly_once,
+    checkpoint,
+    produce,
+    read_inserted,
+    run_sync_process,
+    segments,
+    start_sync_process,
+    wait_stopped,
+)
+
+
+@pytest.fixture
+def storage(settings: Settings) -> Storage:
+    storage = Storage.from_settings(settings)
+    storage.ensure_root()
+    return storage
+
+
+@pytest.fixture
+def producer(store: MetaStore, storage: Storage, settings: Settings) -> Producer:
+    return Producer(store, storage, settings)
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+
+
+def sync_all(
+    store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo, engine: str = "spark"
+) -> None:
+    for vchannel in info.vchannels:
+        lease = store.read_lease(vchannel) or grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+        SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
+
+
+def _ids(store: MetaStore) -> IdAllocator:
+    return IdAllocator(store)
+
+
+# --- the happy path -----------------------------------------------------------------------
+
+
+def test_binlogs_read_back_with_pyarrow_equal_the_rows_produced(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 3000, start_pk=0, deletes=40)
+    produce(producer, collection.name, produced, 2000, start_pk=10_000)
+    sync_all(store, storage, settings, collection)
+    assert_exactly_once(store, storage, collection, produced)
+    for vchannel in collection.vchannels:
+        assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
+
+
+def test_flush_marks_segments_flushed_once_checkpoints_pass_the_flush_ts(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 1000, start_pk=0)
+    flush_ts = producer.flush(collection.name)
+    assert not producer.flush_state(collection.name, flush_ts)
+    sync_all(store, storage, settings, collection)
+    assert producer.flush_state(collection.name, flush_ts)
+    l1 = [s for s in segments(store, collection) if s.level is SegmentLevel.L1]
+    assert l1 and all(s.state is SegmentState.FLUSHED for s in l1)
+    assert sum(s.num_rows for s in l1) == 1000
+
+
+def test_second_sync_appends_new_rows_and_a_sync_with_nothing_new_is_a_no_op(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 500, start_pk=0)
+    sync_all(store, storage, settings, collection)
+    first = {v: checkpoint(store, v) for v in collection.vchannels}
+    produce(producer, collection.name, produced, 500, start_pk=1000, deletes=10)
+    sync_all(store, storage, settings, collection)
+    for v in collection.vchannels:
+        after = checkpoint(store, v)
+        assert after is not None and first[v] is not None and after.offset > first[v].offset  # type: ignore[union-attr]
+    revision = store.revision()
+    vchannel = collection.vchannels[0]
+    lease = store.read_lease(vchannel)
+    assert lease is not None
+    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    assert result.skipped and store.revision() == revision
+    assert_exactly_once(store, storage, collection, produced)
+
+
+def test_stats_logs_hold_pk_range_and_a_bloom_filter_of_their_binlog(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 2000, start_pk=100)
+    sync_all(store, storage, settings, collection)
+    for seg in segments(store, collection):
+        if seg.level is SegmentLevel.L0:
+            continue
+        pks = np.concatenate(
+            [pq.read_table(storage.path(b.path))["pk"].to_numpy() for b in seg.binlogs[0].logs]
+        )
+        stats = [PkStats.from_bytes(storage.read_bytes(s.path)) for s in seg.statslogs]
+        assert min(s.pk_min for s in stats) == pks.min() and max(s.pk_max for s in stats) == pks.max()
+        assert np.logical_or.reduce([s.might_contain(pks) for s in stats]).all()
+        absent = np.arange(10**9, 10**9 + 10_000)
+        assert not np.logical_or.reduce([s.might_contain(absent) for s in stats]).any()
+
+
+def test_recovery_info_lists_seek_position_and_segments_by_state(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 600, start_pk=0)
+    vchannel = collection.vchannels[0]
+    before = recovery_info(store, collection, vchannel)
+    assert before.seek_position is not None and before.seek_position.offset == 0  # create_collection message
+    assert before.unflushed_segment_ids and not before.flushed_segment_ids
+    producer.flush(collection.name)
+    sync_all(store, storage, settings, collection)
+    after = recovery_info(store, collection, vchannel)
+    assert after.seek_position == checkpoint(store, vchannel)
+    assert set(before.unflushed_segment_ids) <= set(after.flushed_segment_ids)
+    assert not after.unflushed_segment_ids
+
+
+# --- crashes between commit steps -------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta", "before_checkpoint"])
+def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_once(
+    step: str,
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 2000, start_pk=0, deletes=30)
+    sync_all(store, storage, settings, collection)  # a first committed sync
+    produce(producer, collection.name, produced, 2000, start_pk=5000, deletes=25)
+    vchannel = collection.vchannels[0]
+    lease = store.read_lease(vchannel)
+    assert lease is not None
+    cp_before = checkpoint(store, vchannel)
+    meta_before = {s.id: s for s in segments(store, collection)}
+
+    crashed = run_sync_process(settings, collection.name, vchannel, lease.lease_id, VCHAN_FAILPOINT=step)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+
+    assert checkpoint(store, vchannel) == cp_before, "the checkpoint moved although the sync died"
+    orphans = list_orphans(store, storage)
+    if step == "after_binlogs":
+        assert orphans, "the files of a sync killed before its meta commit must be listed as orphans"
+        assert {s.id: s for s in segments(store, collection)} == meta_before, "meta changed before its commit"
+    else:
+        assert not orphans
+
+    sync_all(store, storage, settings, collection)  # a new sync replays from the old checkpoint
+    cp_after = checkpoint(store, vchannel)
+    assert cp_before is not None and cp_after is not None and cp_after.offset > cp_before.offset
+    assert_exactly_once(store, storage, collection, produced)
+
+
+def test_lease_revoked_between_binlog_write_and_meta_commit_rejects_the_commit(
+    tmp_path: Path,
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    produce(producer, collection.name, Produced(), 1000, start_pk=0)
+    vchannel = collection.vchannels[0]
+    old = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    marker = tmp_path / "reached"
+    child = start_sync_process(
+        settings,
+        collection.name,
+        vchannel,
+        old.lease_id,
+        VCHAN_FAILPOINT="after_binlogs=stop",
+        VCHAN_FAILPOINT_MARKER=str(marker),
+    )
+    wait_stopped(child, marker)
+    new = grant_channel_lease(store, _ids(store), vchannel, node_id=2)  # the channel moved to node 2
+    revision = store.revision()
+    child.send_signal(signal.SIGCONT)
+    _, stderr = child.communicate(timeout=60)
+
+    assert child.returncode == 3, stderr
+    assert f"lease {old.lease_id} was revoked or replaced (lease {new.lease_id} holds it now)" in stderr
+    assert store.revision() == revision, "the fenced-off writer changed meta"
+    assert checkpoint(store, vchannel) is None
+    assert all(not s.binlogs for s in segments(store, collection))
+    assert list_orphans(store, storage), "the rejected sync's files are orphans"
+
+
+def test_sync_with_a_lease_that_is_not_current_writes_nothing(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 100, start_pk=0)
+    vchannel = collection.vchannels[0]
+    stale = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    grant_channel_lease(store, _ids(store), vchannel, node_id=2)
+    with pytest.raises(LeaseLostError) as err:
+        SyncTask(store, storage, settings, collection, vchannel, stale, engine="local").run()
+    assert err.value.channel == vchannel and err.value.expected == stale.lease_id
+    assert checkpoint(store, vchannel) is None
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def _last_file_key(storage: Storage, collection: CollectionInfo, vchannel: str) -> str:
+    return WalReader(storage, vchannel, collection).files()[-1].key
+
+
+def test_truncated_log_file_gives_corrupt_log_error_and_checkpoint_unchanged(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 500, start_pk=0)
+    vchannel = collection.vchannels[0]
+    reader = WalReader(storage, vchannel, collection)
+    victim = reader.files()[1].key  # the insert batch (0 is create_collection)
+    path = Path(storage.path(victim))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    with pytest.raises(CorruptLogError) as err:
+        SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    assert err.value.path == storage.path(victim)
+    assert checkpoint(store, vchannel) is None
+
+
+def _append_raw(storage: Storage, collection: CollectionInfo, vchannel: str, table: pa.Table) -> None:
+    """Write a log file by hand (as a buggy or foreign producer would)."""
+    reader = WalReader(storage, vchannel, collection)
+    first = reader.end_offset()
+    table = table.set_column(0, "offset", pa.array(range(first, first + table.num_rows), pa.int64()))
+    last_ts = max(table["timestamp"].to_pylist())
+    meta = {
+        b"vchan.channel": vchannel.encode(),
+        b"vchan.collection_id": str(collection.id).encode(),
+        b"vchan.first_offset": str(first).encode(),
+        b"vchan.count": str(table.num_rows).encode(),
+        b"vchan.last_timestamp": str(last_ts).encode(),
+    }
+    table = table.replace_schema_metadata(meta)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    storage.write_atomic(wal_key(vchannel, first), sink.getvalue())
+
+
+def _tick_rows(collection: CollectionInfo, msg_type: str, ts: int, n: int = 1) -> pa.Table:
+    schema = log_schema(collection.schema)
+    columns = {f.name: pa.nulls(n, f.type) for f in schema}
+    columns["offset"] = pa.array([0] * n, pa.int64())
+    columns["msg_type"] = pa.array([msg_type] * n, pa.string())
+    columns["timestamp"] = pa.array([ts] * n, pa.int64())
+    return pa.table(columns, schema=schema)
+
+
+def test_unknown_message_type_gives_a_clear_error_and_checkpoint_unchanged(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 200, start_pk=0)
+    vchannel = collection.vchannels[0]
+    head = WalReader(storage, vchannel, collection).head()
+    assert head is not None
+    bad = pa.concat_tables(
+        [
+            _tick_rows(collection, "bogus", head.timestamp + 1),
+            _tick_rows(collection, "timetick", head.timestamp + 2),
+        ]
+    )
+    _append_raw(storage, collection, vchannel, bad)
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    with pytest.raises(UnknownMessageTypeError) as err:
+        SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    assert err.value.msg_type == "bogus"
+    assert checkpoint(store, vchannel) is None
+
+
+def test_log_file_with_another_schema_gives_schema_mismatch_and_checkpoint_unchanged(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 200, start_pk=0)
+    vchannel = collection.vchannels[0]
+    head = WalReader(storage, vchannel, collection).head()
+    assert head is not None
+    wrong = _tick_rows(collection, "timetick", head.timestamp + 1).drop_columns(["s"])
+    _append_raw(storage, collection, vchannel, wrong)
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    with pytest.raises(SchemaMismatchError, match="missing \\['s'\\]"):
+        SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    assert checkpoint(store, vchannel) is None
+
+
+def test_channel_without_any_log_sync_is_a_clean_no_op(
+    store: MetaStore, storage: Storage, settings: Settings, collection: CollectionInfo
+) -> None:
+    vchannel = collection.vchannels[1]
+    storage.filesystem.delete_dir(storage.path(f"wal/{vchannel}"))  # as a channel nobody wrote to
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    revision = store.revision()
+    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    assert result.skipped and result.rows == 0
+    assert store.revision() == revision and checkpoint(store, vchannel) is None
+
+
+def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    producer.time_tick(collection.name)
+    vchannel = collection.vchannels[1]
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    assert result.rows == 0 and result.files == 0
+    assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
+    assert not list_orphans(store, storage) and read_inserted(store, storage, collection).num_rows == 0
