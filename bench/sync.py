@@ -29,13 +29,12 @@ from typing import Any
 
 import numpy as np
 import psutil
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.binlog_writer import column_groups, take_rows
+from vchan_assets.datanode.binlog_writer import column_groups, encode_parquet, take_rows
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
@@ -99,16 +98,8 @@ def baseline(storage: Storage, info: CollectionInfo, vchannel: str, out_prefix: 
             part = take_rows(table, is_insert & (segment_ids == seg))
             for group, columns in groups:
                 log_id += 1
-                sink = pa.BufferOutputStream()
-                vector = group != 0
-                pq.write_table(
-                    part.select(columns),
-                    sink,
-                    compression="none" if vector else "snappy",
-                    use_dictionary=not vector,
-                    write_statistics=not vector,
-                )
-                storage.write_atomic(f"{out_prefix}/{seg}/{group}/{log_id}.parquet", sink.getvalue())
+                data = encode_parquet(part.select(columns), vector=group != 0)
+                storage.write_atomic(f"{out_prefix}/{seg}/{group}/{log_id}.parquet", data)
             rows += part.num_rows
     return rows
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
@@ -63,8 +62,8 @@ def read_inserted(store: MetaStore, storage: Storage, info: CollectionInfo) -> p
             continue
         groups = {g.group: g for g in seg.binlogs}
         for scalar_log, vector_log in zip(groups[0].logs, groups[max(groups)].logs, strict=True):
-            scalars = pq.read_table(storage.path(scalar_log.path))
-            vectors = pq.read_table(storage.path(vector_log.path))
+            scalars = pq.read_table(storage.path(scalar_log.path), filesystem=storage.filesystem)
+            vectors = pq.read_table(storage.path(vector_log.path), filesystem=storage.filesystem)
             assert scalars["row_id"].equals(vectors["row_id"]), "column groups are not aligned"
             tables.append(scalars.append_column("vec", vectors["vec"]))
     return pa.concat_tables(tables) if tables else pa.table({"pk": pa.array([], pa.int64())})
@@ -74,7 +73,7 @@ def read_deleted(store: MetaStore, storage: Storage, info: CollectionInfo) -> li
     pks: list[int] = []
     for seg in segments(store, info):
         for delta in seg.deltalogs:
-            pks += pq.read_table(storage.path(delta.path))["pk"].to_pylist()
+            pks += pq.read_table(storage.path(delta.path), filesystem=storage.filesystem)["pk"].to_pylist()
     return pks
 
 
@@ -109,6 +108,14 @@ def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
     )
     if settings.s3_endpoint:
         env["VCHAN_S3_ENDPOINT"] = settings.s3_endpoint
+        for key in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_EC2_METADATA_DISABLED",
+        ):
+            if key in os.environ:
+                env[key] = os.environ[key]
     env.update(extra)
     return env
 
@@ -147,7 +154,3 @@ def wait_stopped(proc: subprocess.Popen[str], marker: Path, timeout: float = 120
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     raise AssertionError("child never reached its failpoint")
-
-
-def inserted_count(table: pa.Table) -> int:
-    return int(pc.count(table["pk"]).as_py())
