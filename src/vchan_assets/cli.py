@@ -282,6 +282,44 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# --- demo, up, down ---------------------------------------------------------------------
+
+
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=_positive, default=200_000, help="rows to produce (default 200000)")
+    parser.add_argument("--deletes", type=int, default=2_000, help="primary keys to delete (default 2000)")
+    parser.add_argument("--channels", type=_positive, default=4, help="vchannels (default 4)")
+    parser.add_argument("--keep", action="store_true", help="leave the embedded stack running")
+
+
+@command("demo", "run the whole pipeline on generated data on the embedded stack", _demo_args)
+def demo(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.demo import DemoOptions, run_demo
+
+    options = DemoOptions(rows=args.rows, deletes=args.deletes, channels=args.channels, keep=args.keep)
+    return run_demo(settings, options)
+
+
+@command("up", "start the embedded stack (etcd) in the background and show its health")
+def up(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.stack import Stack
+
+    stack = Stack.open(settings, detach=True)
+    try:
+        for key, value in stack.health().items():
+            print(f"{key:16s} {value}")
+    finally:
+        stack.close(stop_etcd=False)
+    return 0
+
+
+@command("down", "stop the embedded stack started by `vchan up` or `vchan demo --keep`")
+def down(args: argparse.Namespace, settings: Settings) -> int:
+    stopped = EmbeddedEtcd(settings.etcd_dir).stop_recorded()
+    print("embedded etcd stopped" if stopped else "embedded etcd was not running")
+    return 0
+
+
 # --- entry point ------------------------------------------------------------------------
 
 
