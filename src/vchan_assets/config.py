@@ -7,6 +7,7 @@ naming the variable and what was expected, before anything starts.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ def _positive_float(name: str, raw: str) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(name, raw, "a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(name, raw, "a finite number")
     if value <= 0:
         raise ConfigError(name, raw, "a number greater than 0")
     return value
@@ -77,7 +80,7 @@ def _storage_uri(name: str, raw: str) -> str:
 
 
 def _spark_remote(name: str, raw: str) -> str:
-    if not raw.startswith("sc://"):
+    if not raw.startswith("sc://") or not raw.removeprefix("sc://").strip("/"):
         raise ConfigError(name, raw, "a Spark Connect URL such as sc://localhost:15002")
     return raw
 

@@ -53,7 +53,7 @@ def _enum(d: Mapping[str, Any], name: str, kind: type[enum.Enum], default: Any =
     try:
         return kind(raw)
     except ValueError:
-        allowed = ", ".join(m.value for m in kind)  # type: ignore[attr-defined]
+        allowed = ", ".join(m.value for m in kind)
         raise ValueError(f"field {name!r} is {raw!r}, expected one of: {allowed}") from None
 
 

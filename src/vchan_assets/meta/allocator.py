@@ -53,12 +53,13 @@ class IdAllocator:
     def _reserve(self, size: int) -> None:
         while True:
             mark, version = _read_mark(self.store, self.key)
+            # IDs start at 1: 0 means "none" in the model.
+            start = max(mark, 1)
             try:
-                self.store.cas(self.key, version, str(mark + size).encode())
+                self.store.cas(self.key, version, str(start + size).encode())
             except CasConflictError:
                 continue  # another allocator moved the mark: read it again
-            # IDs start at 1: 0 means "none" in the model.
-            self._next, self._end = max(mark, 1), mark + size
+            self._next, self._end = start, start + size
             return
 
 

@@ -42,6 +42,6 @@ def decode_dict(key: str, raw: bytes) -> dict[str, Any]:
 def decode(key: str, raw: bytes, model: type[M]) -> M:
     body = decode_dict(key, raw)
     try:
-        return model.from_dict(body)  # type: ignore[attr-defined, no-any-return]
+        return model.from_dict(body)  # type: ignore[attr-defined]
     except (ValueError, TypeError, KeyError) as exc:
         raise MalformedValueError(key, f"invalid {model.__name__}: {exc}") from None

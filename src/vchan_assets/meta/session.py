@@ -1,0 +1,326 @@
+"""Node sessions on etcd leases, and the DataCoord's active-standby election.
+
+Seed behaviour: a DataNode registers its session in etcd (`session/datanode/{nodeID}`,
+attached to a lease it keeps alive); when it loses liveness it stops that node's work.
+Liveness is lost when etcd says the lease is gone, or when no keep-alive succeeded for
+longer than the TTL: then etcd may already have expired the lease and handed the node's
+channels to another node, so the node must assume it is dead even if it was only paused
+(SIGSTOP, a long GC, a partition). No zombie writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vchan_assets.meta.codec import Model
+from vchan_assets.meta.errors import CasConflictError, MetaError, MetaUnavailableError
+from vchan_assets.meta.store import KeyValue, MetaStore
+from vchan_assets.model import NodeSession
+
+log = logging.getLogger(__name__)
+
+Value = bytes | Model | dict[str, Any]
+
+
+class SessionConflictError(MetaError):
+    """The session key is already held by another live process (the same node ID twice)."""
+
+    def __init__(self, key: str, holder_lease: int) -> None:
+        holder = f"lease {holder_lease}" if holder_lease else "a key without a lease"
+        super().__init__(
+            f"session {key} is already registered ({holder}): another process with this identity "
+            "is alive, or its session has not expired yet"
+        )
+        self.key = key
+        self.holder_lease = holder_lease
+
+
+class Session:
+    """A key attached to an etcd lease that a daemon thread keeps alive every ttl/3.
+
+    `on_expired()` is called exactly once, from a session thread, when liveness is lost;
+    the lease is then revoked (if etcd still has it) so the key disappears.
+    `close()` stops the keep-alive and revokes the lease: the key disappears at once.
+    """
+
+    def __init__(
+        self,
+        store: MetaStore,
+        key: str,
+        value: Value,
+        ttl: float,
+        on_expired: Callable[[], None] | None = None,
+    ) -> None:
+        if ttl <= 0:
+            raise ValueError(f"session ttl must be positive, got {ttl}")
+        self.store = store
+        self.key = key
+        self.value = value
+        self.ttl = ttl
+        # etcd grants whole seconds (MetaStore.grant rounds): never believe in more than that.
+        self.local_ttl = min(ttl, max(1, round(ttl)))
+        self.on_expired = on_expired
+        self.lease_id: int | None = None
+        self.expiry_reason: str | None = None
+        self.keepalive_failures = 0  # metric
+        self._last_ok = 0.0  # monotonic time at which the last successful keep-alive was sent
+        self._expired = False
+        self._closed = False
+        self._suspended = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def for_datanode(
+        cls,
+        store: MetaStore,
+        node: NodeSession,
+        ttl: float,
+        on_expired: Callable[[], None] | None = None,
+    ) -> Session:
+        return cls(store, store.keys.datanode_session(node.node_id), node, ttl, on_expired)
+
+    # --- state ---------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """Registered, and neither expired nor closed."""
+        return self.lease_id is not None and not self._expired and not self._closed
+
+    @property
+    def expired(self) -> bool:
+        return self._expired
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def register(self) -> Session:
+        """Grant a lease, create the key on it, start the keep-alive.
+
+        Refuses with SessionConflictError if the key exists (held by another live lease)."""
+        if self.lease_id is not None or self._closed:
+            raise MetaError(f"session {self.key} was already registered")
+        sent = time.monotonic()
+        lease_id = self.store.grant(self.ttl)
+        try:
+            self.store.cas(self.key, 0, self.value, lease=lease_id)
+        except CasConflictError:
+            holder = self.store.get(self.key)
+            self._revoke_quietly(lease_id)
+            raise SessionConflictError(self.key, holder.lease if holder else 0) from None
+        except MetaError:
+            self._revoke_quietly(lease_id)
+            raise
+        self.lease_id = lease_id
+        self._last_ok = sent
+        for target, name in ((self._keepalive_loop, "keep-alive"), (self._watchdog_loop, "watchdog")):
+            thread = threading.Thread(target=target, name=f"session {name} {self.key}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        log.info("session %s registered on lease %s (ttl %ss)", self.key, lease_id, self.ttl)
+        return self
+
+    def suspend_keepalive(self) -> None:
+        """Stop refreshing the lease without revoking it (tests and fault injection): the
+        session expires in etcd after the TTL, and `on_expired` fires."""
+        self._suspended = True
+
+    def close(self) -> None:
+        """Stop the keep-alive and revoke the lease; the key disappears at once.
+
+        Does not call `on_expired`. If etcd is unreachable the lease expires by itself."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            revoke = self.lease_id is not None and not self._expired
+        self._stop.set()
+        self._join()
+        if revoke and self.lease_id is not None:
+            try:
+                self.store.revoke(self.lease_id)
+            except MetaUnavailableError as exc:
+                log.warning(
+                    "session %s: could not revoke lease %s (%s); it expires in %ss",
+                    self.key,
+                    self.lease_id,
+                    exc,
+                    self.ttl,
+                )
+        log.info("session %s closed", self.key)
+
+    def __enter__(self) -> Session:
+        return self if self.lease_id is not None else self.register()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- threads -------------------------------------------------------------------
+
+    def _keepalive_loop(self) -> None:
+        interval = self.local_ttl / 3
+        retry = self.local_ttl / 10
+        wait = interval
+        assert self.lease_id is not None
+        while not self._stop.wait(wait):
+            wait = interval
+            if self._suspended:
+                continue
+            sent = time.monotonic()
+            if self._silent_too_long(sent):
+                return
+            try:
+                remaining = self.store.keepalive(self.lease_id)
+            except MetaUnavailableError as exc:
+                self.keepalive_failures += 1
+                log.warning("session %s: keep-alive failed (%s)", self.key, exc)
+                wait = retry
+                continue
+            if remaining <= 0:
+                self._expire(f"etcd reports lease {self.lease_id} expired")
+                return
+            with self._lock:
+                # A refresh sent after the deadline proves nothing: we may have been paused
+                # while etcd expired the lease and another node took over.
+                if sent - self._last_ok <= self.local_ttl:
+                    self._last_ok = sent
+
+    def _watchdog_loop(self) -> None:
+        while True:
+            with self._lock:
+                silent = time.monotonic() - self._last_ok
+            if silent >= self.local_ttl:
+                self._expire(f"no successful keep-alive for {silent:.1f}s (ttl {self.local_ttl}s)")
+                return
+            remaining = self.local_ttl - silent
+            if self._stop.wait(remaining):
+                return
+
+    def _silent_too_long(self, now: float) -> bool:
+        with self._lock:
+            silent = now - self._last_ok
+        if silent > self.local_ttl:
+            self._expire(f"no successful keep-alive for {silent:.1f}s (ttl {self.local_ttl}s)")
+            return True
+        return False
+
+    def _expire(self, reason: str) -> None:
+        with self._lock:
+            if self._expired or self._closed:
+                return
+            self._expired = True
+            self.expiry_reason = reason
+        self._stop.set()
+        log.error("session %s lost liveness: %s", self.key, reason)
+        if self.on_expired is not None:
+            try:
+                self.on_expired()
+            except Exception:
+                log.exception("on_expired of session %s failed", self.key)
+        if self.lease_id is not None:
+            # If etcd still has the lease (we only missed our own deadline), drop it so the
+            # cluster sees what this process now believes: it is gone.
+            self._revoke_quietly(self.lease_id)
+
+    def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            self.store.revoke(lease_id)
+        except MetaUnavailableError as exc:
+            # Already expired in etcd, or etcd unreachable: either way the lease dies with its TTL.
+            log.info("session %s: revoke of lease %s failed: %s", self.key, lease_id, exc)
+
+    def _join(self) -> None:
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(self.store.client.timeout + 1)
+
+
+class Election:
+    """Active-standby election for the DataCoord on `session/datacoord` (one leader).
+
+    The leader holds the key on its own session lease. A standby polls until the key is
+    gone (the leader resigned, or its lease expired), then creates it with a
+    compare-and-swap on version 0; exactly one contender wins each round.
+    `on_lost()` is called if the leader's session loses liveness.
+    """
+
+    def __init__(
+        self,
+        store: MetaStore,
+        value: Value,
+        ttl: float,
+        key: str | None = None,
+        on_lost: Callable[[], None] | None = None,
+        poll_interval: float | None = None,
+    ) -> None:
+        self.store = store
+        self.value = value
+        self.ttl = ttl
+        self.key = key or store.keys.datacoord_session()
+        self.on_lost = on_lost
+        self.poll_interval = poll_interval if poll_interval is not None else min(0.5, ttl / 4)
+        self._session: Session | None = None
+        self._resigned = threading.Event()
+
+    @property
+    def is_leader(self) -> bool:
+        return self._session is not None and self._session.alive
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
+
+    def leader(self) -> KeyValue | None:
+        """The current leader's key and value, or None if there is none."""
+        return self.store.get(self.key)
+
+    def try_acquire(self) -> bool:
+        """One attempt: become the leader if nobody is. Returns whether this one leads."""
+        if self.is_leader:
+            return True
+        if self.store.get(self.key) is not None:
+            return False
+        session = Session(self.store, self.key, self.value, self.ttl, on_expired=self._lost)
+        try:
+            session.register()
+        except SessionConflictError:
+            return False  # another standby won this round
+        self._session = session
+        log.info("%s: became the leader on lease %s", self.key, session.lease_id)
+        return True
+
+    def campaign(self, timeout: float | None = None) -> bool:
+        """Wait (polling) until this contender leads; False on timeout or after `resign()`."""
+        self._resigned.clear()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.try_acquire():
+                    return True
+            except MetaUnavailableError as exc:
+                log.warning("%s: campaign attempt failed (%s); retrying", self.key, exc)
+            wait = self.poll_interval
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                wait = min(wait, remaining)
+            if self._resigned.wait(wait):
+                return False
+
+    def resign(self) -> None:
+        """Give up leadership (revoke the session: a standby takes over at once), or stop
+        campaigning."""
+        self._resigned.set()
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def _lost(self) -> None:
+        log.error("%s: leadership lost", self.key)
+        if self.on_lost is not None:
+            self.on_lost()

@@ -1,0 +1,67 @@
+"""Helpers of the metastore tests: real child node processes, polling with a deadline."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+CHILD = Path(__file__).with_name("session_child.py")
+
+
+class ChildNode:
+    """A real Python process running `session_child.py`."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(CHILD), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def read_line(self, timeout: float) -> str:
+        """The next line the child prints; fails the test if none comes in time."""
+        assert self.process.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                pytest.fail(f"child printed nothing within {timeout}s")
+        line = self.process.stdout.readline()
+        if not line:
+            stderr = self.process.stderr.read() if self.process.stderr else ""
+            pytest.fail(f"child exited with {self.process.wait()}: {stderr}")
+        return line.strip()
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.process.pid, signum)
+
+    def cleanup(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
+    """Poll until `condition()`; returns the seconds it took, fails the test on timeout."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"condition not met within {timeout}s")
+        time.sleep(interval)
+    return time.monotonic() - started

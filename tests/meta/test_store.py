@@ -1,0 +1,279 @@
+"""The metastore against a real etcd: CAS, lease-guarded commits, malformed values, outages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.meta.codec import decode, encode
+from vchan_assets.meta.embedded import EmbeddedEtcd, free_port
+from vchan_assets.meta.errors import (
+    CasConflictError,
+    LeaseLostError,
+    MalformedValueError,
+    MetaUnavailableError,
+)
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import ChannelLease, MsgPosition
+
+
+@pytest.fixture
+def other_store(settings: Settings) -> Iterator[MetaStore]:
+    """A second, independent client of the same etcd and key root (another process)."""
+    meta = MetaStore.connect(settings)
+    yield meta
+    meta.close()
+
+
+def _grant_channel_lease(store: MetaStore, channel: str, lease_id: int, node_id: int) -> ChannelLease:
+    lease = ChannelLease(lease_id=lease_id, node_id=node_id, granted_at=time.time())
+    store.put(store.keys.channel_lease(channel), lease)
+    return lease
+
+
+# --- compare-and-swap -------------------------------------------------------------------
+
+
+def test_cas_between_two_writers_lets_exactly_one_win(store: MetaStore, other_store: MetaStore) -> None:
+    key = store.keys.channel_watch(1, "ch-0")
+    store.put(key, {"state": "ToWatch"})
+    read_by_first = store.get(key)
+    read_by_second = other_store.get(key)
+    assert read_by_first is not None and read_by_second is not None
+
+    store.cas(key, read_by_first.version, {"state": "WatchSuccess"})
+    with pytest.raises(CasConflictError) as lost:
+        other_store.cas(key, read_by_second.version, {"state": "WatchFailure"})
+
+    assert lost.value.key == key
+    assert lost.value.expected_version == read_by_second.version
+    assert lost.value.found_version == read_by_second.version + 1
+    final = store.get(key)
+    assert final is not None and b"WatchSuccess" in final.value
+
+
+def test_cas_on_version_zero_creates_only_if_absent(store: MetaStore, other_store: MetaStore) -> None:
+    key = store.keys.channel_watch(1, "ch-new")
+    store.cas(key, 0, {"owner": "first"})
+    with pytest.raises(CasConflictError) as lost:
+        other_store.cas(key, 0, {"owner": "second"})
+    assert lost.value.found_version == 1
+    kv = store.get(key)
+    assert kv is not None and b"first" in kv.value
+
+
+# --- lease-guarded transactions ---------------------------------------------------------
+
+
+def test_guarded_txn_rejects_a_stale_writer_and_writes_nothing(store: MetaStore) -> None:
+    channel = "by-dev-rootcoord-dml_0_100v0"
+    stale = _grant_channel_lease(store, channel, lease_id=7, node_id=1)
+    _grant_channel_lease(store, channel, lease_id=8, node_id=2)  # reassigned to node 2
+    segment_key = store.keys.segment(100, 1, 42)
+    checkpoint_key = store.keys.channel_checkpoint(channel)
+
+    with pytest.raises(LeaseLostError) as lost:
+        store.guarded_txn(
+            channel,
+            stale,
+            puts={segment_key: {"id": 42}, checkpoint_key: MsgPosition(channel, 10, 99)},
+        )
+
+    assert (lost.value.channel, lost.value.expected, lost.value.found) == (channel, 7, 8)
+    assert channel in str(lost.value) and "nothing was committed" in str(lost.value)
+    assert store.get(segment_key) is None
+    assert store.get(checkpoint_key) is None
+
+
+def test_guarded_txn_rejects_a_writer_whose_lease_was_removed(store: MetaStore) -> None:
+    channel = "ch-released"
+    stale = _grant_channel_lease(store, channel, lease_id=9, node_id=1)
+    store.delete(store.keys.channel_lease(channel))
+    segment_key = store.keys.segment(100, 1, 43)
+
+    with pytest.raises(LeaseLostError) as lost:
+        store.guarded_txn(channel, stale, puts={segment_key: {"id": 43}})
+
+    assert lost.value.found is None
+    assert store.get(segment_key) is None
+
+
+def test_guarded_txn_with_a_changed_segment_version_raises_conflict_and_writes_nothing(
+    store: MetaStore,
+) -> None:
+    channel = "ch-versions"
+    lease = _grant_channel_lease(store, channel, lease_id=11, node_id=1)
+    segment_key = store.keys.segment(100, 1, 44)
+    store.put(segment_key, {"id": 44, "num_rows": 1})
+    read = store.get(segment_key)
+    assert read is not None
+    store.put(segment_key, {"id": 44, "num_rows": 5})  # a concurrent writer (e.g. compaction)
+    checkpoint_key = store.keys.channel_checkpoint(channel)
+
+    with pytest.raises(CasConflictError) as conflict:
+        store.guarded_txn(
+            channel,
+            lease,
+            puts={segment_key: {"id": 44, "num_rows": 2}, checkpoint_key: MsgPosition(channel, 3, 9)},
+            expect_versions={segment_key: read.version},
+        )
+
+    assert conflict.value.key == segment_key
+    assert (conflict.value.expected_version, conflict.value.found_version) == (read.version, read.version + 1)
+    assert store.get(checkpoint_key) is None
+    current = store.get(segment_key)
+    assert current is not None and b'"num_rows":5' in current.value
+
+
+def test_guarded_txn_commits_everything_while_the_lease_holds(store: MetaStore) -> None:
+    channel = "ch-ok"
+    lease = _grant_channel_lease(store, channel, lease_id=12, node_id=1)
+    segment_key = store.keys.segment(100, 1, 45)
+    checkpoint_key = store.keys.channel_checkpoint(channel)
+
+    revision = store.guarded_txn(
+        channel,
+        lease,
+        puts={segment_key: {"id": 45}, checkpoint_key: MsgPosition(channel, 3, 9)},
+        expect_versions={segment_key: 0},
+    )
+
+    segment, checkpoint = store.get(segment_key), store.get(checkpoint_key)
+    assert segment is not None and checkpoint is not None
+    assert segment.mod_revision == checkpoint.mod_revision == revision
+
+
+# --- malformed values -------------------------------------------------------------------
+
+
+def test_decoding_malformed_json_names_the_key() -> None:
+    with pytest.raises(MalformedValueError) as bad:
+        decode("vchan/meta/channel-cp/ch-1", b"{not json", MsgPosition)
+    assert bad.value.key == "vchan/meta/channel-cp/ch-1"
+    assert "vchan/meta/channel-cp/ch-1" in str(bad.value) and "not JSON" in str(bad.value)
+
+
+def test_decoding_a_value_of_another_schema_version_names_the_key() -> None:
+    with pytest.raises(MalformedValueError, match="schema version 2"):
+        decode("k", b'{"v": 2, "channel": "c", "offset": 1, "timestamp": 1}', MsgPosition)
+
+
+def test_get_model_of_a_malformed_value_names_the_key(store: MetaStore) -> None:
+    key = store.keys.channel_checkpoint("ch-bad")
+    store.put(key, b'{"v": 1, "channel": "ch-bad", "offset": "ten"')
+
+    with pytest.raises(MalformedValueError) as bad:
+        store.get_model(key, MsgPosition)
+
+    assert bad.value.key == key
+
+
+def test_get_model_of_a_value_missing_a_field_names_the_key_and_field(store: MetaStore) -> None:
+    key = store.keys.channel_checkpoint("ch-field")
+    store.put(key, {"channel": "ch-field", "timestamp": 5})
+
+    with pytest.raises(MalformedValueError) as bad:
+        store.get_model(key, MsgPosition)
+
+    assert bad.value.key == key and "offset" in str(bad.value)
+
+
+def test_list_models_skips_and_counts_malformed_values_when_asked(store: MetaStore) -> None:
+    prefix = store.keys.channel_checkpoints()
+    good = MsgPosition("ch-a", 1, 2)
+    store.put(store.keys.channel_checkpoint("ch-a"), good)
+    store.put(store.keys.channel_checkpoint("ch-b"), b"garbage")
+    store.put(store.keys.channel_checkpoint("ch-c"), b"[1, 2]")
+
+    with pytest.raises(MalformedValueError) as bad:
+        store.list_models(prefix, MsgPosition)
+    assert bad.value.key == store.keys.channel_checkpoint("ch-b")
+
+    decoded, revision = store.list_models(prefix, MsgPosition, skip_malformed=True)
+    assert [d.model for d in decoded] == [good]
+    assert store.malformed_skipped == 2
+    assert revision == store.revision()
+
+
+def test_encoded_values_carry_the_schema_version() -> None:
+    assert encode(MsgPosition("c", 1, 2)).startswith(b'{"v":1,')
+
+
+# --- etcd unreachable ---------------------------------------------------------------------
+
+
+def _settings_for(settings: Settings, endpoint: str, timeout: float) -> Settings:
+    return replace(settings, etcd_endpoints=(endpoint,), etcd_timeout=timeout)
+
+
+def test_etcd_on_a_closed_port_gives_meta_unavailable_naming_the_endpoint(settings: Settings) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    store = MetaStore.connect(_settings_for(settings, endpoint, timeout=1.0))
+    started = time.monotonic()
+
+    with pytest.raises(MetaUnavailableError) as down:
+        store.get(store.keys.tso())
+
+    assert time.monotonic() - started < 1.0 + 2
+    assert endpoint in str(down.value) and down.value.endpoints == (endpoint,)
+    store.close()
+
+
+def test_etcd_that_accepts_but_never_answers_times_out_within_the_configured_timeout(
+    settings: Settings,
+) -> None:
+    # A listening socket nobody accepts from: TCP connects, gRPC never gets an answer.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        store = MetaStore.connect(_settings_for(settings, endpoint, timeout=1.0))
+        started = time.monotonic()
+
+        with pytest.raises(MetaUnavailableError) as down:
+            store.put(store.keys.id_allocator(), b"1")
+
+        assert time.monotonic() - started < 1.0 + 2
+        assert endpoint in str(down.value)
+        store.close()
+
+
+def test_killed_etcd_gives_meta_unavailable_within_bounded_time(
+    private_etcd: EmbeddedEtcd, private_settings: Settings
+) -> None:
+    store = MetaStore.connect(replace(private_settings, etcd_timeout=1.0))
+    store.put(store.keys.tso(), b"1")
+    private_etcd.kill()
+    started = time.monotonic()
+
+    with pytest.raises(MetaUnavailableError) as down:
+        store.get(store.keys.tso())
+
+    assert time.monotonic() - started < 1.0 + 2
+    assert private_etcd.endpoint in str(down.value)
+    store.close()
+
+
+def test_frozen_etcd_gives_meta_unavailable_within_bounded_time(
+    private_etcd: EmbeddedEtcd, private_settings: Settings
+) -> None:
+    store = MetaStore.connect(replace(private_settings, etcd_timeout=1.0))
+    store.put(store.keys.tso(), b"1")
+    assert private_etcd.pid is not None
+    os.kill(private_etcd.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MetaUnavailableError) as down:
+            store.get(store.keys.tso())
+        assert time.monotonic() - started < 1.0 + 2
+        assert private_etcd.endpoint in str(down.value)
+    finally:
+        os.kill(private_etcd.pid, signal.SIGCONT)
+        store.close()
