@@ -39,9 +39,9 @@ class PkStats:
     @classmethod
     def build(cls, pks: np.ndarray, fpr: float = FALSE_POSITIVE_RATE) -> PkStats:
         n = max(int(len(pks)), 1)
-        m = max(64, int(math.ceil(-n * math.log(fpr) / (math.log(2) ** 2))))
-        m = (m + 7) // 8 * 8
-        k = max(1, round(m / n * math.log(2)))
+        needed = max(64, int(math.ceil(-n * math.log(fpr) / (math.log(2) ** 2))))
+        k = max(1, round(needed / n * math.log(2)))
+        m = 1 << (needed - 1).bit_length()  # a power of two: positions by mask, not modulo
         bitset = np.zeros(m // 8, dtype=np.uint8)
         for idx in _positions(pks, m, k):
             np.bitwise_or.at(
@@ -89,5 +89,6 @@ def _positions(pks: np.ndarray, m: int, k: int) -> list[np.ndarray]:
     # Double hashing: h1 + i*h2 (Kirsch-Mitzenmacher) gives k independent-enough positions.
     h1 = _mix(np.asarray(pks, dtype=np.int64), 0)
     h2 = _mix(np.asarray(pks, dtype=np.int64), 1) | np.uint64(1)
+    mask = np.uint64(m - 1)
     with np.errstate(over="ignore"):
-        return [(h1 + np.uint64(i) * h2) % np.uint64(m) for i in range(k)]
+        return [(h1 + np.uint64(i) * h2) & mask for i in range(k)]
