@@ -85,10 +85,13 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+# Loaded once in the parent: between fork and exec the child may only make the prctl
+# call itself (no dlopen, no allocation), since other threads (gRPC's) may hold locks.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()  # own process group: the caller's Ctrl-C does not reach etcd first
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def healthy(endpoint: str, timeout: float = 1.0) -> bool:
@@ -188,7 +191,8 @@ class EmbeddedEtcd:
             stdout=logfile,
             stderr=subprocess.STDOUT,
             preexec_fn=None if detach else _die_with_parent,
-            start_new_session=detach,
+            # Own session: the caller's Ctrl-C does not reach etcd before the caller stops it.
+            start_new_session=True,
         )
         logfile.close()
         self.pid = self._process.pid

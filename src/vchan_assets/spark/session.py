@@ -11,10 +11,12 @@ import logging
 import os
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
+from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import SparkSession
 
 from vchan_assets.config import Settings
@@ -61,10 +63,25 @@ def get_spark(settings: Settings) -> SparkSession:
         builder = builder.master(settings.spark_master)
         for key, value in spark_conf(settings).items():
             builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = _get_or_create(builder)
     if not settings.spark_remote:
         spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def _get_or_create(builder: SparkSession.Builder, attempts: int = 3) -> SparkSession:
+    """PySpark forks the JVM with a preexec_fn; in a process with other threads (gRPC's)
+    that child occasionally dies before exec ("Java gateway process exited before sending
+    its port number"). Such a start is retried; other errors are not."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return builder.getOrCreate()
+        except PySparkRuntimeError as exc:
+            if "JAVA_GATEWAY_EXITED" not in str(exc) or attempt == attempts:
+                raise
+            log.warning("Spark's JVM exited at start (attempt %d of %d); retrying", attempt, attempts)
+            time.sleep(0.5 * attempt)
+    raise AssertionError("unreachable")
 
 
 def run_job(spark: SparkSession, description: str, job: Callable[[], T], timeout: float) -> T:
