@@ -1,0 +1,126 @@
+"""The embedded stack: a real etcd process that is reused, stopped cleanly, and never left
+behind when its caller crashes; the Spark session factory and its job deadline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.meta.embedded import EmbeddedEtcd, _pid_alive, healthy, server_version
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
+
+VCHAN = Path(sys.executable).parent / "vchan"
+
+
+def _wait_dead(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_embedded_etcd_starts_healthy_and_a_second_start_reuses_it(tmp_path: Path) -> None:
+    first = EmbeddedEtcd(tmp_path / "etcd").start()
+    pid = first.pid
+    assert pid is not None
+    try:
+        assert first.owned and healthy(first.endpoint)
+        assert server_version(first.endpoint).startswith("3.")
+        second = EmbeddedEtcd(tmp_path / "etcd").start()
+        assert not second.owned and second.pid == first.pid and second.endpoint == first.endpoint
+    finally:
+        first.stop()
+    assert _wait_dead(pid)
+    assert not (tmp_path / "etcd" / "server.json").exists()
+
+
+def test_embedded_etcd_restarted_on_the_same_directory_keeps_its_data(tmp_path: Path) -> None:
+    server = EmbeddedEtcd(tmp_path / "etcd").start()
+    store = MetaStore.connect(Settings(), [server.endpoint])
+    store.put("vchan/kept", b"1")
+    store.close()
+    server.stop()
+    again = EmbeddedEtcd(tmp_path / "etcd").start()
+    try:
+        store = MetaStore.connect(Settings(), [again.endpoint])
+        kv = store.get("vchan/kept")
+        assert kv is not None and kv.value == b"1"
+        store.close()
+    finally:
+        again.stop()
+
+
+def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from vchan_assets.meta.embedded import EmbeddedEtcd
+        server = EmbeddedEtcd(Path({str(tmp_path / "etcd")!r})).start()
+        print(server.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert caller.stdout is not None
+    etcd_pid = int(caller.stdout.readline())
+    assert _pid_alive(etcd_pid)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    assert _wait_dead(etcd_pid), "etcd outlived the process that started it"
+
+
+def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env["VCHAN_HOME"] = str(tmp_path / "home")
+    up = subprocess.run([str(VCHAN), "up"], env=env, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 0, up.stderr
+    assert "etcd_version" in up.stdout and "3.5" in up.stdout
+    server = EmbeddedEtcd(tmp_path / "home" / "etcd")
+    state = server._read_state()
+    assert state is not None and _pid_alive(state["pid"]), "etcd did not outlive `vchan up`"
+    down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert _wait_dead(state["pid"])
+
+
+def test_a_bad_setting_stops_a_command_at_start_naming_the_variable(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env.update(VCHAN_HOME=str(tmp_path), VCHAN_SESSION_TTL="soon")
+    result = subprocess.run([str(VCHAN), "up"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "VCHAN_SESSION_TTL='soon' is invalid: expected a" in result.stderr
+
+
+def test_spark_session_factory_runs_a_job_within_its_deadline() -> None:
+    spark = get_spark(Settings())
+    assert run_job(spark, "count", lambda: spark.range(1000).count(), timeout=120) == 1000
+
+
+def test_a_hung_spark_job_is_cancelled_at_its_deadline() -> None:
+    """A Python worker that never answers must not hang the caller (MEASURED.md saw one)."""
+    spark = get_spark(Settings())
+
+    def hang(batches):  # type: ignore[no-untyped-def]
+        for batch in batches:
+            time.sleep(600)
+            yield batch
+
+    df = spark.range(2, numPartitions=1).mapInArrow(hang, "id long")
+    started = time.monotonic()
+    with pytest.raises(SparkJobTimeoutError, match="did not finish within 3s"):
+        run_job(spark, "hang", lambda: df.collect(), timeout=3)
+    assert time.monotonic() - started < 60
+    # The session is still usable after the cancellation.
+    assert run_job(spark, "after", lambda: spark.range(10).count(), timeout=120) == 10
