@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.binlog_writer import column_groups, encode_parquet, take_rows
+from vchan_assets.datanode.binlog_writer import column_groups, take_rows, write_parquet
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
@@ -98,8 +98,8 @@ def baseline(storage: Storage, info: CollectionInfo, vchannel: str, out_prefix: 
             part = take_rows(table, is_insert & (segment_ids == seg))
             for group, columns in groups:
                 log_id += 1
-                data = encode_parquet(part.select(columns), vector=group != 0)
-                storage.write_atomic(f"{out_prefix}/{seg}/{group}/{log_id}.parquet", data)
+                key = f"{out_prefix}/{seg}/{group}/{log_id}.parquet"
+                write_parquet(storage, key, part.select(columns), vector=group != 0)
             rows += part.num_rows
     return rows
 

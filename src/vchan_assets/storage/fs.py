@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -102,6 +104,29 @@ class Storage:
                 os.fsync(out.fileno())
             os.rename(tmp, final)
             return final
+        except OSError as exc:
+            raise StorageError(final, str(exc)) from exc
+
+    def write_atomic_with(self, key: str, write: Callable[[Any], None]) -> int:
+        """Like `write_atomic`, but `write(sink)` streams the object into a file-like sink
+        (no intermediate buffer); returns the bytes written."""
+        fs = self.filesystem
+        final = self.path(key)
+        try:
+            if self.is_s3:
+                with fs.open_output_stream(final) as out:
+                    write(out)
+                    return int(out.tell())
+            parent = final.rsplit("/", 1)[0]
+            fs.create_dir(parent, recursive=True)
+            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as out:
+                write(out)
+                out.flush()
+                os.fsync(out.fileno())
+                size = out.tell()
+            os.rename(tmp, final)
+            return size
         except OSError as exc:
             raise StorageError(final, str(exc)) from exc
 
