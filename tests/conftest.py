@@ -16,6 +16,8 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +54,19 @@ def store(settings: Settings) -> Iterator[MetaStore]:
     meta = MetaStore.connect(settings)
     yield meta
     meta.close()
+
+
+@pytest.fixture
+def storage(settings: Settings) -> Storage:
+    """The test's own storage root (a temporary directory)."""
+    storage = Storage.from_settings(settings)
+    storage.ensure_root()
+    return storage
+
+
+@pytest.fixture
+def producer(store: MetaStore, storage: Storage, settings: Settings) -> Producer:
+    return Producer(store, storage, settings)
 
 
 @pytest.fixture

@@ -22,16 +22,6 @@ from .helpers import SCHEMA, Produced, produce
 
 
 @pytest.fixture
-def storage(settings: Settings) -> Storage:
-    return Storage.from_settings(settings)
-
-
-@pytest.fixture
-def producer(store: MetaStore, storage: Storage, settings: Settings) -> Producer:
-    return Producer(store, storage, settings)
-
-
-@pytest.fixture
 def collection(producer: Producer) -> CollectionInfo:
     return producer.create_collection(f"p{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
 

@@ -50,18 +50,6 @@ from .helpers import (
 
 
 @pytest.fixture
-def storage(settings: Settings) -> Storage:
-    storage = Storage.from_settings(settings)
-    storage.ensure_root()
-    return storage
-
-
-@pytest.fixture
-def producer(store: MetaStore, storage: Storage, settings: Settings) -> Producer:
-    return Producer(store, storage, settings)
-
-
-@pytest.fixture
 def collection(producer: Producer) -> CollectionInfo:
     return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
 

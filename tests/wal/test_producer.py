@@ -22,16 +22,6 @@ SCHEMA = CollectionSchema.build("id", {"vector": 8}, {"age": "int64", "label": "
 
 
 @pytest.fixture
-def storage(settings: Settings) -> Storage:
-    return Storage.from_settings(settings)
-
-
-@pytest.fixture
-def producer(store: MetaStore, storage: Storage, settings: Settings) -> Producer:
-    return Producer(store, storage, settings)
-
-
-@pytest.fixture
 def docs(producer: Producer) -> CollectionInfo:
     return producer.create_collection("docs", SCHEMA, ["news"], num_channels=3)
 
