@@ -16,7 +16,6 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.codec import decode_dict, encode
@@ -181,10 +180,12 @@ class CollectionCatalog:
             created_at=self.clock(),
         )
         name_key, key = self._name_key(name), self.store.keys.collection(collection_id)
-        ok, _ = self._txn(
-            compare={name_key: 0, key: 0},
-            puts={name_key: encode({"collection_id": collection_id}), key: encode(info)},
-            operation=f"create collection {name}",
+        ok = (
+            self.store.txn(
+                {name_key: 0, key: 0},
+                {name_key: encode({"collection_id": collection_id}), key: encode(info)},
+            )
+            is not None
         )
         if not ok:
             existing = self.find(name)
@@ -204,13 +205,12 @@ class CollectionCatalog:
             if found is None or found.model.dropped_at:
                 raise CollectionNotFoundError(name)
             dropped = replace(found.model, dropped_at=self.clock())
-            ok, _ = self._txn(
-                compare={key: found.kv.version, name_key: name_kv.version},
-                puts={key: encode(dropped)},
+            revision = self.store.txn(
+                {key: found.kv.version, name_key: name_kv.version},
+                {key: encode(dropped)},
                 deletes=[name_key],
-                operation=f"drop collection {name}",
             )
-            if ok:
+            if revision is not None:
                 return dropped
         raise CasConflictError(name_key, -1, -1)
 
@@ -287,24 +287,6 @@ class CollectionCatalog:
                 continue
             return new
         raise CasConflictError(key, -1, -1)
-
-    def _txn(
-        self,
-        compare: dict[str, int],
-        puts: dict[str, bytes],
-        operation: str,
-        deletes: Sequence[str] = (),
-    ) -> tuple[bool, Any]:
-        """One etcd transaction: all puts/deletes if every key still has its version."""
-        client = self.store.client
-        tx = client.transactions
-        with self.store._call(operation):
-            result: tuple[bool, Any] = client.transaction(
-                compare=[tx.version(k) == v for k, v in compare.items()],
-                success=[tx.put(k, v) for k, v in puts.items()] + [tx.delete(k) for k in deletes],
-                failure=[],
-            )
-        return result
 
 
 def _collection_id(key: str, raw: bytes) -> int:

@@ -116,7 +116,7 @@ class MetaStore:
                 failover=True,
             )
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
-            raise MetaUnavailableError(endpoints, store_ops, _reason(exc)) from exc
+            raise MetaUnavailableError(endpoints, store_ops, error_reason(exc)) from exc
         return cls(client, endpoints, Keys(settings.root))
 
     def close(self) -> None:
@@ -129,7 +129,7 @@ class MetaStore:
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
             if isinstance(exc, etcd3.exceptions.RevisionCompactedError):
                 raise
-            raise MetaUnavailableError(self.endpoints, operation, _reason(exc)) from exc
+            raise MetaUnavailableError(self.endpoints, operation, error_reason(exc)) from exc
 
     # --- reads ----------------------------------------------------------------------
 
@@ -208,6 +208,24 @@ class MetaStore:
             raise CasConflictError(key, expected_version, found)
         return _txn_revision(responses)
 
+    def txn(
+        self,
+        expect_versions: Mapping[str, int],
+        puts: Mapping[str, bytes | Model | dict[str, Any]],
+        deletes: Sequence[str] = (),
+    ) -> int | None:
+        """Multi-key compare-version-and-swap: every put and delete, only if each key of
+        `expect_versions` still has that version (0: absent). Returns the revision of the
+        commit, or None when a key had changed (nothing written)."""
+        tx = self.client.transactions
+        success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
+        keys = ", ".join([*puts, *deletes])
+        with self._call(f"transaction on {keys}"):
+            ok, responses = self.client.transaction(
+                compare=[tx.version(k) == v for k, v in expect_versions.items()], success=success, failure=[]
+            )
+        return _txn_revision(responses) if ok else None
+
     def guarded_txn(
         self,
         channel: str,
@@ -284,7 +302,8 @@ def _txn_revision(responses: list[Any]) -> int:
     return 0
 
 
-def _reason(exc: BaseException) -> str:
+def error_reason(exc: BaseException) -> str:
+    """A one-line description of an etcd client or gRPC error."""
     if isinstance(exc, grpc.RpcError):
         details = exc.details() if hasattr(exc, "details") else ""
         return f"{exc.code().name}: {details}" if hasattr(exc, "code") else str(exc)

@@ -38,7 +38,7 @@ import grpc
 
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
-from vchan_assets.meta.store import MetaStore, Snapshot, _reason
+from vchan_assets.meta.store import MetaStore, Snapshot, error_reason
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _etcd_call(store: MetaStore, operation: str) -> Iterator[None]:
     except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
         if _is_compacted(exc):
             raise _Compacted(str(exc)) from exc
-        raise MetaUnavailableError(store.endpoints, operation, _reason(exc)) from exc
+        raise MetaUnavailableError(store.endpoints, operation, error_reason(exc)) from exc
 
 
 class _PrefixStream:
@@ -164,7 +164,9 @@ class _PrefixStream:
         if isinstance(item, BaseException):
             if _is_compacted(item):
                 raise _Compacted(f"watch of {self.prefix}: revision compacted") from item
-            raise MetaUnavailableError(self.store.endpoints, f"watch {self.prefix}", _reason(item)) from item
+            raise MetaUnavailableError(
+                self.store.endpoints, f"watch {self.prefix}", error_reason(item)
+            ) from item
         if item is None:  # the client ends a stream that closed without an error this way
             raise MetaUnavailableError(self.store.endpoints, f"watch {self.prefix}", "watch stream closed")
         return item
@@ -177,7 +179,7 @@ class _PrefixStream:
             self.watcher.cancel(self.watch_id)
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
             # The stream is already gone (etcd down): nothing left to cancel on the server.
-            log.debug("cancel watch of %s: %s", self.prefix, _reason(exc))
+            log.debug("cancel watch of %s: %s", self.prefix, error_reason(exc))
 
 
 _WAKE = object()
