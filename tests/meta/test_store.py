@@ -18,6 +18,7 @@ from vchan_assets.meta.errors import (
     CasConflictError,
     LeaseLostError,
     MalformedValueError,
+    MetaError,
     MetaUnavailableError,
 )
 from vchan_assets.meta.store import MetaStore
@@ -277,3 +278,11 @@ def test_frozen_etcd_gives_meta_unavailable_within_bounded_time(
     finally:
         os.kill(private_etcd.pid, signal.SIGCONT)
         store.close()
+
+
+def test_revoking_an_unknown_lease_is_refused_not_reported_as_unavailable(store: MetaStore) -> None:
+    lease = store.grant(5)
+    store.revoke(lease)
+    with pytest.raises(MetaError, match="etcd refused revoke lease") as err:
+        store.revoke(lease)
+    assert not isinstance(err.value, MetaUnavailableError)

@@ -143,7 +143,7 @@ class Session:
         if revoke and self.lease_id is not None:
             try:
                 self.store.revoke(self.lease_id)
-            except MetaUnavailableError as exc:
+            except MetaError as exc:  # unreachable, or the lease is already gone
                 log.warning(
                     "session %s: could not revoke lease %s (%s); it expires in %ss",
                     self.key,
@@ -229,7 +229,7 @@ class Session:
     def _revoke_quietly(self, lease_id: int) -> None:
         try:
             self.store.revoke(lease_id)
-        except MetaUnavailableError as exc:
+        except MetaError as exc:
             # Already expired in etcd, or etcd unreachable: either way the lease dies with its TTL.
             log.info("session %s: revoke of lease %s failed: %s", self.key, lease_id, exc)
 

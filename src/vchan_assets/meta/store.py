@@ -36,6 +36,16 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 ENDPOINT_RETRY_SECONDS = 0.5
+_REFUSED_CODES = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,9 @@ class MetaStore:
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
             if isinstance(exc, etcd3.exceptions.RevisionCompactedError):
                 raise
+            if isinstance(exc, grpc.RpcError) and exc.code() in _REFUSED_CODES:
+                # etcd answered, and said no (unknown lease, bad request, no permission).
+                raise MetaError(f"etcd refused {operation}: {error_reason(exc)}") from exc
             raise MetaUnavailableError(self.endpoints, operation, error_reason(exc)) from exc
 
     # --- reads ----------------------------------------------------------------------
