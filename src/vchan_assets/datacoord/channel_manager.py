@@ -1,0 +1,362 @@
+"""DataCoord's channel manager (MEP 7, seed `datacoord_server.go`): which DataNode
+watches which vchannel, written to `channelwatch/{nodeID}/{vchannel}`.
+
+The manager keeps no state of its own: `reconcile(now)` reads the node sessions, the
+catalog's vchannels and every watch info, takes one step towards "every channel watched
+by exactly one live node, balanced by count", and returns what it did. A coordinator
+loop calls it every half second; a Dagster sensor tick can call it just the same, and a
+standby that takes over simply continues from what etcd says.
+
+Rules of one step, per vchannel of every non-dropped collection:
+- a watch info of a node whose session is gone is deleted and the channel reassigned
+  with a NEW lease (granting it fences off the old writer: lease MEP);
+- WatchFailure, ReleaseSuccess/ReleaseFailure, or ToWatch/ToRelease past `timeout_ts`
+  (pushed back by the node's tickler) -> deleted, and the channel reassigned;
+- an unassigned channel goes to the live node with the fewest channels (ToWatch with a
+  fresh lease id), or, with no live node, waits in `channelwatch/remaining/{vchannel}`;
+- when nothing is moving, a node with 2+ channels more than another gives one up:
+  ToRelease on the old node first; only after its ReleaseSuccess (or its death or
+  timeout) is the channel written as ToWatch for another node. Never two watchers;
+- a channel of a dropped collection is released and its watch info removed.
+Every write is a compare-version-and-swap on the version read, so a node answering at
+the same moment (or a second coordinator) makes the step skip, not clobber.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datacoord.recovery import recovery_info
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import CasConflictError, MalformedValueError
+from vchan_assets.meta.store import KeyValue, MetaStore
+from vchan_assets.model import ChannelWatchInfo, CollectionInfo, NodeSession, VchannelInfo, WatchState
+
+log = logging.getLogger(__name__)
+
+REMAINING = "remaining"
+HOLDING = (WatchState.TO_WATCH, WatchState.WATCH_SUCCESS, WatchState.TO_RELEASE)
+MOVING = (WatchState.TO_WATCH, WatchState.TO_RELEASE)
+
+
+@dataclass(frozen=True)
+class WatchEntry:
+    """One `channelwatch/{node}/{vchannel}` key, decoded."""
+
+    node_id: int
+    vchannel: str
+    info: ChannelWatchInfo
+    kv: KeyValue
+
+
+@dataclass
+class ReconcileReport:
+    """What one `reconcile` step did (empty lists: nothing to do)."""
+
+    live_nodes: tuple[int, ...] = ()
+    assigned: list[tuple[str, int]] = field(default_factory=list)  # (vchannel, node) ToWatch
+    releasing: list[tuple[str, int, str]] = field(default_factory=list)  # (vchannel, node, why)
+    removed: list[tuple[str, int, str]] = field(default_factory=list)  # (vchannel, node, why)
+    remaining: list[str] = field(default_factory=list)  # newly parked: no live node
+    conflicts: int = 0  # CAS lost to a concurrent writer: retried next step
+    malformed: list[str] = field(default_factory=list)  # keys logged and skipped
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.assigned or self.releasing or self.removed or self.remaining)
+
+
+@dataclass(frozen=True)
+class ChannelView:
+    """The cluster picture a step works from."""
+
+    nodes: dict[int, NodeSession]
+    channels: dict[str, CollectionInfo]
+    entries: dict[str, list[WatchEntry]]
+    remaining: dict[str, KeyValue]
+    malformed: list[KeyValue]
+
+
+class ChannelManager:
+    """Assigns vchannels to DataNodes through etcd; see the module docstring."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        settings: Settings,
+        ids: IdAllocator | None = None,
+        catalog: CollectionCatalog | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.ids = ids or IdAllocator(store)
+        self.catalog = catalog or CollectionCatalog(store, self.ids)
+        self.clock = clock
+        self.malformed_skipped = 0  # metrics
+        self.malformed_sessions = 0
+
+    # --- reading the picture -------------------------------------------------------------
+
+    def live_nodes(self) -> dict[int, NodeSession]:
+        """HEALTHY DataNodes by their sessions; malformed session values are logged, skipped."""
+        before = self.store.malformed_skipped
+        found, _ = self.store.list_models(
+            self.store.keys.datanode_sessions(), NodeSession, skip_malformed=True
+        )
+        self.malformed_sessions += self.store.malformed_skipped - before
+        nodes = {}
+        for d in found:
+            if d.kv.key != self.store.keys.datanode_session(d.model.node_id):
+                self.malformed_sessions += 1
+                log.error("skipping session %s: it names node %s", d.kv.key, d.model.node_id)
+                continue
+            if d.model.state == "HEALTHY":
+                nodes[d.model.node_id] = d.model
+        return nodes
+
+    def view(self) -> ChannelView:
+        nodes = self.live_nodes()
+        channels = {v: c for c in self.catalog.list() for v in c.vchannels}
+        root = self.store.keys.channel_watch_root()
+        entries: dict[str, list[WatchEntry]] = {}
+        remaining: dict[str, KeyValue] = {}
+        malformed: list[KeyValue] = []
+        for kv in self.store.list_prefix(root).items:
+            parts = kv.key[len(root) :].split("/")
+            if len(parts) == 2 and parts[0] == REMAINING:
+                remaining[parts[1]] = kv
+                continue
+            try:
+                if len(parts) != 2 or not parts[0].isdigit():
+                    raise MalformedValueError(kv.key, "not channelwatch/{nodeID}/{vchannel}")
+                info = decode(kv.key, kv.value, ChannelWatchInfo)
+                if info.vchan.channel_name != parts[1]:
+                    raise MalformedValueError(kv.key, f"names vchannel {info.vchan.channel_name!r}")
+            except MalformedValueError as exc:
+                self.malformed_skipped += 1
+                log.error("channel manager: skipping %s", exc)
+                malformed.append(kv)
+                continue
+            entries.setdefault(parts[1], []).append(WatchEntry(int(parts[0]), parts[1], info, kv))
+        return ChannelView(nodes, channels, entries, remaining, malformed)
+
+    def assignments(self) -> dict[str, list[tuple[int, WatchState]]]:
+        """vchannel -> [(node, state)] as etcd has it now (for status and tests)."""
+        return {v: [(e.node_id, e.info.state) for e in es] for v, es in self.view().entries.items()}
+
+    # --- one step ------------------------------------------------------------------------
+
+    def reconcile(self, now: float | None = None) -> ReconcileReport:
+        """One step towards every channel watched by exactly one live node, balanced."""
+        now = self.clock() if now is None else now
+        view = self.view()
+        report = ReconcileReport(live_nodes=tuple(sorted(view.nodes)))
+        for kv in view.malformed:
+            report.malformed.append(kv.key)
+            node = kv.key[len(self.store.keys.channel_watch_root()) :].split("/")[0]
+            if not node.isdigit() or int(node) not in view.nodes:
+                self._delete(kv, report)  # garbage of a dead node: nobody will ever answer it
+        load = {n: 0 for n in view.nodes}
+        for es in view.entries.values():
+            for e in es:
+                if e.node_id in load and e.info.state in HOLDING:
+                    load[e.node_id] += 1
+        moving = False
+        for vchannel in sorted(set(view.channels) | set(view.entries) | set(view.remaining)):
+            collection = view.channels.get(vchannel)
+            entries = view.entries.get(vchannel, [])
+            if collection is None:
+                self._retire(vchannel, entries, view, report)
+                continue
+            holders, exclude = self._settle(vchannel, entries, view, load, now, report)
+            if holders:
+                moving |= any(h.info.state in MOVING for h in holders)
+                for extra in holders[1:]:  # two holders never arise from this manager; heal it
+                    self._to_release(extra, "a second watcher", report)
+                continue
+            if not view.nodes:
+                if vchannel not in view.remaining:
+                    self.store.put(
+                        self.store.keys.remaining_channel(vchannel), VchannelInfo(collection.id, vchannel)
+                    )
+                    report.remaining.append(vchannel)
+                    log.warning("no live DataNode: %s waits in channelwatch/remaining", vchannel)
+                continue
+            candidates = [n for n in load if n not in exclude] or list(load)
+            target = min(candidates, key=lambda n: (load[n], n))
+            if self._assign(collection, vchannel, target, now, report):
+                load[target] += 1
+                moving = True
+                if vchannel in view.remaining:
+                    self.store.delete(view.remaining[vchannel].key)
+        if not moving:
+            self._balance(view, load, report)
+        if report.changed:
+            log.info(
+                "reconcile: nodes %s assigned %s releasing %s removed %s remaining %s",
+                list(report.live_nodes),
+                report.assigned,
+                report.releasing,
+                report.removed,
+                report.remaining,
+            )
+        return report
+
+    def reassign_from(self, node_id: int, now: float | None = None) -> ReconcileReport:
+        """Take every channel away from `node_id` now (its session is known to be gone):
+        its watch infos are deleted and the channels assigned elsewhere with new leases."""
+        report = ReconcileReport()
+        for kv in self.store.list_prefix(self.store.keys.channel_watch_prefix(node_id)).items:
+            self._delete(kv, report)
+        step = self.reconcile(now)
+        step.removed[:0] = report.removed
+        return step
+
+    # --- the rules -----------------------------------------------------------------------
+
+    def _settle(
+        self,
+        vchannel: str,
+        entries: list[WatchEntry],
+        view: ChannelView,
+        load: dict[int, int],
+        now: float,
+        report: ReconcileReport,
+    ) -> tuple[list[WatchEntry], set[int]]:
+        """Remove watch infos that no longer hold the channel; return those that do, and
+        nodes not to pick again for it."""
+        holders: list[WatchEntry] = []
+        exclude: set[int] = set()
+        for e in entries:
+            state = e.info.state
+            why = ""
+            if e.node_id not in view.nodes:
+                why = "node session is gone"
+            elif state in (WatchState.RELEASE_SUCCESS, WatchState.RELEASE_FAILURE):
+                why = f"node answered {state.value}"
+                exclude.add(e.node_id)
+            elif state is WatchState.WATCH_FAILURE:
+                why = f"watch failed: {e.info.reason}"
+                exclude.add(e.node_id)
+            elif state in MOVING and now > e.info.timeout_ts:
+                why = f"{state.value} stuck past the watch timeout"
+                exclude.add(e.node_id)
+            if not why:
+                holders.append(e)
+                continue
+            if (
+                self._delete(e.kv, report, vchannel, e.node_id, why)
+                and e.node_id in load
+                and state in HOLDING
+            ):
+                load[e.node_id] -= 1
+        holders.sort(key=lambda e: (e.info.state is not WatchState.WATCH_SUCCESS, -(e.info.lease_id or 0)))
+        return holders, exclude
+
+    def _retire(
+        self, vchannel: str, entries: list[WatchEntry], view: ChannelView, report: ReconcileReport
+    ) -> None:
+        """A channel of a dropped (or unknown) collection: release it, then forget it."""
+        for e in entries:
+            if e.node_id in view.nodes and e.info.state in (WatchState.TO_WATCH, WatchState.WATCH_SUCCESS):
+                self._to_release(e, "collection dropped", report)
+            elif e.node_id not in view.nodes or e.info.state is not WatchState.TO_RELEASE:
+                self._delete(e.kv, report, vchannel, e.node_id, "collection dropped")
+        if vchannel in view.remaining:
+            self.store.delete(view.remaining[vchannel].key)
+
+    def _assign(
+        self, collection: CollectionInfo, vchannel: str, node_id: int, now: float, report: ReconcileReport
+    ) -> bool:
+        """ToWatch on `node_id` with a fresh lease (which fences off any earlier writer)."""
+        recovery = recovery_info(self.store, collection, vchannel)
+        lease = grant_channel_lease(self.store, self.ids, vchannel, node_id)
+        info = ChannelWatchInfo(
+            vchan=VchannelInfo(
+                collection.id,
+                vchannel,
+                recovery.seek_position,
+                recovery.unflushed_segment_ids,
+                recovery.flushed_segment_ids,
+                recovery.dropped_segment_ids,
+            ),
+            state=WatchState.TO_WATCH,
+            start_ts=now,
+            timeout_ts=now + self.settings.watch_timeout,
+            op_id=lease.lease_id,
+            lease_id=lease.lease_id,
+        )
+        try:
+            self.store.cas(self.store.keys.channel_watch(node_id, vchannel), 0, info)
+        except CasConflictError:
+            report.conflicts += 1
+            return False
+        report.assigned.append((vchannel, node_id))
+        return True
+
+    def _to_release(self, e: WatchEntry, why: str, report: ReconcileReport) -> bool:
+        info = replace(
+            e.info,
+            state=WatchState.TO_RELEASE,
+            start_ts=self.clock(),
+            timeout_ts=self.clock() + self.settings.watch_timeout,
+            progress=0,
+        )
+        try:
+            self.store.cas(e.kv.key, e.kv.version, info)
+        except CasConflictError:
+            report.conflicts += 1
+            return False
+        report.releasing.append((e.vchannel, e.node_id, why))
+        return True
+
+    def _delete(
+        self,
+        kv: KeyValue,
+        report: ReconcileReport,
+        vchannel: str = "",
+        node_id: int = 0,
+        why: str = "malformed",
+    ) -> bool:
+        try:
+            self.store.cas(kv.key, kv.version, None)
+        except CasConflictError:
+            report.conflicts += 1
+            return False
+        report.removed.append((vchannel or kv.key, node_id, why))
+        return True
+
+    def _balance(self, view: ChannelView, load: dict[int, int], report: ReconcileReport) -> None:
+        """Move channels from the busiest node to the idlest until counts differ by <= 1;
+        a move starts with ToRelease, the ToWatch follows after ReleaseSuccess."""
+        if len(load) < 2:
+            return
+        owned: dict[int, list[WatchEntry]] = {n: [] for n in load}
+        for es in view.entries.values():
+            for e in es:
+                if (
+                    e.node_id in owned
+                    and e.info.state is WatchState.WATCH_SUCCESS
+                    and e.vchannel in view.channels
+                ):
+                    owned[e.node_id].append(e)
+        while True:
+            busiest = max(load, key=lambda n: (load[n], n))
+            idlest = min(load, key=lambda n: (load[n], n))
+            if load[busiest] - load[idlest] <= 1 or not owned[busiest]:
+                return
+            entry = sorted(owned[busiest], key=lambda e: e.vchannel).pop()
+            owned[busiest].remove(entry)
+            if self._to_release(
+                entry, f"balance: node {busiest} has {load[busiest]}, node {idlest} {load[idlest]}", report
+            ):
+                load[busiest] -= 1
+                load[idlest] += 1

@@ -1,0 +1,426 @@
+"""The DataNode process role (seed `datanode_server.go`, MEP 7, lease MEP).
+
+Lifecycle: a unique, never-reused node id from the ID allocator; a session under
+`session/datanode/{id}` on an etcd lease (INITIALIZING, then HEALTHY) kept alive by
+`Session`; losing it stops every channel at once (no zombie writer) and the process
+exits. The node follows `channelwatch/{id}/` with a `PrefixWatcher`, which lists the
+whole prefix at start and after a compaction (invariant 5).
+
+Per-event logic lives in plain functions so a Dagster sensor or run can call it too:
+  parse_watch_info(key, value)                       -> ChannelWatchInfo (MalformedValueError)
+  watch_channel(ctx, key, version, info, start=...)  -> ChannelWatchInfo written (WatchSuccess/Failure)
+  release_channel(ctx, key, version, info, stop=...) -> ChannelWatchInfo written (ReleaseSuccess)
+  sync_once(ctx, collection, vchannel, lease)        -> SyncResult | None   (datanode.channel)
+`DataNode` wires them to a watcher thread and one `ChannelWorker` thread per channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from vchan_assets import __version__
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionCatalog, CollectionNotFoundError
+from vchan_assets.datacoord.recovery import recovery_info
+from vchan_assets.datanode.channel import ChannelWorker, NodeContext, sync_once
+from vchan_assets.datanode.sync import Engine
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, MetaUnavailableError
+from vchan_assets.meta.session import Session
+from vchan_assets.meta.store import MetaStore, Snapshot
+from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
+from vchan_assets.model import (
+    ChannelLease,
+    ChannelWatchInfo,
+    CollectionInfo,
+    NodeSession,
+    VchannelInfo,
+    WatchState,
+)
+from vchan_assets.storage import Storage
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DataNode",
+    "NodeContext",
+    "Tickler",
+    "WatchFailedError",
+    "is_end_state",
+    "parse_watch_info",
+    "release_channel",
+    "sync_once",
+    "watch_channel",
+]
+
+END_STATES = frozenset(
+    {
+        WatchState.WATCH_SUCCESS,
+        WatchState.WATCH_FAILURE,
+        WatchState.RELEASE_SUCCESS,
+        WatchState.RELEASE_FAILURE,
+    }
+)
+
+StartChannel = Callable[[CollectionInfo, ChannelLease | None, VchannelInfo], None]
+StopChannel = Callable[[str], None]
+
+
+class WatchFailedError(MetaError):
+    """A ToWatch could not be carried out; the reason goes into the WatchFailure info."""
+
+
+def is_end_state(state: WatchState) -> bool:
+    """States the coordinator waits for; a node ignores them (seed: isEndWatchState)."""
+    return state in END_STATES
+
+
+def parse_watch_info(key: str, value: bytes) -> ChannelWatchInfo:
+    """Decode a watch info; MalformedValueError naming the key if it is not one, or if its
+    vchannel differs from the key's last segment."""
+    info = decode(key, value, ChannelWatchInfo)
+    if key.rsplit("/", 1)[-1] != info.vchan.channel_name:
+        raise MalformedValueError(key, f"names vchannel {info.vchan.channel_name!r}, not the key's")
+    return info
+
+
+class Tickler:
+    """Keeps a long watch alive: every `interval` it compare-and-swaps the watch info with
+    a higher `progress` and a pushed-back `timeout_ts`, so the coordinator's watch timeout
+    is not hit (seed: tickler). `version` is the version to CAS the final state against."""
+
+    def __init__(self, store: MetaStore, key: str, version: int, info: ChannelWatchInfo, settings: Settings):
+        self.store = store
+        self.key = key
+        self.version = version
+        self.info = info
+        self.settings = settings
+        self.lost = False  # somebody else changed the key: the watch is stale
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tickler {key}", daemon=True)
+
+    def __enter__(self) -> Tickler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def tick(self, progress: int) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            info = replace(
+                self.info,
+                progress=max(self.info.progress, min(progress, 99)),
+                timeout_ts=time.time() + self.settings.watch_timeout,
+            )
+            try:
+                self.store.cas(self.key, self.version, info)
+            except CasConflictError:
+                self.lost = True
+                return
+            except MetaError as exc:
+                log.warning("tickler of %s: %s", self.key, exc)
+                return
+            self.info = info
+            self.version += 1
+
+    def _run(self) -> None:
+        progress = 0
+        while not self._stop.wait(self.settings.tickler_interval):
+            progress += 10
+            self.tick(progress)
+
+
+def watch_channel(
+    ctx: NodeContext,
+    key: str,
+    version: int,
+    info: ChannelWatchInfo,
+    start: StartChannel | None = None,
+) -> ChannelWatchInfo:
+    """Carry out a ToWatch: check the lease in the watch info is the channel's current
+    lease, load recovery info, `start(collection, lease, vchan)` the channel's work, then
+    compare-version-and-swap the info to WatchSuccess (WatchFailure with the reason if any
+    step failed). Returns what was written. Raises CasConflictError if the key changed
+    since `version` (the coordinator moved on; the caller must undo `start`)."""
+    vchannel = info.vchan.channel_name
+    with Tickler(ctx.store, key, version, info, ctx.settings) as tickler:
+        try:
+            lease = _take_lease(ctx, info)
+            collection = CollectionCatalog(ctx.store).get(info.vchan.collection_id)
+            recovery = recovery_info(ctx.store, collection, vchannel)
+            vchan = replace(
+                info.vchan,
+                seek_position=recovery.seek_position,
+                unflushed_segment_ids=recovery.unflushed_segment_ids,
+                flushed_segment_ids=recovery.flushed_segment_ids,
+                dropped_segment_ids=recovery.dropped_segment_ids,
+            )
+            if start is not None:
+                start(collection, lease, vchan)
+            result = replace(tickler.info, vchan=vchan, state=WatchState.WATCH_SUCCESS, progress=100)
+        except (WatchFailedError, CollectionNotFoundError, KeyError, MalformedValueError) as exc:
+            log.error("node %s: watch of %s failed: %s", ctx.node_id, vchannel, exc)
+            result = replace(tickler.info, state=WatchState.WATCH_FAILURE, reason=str(exc))
+        with tickler._lock:
+            tickler.lost = True  # no more ticks: the final state is written now
+            ctx.store.cas(key, tickler.version, result)
+    log.info("node %s: %s -> %s (lease %s)", ctx.node_id, vchannel, result.state.value, info.lease_id)
+    return result
+
+
+def _take_lease(ctx: NodeContext, info: ChannelWatchInfo) -> ChannelLease | None:
+    vchannel = info.vchan.channel_name
+    if info.lease_id is None:
+        return None  # older coordinator: commits go through DataCoord's watcher check
+    current = ctx.store.read_lease(vchannel)
+    if current is None or current.lease_id != info.lease_id:
+        found = None if current is None else current.lease_id
+        raise WatchFailedError(f"channel {vchannel}: lease {info.lease_id} is not current (found {found})")
+    return current
+
+
+def release_channel(
+    ctx: NodeContext,
+    key: str,
+    version: int,
+    info: ChannelWatchInfo,
+    stop: StopChannel | None = None,
+) -> ChannelWatchInfo:
+    """Carry out a ToRelease: `stop(vchannel)` the channel's work, then CAS ReleaseSuccess
+    (seed: "there is no reason why we release fail")."""
+    vchannel = info.vchan.channel_name
+    if stop is not None:
+        stop(vchannel)
+    result = replace(info, state=WatchState.RELEASE_SUCCESS, progress=100)
+    ctx.store.cas(key, version, result)
+    log.info("node %s: released %s", ctx.node_id, vchannel)
+    return result
+
+
+class DataNode:
+    """A DataNode: session, watch of its channelwatch prefix, one worker per channel."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: MetaStore,
+        storage: Storage | None = None,
+        engine: Engine = "local",
+        poll_interval: float = 1.0,
+        address: str = "",
+        on_session_lost: Callable[[], None] | None = None,
+        resync_interval: float = 5.0,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.storage = storage or Storage.from_settings(settings)
+        self.engine = engine
+        self.poll_interval = poll_interval
+        self.address = address
+        self.on_session_lost = on_session_lost
+        self.resync_interval = resync_interval
+        self.node_id = 0
+        self.session: Session | None = None
+        self.watcher: PrefixWatcher | None = None
+        self.workers: dict[str, ChannelWorker] = {}
+        self._retired: list[ChannelWorker] = []  # stopped on session loss, maybe mid-sync
+        self.malformed_watch_infos = 0  # metrics
+        self.lease_losses = 0
+        self.session_lost = threading.Event()
+        self.stopped = threading.Event()
+        self._lock = threading.RLock()
+        # Events and relists are handled one at a time; a key's change is handled once,
+        # whichever path (watch event, relist, resync) brings it first.
+        self._handling = threading.Lock()
+        self._handled: dict[str, int] = {}  # key -> mod_revision handled
+        self._resync: threading.Thread | None = None
+
+    @property
+    def ctx(self) -> NodeContext:
+        return NodeContext(
+            self.store, self.storage, self.settings, self.node_id, self.engine, self.poll_interval
+        )
+
+    @property
+    def channels(self) -> list[str]:
+        with self._lock:
+            return sorted(v for v, w in self.workers.items() if w.running)
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> DataNode:
+        """Register (INITIALIZING), start watching, then go HEALTHY."""
+        # Never reused: the allocator's mark only grows, so no stale channelwatch key of an
+        # earlier node can belong to this one (MEP 7).
+        self.node_id = IdAllocator(self.store, batch=1).alloc()
+        record = NodeSession(self.node_id, self.address, __version__, time.time(), "INITIALIZING")
+        self.session = Session.for_datanode(
+            self.store, record, self.settings.session_ttl, on_expired=self._lost_session
+        ).register()
+        self.watcher = PrefixWatcher(
+            self.store,
+            self.store.keys.channel_watch_prefix(self.node_id),
+            on_event=self._on_event,
+            on_relist=self._on_relist,
+        ).start()
+        self.store.put(self.session.key, replace(record, state="HEALTHY"), lease=self.session.lease_id)
+        self._resync = threading.Thread(target=self._resync_loop, name="channelwatch resync", daemon=True)
+        self._resync.start()
+        log.info("datanode %s is HEALTHY (engine %s)", self.node_id, self.engine)
+        return self
+
+    def stop(self, final_sync: bool = True) -> None:
+        """Stop cleanly: stop watching, stop every channel (after a final sync of what the
+        log holds), then revoke the session so the coordinator reassigns at once."""
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self._resync is not None:
+            self._resync.join(self.store.client.timeout + 1)
+        with self._lock:
+            workers, self.workers = list(self.workers.values()), {}
+        for w in workers:
+            w.stop(final_sync=final_sync and not self.session_lost.is_set(), timeout=60, reason="node stop")
+        for w in self._retired:
+            # A sync in flight when the session was lost ends here: its commit is rejected by
+            # the lease (a new owner holds it) and nothing partial is written.
+            w.stop(timeout=60)
+        if self.session is not None:
+            self.session.close()
+        log.info("datanode %s stopped", self.node_id)
+
+    def _lost_session(self) -> None:
+        """Liveness lost: every channel stops now, without a final sync (no zombie writer)."""
+        self.session_lost.set()
+        log.error("datanode %s lost its session: stopping all channel work", self.node_id)
+        if self.watcher is not None:
+            self.watcher.stop(timeout=0)
+        with self._lock:
+            workers, self.workers = list(self.workers.values()), {}
+        for w in workers:
+            w.stop(final_sync=False, timeout=0, reason="session lost")
+        self._retired.extend(workers)
+        if self.on_session_lost is not None:
+            self.on_session_lost()
+
+    # --- watch events --------------------------------------------------------------
+
+    def _on_relist(self, snapshot: Snapshot) -> None:
+        """The whole prefix (at start, after a compaction, and every `resync_interval` as a
+        retry of changes whose handling failed): watch/release what it says, and release
+        channels it no longer lists."""
+        with self._handling:
+            present = set()
+            for kv in snapshot.items:
+                present.add(kv.key.rsplit("/", 1)[-1])
+                self._handle_put(kv.key, kv.version, kv.value, kv.mod_revision)
+            with self._lock:
+                gone = [v for v in self.workers if v not in present]
+            for vchannel in gone:
+                log.info("node %s: %s is no longer assigned (relist): releasing", self.node_id, vchannel)
+                self._stop_channel(vchannel)
+
+    def _on_event(self, event: WatchEvent) -> None:
+        with self._handling:
+            if event.mod_revision <= self._handled.get(event.key, 0):
+                return  # a relist already handled this change or a later one
+            if event.kind is EventKind.DELETE:
+                self._handled[event.key] = event.mod_revision
+                log.info("node %s: %s deleted: releasing", self.node_id, event.key)
+                self._stop_channel(event.key.rsplit("/", 1)[-1])
+                return
+            self._handle_put(event.key, event.version, event.value, event.mod_revision)
+
+    def _resync_loop(self) -> None:
+        prefix = self.store.keys.channel_watch_prefix(self.node_id)
+        while not self.stopped.wait(self.resync_interval) and not self.session_lost.is_set():
+            try:
+                snapshot = self.store.list_prefix(prefix)
+            except MetaError as exc:
+                log.warning("node %s: resync of %s failed: %s", self.node_id, prefix, exc)
+                continue
+            try:
+                self._on_relist(snapshot)
+            except Exception:
+                log.exception("node %s: resync of %s failed", self.node_id, prefix)
+
+    def _handle_put(self, key: str, version: int, value: bytes, mod_revision: int) -> None:
+        if self.session_lost.is_set() or self.stopped.is_set():
+            return
+        if mod_revision <= self._handled.get(key, 0):
+            return
+        try:
+            info = parse_watch_info(key, value)
+        except MalformedValueError as exc:
+            self._handled[key] = mod_revision  # logged and counted once
+            self.malformed_watch_infos += 1
+            log.error("node %s: skipping malformed watch info: %s", self.node_id, exc)
+            return
+        if is_end_state(info.state):
+            self._handled[key] = mod_revision
+            return
+        try:
+            if info.state is WatchState.TO_WATCH:
+                watch_channel(self.ctx, key, version, info, start=self._start_channel)
+            elif info.state is WatchState.TO_RELEASE:
+                release_channel(self.ctx, key, version, info, stop=self._stop_channel)
+            self._handled[key] = mod_revision
+        except MetaUnavailableError as exc:
+            # Not marked handled: the resync retries it once etcd answers again.
+            log.warning("node %s: handling %s failed, will retry: %s", self.node_id, key, exc)
+            if info.state is WatchState.TO_WATCH:
+                self._stop_channel(info.vchan.channel_name, final_sync=False)
+        except CasConflictError as exc:
+            self._handled[key] = mod_revision
+            # The coordinator changed the key meanwhile (reassigned or deleted it): the
+            # work started for it must not run on (seed: "release flowgraph").
+            log.warning("node %s: %s changed under us (%s): releasing", self.node_id, key, exc)
+            self._stop_channel(info.vchan.channel_name)
+
+    def _start_channel(
+        self, collection: CollectionInfo, lease: ChannelLease | None, vchan: VchannelInfo
+    ) -> None:
+        vchannel = vchan.channel_name
+        with self._lock:
+            old = self.workers.pop(vchannel, None)
+        if old is not None:
+            old.stop(timeout=60, reason="re-watched")
+        worker = ChannelWorker(self.ctx, collection, vchannel, lease, on_stopped=self._worker_stopped)
+        with self._lock:
+            if self.session_lost.is_set() or self.stopped.is_set():
+                raise WatchFailedError(f"node {self.node_id} is stopping")
+            self.workers[vchannel] = worker.start()
+        log.info("node %s: watching %s from %s", self.node_id, vchannel, vchan.seek_position)
+
+    def _stop_channel(self, vchannel: str, final_sync: bool = True) -> None:
+        with self._lock:
+            worker = self.workers.pop(vchannel, None)
+        if worker is not None:
+            worker.stop(final_sync=final_sync, timeout=120, reason="released")
+
+    def _worker_stopped(self, vchannel: str, reason: str) -> None:
+        self.lease_losses += 1
+        with self._lock:
+            w = self.workers.get(vchannel)
+            if w is not None and w.stop_reason == reason:
+                del self.workers[vchannel]
+
+    # --- for callers that drive the node step by step --------------------------------
+
+    def sync_now(self, vchannel: str) -> None:
+        """Force a sync of one watched channel from the caller's thread (tests, CLI)."""
+        with self._lock:
+            worker = self.workers[vchannel]
+        sync_once(self.ctx, worker.collection, vchannel, worker.lease, force=True)

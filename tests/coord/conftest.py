@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vchan_assets.config import Settings
+
+from .helpers import Cluster, fast_settings
+
+
+@pytest.fixture
+def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(fast_settings(settings), tmp_path)
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture
+def private_cluster(private_settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(fast_settings(private_settings), tmp_path)
+    yield c
+    c.cleanup()

@@ -1,0 +1,337 @@
+"""The channel manager's rules and the node's per-event functions, step by step in one
+process on a real etcd (the functions a Dagster sensor calls)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from datanode.helpers import Produced, assert_exactly_once, produce
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.channel_manager import ChannelManager
+from vchan_assets.datacoord.watchers import NotWatcherError, lease_for_watcher
+from vchan_assets.datanode.channel import NodeContext, sync_once
+from vchan_assets.datanode.node import release_channel, watch_channel
+from vchan_assets.meta.errors import CasConflictError, LeaseLostError
+from vchan_assets.meta.session import Session
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import ChannelWatchInfo, NodeSession, WatchState
+from vchan_assets.storage import Storage
+
+from .helpers import create_collections, fast_settings
+
+
+class Nodes:
+    """DataNode sessions registered in this process (no node loop: the test drives it)."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+        self.sessions: dict[int, Session] = {}
+
+    def up(self, node_id: int) -> int:
+        record = NodeSession(node_id, "", "test", time.time(), "HEALTHY")
+        self.sessions[node_id] = Session.for_datanode(self.store, record, ttl=30).register()
+        return node_id
+
+    def down(self, node_id: int) -> None:
+        self.sessions.pop(node_id).close()
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+
+
+@pytest.fixture
+def nodes(store: MetaStore) -> Iterator[Nodes]:
+    n = Nodes(store)
+    yield n
+    n.close()
+
+
+def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchInfo, int] | None:
+    found = store.get_model(store.keys.channel_watch(node_id, vchannel), ChannelWatchInfo)
+    return None if found is None else (found.model, found.kv.version)
+
+
+def _answer(store: MetaStore, settings: Settings, node_id: int) -> None:
+    """What a node does with its ToWatch/ToRelease infos (no channel work started)."""
+    ctx = NodeContext(store, Storage.from_settings(settings), settings, node_id)
+    for kv in store.list_prefix(store.keys.channel_watch_prefix(node_id)).items:
+        found = store.get_model(kv.key, ChannelWatchInfo)
+        assert found is not None
+        if found.model.state is WatchState.TO_WATCH:
+            watch_channel(ctx, kv.key, kv.version, found.model)
+        elif found.model.state is WatchState.TO_RELEASE:
+            release_channel(ctx, kv.key, kv.version, found.model)
+
+
+def test_with_no_live_node_channels_wait_as_remaining_and_go_to_the_first_node(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=3)
+    manager = ChannelManager(store, settings)
+    report = manager.reconcile()
+    assert sorted(report.remaining) == sorted(infos[0].vchannels)
+    assert len(store.list_prefix(store.keys.remaining_channel("")).items) == 3
+    node = nodes.up(7001)
+    report = manager.reconcile()
+    assert sorted(v for v, _ in report.assigned) == sorted(infos[0].vchannels)
+    assert {n for _, n in report.assigned} == {node}
+    assert store.list_prefix(store.keys.remaining_channel("")).items == []
+    for vchannel in infos[0].vchannels:
+        found = _watch(store, node, vchannel)
+        assert found is not None
+        info = found[0]
+        lease = store.read_lease(vchannel)
+        assert info.state is WatchState.TO_WATCH and lease is not None and info.lease_id == lease.lease_id
+
+
+def test_a_dead_nodes_channels_are_reassigned_with_new_lease_ids(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=2)
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7101)
+    manager.reconcile()
+    _answer(store, settings, a)
+    old = {v: store.read_lease(v) for v in infos[0].vchannels}
+    b = nodes.up(7102)
+    nodes.down(a)
+    report = manager.reconcile()
+    assert {n for _, n in report.assigned} == {b}
+    assert {why for *_, why in report.removed} == {"node session is gone"}
+    for vchannel in infos[0].vchannels:
+        new = store.read_lease(vchannel)
+        before = old[vchannel]
+        assert new is not None and before is not None and new.lease_id != before.lease_id and new.node_id == b
+        assert _watch(store, a, vchannel) is None
+
+
+def test_to_watch_stuck_past_the_timeout_or_watch_failure_is_reassigned(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = replace(fast_settings(settings), watch_timeout=5)
+    _, infos = create_collections(store, settings, count=1, shards=2)
+    v0, v1 = infos[0].vchannels
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7201)
+    manager.reconcile()
+    b = nodes.up(7202)
+    # v0: node a never answers; v1: node a answers WatchFailure.
+    found = _watch(store, a, v1)
+    assert found is not None
+    store.cas(
+        store.keys.channel_watch(a, v1),
+        found[1],
+        replace(found[0], state=WatchState.WATCH_FAILURE, reason="test"),
+    )
+    report = manager.reconcile()
+    assert (v1, b) in report.assigned and (v0, b) not in report.assigned
+    report = manager.reconcile(now=time.time() + 6)
+    assert (v0, b) in report.assigned
+    assert any("stuck past the watch timeout" in why for *_, why in report.removed)
+
+
+def test_a_move_releases_first_and_watches_after_release_success(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=4)
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7301)
+    manager.reconcile()
+    _answer(store, settings, a)
+    b = nodes.up(7302)
+    report = manager.reconcile()
+    assert len(report.releasing) == 2 and not report.assigned
+    moving = [v for v, _, _ in report.releasing]
+    # Until node a answers, node b gets nothing: never two watchers.
+    assert not manager.reconcile().assigned
+    _answer(store, settings, a)
+    report = manager.reconcile()
+    assert sorted(report.assigned) == sorted((v, b) for v in moving)
+    _answer(store, settings, b)
+    assert sorted(n for es in manager.assignments().values() for n, _ in es) == [a, a, b, b]
+
+
+def test_watch_with_a_replaced_lease_answers_watch_failure(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=1)
+    vchannel = infos[0].vchannels[0]
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7401)
+    manager.reconcile()
+    found = _watch(store, a, vchannel)
+    assert found is not None
+    store.put(store.keys.channel_lease(vchannel), {"lease_id": 1, "node_id": 99, "granted_at": 0.0})
+    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+    result = watch_channel(ctx, store.keys.channel_watch(a, vchannel), found[1], found[0])
+    assert result.state is WatchState.WATCH_FAILURE and "not current" in result.reason
+    # A stale version (the coordinator moved on) is a conflict, not a silent overwrite.
+    with pytest.raises(CasConflictError):
+        watch_channel(ctx, store.keys.channel_watch(a, vchannel), found[1], found[0])
+
+
+def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_check(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = fast_settings(settings)
+    producer, infos = create_collections(store, settings, count=1, shards=1)
+    info = infos[0]
+    vchannel = info.vchannels[0]
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7501)
+    manager.reconcile()
+    # An older coordinator's watch info: no lease id.
+    key = store.keys.channel_watch(a, vchannel)
+    found = _watch(store, a, vchannel)
+    assert found is not None
+    store.cas(key, found[1], replace(found[0], lease_id=None))
+    found = _watch(store, a, vchannel)
+    assert found is not None
+    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+    assert watch_channel(ctx, key, found[1], found[0]).state is WatchState.WATCH_SUCCESS
+    produced = Produced()
+    produce(producer, info.name, produced, 300, 1, deletes=4)
+    producer.time_tick(info.name)
+    result = sync_once(ctx, info, vchannel, lease=None, force=True)
+    assert result is not None and result.rows == 300
+    assert_exactly_once(store, Storage.from_settings(settings), info, produced)
+    # Another node is refused: it is not the channel's watcher.
+    with pytest.raises(NotWatcherError):
+        lease_for_watcher(store, vchannel, 7599)
+    other = NodeContext(store, Storage.from_settings(settings), settings, 7599)
+    produce(producer, info.name, produced, 10, 1000)
+    producer.time_tick(info.name)
+    with pytest.raises(LeaseLostError):
+        sync_once(other, info, vchannel, lease=None, force=True)
+
+
+def test_channels_of_a_dropped_collection_are_released_and_forgotten(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = fast_settings(settings)
+    producer, infos = create_collections(store, settings, count=1, shards=2)
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7601)
+    manager.reconcile()
+    _answer(store, settings, a)
+    producer.drop_collection(infos[0].name)
+    report = manager.reconcile()
+    assert sorted(v for v, *_ in report.releasing) == sorted(infos[0].vchannels)
+    _answer(store, settings, a)
+    manager.reconcile()
+    assert manager.assignments() == {}
+
+
+def test_the_tickler_keeps_a_slow_watch_from_timing_out(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = replace(fast_settings(settings), tickler_interval=0.2, watch_timeout=1.0)
+    _, infos = create_collections(store, settings, count=1, shards=1)
+    vchannel = infos[0].vchannels[0]
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7701)
+    manager.reconcile()
+    key = store.keys.channel_watch(a, vchannel)
+    found = _watch(store, a, vchannel)
+    assert found is not None
+    seen: list[tuple[int, float]] = []
+
+    def slow_start(*_: object) -> None:
+        deadline = time.time() + 1.5  # longer than the watch timeout
+        while time.time() < deadline:
+            now = _watch(store, a, vchannel)
+            assert now is not None
+            seen.append((now[0].progress, now[0].timeout_ts))
+            # The coordinator, meanwhile, does not consider the watch stuck.
+            assert not manager.reconcile().removed
+            time.sleep(0.1)
+
+    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+    result = watch_channel(ctx, key, found[1], found[0], start=slow_start)
+    assert result.state is WatchState.WATCH_SUCCESS and result.progress == 100
+    assert max(p for p, _ in seen) > 0
+    assert max(t for _, t in seen) > found[0].timeout_ts
+
+
+def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    from vchan_assets.datanode.node import DataNode
+
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=2)
+    v0, v1 = infos[0].vchannels
+    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    try:
+        manager = ChannelManager(store, settings)
+        manager.reconcile()
+
+        def both() -> bool:
+            return node.channels == sorted([v0, v1])
+
+        deadline = time.monotonic() + 10
+        while not both() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert both()
+        # As after a compaction: the listing no longer has v1 (deleted while not watching).
+        store.delete(store.keys.channel_watch(node.node_id, v1))
+        assert node.watcher is not None
+        node.watcher.stop()
+        node._on_relist(store.list_prefix(store.keys.channel_watch_prefix(node.node_id)))
+        assert node.channels == [v0]
+    finally:
+        node.stop()
+
+
+def test_the_coordinator_reloads_segment_meta_only_when_its_revision_moved(
+    store: MetaStore, settings: Settings
+) -> None:
+    from vchan_assets.datacoord.coordinator import DataCoordinator
+
+    settings = fast_settings(settings)
+    producer, infos = create_collections(store, settings, count=1, shards=1)
+    coord = DataCoordinator(settings, store, reload_interval=0)
+    coord.activate()
+    assert coord.reloader is not None and coord.segments is not None
+    assert not coord.reloader.reload()
+    produce(producer, infos[0].name, Produced(), 10, 1)  # opens a segment
+    assert coord.reloader.reload()
+    assert [s.vchannel for s in coord.segments.growing()] == [infos[0].vchannels[0]]
+    assert not coord.reloader.reload()
+
+
+def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    from vchan_assets.datacoord.leases import grant_channel_lease
+    from vchan_assets.datanode.node import DataNode
+    from vchan_assets.meta.allocator import IdAllocator
+
+    settings = fast_settings(settings)
+    producer, infos = create_collections(store, settings, count=1, shards=2)
+    v0, v1 = infos[0].vchannels
+    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    try:
+        ChannelManager(store, settings).reconcile()
+        deadline = time.monotonic() + 10
+        while node.channels != sorted([v0, v1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grant_channel_lease(store, IdAllocator(store), v1, node_id=424242)  # fences the node off v1
+        produce(producer, infos[0].name, Produced(), 50, 1)
+        producer.time_tick(infos[0].name)
+        deadline = time.monotonic() + 10
+        while node.channels != [v0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node.channels == [v0]
+        assert node.lease_losses == 1 and not node.session_lost.is_set()
+    finally:
+        node.stop()
