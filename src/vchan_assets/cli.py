@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -317,6 +319,153 @@ def up(args: argparse.Namespace, settings: Settings) -> int:
 def down(args: argparse.Namespace, settings: Settings) -> int:
     stopped = EmbeddedEtcd(settings.etcd_dir).stop_recorded()
     print("embedded etcd stopped" if stopped else "embedded etcd was not running")
+    return 0
+
+
+# --- status, metrics --------------------------------------------------------------------
+
+
+def _status_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    parser.add_argument(
+        "--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until interrupted",
+    )  # fmt: skip
+    parser.add_argument("--no-orphans", action="store_true", help="skip listing storage for orphan binlogs")
+
+
+@command("status", "show nodes, channels, checkpoints and lag, segments and warnings", _status_args)
+def status(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from vchan_assets.catalog import Catalog
+    from vchan_assets.status import collect_status, render_status
+
+    with Catalog.open(settings) as catalog:
+        if args.json and args.watch is None:
+            print(json.dumps(collect_status(catalog, orphans=not args.no_orphans), indent=2))
+            return 0
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)  # piped: do not squeeze the tables into 80 columns
+        if args.watch is None:
+            console.print(render_status(collect_status(catalog, orphans=not args.no_orphans)))
+            return 0
+        if args.json:  # one JSON document per line, for `| jq` or a log shipper
+            try:
+                while True:
+                    print(json.dumps(collect_status(catalog, orphans=not args.no_orphans)), flush=True)
+                    time.sleep(args.watch)
+            except BrokenPipeError:  # the reader went away (`| head`): done
+                import os
+
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
+                return 0
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                live.update(render_status(collect_status(catalog, orphans=not args.no_orphans)), refresh=True)
+                time.sleep(args.watch)
+
+
+def _metrics_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--serve", type=int, metavar="PORT", help="serve GET /metrics on 127.0.0.1:PORT (0: a free port)"
+    )
+
+
+@command("metrics", "print metrics in the Prometheus text format, or serve them over HTTP", _metrics_args)
+def metrics(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.catalog import Catalog
+    from vchan_assets.metrics import MetricsServer, exposition
+
+    with Catalog.open(settings) as catalog:
+        if args.serve is None:
+            sys.stdout.write(exposition(catalog))
+            return 0
+        server = MetricsServer(catalog, args.serve)
+        print(f"serving metrics on http://127.0.0.1:{server.port}/metrics", flush=True)
+        try:
+            server.serve_forever()
+        finally:
+            server.shutdown()
+    return 0
+
+
+# --- datanode, datacoord (long-running roles) -------------------------------------------
+
+EXIT_SESSION_LOST = 4
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: long-running roles shut down cleanly on it."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+def _datanode_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where sync tasks run")
+    parser.add_argument(
+        "--poll", type=float, default=1.0, help="seconds between sync-policy checks per channel (default 1)"
+    )
+    parser.add_argument("--address", default="", help="address recorded in the node's session")
+
+
+@command("datanode", "run a DataNode: session, channel watch, syncing (until SIGTERM)", _datanode_args)
+def datanode(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.datanode.node import DataNode
+
+    logging.getLogger().setLevel(logging.INFO)
+    stop = _stop_on_signals()
+    store = connect(settings)
+    node = DataNode(settings, store, engine=args.engine, poll_interval=args.poll, address=args.address)
+    node.on_session_lost = stop.set
+    try:
+        node.start()
+        print(f"datanode {node.node_id} started", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        node.stop(final_sync=not node.session_lost.is_set())
+        store.close()
+    if node.session_lost.is_set():
+        reason = node.session.expiry_reason if node.session else ""
+        print(f"vchan datanode: node {node.node_id} lost its session ({reason}); exiting", file=sys.stderr)
+        return EXIT_SESSION_LOST
+    print(f"datanode {node.node_id} stopped", flush=True)
+    return 0
+
+
+def _datacoord_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between reconcile steps")
+    parser.add_argument(
+        "--reload-interval", type=float, default=5.0, help="seconds between segment-meta reloads"
+    )
+
+
+@command("datacoord", "run a DataCoord (active-standby by election) until SIGTERM", _datacoord_args)
+def datacoord(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.datacoord.coordinator import DataCoordinator
+
+    logging.getLogger().setLevel(logging.INFO)
+    stop = _stop_on_signals()
+    store = connect(settings)
+    try:
+        coord = DataCoordinator(settings, store, interval=args.interval, reload_interval=args.reload_interval)
+        runner = threading.Thread(target=coord.run, args=(stop,), name="datacoord", daemon=True)
+        runner.start()
+        print(f"datacoord {coord.server_id} started", flush=True)
+        while not stop.wait(0.5) and runner.is_alive():
+            pass
+        stop.set()
+        runner.join(settings.etcd_timeout * 2 + 5)
+    finally:
+        store.close()
+    print(f"datacoord {coord.server_id} stopped", flush=True)
     return 0
 
 

@@ -1,0 +1,529 @@
+"""A read-only view of the system for notebooks and scripts: pandas DataFrames out.
+
+`Catalog.open()` reads the settings from the environment (the same VCHAN_* variables as
+the `vchan` command) and connects to the embedded etcd (started if it is not running)
+or to the configured etcd cluster; storage is the local directory or S3 bucket of
+VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
+
+    from vchan_assets.catalog import Catalog
+    cat = Catalog.open()
+    cat.collections()            # one row per collection
+    cat.vchannels()              # owner node, watch state, checkpoint, lag
+    cat.segments()               # state, level, rows, bytes, binlog count, sorted
+    cat.binlogs(); cat.deltalogs()
+    cat.read_collection("books") # the rows a query would see: deletes applied
+
+Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
+`t` removes every row of `p` with that pk inserted before `t` (row timestamp < t).
+Where the ownership keys of DESIGN section 4 are read directly (sessions under
+`session/datanode/`, watch infos under `channelwatch/{node}/{vchannel}`), this module
+depends on the key layout only, not on the coordinator's code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.recovery import list_orphans
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import (
+    ChannelLease,
+    ChannelWatchInfo,
+    CollectionInfo,
+    MsgPosition,
+    NodeSession,
+    SegmentInfo,
+    SegmentLevel,
+    SegmentState,
+    physical_ms,
+)
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.wal.format import LogError
+from vchan_assets.wal.reader import WalReader
+
+log = logging.getLogger(__name__)
+
+REMAINING = "remaining"  # channelwatch/remaining/{vchannel}: no live node to assign to
+SEGMENT_CATALOG_KEY = "catalog/segments.parquet"  # written by the Dagster segment_catalog asset
+
+
+class SegmentNotFoundError(LookupError):
+    def __init__(self, segment_id: int) -> None:
+        super().__init__(f"no segment with id {segment_id}")
+        self.segment_id = segment_id
+
+
+@dataclass(frozen=True)
+class WatchEntry:
+    """One key under `channelwatch/`: which node (or "remaining") holds a vchannel."""
+
+    node: str  # a node id, or "remaining"
+    vchannel: str
+    info: ChannelWatchInfo | None  # None: the value did not decode
+    error: str = ""
+    mod_revision: int = 0
+
+
+def _ts_seconds(ts: int) -> float:
+    """A hybrid timestamp as Unix seconds."""
+    return physical_ms(ts) / 1000.0
+
+
+def _utc(seconds: float | None) -> pd.Timestamp | None:
+    if not seconds:
+        return None
+    return pd.Timestamp(seconds, unit="s", tz="UTC")
+
+
+class Catalog:
+    """Read-only access to collections, vchannels, segments, binlogs and their rows."""
+
+    def __init__(
+        self, store: MetaStore, storage: Storage, settings: Settings, stack: Any | None = None
+    ) -> None:
+        self.store = store
+        self.storage = storage
+        self.settings = settings
+        self._stack = stack  # a Stack this catalog opened (closed by close())
+        self._readers: dict[str, WalReader] = {}
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, settings: Settings | None = None) -> Catalog:
+        """Connect with `settings` (default: from the environment). Without
+        VCHAN_ETCD_ENDPOINTS the embedded etcd under VCHAN_HOME is used, started if needed."""
+        from vchan_assets.stack import Stack
+
+        settings = settings or Settings.from_env()
+        stack = Stack.open(settings)
+        return cls(stack.store, stack.storage, settings, stack)
+
+    def close(self) -> None:
+        if self._stack is not None:
+            # An embedded etcd that another command started keeps running.
+            self._stack.close()
+            self._stack = None
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- raw reads (typed) ----------------------------------------------------------------
+
+    def collection_infos(self, include_dropped: bool = False) -> list[CollectionInfo]:
+        return CollectionCatalog(self.store).list(include_dropped=include_dropped)
+
+    def collection(self, name: str) -> CollectionInfo:
+        return CollectionCatalog(self.store).get_by_name(name)
+
+    def segment_infos(self, collection_id: int | None = None) -> list[SegmentInfo]:
+        found, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo, True)
+        return [d.model for d in found]
+
+    def sessions(self) -> list[NodeSession]:
+        """Live DataNode sessions (a session key disappears with its etcd lease)."""
+        found, _ = self.store.list_models(self.store.keys.datanode_sessions(), NodeSession, True)
+        return [d.model for d in found]
+
+    def watch_entries(self) -> list[WatchEntry]:
+        """Every key under `channelwatch/`; a malformed value is kept with its error."""
+        root = self.store.keys.channel_watch_root()
+        out = []
+        for kv in self.store.list_prefix(root).items:
+            node, _, vchannel = kv.key[len(root) :].partition("/")
+            if not vchannel or "/" in vchannel:
+                continue
+            try:
+                out.append(
+                    WatchEntry(
+                        node, vchannel, decode(kv.key, kv.value, ChannelWatchInfo), "", kv.mod_revision
+                    )
+                )
+            except MalformedValueError as exc:
+                out.append(WatchEntry(node, vchannel, None, str(exc), kv.mod_revision))
+        return out
+
+    def leases(self) -> dict[str, ChannelLease]:
+        root = self.store.keys.channel_leases()
+        found, _ = self.store.list_models(root, ChannelLease, True)
+        return {d.kv.key[len(root) :]: d.model for d in found}
+
+    def checkpoints(self) -> dict[str, tuple[MsgPosition, int]]:
+        """vchannel -> (checkpoint, number of times it was committed: the key's version)."""
+        root = self.store.keys.channel_checkpoints()
+        found, _ = self.store.list_models(root, MsgPosition, True)
+        return {d.kv.key[len(root) :]: (d.model, d.kv.version) for d in found}
+
+    def reader(self, info: CollectionInfo, vchannel: str) -> WalReader:
+        key = f"{info.id}/{vchannel}"
+        if key not in self._readers:
+            self._readers[key] = WalReader(self.storage, vchannel, info)
+        return self._readers[key]
+
+    # --- DataFrames ----------------------------------------------------------------------
+
+    def collections(self, include_dropped: bool = False) -> pd.DataFrame:
+        """One row per collection: id, name, fields, partitions, vchannels, segment and row counts."""
+        segments = self.segment_infos()
+        rows = []
+        for info in self.collection_infos(include_dropped):
+            mine = [s for s in segments if s.collection_id == info.id and s.state is not SegmentState.DROPPED]
+            rows.append(
+                {
+                    "collection_id": info.id,
+                    "name": info.name,
+                    "fields": ", ".join(f"{f.name}:{f.dtype.value}" for f in info.schema.fields),
+                    "partitions": list(info.partition_names),
+                    "vchannels": list(info.vchannels),
+                    "num_vchannels": len(info.vchannels),
+                    "segments": sum(1 for s in mine if s.level is not SegmentLevel.L0),
+                    "rows": sum(s.num_rows for s in mine if s.level is not SegmentLevel.L0),
+                    "deletes": sum(s.num_rows for s in mine if s.level is SegmentLevel.L0),
+                    "created_at": _utc(info.created_at),
+                    "dropped": bool(info.dropped_at),
+                }
+            )
+        columns = [
+            "collection_id", "name", "fields", "partitions", "vchannels", "num_vchannels",
+            "segments", "rows", "deletes", "created_at", "dropped",
+        ]  # fmt: skip
+        return pd.DataFrame(rows, columns=columns)
+
+    def vchannels(self, collection: str | None = None, now: float | None = None) -> pd.DataFrame:
+        """One row per vchannel: owner node and watch state (from `channelwatch/`), lease
+        holder, checkpoint, log head (latest time tick) and lag.
+
+        `lag_rows` is the number of log messages after the checkpoint (inserts, deletes,
+        time ticks); `lag_seconds` is the time between the checkpoint's timestamp and the
+        head's; `checkpoint_age_seconds` is how old the checkpoint's timestamp is now."""
+        now = time.time() if now is None else now
+        watches: dict[str, list[WatchEntry]] = {}
+        for entry in self.watch_entries():
+            watches.setdefault(entry.vchannel, []).append(entry)
+        leases = self.leases()
+        checkpoints = self.checkpoints()
+        live = {str(s.node_id) for s in self.sessions()}
+        rows = []
+        for info in self.collection_infos():
+            if collection is not None and info.name != collection:
+                continue
+            for vchannel in info.vchannels:
+                rows.append(
+                    self._vchannel_row(
+                        info, vchannel, watches.get(vchannel, []), leases, checkpoints, live, now
+                    )
+                )
+        columns = [
+            "vchannel", "collection", "collection_id", "owner_node", "owner_alive", "watch_state",
+            "watch_timeout_at", "lease_id", "lease_node", "checkpoint_offset", "checkpoint_ts",
+            "checkpoint_time", "syncs", "head_offset", "head_ts", "head_time", "end_offset",
+            "lag_rows", "lag_seconds", "checkpoint_age_seconds", "log_files", "log_bytes",
+            "backlog_bytes", "log_error",
+        ]  # fmt: skip
+        return pd.DataFrame(rows, columns=columns)
+
+    def _vchannel_row(
+        self,
+        info: CollectionInfo,
+        vchannel: str,
+        entries: list[WatchEntry],
+        leases: dict[str, ChannelLease],
+        checkpoints: dict[str, tuple[MsgPosition, int]],
+        live: set[str],
+        now: float,
+    ) -> dict[str, Any]:
+        # A channel being moved has two keys (ToRelease on the old node, ToWatch on the
+        # new); the newest key is the one that says where it is going.
+        entry = max(entries, key=lambda e: e.mod_revision) if entries else None
+        owner = entry.node if entry else None
+        state = (entry.info.state.value if entry.info else "Malformed") if entry else None
+        lease = leases.get(vchannel)
+        cp_found = checkpoints.get(vchannel)
+        cp = cp_found[0] if cp_found else None
+        reader = self.reader(info, vchannel)
+        error = ""
+        try:
+            files = reader.files()
+            head = reader.head()
+        except (LogError, StorageError) as exc:
+            # One unreadable log must not hide every other channel: report it in the row.
+            log.error("vchannel %s: %s", vchannel, exc)
+            files, head, error = [], None, str(exc)
+        after = cp.offset if cp else -1
+        end_offset = files[-1].end_offset if files else 0
+        backlog_files = [f for f in files if f.overlaps(after, None)]
+        cp_ts = cp.timestamp if cp else None
+        lag_seconds = None
+        if head is not None:
+            base = (
+                cp_ts if cp_ts else (files[0].first_timestamp if files and files[0].first_timestamp else None)
+            )
+            if base is not None:
+                lag_seconds = max(0.0, _ts_seconds(head.timestamp) - _ts_seconds(base))
+        return {
+            "vchannel": vchannel,
+            "collection": info.name,
+            "collection_id": info.id,
+            "owner_node": owner,
+            "owner_alive": (owner in live) if owner not in (None, REMAINING) else False,
+            "watch_state": state,
+            "watch_timeout_at": _utc(entry.info.timeout_ts) if entry and entry.info else None,
+            "lease_id": lease.lease_id if lease else None,
+            "lease_node": lease.node_id if lease else None,
+            "checkpoint_offset": cp.offset if cp else None,
+            "checkpoint_ts": cp_ts,
+            "checkpoint_time": _utc(_ts_seconds(cp_ts)) if cp_ts else None,
+            "syncs": cp_found[1] if cp_found else 0,
+            "head_offset": head.offset if head else None,
+            "head_ts": head.timestamp if head else None,
+            "head_time": _utc(_ts_seconds(head.timestamp)) if head else None,
+            "end_offset": end_offset,
+            "lag_rows": max(0, end_offset - 1 - after),
+            "lag_seconds": lag_seconds,
+            "checkpoint_age_seconds": max(0.0, now - _ts_seconds(cp_ts)) if cp_ts else None,
+            "log_files": len(files),
+            "log_bytes": sum(f.size_bytes for f in files),
+            "backlog_bytes": sum(f.size_bytes for f in backlog_files),
+            "log_error": error,
+        }
+
+    def segments(self, collection: str | None = None, include_dropped: bool = True) -> pd.DataFrame:
+        """One row per segment: state, level, rows, bytes (insert, delta, stats), file
+        counts, sorted or not, positions, lineage (`compaction_from`)."""
+        names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
+        rows = []
+        for seg in self._segments_of(collection):
+            if not include_dropped and seg.state is SegmentState.DROPPED:
+                continue
+            insert = seg.binlog_files
+            rows.append(
+                {
+                    "segment_id": seg.id,
+                    "collection": names.get(seg.collection_id),
+                    "collection_id": seg.collection_id,
+                    "partition_id": seg.partition_id,
+                    "vchannel": seg.vchannel,
+                    "state": seg.state.value,
+                    "level": seg.level.value,
+                    "num_rows": seg.num_rows,
+                    "max_rows": seg.max_rows,
+                    "size_bytes": sum(b.size_bytes for b in insert),
+                    "delta_bytes": sum(b.size_bytes for b in seg.deltalogs),
+                    "stats_bytes": sum(b.size_bytes for b in seg.statslogs),
+                    "binlog_count": len(insert),
+                    "deltalog_count": len(seg.deltalogs),
+                    "statslog_count": len(seg.statslogs),
+                    "column_groups": len(seg.binlogs),
+                    "is_sorted": seg.is_sorted,
+                    "compaction_from": list(seg.compaction_from),
+                    "start_offset": seg.start_position.offset if seg.start_position else None,
+                    "dml_offset": seg.dml_position.offset if seg.dml_position else None,
+                    "dml_ts": seg.dml_position.timestamp if seg.dml_position else None,
+                    "created_at": _utc(seg.created_at),
+                    "last_flush_time": _utc(_ts_seconds(seg.last_flush_ts)) if seg.last_flush_ts else None,
+                }
+            )
+        columns = [
+            "segment_id", "collection", "collection_id", "partition_id", "vchannel", "state", "level",
+            "num_rows", "max_rows", "size_bytes", "delta_bytes", "stats_bytes", "binlog_count",
+            "deltalog_count", "statslog_count", "column_groups", "is_sorted", "compaction_from",
+            "start_offset", "dml_offset", "dml_ts", "created_at", "last_flush_time",
+        ]  # fmt: skip
+        return pd.DataFrame(rows, columns=columns)
+
+    def binlogs(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per insert binlog file (per column group), with its segment."""
+        rows = [
+            {
+                **self._file_row(seg, b),
+                "group": group.group,
+                "field_ids": list(group.field_ids),
+            }
+            for seg in self._segments_of(collection)
+            for group in seg.binlogs
+            for b in group.logs
+        ]
+        return pd.DataFrame(rows, columns=[*_FILE_COLUMNS, "group", "field_ids"])
+
+    def deltalogs(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per delta log file (deletes: pk, timestamp)."""
+        rows = [self._file_row(seg, b) for seg in self._segments_of(collection) for b in seg.deltalogs]
+        return pd.DataFrame(rows, columns=_FILE_COLUMNS)
+
+    def statslogs(self, collection: str | None = None) -> pd.DataFrame:
+        rows = [self._file_row(seg, b) for seg in self._segments_of(collection) for b in seg.statslogs]
+        return pd.DataFrame(rows, columns=_FILE_COLUMNS)
+
+    def segment_catalog(self, key: str = SEGMENT_CATALOG_KEY) -> pd.DataFrame:
+        """The `segment_catalog` Dagster asset's table (`{storage}/catalog/segments.parquet`):
+        every segment as of its last materialization. `segments()` reads etcd live instead."""
+        try:
+            with self.storage.filesystem.open_input_file(self.storage.path(key)) as f:
+                return pq.read_table(f).to_pandas()
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self.storage.path(key)} does not exist: materialize the segment_catalog asset "
+                "(Dagster) first, or use Catalog.segments()"
+            ) from None
+
+    def orphans(self) -> list[str]:
+        """Binlog files no segment meta points to (garbage-collection candidates)."""
+        return list_orphans(self.store, self.storage)
+
+    @staticmethod
+    def _file_row(seg: SegmentInfo, b: Any) -> dict[str, Any]:
+        return {
+            "segment_id": seg.id,
+            "collection_id": seg.collection_id,
+            "partition_id": seg.partition_id,
+            "vchannel": seg.vchannel,
+            "segment_state": seg.state.value,
+            "level": seg.level.value,
+            "log_id": b.log_id,
+            "path": b.path,
+            "entries": b.entries,
+            "ts_from": b.ts_from,
+            "ts_to": b.ts_to,
+            "size_bytes": b.size_bytes,
+        }
+
+    def _segments_of(self, collection: str | None) -> list[SegmentInfo]:
+        if collection is None:
+            return sorted(self.segment_infos(), key=lambda s: (s.collection_id, s.vchannel, s.id))
+        info = self.collection(collection)
+        return sorted(self.segment_infos(info.id), key=lambda s: (s.vchannel, s.id))
+
+    # --- rows ----------------------------------------------------------------------------
+
+    def segment(self, segment_id: int) -> SegmentInfo:
+        for seg in self.segment_infos():
+            if seg.id == segment_id:
+                return seg
+        raise SegmentNotFoundError(segment_id)
+
+    def read_segment(
+        self, segment_id: int, apply_deletes: bool = True, as_arrow: bool = False
+    ) -> pd.DataFrame | pa.Table:
+        """The rows of one segment's binlogs (column groups joined on row_id): row_id,
+        timestamp, the primary key, scalars and vectors (fixed_size_binary, little-endian
+        float32). With `apply_deletes`, rows deleted later in the same partition are
+        removed. An L0 segment returns its deletes (pk, timestamp, offset)."""
+        seg = self.segment(segment_id)
+        info = CollectionCatalog(self.store).get(seg.collection_id, include_dropped=True)
+        if seg.level is SegmentLevel.L0:
+            table = self._read_files(b.path for b in seg.deltalogs) or _empty_deletes()
+        else:
+            table = self._segment_rows(seg, info)
+            if apply_deletes:
+                deletes = self._partition_deletes(seg.collection_id, seg.partition_id)
+                table = apply_deletes_to(table, deletes, info.schema.primary.name)
+        return table if as_arrow else table.to_pandas()
+
+    def read_collection(
+        self, name: str, apply_deletes: bool = True, as_arrow: bool = False, with_vectors: bool = True
+    ) -> pd.DataFrame | pa.Table:
+        """Every persisted row of a collection (segments not Dropped, L1 and L2), with
+        `segment_id` and `partition_id` columns, deletes applied per partition."""
+        info = self.collection(name)
+        tables = []
+        deletes: dict[int, pa.Table] = {}
+        for seg in self.segment_infos(info.id):
+            if seg.level is SegmentLevel.L0 or seg.state is SegmentState.DROPPED or not seg.binlogs:
+                continue
+            table = self._segment_rows(seg, info, with_vectors)
+            if apply_deletes:
+                if seg.partition_id not in deletes:
+                    deletes[seg.partition_id] = self._partition_deletes(info.id, seg.partition_id)
+                table = apply_deletes_to(table, deletes[seg.partition_id], info.schema.primary.name)
+            n = table.num_rows
+            table = table.append_column("segment_id", pa.array([seg.id] * n, pa.int64()))
+            table = table.append_column("partition_id", pa.array([seg.partition_id] * n, pa.int64()))
+            tables.append(table)
+        if tables:
+            result = pa.concat_tables(tables)
+        else:
+            result = pa.table({info.schema.primary.name: pa.array([], pa.int64())})
+        return result if as_arrow else result.to_pandas()
+
+    def _segment_rows(self, seg: SegmentInfo, info: CollectionInfo, with_vectors: bool = True) -> pa.Table:
+        groups = sorted(seg.binlogs, key=lambda g: g.group)
+        if not groups:
+            return pa.table({"row_id": pa.array([], pa.int64())})
+        scalar = self._read_files(b.path for b in groups[0].logs)
+        if scalar is None:
+            return pa.table({"row_id": pa.array([], pa.int64())})
+        if with_vectors:
+            for group in groups[1:]:
+                vectors = self._read_files(b.path for b in group.logs)
+                if vectors is None:
+                    continue
+                if not vectors["row_id"].equals(scalar["row_id"]):
+                    raise ValueError(
+                        f"segment {seg.id}: column group {group.group} is not aligned with group 0"
+                    )
+                for name in vectors.column_names:
+                    if name != "row_id":
+                        scalar = scalar.append_column(name, vectors[name])
+        return scalar
+
+    def _partition_deletes(self, collection_id: int, partition_id: int) -> pa.Table:
+        paths = [
+            b.path
+            for seg in self.segment_infos(collection_id)
+            if seg.partition_id == partition_id and seg.state is not SegmentState.DROPPED
+            for b in seg.deltalogs
+        ]
+        return self._read_files(paths, columns=["pk", "timestamp"]) or _empty_deletes()
+
+    def _read_files(self, paths: Iterable[str], columns: list[str] | None = None) -> pa.Table | None:
+        fs = self.storage.filesystem
+        tables = [pq.read_table(self.storage.path(p), columns=columns, filesystem=fs) for p in paths]
+        return pa.concat_tables(tables) if tables else None
+
+    def __iter__(self) -> Iterator[CollectionInfo]:
+        return iter(self.collection_infos())
+
+
+_FILE_COLUMNS = [
+    "segment_id", "collection_id", "partition_id", "vchannel", "segment_state", "level", "log_id",
+    "path", "entries", "ts_from", "ts_to", "size_bytes",
+]  # fmt: skip
+
+
+def _empty_deletes() -> pa.Table:
+    return pa.table({"pk": pa.array([], pa.int64()), "timestamp": pa.array([], pa.int64())})
+
+
+def apply_deletes_to(rows: pa.Table, deletes: pa.Table, pk: str) -> pa.Table:
+    """Rows minus those deleted later: a row goes if a delete of its pk has a timestamp
+    greater than the row's (Milvus' rule; `deletes` holds one partition's pk, timestamp)."""
+    if deletes.num_rows == 0 or rows.num_rows == 0:
+        return rows
+    grouped = deletes.group_by("pk").aggregate([("timestamp", "max")])
+    latest = pa.table({"__pk": grouped["pk"], "__deleted_ts": grouped["timestamp_max"]})
+    # Key the join by a row index so the original order can be restored.
+    indexed = rows.append_column("__i", pa.array(range(rows.num_rows), pa.int64()))
+    joined = indexed.select(["__i", pk, "timestamp"]).join(
+        latest, keys=pk, right_keys="__pk", join_type="left outer"
+    )
+    deleted_ts = joined["__deleted_ts"]
+    keep_mask = pc.or_kleene(pc.is_null(deleted_ts), pc.less_equal(deleted_ts, joined["timestamp"]))
+    keep = pc.sort_indices(pc.filter(joined["__i"], keep_mask))
+    kept_i = pc.take(pc.filter(joined["__i"], keep_mask), keep)
+    return rows.take(kept_i)

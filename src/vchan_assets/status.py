@@ -1,0 +1,255 @@
+"""`vchan status`: what is running and what needs attention, for operators.
+
+`collect_status(catalog)` builds one JSON-ready report: DataNode sessions, channels
+(owner, watch state, checkpoint, lag), segments by state and level, and warnings:
+  - time-tick lag: a channel with unsynced messages whose checkpoint is older than
+    `timetick_lag_warn` seconds (DataCoord's time-tick lag warning);
+  - stuck watches: ToWatch / ToRelease past their timeout (`watch_timeout`);
+  - channels on a node without a live session (the node died; the coordinator
+    should move them) and channels waiting as "remaining" (no live node);
+  - orphan binlogs: files no segment meta points to (left by a crash; GC removes them).
+`render_status(report)` draws it as rich tables.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from typing import Any
+
+import pandas as pd
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from vchan_assets.catalog import REMAINING, Catalog
+
+STUCK_STATES = ("ToWatch", "ToRelease")
+CHANNEL_COLUMNS = (
+    "vchannel",
+    "collection",
+    "owner",
+    "watch",
+    "lease",
+    "checkpoint",
+    "head",
+    "lag msgs",
+    "lag s",
+)
+
+
+def _plain(value: Any) -> Any:
+    """A DataFrame cell as a JSON value."""
+    if value is None:
+        return None
+    if isinstance(value, pd.Timestamp):
+        return value.isoformat()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if hasattr(value, "item"):  # numpy scalars
+        return _plain(value.item())
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    try:
+        if pd.isna(value):
+            return None
+    except (TypeError, ValueError):
+        pass
+    return value
+
+
+def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
+    return [{c: _plain(row[c]) for c in columns} for _, row in df.iterrows()]
+
+
+def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = True) -> dict[str, Any]:
+    """The whole report as plain JSON values."""
+    now = time.time() if now is None else now
+    settings = catalog.settings
+    sessions = catalog.sessions()
+    channels = catalog.vchannels(now=now)
+    watches = catalog.watch_entries()
+    segments = catalog.segments(include_dropped=True)
+
+    per_node = Counter(str(o) for o in channels["owner_node"] if o is not None)
+    nodes = [
+        {
+            "node_id": s.node_id,
+            "address": s.address,
+            "version": s.version,
+            "state": s.state,
+            "started_at": pd.Timestamp(s.started_at, unit="s", tz="UTC").isoformat(),
+            "uptime_seconds": round(max(0.0, now - s.started_at), 1),
+            "channels": per_node.get(str(s.node_id), 0),
+        }
+        for s in sessions
+    ]
+    live = {str(s.node_id) for s in sessions}
+
+    channel_columns = [
+        "vchannel", "collection", "owner_node", "owner_alive", "watch_state", "lease_node",
+        "checkpoint_offset", "checkpoint_time", "head_offset", "lag_rows", "lag_seconds",
+        "checkpoint_age_seconds", "syncs", "log_error",
+    ]  # fmt: skip
+    channel_rows = _records(channels, channel_columns)
+
+    by_state: Counter[tuple[str, str, str]] = Counter()
+    rows_by_state: Counter[tuple[str, str, str]] = Counter()
+    for _, seg in segments.iterrows():
+        key = (str(seg["collection"]), str(seg["state"]), str(seg["level"]))
+        by_state[key] += 1
+        rows_by_state[key] += int(seg["num_rows"])
+    segment_rows = [
+        {"collection": c, "state": s, "level": lvl, "segments": n, "rows": rows_by_state[(c, s, lvl)]}
+        for (c, s, lvl), n in sorted(by_state.items())
+    ]
+
+    warnings: list[dict[str, Any]] = []
+    for row in channel_rows:
+        if row["log_error"]:
+            warnings.append({"kind": "log_error", "vchannel": row["vchannel"], "message": row["log_error"]})
+        age = row["checkpoint_age_seconds"]
+        if row["lag_rows"] and age is not None and age > settings.timetick_lag_warn:
+            warnings.append(
+                {
+                    "kind": "timetick_lag",
+                    "vchannel": row["vchannel"],
+                    "message": f"{row['vchannel']}: checkpoint is {age:.0f}s old with {row['lag_rows']} "
+                    f"messages behind it (warning after {settings.timetick_lag_warn:.0f}s)",
+                }
+            )
+        owner = row["owner_node"]
+        if owner is None:
+            warnings.append(
+                {
+                    "kind": "unassigned",
+                    "vchannel": row["vchannel"],
+                    "message": f"{row['vchannel']}: no watch info; no DataNode is assigned to it",
+                }
+            )
+        elif owner == REMAINING:
+            warnings.append(
+                {
+                    "kind": "unassigned",
+                    "vchannel": row["vchannel"],
+                    "message": f"{row['vchannel']}: waiting for a live DataNode (remaining)",
+                }
+            )
+        elif owner not in live:
+            warnings.append(
+                {
+                    "kind": "dead_owner",
+                    "vchannel": row["vchannel"],
+                    "node": owner,
+                    "message": f"{row['vchannel']}: watched by node {owner}, which has no live session; "
+                    "the coordinator should move it",
+                }
+            )
+    for entry in watches:
+        if entry.info is None:
+            warnings.append(
+                {
+                    "kind": "malformed_watch",
+                    "vchannel": entry.vchannel,
+                    "node": entry.node,
+                    "message": entry.error,
+                }
+            )
+        elif entry.info.state.value in STUCK_STATES and entry.info.timeout_ts and entry.info.timeout_ts < now:
+            warnings.append(
+                {
+                    "kind": "stuck_watch",
+                    "vchannel": entry.vchannel,
+                    "node": entry.node,
+                    "message": f"{entry.vchannel}: {entry.info.state.value} on node {entry.node} "
+                    f"past its timeout by {now - entry.info.timeout_ts:.0f}s",
+                }
+            )
+    orphan_count = None
+    if orphans:
+        found = catalog.orphans()
+        orphan_count = len(found)
+        if found:
+            warnings.append(
+                {
+                    "kind": "orphan_binlogs",
+                    "count": len(found),
+                    "examples": found[:3],
+                    "message": f"{len(found)} binlog files no segment points to (crash leftovers; "
+                    "garbage collection removes them)",
+                }
+            )
+    return {
+        "time": pd.Timestamp(now, unit="s", tz="UTC").isoformat(),
+        "etcd": ",".join(catalog.store.endpoints),
+        "root": settings.root,
+        "storage": catalog.storage.uri,
+        "nodes": nodes,
+        "channels": channel_rows,
+        "segments": segment_rows,
+        "orphan_binlogs": orphan_count,
+        "warnings": warnings,
+    }
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def render_status(report: dict[str, Any]) -> Group:
+    """The report as rich tables: nodes, channels, segments, warnings."""
+    header = Text.assemble(
+        ("vchan status ", "bold"),
+        f"{report['time']}  etcd {report['etcd']}  root {report['root']}  storage {report['storage']}",
+    )
+    nodes = Table(title="DataNodes (live sessions)", title_justify="left")
+    for column in ("node", "address", "version", "state", "uptime s", "channels"):
+        nodes.add_column(column)
+    for n in report["nodes"]:
+        nodes.add_row(
+            str(n["node_id"]), n["address"], n["version"], n["state"], _cell(n["uptime_seconds"]),
+            str(n["channels"]),
+        )  # fmt: skip
+    if not report["nodes"]:
+        nodes.add_row("-", "no DataNode session", "", "", "", "")
+
+    channels = Table(title="vchannels", title_justify="left")
+    for column in CHANNEL_COLUMNS:
+        numeric = column in ("checkpoint", "head", "lag msgs", "lag s")
+        channels.add_column(column, justify="right" if numeric else "left", no_wrap=column == "vchannel")
+    for c in report["channels"]:
+        owner = c["owner_node"] or "-"
+        style = "" if c["owner_alive"] else "red"
+        channels.add_row(
+            c["vchannel"],
+            c["collection"],
+            Text(f"{owner}{'' if c['owner_alive'] or owner == '-' else ' (dead)'}", style=style),
+            c["watch_state"] or "-",
+            "-" if c["lease_node"] is None else str(c["lease_node"]),
+            _cell(c["checkpoint_offset"]),
+            _cell(c["head_offset"]),
+            _cell(c["lag_rows"]),
+            _cell(c["lag_seconds"]),
+        )
+
+    segments = Table(title="segments by state", title_justify="left")
+    for column in ("collection", "state", "level", "segments", "rows"):
+        segments.add_column(column, justify="right" if column in ("segments", "rows") else "left")
+    for s in report["segments"]:
+        segments.add_row(s["collection"], s["state"], s["level"], _cell(s["segments"]), _cell(s["rows"]))
+
+    warnings = Table(title="warnings", title_justify="left")
+    warnings.add_column("kind")
+    warnings.add_column("message")
+    for w in report["warnings"]:
+        warnings.add_row(Text(w["kind"], style="yellow"), w["message"])
+    if not report["warnings"]:
+        warnings.add_row(Text("none", style="green"), "nothing needs attention")
+    return Group(header, nodes, channels, segments, warnings)
