@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: demo test lint bench clean system-deps
+.PHONY: demo test lint bench clean system-deps browser
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ system-deps:
 	  echo "java not found: installing Debian's openjdk-17-jre-headless"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless; }
 
+# Chromium for the test that opens the Dagster UI's lineage page (tests only).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "chromium not found: installing Debian's chromium (the UI lineage test's headless browser)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(MAKE) --no-print-directory system-deps
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -26,7 +32,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 demo: $(STAMP)
 	$(VENV)/bin/vchan demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest $(ARGS)
 
 lint: $(STAMP)

@@ -292,6 +292,9 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deletes", type=int, default=2_000, help="primary keys to delete (default 2000)")
     parser.add_argument("--channels", type=_positive, default=4, help="vchannels (default 4)")
     parser.add_argument("--keep", action="store_true", help="leave the embedded stack running")
+    parser.add_argument(
+        "--direct", action="store_true", help="sync in this process, without Dagster (the pre-Dagster demo)"
+    )
 
 
 @command("demo", "run the whole pipeline on generated data on the embedded stack", _demo_args)
@@ -299,10 +302,14 @@ def demo(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.demo import DemoOptions, run_demo
 
     options = DemoOptions(rows=args.rows, deletes=args.deletes, channels=args.channels, keep=args.keep)
+    if not args.direct:
+        from vchan_assets.defs.demo import run_dagster_demo
+
+        return run_dagster_demo(settings, options)
     return run_demo(settings, options)
 
 
-@command("up", "start the embedded stack (etcd) in the background and show its health")
+@command("up", "start the embedded stack (etcd, Spark Connect, Dagster webserver + daemon) in the background")
 def up(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.stack import Stack
 
@@ -312,11 +319,25 @@ def up(args: argparse.Namespace, settings: Settings) -> int:
             print(f"{key:16s} {value}")
     finally:
         stack.close(stop_etcd=False)
+    # The Dagster deployment: Spark Connect server, dagster-daemon, dagster-webserver.
+    from vchan_assets.defs.service import DagsterService
+
+    print("starting Spark Connect, dagster-daemon and dagster-webserver ...", flush=True)
+    url = DagsterService(settings).start()
+    print(f"{'dagster_ui':16s} {url}")
     return 0
 
 
 @command("down", "stop the embedded stack started by `vchan up` or `vchan demo --keep`")
 def down(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.defs.service import DagsterService
+
+    dagster_stopped = DagsterService(settings).stop()
+    print(
+        "dagster webserver, daemon and Spark Connect stopped"
+        if dagster_stopped
+        else "dagster was not running"
+    )
     stopped = EmbeddedEtcd(settings.etcd_dir).stop_recorded()
     print("embedded etcd stopped" if stopped else "embedded etcd was not running")
     return 0

@@ -1,0 +1,270 @@
+"""The persisted state of a vchannel as assets: `binlogs` -> `segments` -> `channel_checkpoints`.
+
+The three assets are the three commit steps of one sync (DESIGN invariant 1: files,
+then segment meta, then the checkpoint), so they are materialized together by one
+multi-asset, partitioned by vchannel, that runs the PySpark `SyncTask` through
+dagster-pyspark's resource. Their lineage in the UI is the commit order.
+
+Downstream, unpartitioned: `segment_catalog`, one Parquet table of every segment
+(`{storage}/catalog/segments.parquet`) that the notebooks read.
+"""
+
+import time
+from typing import Any
+
+import dagster as dg
+from dagster_pyspark import PySparkResource
+
+from vchan_assets.datanode.channel import NodeContext
+from vchan_assets.datanode.node import parse_watch_info, release_channel
+from vchan_assets.datanode.sync import SyncResult
+from vchan_assets.defs.partitions import vchannels
+from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.runtime import CheckOutcome, VchanRuntime
+from vchan_assets.meta.errors import LeaseLostError
+from vchan_assets.model import WatchState, physical_ms
+
+BINLOGS = dg.AssetKey("binlogs")
+SEGMENTS = dg.AssetKey("segments")
+CHANNEL_CHECKPOINTS = dg.AssetKey("channel_checkpoints")
+SYNC_GROUP = "vchannel_sync"
+
+CHECK_LOG_ROWS = "binlog_rows_match_log"
+CHECK_UNIQUE_PKS = "no_duplicate_pks"
+CHECK_BINLOG_PATHS = "binlog_paths_exist"
+CHECK_MONOTONIC = "checkpoint_monotonic"
+
+SYNC_CHECKS = [
+    dg.AssetCheckSpec(
+        CHECK_LOG_ROWS,
+        asset=BINLOGS,
+        description="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
+        "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
+    ),
+    dg.AssetCheckSpec(
+        CHECK_UNIQUE_PKS, asset=BINLOGS, description="No primary key twice in the vchannel's insert binlogs."
+    ),
+    dg.AssetCheckSpec(
+        CHECK_BINLOG_PATHS,
+        asset=SEGMENTS,
+        description="Every binlog/delta/stats path in segment meta exists.",
+    ),
+    dg.AssetCheckSpec(
+        CHECK_MONOTONIC,
+        asset=CHANNEL_CHECKPOINTS,
+        description="The checkpoint is at or after the one of the previous materialization of this partition.",
+    ),
+]
+
+
+class SyncConfig(dg.Config):
+    """Which writer this run is: the lease id the sensor saw (0: the channel's current lease)."""
+
+    lease_id: int = 0
+    node_id: int = -1
+    reason: str = ""
+    release: bool = False  # a release run: final sync, then ReleaseSuccess on watch_key
+    watch_key: str = ""
+
+
+def _previous_checkpoint(context: dg.AssetExecutionContext, vchannel: str) -> int | None:
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=CHANNEL_CHECKPOINTS, asset_partitions=[vchannel]), limit=1
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return None
+    value = records[0].asset_materialization.metadata.get("checkpoint_offset")
+    return int(str(value.value)) if value is not None else None
+
+
+def _check(name: str, asset: dg.AssetKey, outcome: CheckOutcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        check_name=name,
+        asset_key=asset,
+        passed=outcome.passed,
+        description=outcome.description,
+        metadata=dict(outcome.metadata),
+    )
+
+
+def sync_results(
+    runtime: VchanRuntime, result: SyncResult, previous: int | None, config: SyncConfig
+) -> list[dg.MaterializeResult | dg.AssetCheckResult]:
+    """The three materializations and the four checks of one sync."""
+    vchannel = result.vchannel
+    head = runtime.status(vchannel).backlog.head
+    end = result.end
+    lag_messages = max(0, head.offset - end.offset) if head else 0
+    lag_seconds = max(0.0, time.time() - physical_ms(end.timestamp) / 1000) if end.timestamp else 0.0
+    position = {
+        "position_range": f"({result.start.offset}, {end.offset}]",
+        "start_offset": result.start.offset,
+        "end_offset": end.offset,
+    }
+    common: dict[str, Any] = {
+        **position,
+        "lease_id": config.lease_id,
+        "node_id": config.node_id,
+        "reason": config.reason,
+    }
+    segs = runtime.segments(vchannel)
+    out: list[dg.MaterializeResult | dg.AssetCheckResult] = [
+        dg.MaterializeResult(
+            asset_key=BINLOGS,
+            metadata={
+                **common,
+                "rows": result.rows,
+                "deletes": result.deletes,
+                "files": result.files,
+                "bytes": result.bytes,
+                "seconds": round(result.seconds, 3),
+                "skipped": result.skipped,
+            },
+        ),
+        dg.MaterializeResult(
+            asset_key=SEGMENTS,
+            metadata={
+                **common,
+                "segments_touched": len(result.segments),
+                "segments_flushed": len(result.flushed_segments),
+                "segments_total": len(segs),
+                "rows": sum(s.num_rows for s in segs if s.level.value != "L0"),
+                "deletes": sum(b.entries for s in segs for b in s.deltalogs),
+            },
+        ),
+        dg.MaterializeResult(
+            asset_key=CHANNEL_CHECKPOINTS,
+            metadata={
+                **common,
+                "checkpoint_offset": end.offset,
+                "checkpoint_ts": end.timestamp,
+                "previous_checkpoint_offset": previous if previous is not None else -1,
+                "checkpoint_lag_messages": lag_messages,
+                "checkpoint_lag_seconds": round(lag_seconds, 3),
+            },
+        ),
+    ]
+    monotonic = previous is None or end.offset >= previous
+    out += [
+        _check(CHECK_LOG_ROWS, BINLOGS, runtime.check_log_rows(vchannel)),
+        _check(CHECK_UNIQUE_PKS, BINLOGS, runtime.check_unique_pks(vchannel)),
+        _check(CHECK_BINLOG_PATHS, SEGMENTS, runtime.check_binlog_paths(vchannel)),
+        _check(
+            CHECK_MONOTONIC,
+            CHANNEL_CHECKPOINTS,
+            CheckOutcome(
+                monotonic,
+                f"checkpoint {end.offset}, previous materialization {previous}",
+                {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
+            ),
+        ),
+    ]
+    return out
+
+
+@dg.multi_asset(
+    name="sync_vchannel",
+    specs=[
+        dg.AssetSpec(
+            BINLOGS,
+            description="Insert, delta and stats logs of the vchannel in object storage (commit step 1).",
+            group_name=SYNC_GROUP,
+            kinds={"spark", "parquet"},
+            skippable=True,
+        ),
+        dg.AssetSpec(
+            SEGMENTS,
+            deps=[BINLOGS],
+            description="Segment meta in etcd pointing at the binlogs (commit step 2, lease-guarded).",
+            group_name=SYNC_GROUP,
+            kinds={"etcd"},
+            skippable=True,
+        ),
+        dg.AssetSpec(
+            CHANNEL_CHECKPOINTS,
+            deps=[SEGMENTS],
+            description="The vchannel's checkpoint in etcd: only forward, never past binlogs (step 3).",
+            group_name=SYNC_GROUP,
+            kinds={"etcd"},
+            skippable=True,
+        ),
+    ],
+    check_specs=SYNC_CHECKS,
+    partitions_def=vchannels,
+)
+def sync_vchannel(
+    context: dg.AssetExecutionContext, config: SyncConfig, vchan: VchanResource, pyspark: PySparkResource
+) -> object:
+    """Sync one vchannel from its checkpoint to its latest time tick under its channel lease."""
+    vchannel = context.partition_key
+    # The session the sync task's get_spark() returns (getOrCreate): started by the resource.
+    context.log.info("spark session %s", type(pyspark.spark_session).__module__)
+    with vchan.open() as runtime:
+        lease_id = config.lease_id
+        if not lease_id:
+            status = runtime.status(vchannel)
+            if status.lease_id is None:
+                raise dg.Failure(f"{vchannel} has no channel lease: no node watches it")
+            lease_id = status.lease_id
+        previous = _previous_checkpoint(context, vchannel)
+        try:
+            result = runtime.sync(vchannel, lease_id)
+        except LeaseLostError as exc:
+            # The channel moved to another writer: this run stops its work (no partial commit).
+            if not config.release:
+                raise dg.Failure(f"lease lost, sync of {vchannel} stopped: {exc}") from exc
+            context.log.info("release of %s: no final sync, the lease moved on (%s)", vchannel, exc)
+            _release(runtime, config)
+            return
+        context.log.info(
+            "%s: (%d, %d] %d rows, %d deletes, %d files %s",
+            vchannel,
+            result.start.offset,
+            result.end.offset,
+            result.rows,
+            result.deletes,
+            result.files,
+            result.skipped,
+        )
+        yield from sync_results(runtime, result, previous, config.model_copy(update={"lease_id": lease_id}))
+        if config.release:
+            _release(runtime, config)
+
+
+def _release(runtime: VchanRuntime, config: SyncConfig) -> None:
+    """ToRelease -> ReleaseSuccess (issue 4's release_channel), if the key still says so."""
+    if not config.watch_key:
+        return  # a deleted watch info: nothing to answer
+    found = runtime.store.get(config.watch_key)
+    if found is None:
+        return
+    info = parse_watch_info(config.watch_key, found.value)
+    if info.state is not WatchState.TO_RELEASE:
+        return
+    ctx = NodeContext(runtime.store, runtime.storage, runtime.settings, config.node_id, "spark")
+    release_channel(ctx, config.watch_key, found.version, info)
+
+
+@dg.asset(
+    deps=[CHANNEL_CHECKPOINTS],
+    group_name="catalog",
+    kinds={"parquet"},
+)
+def segment_catalog(vchan: VchanResource) -> dg.MaterializeResult:
+    """Every segment of every collection as one table, `{storage}/catalog/segments.parquet`:
+    what the notebooks read."""
+    with vchan.open() as runtime:
+        table = runtime.segment_table()
+        path = runtime.write_catalog(table)
+    states = table.column("state").to_pylist()
+    return dg.MaterializeResult(
+        metadata={
+            "path": path,
+            "segments": table.num_rows,
+            "rows": sum(table.column("num_rows").to_pylist()),
+            "binlog_bytes": sum(table.column("binlog_bytes").to_pylist()),
+            "flushed": states.count("Flushed"),
+            "growing": states.count("Growing"),
+            "dagster/row_count": table.num_rows,
+        }
+    )

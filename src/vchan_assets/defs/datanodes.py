@@ -1,0 +1,242 @@
+"""DataNodes that live inside Dagster: one watch sensor per configured node slot.
+
+How a node lives here (the design):
+
+- **The sensor is the node.** Sensor `datanode_{slot}` hosts one DataNode. Its cursor
+  (JSON) holds the node's id, the etcd lease of its session and the etcd revision of
+  `channelwatch/{nodeID}/` it has seen. Each tick first refreshes the session lease
+  (`store.keepalive`); the session (`session/datanode/{id}`, address `dagster:{slot}`)
+  therefore lives exactly as long as the sensor keeps ticking. The daemon ticks a
+  sensor every 5 s at best, so the session TTL is max(VCHAN_SESSION_TTL, 20 s). Stop the sensor (UI,
+  `dagster sensor stop`, GraphQL `stopSensor`, or the daemon dying) and the session
+  expires after that TTL: the coordinator sensor reassigns its channels with
+  new leases, which fences off any sync run of the dead node still in flight
+  (LeaseLostError, nothing committed). Killing a node is that: a real, testable action.
+- **A dead session is never revived.** If the lease is gone when the sensor ticks
+  (it was stopped for longer than the TTL), the tick registers a new node with a new,
+  never-reused id (MEP 7: restarting a node is the same as starting it).
+- **Watch handling is issue 4's step functions**, the same ones the standalone
+  `vchan datanode` process calls: `parse_watch_info`, `watch_channel` (ToWatch ->
+  lease check, recovery info, CAS WatchSuccess/WatchFailure) runs in the tick; the
+  channel's work is then Dagster runs: ToWatch -> add the vchannel partition and
+  request the first sync run; ToRelease or delete -> request the release run (a final
+  sync under the node's lease if it still holds it, then CAS ReleaseSuccess).
+- **Cursor = etcd revision** via `meta.watch.poll_changes`: without a cursor, or when
+  it was compacted away, the tick relists the whole prefix (invariant 5).
+- **Run keys are stable**: `watch:{node}:{vchannel}:{lease}` and
+  `release:{node}:{vchannel}:{mod_revision}`; a tick re-evaluated after a crash
+  requests nothing twice.
+- Syncs while watching come from the sync sensor (sync_sensor.py), for channels whose
+  lease belongs to a live Dagster-hosted node (session address `dagster:*`), so a
+  standalone `vchan datanode` process and Dagster never write one channel together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import dagster as dg
+
+from vchan_assets import __version__
+from vchan_assets.datanode.channel import NodeContext
+from vchan_assets.datanode.node import is_end_state, parse_watch_info, watch_channel
+from vchan_assets.defs.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.partitions import VCHANNELS, vchannels
+from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.errors import CasConflictError, MalformedValueError
+from vchan_assets.meta.watch import EventKind, poll_changes
+from vchan_assets.model import NodeSession, WatchState
+
+log = logging.getLogger(__name__)
+
+DAGSTER_ADDRESS = "dagster:"
+WATCH_SENSOR_INTERVAL = 1
+# dagster-daemon evaluates sensors at most every 5 s (MIN_INTERVAL_LOOP_TIME in
+# dagster/_daemon/sensor.py), so a sensor-hosted node's session must outlive several
+# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger).
+SESSION_TTL_FLOOR = 20.0
+
+
+@dataclass
+class NodeCursor:
+    node_id: int = 0
+    session_lease: int = 0
+    revision: int = 0
+
+    @classmethod
+    def parse(cls, raw: str | None) -> NodeCursor:
+        if not raw:
+            return cls()
+        try:
+            d = json.loads(raw)
+            return cls(int(d["node_id"]), int(d["session_lease"]), int(d["revision"]))
+        except (ValueError, KeyError, TypeError):
+            log.error("unreadable datanode cursor %r: starting a new node", raw)
+            return cls()
+
+    def dump(self) -> str:
+        return json.dumps(
+            {"node_id": self.node_id, "session_lease": self.session_lease, "revision": self.revision}
+        )
+
+
+@dataclass
+class WatchRequest:
+    """A run the node asks for: the first sync after a watch, or a release."""
+
+    vchannel: str
+    run_key: str
+    lease_id: int
+    release: bool = False
+    watch_key: str = ""
+
+
+@dataclass
+class NodeTick:
+    cursor: NodeCursor
+    new_session: bool = False
+    relisted: str = ""  # why, if the tick relisted the prefix
+    partitions: list[str] = field(default_factory=list)
+    requests: list[WatchRequest] = field(default_factory=list)
+    watched: list[tuple[str, str]] = field(default_factory=list)  # (vchannel, state written)
+    skipped: list[str] = field(default_factory=list)
+
+
+class DagsterDataNode:
+    """One tick of a Dagster-hosted DataNode (no Dagster import needed to use it)."""
+
+    def __init__(self, runtime: VchanRuntime, slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> None:
+        self.runtime = runtime
+        self.store = runtime.store
+        self.slot = slot
+        self.session_ttl = max(runtime.settings.session_ttl, min_session_ttl)
+
+    def ensure_session(self, cursor: NodeCursor) -> tuple[NodeCursor, bool]:
+        """Refresh the node's session lease; register a new node if it is gone."""
+        if cursor.node_id and cursor.session_lease:
+            try:
+                alive = self.store.keepalive(cursor.session_lease) > 0
+            except Exception as exc:  # an unknown lease is an error on some etcd versions
+                log.info("keep-alive of node %s failed: %s", cursor.node_id, exc)
+                alive = False
+            if alive and self.store.get(self.store.keys.datanode_session(cursor.node_id)) is not None:
+                return cursor, False
+            log.warning(
+                "datanode %s (slot %s) lost its session: starting a new node", cursor.node_id, self.slot
+            )
+        node_id = IdAllocator(self.store, batch=1).alloc()
+        lease = self.store.grant(self.session_ttl)
+        record = NodeSession(node_id, f"{DAGSTER_ADDRESS}{self.slot}", __version__, time.time(), "HEALTHY")
+        self.store.cas(self.store.keys.datanode_session(node_id), 0, record, lease=lease)
+        log.info("datanode %s registered for sensor slot %s (lease %s)", node_id, self.slot, lease)
+        return NodeCursor(node_id, lease, 0), True
+
+    def tick(self, cursor: NodeCursor) -> NodeTick:
+        cursor, new = self.ensure_session(cursor)
+        ctx = NodeContext(self.store, self.runtime.storage, self.runtime.settings, cursor.node_id, "spark")
+        prefix = self.store.keys.channel_watch_prefix(cursor.node_id)
+        changes = poll_changes(self.store, prefix, cursor.revision or None)
+        out = NodeTick(NodeCursor(cursor.node_id, cursor.session_lease, changes.revision), new_session=new)
+        # (key, kind, version, value, mod_revision): the last event per key wins.
+        latest: dict[str, tuple[EventKind, int, bytes, int]] = {}
+        if changes.relisted:
+            out.relisted = changes.reason
+            assert changes.snapshot is not None
+            for kv in changes.snapshot.items:
+                latest[kv.key] = (EventKind.PUT, kv.version, kv.value, kv.mod_revision)
+        for event in changes.events:
+            latest[event.key] = (event.kind, event.version, event.value, event.mod_revision)
+        for key, (kind, version, value, revision) in sorted(latest.items()):
+            vchannel = key.rsplit("/", 1)[-1]
+            if kind is EventKind.DELETE:
+                out.requests.append(
+                    WatchRequest(vchannel, f"release:{cursor.node_id}:{vchannel}:{revision}", 0, release=True)
+                )
+                continue
+            try:
+                info = parse_watch_info(key, value)
+            except MalformedValueError as exc:
+                log.error("datanode %s: skipping malformed watch info: %s", cursor.node_id, exc)
+                out.skipped.append(key)
+                continue
+            if info.state is WatchState.TO_WATCH:
+                try:
+                    result = watch_channel(ctx, key, version, info)
+                except CasConflictError:
+                    out.skipped.append(key)  # the coordinator moved on meanwhile
+                    continue
+                out.watched.append((vchannel, result.state.value))
+                if result.state is WatchState.WATCH_SUCCESS:
+                    out.partitions.append(vchannel)
+                    out.requests.append(
+                        WatchRequest(
+                            vchannel, f"watch:{cursor.node_id}:{vchannel}:{info.lease_id}", info.lease_id or 0
+                        )
+                    )
+            elif info.state is WatchState.TO_RELEASE:
+                out.requests.append(
+                    WatchRequest(
+                        vchannel,
+                        f"release:{cursor.node_id}:{vchannel}:{revision}",
+                        info.lease_id or 0,
+                        release=True,
+                        watch_key=key,
+                    )
+                )
+            elif info.state is WatchState.WATCH_SUCCESS:
+                out.partitions.append(vchannel)  # relist: make sure the partition exists
+            elif not is_end_state(info.state):
+                out.skipped.append(key)
+        return out
+
+
+def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:
+    config = {
+        "lease_id": req.lease_id,
+        "node_id": node_id,
+        "release": req.release,
+        "watch_key": req.watch_key,
+    }
+    reason = "release" if req.release else "watch"
+    return dg.RunRequest(
+        run_key=req.run_key,
+        partition_key=req.vchannel,
+        run_config=dg.RunConfig(ops={"sync_vchannel": {"config": {**config, "reason": reason}}}),
+        tags={CHANNEL_TAG: req.vchannel, NODE_TAG: str(node_id), REASON_TAG: reason},
+    )
+
+
+def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg.SensorDefinition:
+    """The watch sensor of the DataNode hosted in sensor slot `slot`."""
+
+    @dg.sensor(
+        name=f"datanode_{slot}",
+        job=sync_job,
+        minimum_interval_seconds=WATCH_SENSOR_INTERVAL,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"DataNode slot {slot}: keeps the node's session alive, watches channelwatch/<node>/.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+        with vchan.open() as runtime:
+            tick = DagsterDataNode(runtime, slot, min_session_ttl).tick(NodeCursor.parse(context.cursor))
+        if tick.relisted:
+            context.log.info("node %s relisted its watch prefix: %s", tick.cursor.node_id, tick.relisted)
+        known = set(context.instance.get_dynamic_partitions(VCHANNELS))
+        missing = sorted(set(tick.partitions) - known)
+        requests = [watch_run_request(tick.cursor.node_id, r) for r in tick.requests]
+        for r in tick.requests:
+            if r.vchannel not in known and r.vchannel not in missing:
+                missing.append(r.vchannel)
+        return dg.SensorResult(
+            run_requests=requests,
+            dynamic_partitions_requests=[vchannels.build_add_request(missing)] if missing else [],
+            cursor=tick.cursor.dump(),
+            skip_reason=None if requests else f"node {tick.cursor.node_id}: no watch changes",
+        )
+
+    return _sensor

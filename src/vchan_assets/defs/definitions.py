@@ -1,0 +1,18 @@
+"""The Dagster definitions of vchan_assets (loaded by workspace.yaml)."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from vchan_assets.config import Settings
+from vchan_assets.defs.assets import segment_catalog, sync_vchannel
+from vchan_assets.defs.jobs import sync_job
+from vchan_assets.defs.resources import VchanResource, pyspark_resource
+from vchan_assets.defs.sensors import all_sensors
+
+defs = dg.Definitions(
+    assets=[sync_vchannel, segment_catalog],
+    jobs=[sync_job],
+    sensors=all_sensors(),
+    resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(Settings.from_env())},
+)

@@ -1,0 +1,29 @@
+"""Every sensor: one DataNode watch sensor per configured node slot, the sync sensor,
+and the DataCoord sensor.
+
+Node slots: VCHAN_DAGSTER_DATANODES (default 2) slots named 1..N, read when the
+definitions load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from vchan_assets.defs.datacoord import datacoord_sensor
+from vchan_assets.defs.datanodes import datanode_sensor
+from vchan_assets.defs.sync_sensor import sync_sensor
+
+
+def node_slots() -> list[str]:
+    raw = os.environ.get("VCHAN_DAGSTER_DATANODES", "2")
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"VCHAN_DAGSTER_DATANODES={raw!r}: expected a whole number") from None
+    return [str(i) for i in range(1, max(0, count) + 1)]
+
+
+def all_sensors() -> list[dg.SensorDefinition]:
+    return [*(datanode_sensor(slot) for slot in node_slots()), sync_sensor, datacoord_sensor]

@@ -1,0 +1,138 @@
+"""The sync sensor: a sync run for a vchannel partition when a sync policy fires.
+
+Only channels owned by a Dagster-hosted DataNode (datanodes.py) are synced here: the
+run commits under that node's channel lease, as the node.
+
+Each tick reads, per vchannel that has a channel lease (some node owns it), the
+backlog between the checkpoint and the log head and asks `datanode.policies` whether
+to sync (buffered size, age of the oldest unsynced row, sealed segments, flush
+timestamp). The run key names the lease and the backlog it was requested for
+(`sync:{vchannel}:{lease}:{checkpoint}:{head}:{sealed}`), so a re-evaluated tick
+requests nothing twice; a channel that already has a sync queued or running is left
+alone (the next tick after it finishes sees what is left).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import dagster as dg
+
+from vchan_assets.defs.datanodes import DAGSTER_ADDRESS
+from vchan_assets.defs.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.partitions import VCHANNELS, vchannels
+from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.model import ChannelWatchInfo, NodeSession, WatchState
+
+SYNC_SENSOR_INTERVAL = 1  # seconds: the latency budget of a change is ~10 s
+IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    vchannel: str
+    lease_id: int
+    node_id: int
+    reasons: tuple[str, ...]
+    run_key: str
+
+
+def dagster_nodes(runtime: VchanRuntime) -> set[int]:
+    """Live DataNodes hosted by Dagster sensors (session address `dagster:*`)."""
+    found, _ = runtime.store.list_models(
+        runtime.store.keys.datanode_sessions(), NodeSession, skip_malformed=True
+    )
+    return {d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS)}
+
+
+def watching(runtime: VchanRuntime, node_id: int, vchannel: str) -> bool:
+    found = runtime.store.get_model(runtime.store.keys.channel_watch(node_id, vchannel), ChannelWatchInfo)
+    return found is not None and found.model.state is WatchState.WATCH_SUCCESS
+
+
+def plan_syncs(runtime: VchanRuntime, busy: set[str], now: float | None = None) -> list[SyncPlan]:
+    """The channels a sync policy fires for: those whose lease belongs to a live
+    Dagster-hosted node that watches them (WatchSuccess), skipping channels in `busy`."""
+    plans = []
+    nodes = dagster_nodes(runtime)
+    for vchannel, info in sorted(runtime.vchannels().items()):
+        if vchannel in busy:
+            continue
+        status = runtime.status(vchannel, info)
+        if status.lease_id is None or status.lease_node not in nodes:
+            continue  # nobody owns it, or a standalone `vchan datanode` does
+        assert status.lease_node is not None
+        if not watching(runtime, status.lease_node, vchannel):
+            continue
+        reasons = runtime.sync_reasons(status, now)
+        if not reasons:
+            continue
+        b = status.backlog
+        head = b.head.offset if b.head else -1
+        key = f"sync:{vchannel}:{status.lease_id}:{b.checkpoint.offset}:{head}:{b.sealed_segments}"
+        plans.append(SyncPlan(vchannel, status.lease_id, status.lease_node, tuple(reasons), key))
+    return plans
+
+
+def retry_key(instance: dg.DagsterInstance, run_key: str) -> str:
+    """The run key, suffixed after failed runs that had it: a failed sync (say a
+    cancelled Spark job) is asked for again, up to twice; a successful one never."""
+    failed = instance.get_runs_count(
+        dg.RunsFilter(tags={"dagster/run_key": run_key}, statuses=[dg.DagsterRunStatus.FAILURE])
+    )
+    if not failed:
+        return run_key
+    attempt = f"{run_key}:retry{failed}"
+    again = instance.get_runs_count(
+        dg.RunsFilter(tags={"dagster/run_key": attempt}, statuses=[dg.DagsterRunStatus.FAILURE])
+    )
+    return f"{run_key}:retry{failed + again}" if again else attempt
+
+
+def busy_channels(instance: dg.DagsterInstance) -> set[str]:
+    records = instance.get_run_records(dg.RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT))
+    return {r.dagster_run.tags[CHANNEL_TAG] for r in records if CHANNEL_TAG in r.dagster_run.tags}
+
+
+def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
+    return dg.RunRequest(
+        run_key=plan.run_key,
+        partition_key=plan.vchannel,
+        run_config=dg.RunConfig(
+            ops={
+                "sync_vchannel": {
+                    "config": {
+                        "lease_id": plan.lease_id,
+                        "node_id": plan.node_id,
+                        "reason": "; ".join(plan.reasons),
+                    }
+                }
+            }
+        ),
+        tags={CHANNEL_TAG: plan.vchannel, NODE_TAG: str(plan.node_id), REASON_TAG: plan.reasons[0][:60]},
+    )
+
+
+@dg.sensor(
+    job=sync_job,
+    minimum_interval_seconds=SYNC_SENSOR_INTERVAL,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+)
+def sync_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+    """Request a sync of a vchannel partition when a sync policy fires."""
+    with vchan.open() as runtime:
+        plans = plan_syncs(runtime, busy_channels(context.instance))
+    plans = [replace(p, run_key=retry_key(context.instance, p.run_key)) for p in plans]
+    known = set(context.instance.get_dynamic_partitions(VCHANNELS))
+    missing = sorted({p.vchannel for p in plans} - known)
+    return dg.SensorResult(
+        run_requests=[sync_run_request(p) for p in plans],
+        dynamic_partitions_requests=[vchannels.build_add_request(missing)] if missing else [],
+        skip_reason=None if plans else "no sync policy fired",
+    )

@@ -1,0 +1,67 @@
+"""Fixtures of the Dagster-layer tests: a real etcd (shared, from tests/conftest.py), a
+real local Spark Connect server for the session, a collection with produced data, and
+Dagster's own ephemeral instance."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, CollectionSchema
+from vchan_assets.spark.connect import LocalSparkConnect
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
+
+SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "s": "string"})
+
+
+@pytest.fixture(scope="session")
+def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One long-lived local Spark Connect server for the session (what `vchan up` runs)."""
+    server = LocalSparkConnect(tmp_path_factory.mktemp("spark-connect"))
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def dsettings(settings: Settings, spark_remote: str) -> Settings:
+    """Test settings with short timeouts and Spark Connect."""
+    storage = Path(settings.storage_uri)
+    storage.mkdir(parents=True, exist_ok=True)
+    return replace(settings, spark_remote=spark_remote, session_ttl=2.0, watch_timeout=30.0, sync_max_age=1.0)
+
+
+@pytest.fixture
+def vchan(dsettings: Settings) -> VchanResource:
+    return VchanResource.from_settings(dsettings)
+
+
+@pytest.fixture
+def runtime(dsettings: Settings, store: MetaStore) -> VchanRuntime:
+    return VchanRuntime(dsettings, store, Storage.from_settings(dsettings))
+
+
+@pytest.fixture
+def producer(dsettings: Settings, store: MetaStore) -> Producer:
+    return Producer(store, Storage.from_settings(dsettings), dsettings)
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, [], num_channels=2)
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst

@@ -1,0 +1,204 @@
+"""The sync multi-asset and the segment catalog, materialized with Dagster's `materialize`
+on an ephemeral instance, through Spark Connect, against a real etcd and real files."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from vchan_assets.config import Settings
+from vchan_assets.defs.assets import (
+    BINLOGS,
+    CHANNEL_CHECKPOINTS,
+    SEGMENTS,
+    segment_catalog,
+    sync_vchannel,
+)
+from vchan_assets.defs.datacoord import datacoord_sensor
+from vchan_assets.defs.datanodes import NodeCursor
+from vchan_assets.defs.resources import VchanResource, pyspark_resource
+from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import ChannelWatchInfo, CollectionInfo, WatchState
+from vchan_assets.wal.producer import Producer, generate_rows
+
+from .conftest import SCHEMA
+from .test_sensors import NODE1, evaluate
+
+
+def watched_by_a_dagster_node(
+    instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore
+) -> tuple[NodeCursor, dict[str, ChannelWatchInfo]]:
+    node = NodeCursor.parse(evaluate(NODE1, instance, vchan).cursor)
+    evaluate(datacoord_sensor, instance, vchan)
+    evaluate(NODE1, instance, vchan, node.dump())
+    found, _ = store.list_models(store.keys.channel_watch_prefix(node.node_id), ChannelWatchInfo)
+    return node, {d.model.vchan.channel_name: d.model for d in found}
+
+
+def materialize_sync(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    settings: Settings,
+    vchannel: str,
+    config: dict[str, object],
+) -> dg.ExecuteInProcessResult:
+    instance.add_dynamic_partitions("vchannels", [vchannel])
+    return dg.materialize(
+        [sync_vchannel],
+        partition_key=vchannel,
+        instance=instance,
+        resources={"vchan": vchan, "pyspark": pyspark_resource(settings)},
+        run_config={"ops": {"sync_vchannel": {"config": config}}},
+    )
+
+
+def test_sync_materializes_binlogs_segments_checkpoints_with_metadata_and_passing_checks(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    node, infos = watched_by_a_dagster_node(instance, vchan, store)
+    producer.insert(collection.name, generate_rows(SCHEMA, 1_000, start_pk=1, seed=1))
+    producer.delete(collection.name, list(range(1, 101)))
+    vchannel = collection.vchannels[0]
+    config = {"lease_id": infos[vchannel].lease_id, "node_id": node.node_id, "reason": "test"}
+
+    result = materialize_sync(instance, vchan, dsettings, vchannel, config)
+    assert result.success
+    by_asset = {m.asset_key: m for m in result.asset_materializations_for_node("sync_vchannel")}
+    assert set(by_asset) == {BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS}
+    assert all(m.partition == vchannel for m in by_asset.values())
+    binlogs = by_asset[BINLOGS].metadata
+    assert binlogs["rows"].value > 0 and binlogs["files"].value > 0 and binlogs["bytes"].value > 0
+    assert binlogs["deletes"].value > 0
+    cp = by_asset[CHANNEL_CHECKPOINTS].metadata
+    assert cp["checkpoint_offset"].value == store_checkpoint(store, vchannel)
+    assert cp["checkpoint_lag_messages"].value == 0
+    assert str(cp["position_range"].value).startswith("(")
+    checks = result.get_asset_check_evaluations()
+    assert len(checks) == 4 and all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]
+
+    # A second sync with more data: the checkpoint moves forward, the monotonic check
+    # compares against the previous materialization.
+    producer.insert(collection.name, generate_rows(SCHEMA, 500, start_pk=5_000, seed=2))
+    second = materialize_sync(instance, vchan, dsettings, vchannel, config)
+    assert second.success
+    cp2 = {m.asset_key: m for m in second.asset_materializations_for_node("sync_vchannel")}[
+        CHANNEL_CHECKPOINTS
+    ]
+    assert cp2.metadata["previous_checkpoint_offset"].value == cp["checkpoint_offset"].value
+    assert cp2.metadata["checkpoint_offset"].value > cp["checkpoint_offset"].value
+    assert all(c.passed for c in second.get_asset_check_evaluations())
+
+
+def store_checkpoint(store: MetaStore, vchannel: str) -> int:
+    from vchan_assets.datacoord.recovery import channel_checkpoint
+
+    cp = channel_checkpoint(store, vchannel)
+    assert cp is not None
+    return cp.model.offset
+
+
+def test_sync_with_a_lease_that_moved_commits_nothing_and_fails_the_run(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    node, infos = watched_by_a_dagster_node(instance, vchan, store)
+    producer.insert(collection.name, generate_rows(SCHEMA, 100, start_pk=1, seed=1))
+    vchannel = collection.vchannels[0]
+    stale = {"lease_id": infos[vchannel].lease_id + 1_000_000, "node_id": node.node_id}
+    instance.add_dynamic_partitions("vchannels", [vchannel])
+    result = dg.materialize(
+        [sync_vchannel],
+        partition_key=vchannel,
+        instance=instance,
+        resources={"vchan": vchan, "pyspark": pyspark_resource(dsettings)},
+        run_config={"ops": {"sync_vchannel": {"config": stale}}},
+        raise_on_error=False,
+    )
+    assert not result.success
+    assert "lease lost" in str(result.failure_data_for_node("sync_vchannel").error)  # type: ignore[union-attr]
+    from vchan_assets.datacoord.recovery import channel_checkpoint
+
+    assert channel_checkpoint(store, vchannel) is None
+
+
+def test_release_run_syncs_then_answers_release_success(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    from dataclasses import replace
+
+    node, infos = watched_by_a_dagster_node(instance, vchan, store)
+    producer.insert(collection.name, generate_rows(SCHEMA, 200, start_pk=1, seed=1))
+    vchannel = collection.vchannels[1]
+    key = store.keys.channel_watch(node.node_id, vchannel)
+    kv = store.get(key)
+    assert kv is not None
+    store.cas(key, kv.version, replace(infos[vchannel], state=WatchState.TO_RELEASE))
+    config = {
+        "lease_id": infos[vchannel].lease_id,
+        "node_id": node.node_id,
+        "release": True,
+        "watch_key": key,
+    }
+    result = materialize_sync(instance, vchan, dsettings, vchannel, config)
+    assert result.success
+    released = store.get_model(key, ChannelWatchInfo)
+    assert released is not None and released.model.state is WatchState.RELEASE_SUCCESS
+    assert store_checkpoint(store, vchannel) > 0
+
+
+def test_segment_catalog_writes_one_parquet_table_of_all_segments(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+    runtime: VchanRuntime,
+) -> None:
+    node, infos = watched_by_a_dagster_node(instance, vchan, store)
+    producer.insert(collection.name, generate_rows(SCHEMA, 300, start_pk=1, seed=1))
+    for vchannel in collection.vchannels:
+        config = {"lease_id": infos[vchannel].lease_id, "node_id": node.node_id}
+        assert materialize_sync(instance, vchan, dsettings, vchannel, config).success
+    result = dg.materialize([segment_catalog], instance=instance, resources={"vchan": vchan})
+    assert result.success
+    (mat,) = result.asset_materializations_for_node("segment_catalog")
+    table = pq.read_table(str(mat.metadata["path"].value))
+    assert table.num_rows == mat.metadata["segments"].value == len(runtime.segments())
+    assert sum(table.column("num_rows").to_pylist()) == 300
+
+
+def test_binlog_paths_check_fails_when_a_binlog_is_missing(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+    runtime: VchanRuntime,
+) -> None:
+    node, infos = watched_by_a_dagster_node(instance, vchan, store)
+    producer.insert(collection.name, generate_rows(SCHEMA, 300, start_pk=1, seed=1))
+    vchannel = collection.vchannels[0]
+    config = {"lease_id": infos[vchannel].lease_id, "node_id": node.node_id}
+    assert materialize_sync(instance, vchan, dsettings, vchannel, config).success
+    victim = runtime.segments(vchannel)[0].binlog_files[0].path
+    runtime.storage.delete(victim)
+    outcome = runtime.check_binlog_paths(vchannel)
+    assert not outcome.passed and victim in outcome.description
+    assert not runtime.check_log_rows(vchannel).passed or runtime.check_log_rows(vchannel).passed

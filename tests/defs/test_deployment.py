@@ -1,0 +1,191 @@
+"""End to end on a real Dagster deployment: dagster-daemon + dagster-webserver as
+subprocesses (DagsterService, what `vchan up` starts), a real etcd, Spark Connect,
+real files; the daemon's sensors drive watch and sync. Then the webserver's GraphQL
+API and a real headless Chromium look at what it did."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.defs.service import DEFAULT_DAGSTER_HOME, REPO, DagsterService, graphql
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, MsgPosition
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer, generate_rows
+
+from .conftest import SCHEMA
+
+ARTIFACTS = REPO / "test-artifacts"
+ROWS = 2_000
+DELETES = 100
+
+
+@dataclass
+class Deployment:
+    url: str
+    settings: Settings
+    store: MetaStore
+    instance: dg.DagsterInstance
+    collection: CollectionInfo
+    heads: dict[str, MsgPosition]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("deployment")
+    settings = Settings(
+        home=tmp / "home",
+        root=f"e2e-{uuid.uuid4().hex[:8]}",
+        etcd_endpoints=(etcd.endpoint,),
+        storage_uri=str(tmp / "storage"),
+        spark_remote=spark_remote,
+        session_ttl=5.0,
+        sync_max_age=1.0,
+    )
+    home = tmp / "dagster_home"
+    home.mkdir()
+    shutil.copy(DEFAULT_DAGSTER_HOME / "dagster.yaml", home / "dagster.yaml")
+    service = DagsterService(settings, dagster_home=home)
+    store = MetaStore.connect(settings)
+    try:
+        url = service.start()
+        storage = Storage.from_settings(settings)
+        storage.ensure_root()
+        producer = Producer(store, storage, settings)
+        collection = producer.create_collection("e2e", SCHEMA, [], num_channels=2)
+        producer.insert(collection.name, generate_rows(SCHEMA, ROWS, start_pk=1, seed=1))
+        heads = {
+            v: a.position for v, a in producer.delete(collection.name, list(range(1, DELETES + 1))).items()
+        }
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            yield Deployment(url, settings, store, instance, collection, heads)
+    finally:
+        store.close()
+        service.stop(stop_spark=False)
+
+
+def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: Deployment) -> None:
+    store = deployment.store
+
+    def committed() -> bool:
+        for vchannel, head in deployment.heads.items():
+            cp = channel_checkpoint(store, vchannel)
+            if cp is None or cp.model.offset < head.offset:
+                return False
+        return True
+
+    wait_until(committed, 150, "both checkpoints to reach the log head")
+    instance = deployment.instance
+    runs = instance.get_runs(dg.RunsFilter(job_name="sync"))
+    assert runs and all(r.tags.get("vchan/channel") in deployment.collection.vchannels for r in runs)
+    wait_until(
+        lambda: all(
+            r.status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE)
+            for r in instance.get_runs(dg.RunsFilter(job_name="sync"))
+        ),
+        60,
+        "runs to finish",
+    )
+    statuses = {r.run_id: r.status for r in instance.get_runs(dg.RunsFilter(job_name="sync"))}
+    assert dg.DagsterRunStatus.SUCCESS in statuses.values()
+    assert dg.DagsterRunStatus.FAILURE not in statuses.values(), statuses
+    checks = []
+    for run_id in statuses:
+        for record in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
+            assert record.dagster_event is not None
+            checks.append(record.dagster_event.event_specific_data)
+    assert checks and all(c.passed for c in checks)  # type: ignore[union-attr]
+    names = {c.check_name for c in checks}  # type: ignore[union-attr]
+    assert names == {
+        "binlog_rows_match_log",
+        "no_duplicate_pks",
+        "binlog_paths_exist",
+        "checkpoint_monotonic",
+    }
+
+
+ASSET_GRAPH = """
+{
+  assetNodes(group: {groupName: "vchannel_sync", repositoryName: "__repository__",
+                     repositoryLocationName: "vchan_assets"}) {
+    assetKey { path }
+    dependencyKeys { path }
+    isPartitioned
+    partitionKeys
+  }
+}
+"""
+
+
+def test_graphql_returns_the_lineage_and_the_vchannel_partitions(deployment: Deployment) -> None:
+    wait_until(
+        lambda: len(deployment.instance.get_dynamic_partitions("vchannels")) >= 2,
+        60,
+        "the vchannel partitions",
+    )
+    nodes = {"/".join(n["assetKey"]["path"]): n for n in graphql(deployment.url, ASSET_GRAPH)["assetNodes"]}
+    assert set(nodes) == {"binlogs", "segments", "channel_checkpoints"}
+    deps = {k: {"/".join(d["path"]) for d in n["dependencyKeys"]} for k, n in nodes.items()}
+    assert deps == {"binlogs": set(), "segments": {"binlogs"}, "channel_checkpoints": {"segments"}}
+    for node in nodes.values():
+        assert node["isPartitioned"]
+        assert set(deployment.collection.vchannels) <= set(node["partitionKeys"])
+    catalog = graphql(
+        deployment.url, '{ assetNodes(assetKeys: [{path: ["segment_catalog"]}]) { dependencyKeys { path } } }'
+    )
+    assert [d["path"] for d in catalog["assetNodes"][0]["dependencyKeys"]] == [["channel_checkpoints"]]
+
+
+def test_headless_chromium_renders_the_three_assets_on_the_lineage_page(deployment: Deployment) -> None:
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is required (make system-deps installs it)"
+    page = f"{deployment.url}/locations/vchan_assets/asset-groups/vchannel_sync"
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "asset-lineage.png"
+    with tempfile.TemporaryDirectory() as profile:
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--window-size=1600,1000",
+            "--virtual-time-budget=20000",
+        ]
+        dom = subprocess.run(
+            [chromium, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
+        subprocess.run(
+            [chromium, *flags, f"--screenshot={screenshot}", page],
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
+    (ARTIFACTS / "asset-lineage.html").write_text(dom)
+    for asset in ("binlogs", "segments", "channel_checkpoints"):
+        assert asset in dom, f"{asset} not rendered on {page}"
+    assert screenshot.stat().st_size > 10_000
+    assert Path(screenshot).exists()
