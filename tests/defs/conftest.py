@@ -30,6 +30,12 @@ def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = LocalSparkConnect(tmp_path_factory.mktemp("spark-connect"))
     url = server.start()
     yield url
+    # Close the Connect clients first: a client left open keeps retrying its release calls
+    # against the stopped server from non-daemon threads, and the test process never exits.
+    from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
+
+    for session in {RemoteSparkSession.getActiveSession(), RemoteSparkSession._default_session} - {None}:
+        session.stop()
     server.stop()
 
 
