@@ -169,6 +169,9 @@ VARIABLES: tuple[Variable, ...] = (
         "seconds before a dropped segment's files are removed",
     ),
     Variable("VCHAN_SPARK_PARTITIONS", "2", _positive_int, "Spark tasks per sync job"),
+    Variable(
+        "VCHAN_DAGSTER_DATANODES", "2", _positive_int, "DataNodes hosted by Dagster sensors (datanode_1..N)"
+    ),
 )
 
 
@@ -202,6 +205,7 @@ class Settings:
     gc_missing_tolerance: float = 86400.0
     gc_drop_tolerance: float = 10800.0
     spark_partitions: int = 2
+    dagster_datanodes: int = 2
 
     @property
     def embedded_etcd(self) -> bool:
@@ -262,4 +266,5 @@ class Settings:
             gc_missing_tolerance=values["VCHAN_GC_MISSING_TOLERANCE"],
             gc_drop_tolerance=values["VCHAN_GC_DROP_TOLERANCE"],
             spark_partitions=values["VCHAN_SPARK_PARTITIONS"],
+            dagster_datanodes=values["VCHAN_DAGSTER_DATANODES"],
         )

@@ -7,22 +7,16 @@ definitions load.
 
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 
+from vchan_assets.config import Settings
 from vchan_assets.defs.datacoord import datacoord_sensor
 from vchan_assets.defs.datanodes import datanode_sensor
 from vchan_assets.defs.sync_sensor import sync_sensor
 
 
 def node_slots() -> list[str]:
-    raw = os.environ.get("VCHAN_DAGSTER_DATANODES", "2")
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"VCHAN_DAGSTER_DATANODES={raw!r}: expected a whole number") from None
-    return [str(i) for i in range(1, max(0, count) + 1)]
+    return [str(i) for i in range(1, Settings.from_env().dagster_datanodes + 1)]
 
 
 def all_sensors() -> list[dg.SensorDefinition]:
