@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.meta.embedded import EmbeddedEtcd, _pid_alive, healthy, server_version
+from vchan_assets.meta.embedded import EmbeddedEtcd, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
 
@@ -24,7 +24,7 @@ VCHAN = Path(sys.executable).parent / "vchan"
 def _wait_dead(pid: int, timeout: float = 10) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -75,7 +75,7 @@ def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert caller.stdout is not None
     etcd_pid = int(caller.stdout.readline())
-    assert _pid_alive(etcd_pid)
+    assert pid_alive(etcd_pid)
     caller.send_signal(signal.SIGKILL)
     caller.wait()
     assert _wait_dead(etcd_pid), "etcd outlived the process that started it"
@@ -89,7 +89,7 @@ def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) ->
     assert "etcd_version" in up.stdout and "3.5" in up.stdout
     server = EmbeddedEtcd(tmp_path / "home" / "etcd")
     state = server._read_state()
-    assert state is not None and _pid_alive(state["pid"]), "etcd did not outlive `vchan up`"
+    assert state is not None and pid_alive(state["pid"]), "etcd did not outlive `vchan up`"
     down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert _wait_dead(state["pid"])

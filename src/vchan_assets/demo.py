@@ -60,17 +60,7 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
         info = producer.create_collection(name, SCHEMA, num_channels=options.channels)
         console.print(f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}")
 
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("producing rows", total=options.rows)
-            for start in range(0, options.rows, options.batch):
-                n = min(options.batch, options.rows - start)
-                producer.insert(name, generate_rows(SCHEMA, n, start_pk=start, seed=start))
-                progress.advance(task, n)
-        # An odd step spreads the deletes over every vchannel (pks are routed by pk % channels).
-        step = max(1, options.rows // max(options.deletes, 1)) | 1
-        deleted = list(range(0, options.rows, step))[: options.deletes]
-        producer.delete(name, deleted, partition="_default")
-        flush_ts = producer.flush(name)
+        deleted, flush_ts = produce_demo_data(producer, name, options, console)
         console.print(f"produced {options.rows:,} rows and {len(deleted):,} deletes; flush at ts {flush_ts}")
 
         ids = IdAllocator(stack.store)
@@ -96,6 +86,24 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
         return 0
     finally:
         stack.close(stop_etcd=not options.keep)
+
+
+def produce_demo_data(
+    producer: Producer, name: str, options: DemoOptions, console: Console
+) -> tuple[list[int], int]:
+    """Insert the demo's rows (with a progress bar), delete some, flush; returns the
+    deleted pks and the flush timestamp."""
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("producing rows", total=options.rows)
+        for start in range(0, options.rows, options.batch):
+            n = min(options.batch, options.rows - start)
+            producer.insert(name, generate_rows(SCHEMA, n, start_pk=start, seed=start))
+            progress.advance(task, n)
+    # An odd step spreads the deletes over every vchannel (pks are routed by pk % channels).
+    step = max(1, options.rows // max(options.deletes, 1)) | 1
+    deleted = list(range(0, options.rows, step))[: options.deletes]
+    producer.delete(name, deleted, partition="_default")
+    return deleted, producer.flush(name)
 
 
 def _check(stack: Stack, info: CollectionInfo, rows: int, deleted: list[int]) -> None:

@@ -18,7 +18,6 @@ from dataclasses import replace
 
 import dagster as dg
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from vchan_assets.config import Settings
@@ -28,10 +27,10 @@ from vchan_assets.defs.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.jobs import CHANNEL_TAG
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.service import DEFAULT_DAGSTER_HOME, DagsterService
-from vchan_assets.demo import SCHEMA, DemoCheckError, DemoOptions, _check, _summary
+from vchan_assets.demo import SCHEMA, DemoCheckError, DemoOptions, _check, _summary, produce_demo_data
 from vchan_assets.model import NodeSession, WatchState
 from vchan_assets.stack import Stack
-from vchan_assets.wal.producer import Producer, generate_rows
+from vchan_assets.wal.producer import Producer
 
 DEMO_SYNC_MAX_AGE = 2.0  # demo: sync what is older than 2 s (production: 600 s)
 
@@ -107,16 +106,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
             f"the DataCoord sensor assigned every vchannel; nodes answered WatchSuccess ({took:.0f}s)"
         )
 
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("producing rows", total=options.rows)
-            for start in range(0, options.rows, options.batch):
-                n = min(options.batch, options.rows - start)
-                producer.insert(name, generate_rows(SCHEMA, n, start_pk=start, seed=start))
-                progress.advance(task, n)
-        step = max(1, options.rows // max(options.deletes, 1)) | 1
-        deleted = list(range(0, options.rows, step))[: options.deletes]
-        producer.delete(name, deleted, partition="_default")
-        flush_ts = producer.flush(name)
+        deleted, flush_ts = produce_demo_data(producer, name, options, console)
         console.print(f"produced {options.rows:,} rows and {len(deleted):,} deletes; flush at ts {flush_ts}")
         took = _wait(lambda: producer.flush_state(name, flush_ts), 240, f"the flush at ts {flush_ts}")
         console.print(f"flush state reached {took:.0f}s after the flush call (sensor-driven sync runs)")

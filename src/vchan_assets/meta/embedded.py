@@ -70,7 +70,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -139,7 +139,7 @@ class EmbeddedEtcd:
         """Start (or reuse) the server and wait until it answers /health."""
         self.directory.mkdir(parents=True, exist_ok=True)
         state = self._read_state()
-        if state and _pid_alive(state["pid"]) and healthy(f"127.0.0.1:{state['client_port']}"):
+        if state and pid_alive(state["pid"]) and healthy(f"127.0.0.1:{state['client_port']}"):
             self.client_port, self.peer_port, self.pid = (
                 state["client_port"],
                 state["peer_port"],
@@ -214,7 +214,7 @@ class EmbeddedEtcd:
     def stop_recorded(self, timeout: float = 10.0) -> bool:
         """Stop the server recorded in `server.json`, whoever started it (for `vchan down`)."""
         state = self._read_state()
-        if not state or not _pid_alive(state["pid"]):
+        if not state or not pid_alive(state["pid"]):
             self.state_file.unlink(missing_ok=True)
             return False
         self._terminate(state["pid"], timeout)
@@ -247,7 +247,7 @@ class EmbeddedEtcd:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + timeout
-        while _pid_alive(pid):
+        while pid_alive(pid):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 break

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vchan_assets.config import Settings
+from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.spark.session import spark_conf
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,6 @@ def _answers(port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class LocalSparkConnect:
     """The local Spark Connect server of one VCHAN_HOME."""
@@ -102,7 +93,7 @@ class LocalSparkConnect:
             state = json.loads(self.state_file.read_text())
         except (OSError, ValueError):
             return None
-        if not _alive(int(state["pid"])):
+        if not pid_alive(int(state["pid"])):
             return None
         return {"pid": int(state["pid"]), "port": int(state["port"])}
 
@@ -160,11 +151,11 @@ class LocalSparkConnect:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
             time.sleep(0.2)
-        if _alive(pid):
+        if pid_alive(pid):
             os.killpg(pid, signal.SIGKILL)
         self.state_file.unlink(missing_ok=True)
         return True
