@@ -1,4 +1,4 @@
-"""Settings from the environment: DESIGN section 10 defaults, and a clear error per bad value."""
+"""Settings from the environment: the documented defaults, and a clear error per bad value."""
 
 from __future__ import annotations
 
@@ -170,3 +170,28 @@ def test_the_first_bad_value_is_reported_even_with_other_good_ones() -> None:
     error = _error({"VCHAN_SESSION_TTL": "30", "VCHAN_WATCH_TIMEOUT": "soon"})
 
     _assert_names(error, "VCHAN_WATCH_TIMEOUT")
+
+
+def test_settings_survive_the_trip_through_a_child_environment(tmp_path: Path) -> None:
+    cert = tmp_path / "ca.pem"
+    cert.write_text("pem")
+    s = Settings.from_env(
+        {
+            "VCHAN_HOME": str(tmp_path),
+            "VCHAN_ETCD_ENDPOINTS": "etcd-1:2379,etcd-2:2379",
+            "VCHAN_ETCD_USER": "root",
+            "VCHAN_ETCD_PASSWORD": "secret",
+            "VCHAN_ETCD_CA_CERT": str(cert),
+            "VCHAN_SEGMENT_SEAL_PROPORTION": "0.25",
+            "VCHAN_SPARK_PARTITIONS": "8",
+        }
+    )
+
+    assert Settings.from_env(s.to_env()) == s
+
+
+def test_every_settings_field_is_a_row_of_the_table() -> None:
+    from dataclasses import fields
+
+    assert [v.field for v in VARIABLES] == [f.name for f in fields(Settings)]
+    assert all(v.name.startswith("VCHAN_") and v.doc for v in VARIABLES)

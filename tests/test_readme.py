@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from vchan_assets import cli
-from vchan_assets.config import VARIABLES
+from vchan_assets.config import VARIABLES, readme_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -72,3 +72,10 @@ def test_extra_variables_are_read_by_the_package_and_documented() -> None:
 def test_every_setting_is_in_the_readme() -> None:
     missing = {v.name for v in VARIABLES} - readme_variables()
     assert not missing, f"settings missing from the README's configuration table: {sorted(missing)}"
+
+
+def test_the_configuration_table_is_the_one_generated_from_the_settings() -> None:
+    assert readme_table() in README, (
+        "the README's configuration table differs from config.readme_table(); paste the output of "
+        "`python -c 'from vchan_assets.config import readme_table; print(readme_table())'`"
+    )

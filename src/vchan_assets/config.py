@@ -1,7 +1,9 @@
 """Settings of the whole system, read once from the environment and passed down.
 
-Every variable is listed in `VARIABLES` with its default and meaning; the README's
-configuration table is checked against it. A wrong value raises `ConfigError`
+Each variable is declared once, on its `Settings` field (`setting(name, default,
+parser, meaning)`); `VARIABLES` is that table. `Settings.from_env` parses it, `to_env`
+writes it back for child processes, the Dagster resource takes one field per row, and
+the README's configuration table is generated from it (`readme_table`). A wrong value raises `ConfigError`
 naming the variable and what was expected, before anything starts.
 """
 
@@ -11,6 +13,8 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -96,116 +100,169 @@ def _text(name: str, raw: str) -> str:
     return raw
 
 
+# --- the table ---------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Variable:
+    """One environment variable: the `Settings` field it fills, how its text is parsed,
+    its default (None: unset) and its meaning. Declared once, on the `Settings` field."""
+
     name: str
-    default: str | None
+    field: str
+    default: Any
     parse: Callable[[str, str], Any]
-    help: str
+    doc: str
+    shown_default: str | None = None  # the README's default column, where it is derived
+
+    def text(self, value: Any) -> str | None:
+        """`value` as the environment writes it (None: leave the variable unset)."""
+        return _as_text(value)
+
+    @property
+    def default_text(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        text = _as_text(self.default)
+        return "unset" if text is None else f"`{text}`"
 
 
-# One row per environment variable: (name, default, parser, meaning).
-VARIABLES: tuple[Variable, ...] = (
-    Variable("VCHAN_HOME", ".vchan", _text, "directory of the embedded stack (etcd data, storage)"),
-    Variable("VCHAN_ROOT", "vchan", _root, "root prefix of every etcd key"),
-    Variable(
-        "VCHAN_ETCD_ENDPOINTS", None, _endpoints, "host:port,... of an etcd cluster; unset: embedded etcd"
-    ),
-    Variable("VCHAN_ETCD_USER", None, _text, "etcd user (with VCHAN_ETCD_PASSWORD)"),
-    Variable("VCHAN_ETCD_PASSWORD", None, _text, "etcd password"),
-    Variable("VCHAN_ETCD_CA_CERT", None, _existing_file, "CA certificate: enables TLS to etcd"),
-    Variable("VCHAN_ETCD_CERT", None, _existing_file, "client certificate for etcd TLS"),
-    Variable("VCHAN_ETCD_KEY", None, _existing_file, "client key for etcd TLS"),
-    Variable("VCHAN_ETCD_TIMEOUT", "5", _positive_float, "seconds before an etcd call fails"),
-    Variable("VCHAN_STORAGE_URI", None, _storage_uri, "object storage root; default $VCHAN_HOME/storage"),
-    Variable(
-        "VCHAN_S3_ENDPOINT", None, _text, "endpoint override for S3-compatible servers (http://host:port)"
-    ),
-    Variable("VCHAN_S3_REGION", "us-east-1", _text, "S3 region"),
-    Variable("VCHAN_SPARK_MASTER", "local[*]", _text, "Spark master URL"),
-    Variable(
-        "VCHAN_SPARK_REMOTE", None, _spark_remote, "Spark Connect URL (sc://host:port); wins over the master"
-    ),
-    Variable("VCHAN_SESSION_TTL", "10", _positive_float, "seconds a node session lives without keep-alive"),
-    Variable(
-        "VCHAN_WATCH_TIMEOUT",
-        "300",
-        _positive_float,
-        "seconds before a stuck ToWatch/ToRelease is reassigned",
-    ),
-    Variable("VCHAN_TICKLER_INTERVAL", "15", _positive_float, "seconds between watch progress updates"),
-    Variable("VCHAN_SEGMENT_MAX_SIZE_MB", "1024", _positive_float, "segment size at which it is sealed"),
-    Variable(
-        "VCHAN_SEGMENT_SEAL_PROPORTION",
-        "0.12",
-        _proportion,
-        "growing-segment share of max size that may be sealed early",
-    ),
-    Variable(
-        "VCHAN_SEGMENT_MAX_LIFE", "86400", _positive_float, "seconds after which a growing segment is sealed"
-    ),
-    Variable(
-        "VCHAN_SEGMENT_MAX_IDLE",
-        "600",
-        _positive_float,
-        "seconds without inserts after which a segment is sealed",
-    ),
-    Variable("VCHAN_SYNC_BUFFER_MB", "16", _positive_float, "buffered log data that triggers a sync"),
-    Variable(
-        "VCHAN_SYNC_MAX_AGE",
-        "600",
-        _positive_float,
-        "age in seconds of the oldest unsynced row that triggers a sync",
-    ),
-    Variable("VCHAN_TIMETICK_LAG_WARN", "120", _positive_float, "seconds of time-tick lag before a warning"),
-    Variable("VCHAN_GC_INTERVAL", "3600", _positive_float, "seconds between garbage collections"),
-    Variable(
-        "VCHAN_GC_MISSING_TOLERANCE", "86400", _positive_float, "seconds before an orphan file is removed"
-    ),
-    Variable(
-        "VCHAN_GC_DROP_TOLERANCE",
-        "10800",
-        _positive_float,
-        "seconds before a dropped segment's files are removed",
-    ),
-    Variable("VCHAN_SPARK_PARTITIONS", "2", _positive_int, "Spark tasks per sync job"),
-    Variable(
-        "VCHAN_DAGSTER_DATANODES", "2", _positive_int, "DataNodes hosted by Dagster sensors (datanode_1..N)"
-    ),
-)
+def _as_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def setting(
+    name: str, default: Any, parse: Callable[[str, str], Any], doc: str, shown: str | None = None
+) -> Any:
+    """A `Settings` field read from environment variable `name` (see `VARIABLES`)."""
+    return dataclass_field(default=default, metadata={"variable": (name, parse, doc, shown)})
 
 
 @dataclass(frozen=True)
 class Settings:
-    home: Path = Path(".vchan")
-    root: str = "vchan"
-    etcd_endpoints: tuple[str, ...] | None = None
-    etcd_user: str | None = None
-    etcd_password: str | None = None
-    etcd_ca_cert: str | None = None
-    etcd_cert: str | None = None
-    etcd_key: str | None = None
-    etcd_timeout: float = 5.0
-    storage_uri: str = ".vchan/storage"
-    s3_endpoint: str | None = None
-    s3_region: str = "us-east-1"
-    spark_master: str = "local[*]"
-    spark_remote: str | None = None
-    session_ttl: float = 10.0
-    watch_timeout: float = 300.0
-    tickler_interval: float = 15.0
-    segment_max_size_mb: float = 1024.0
-    segment_seal_proportion: float = 0.12
-    segment_max_life: float = 86400.0
-    segment_max_idle: float = 600.0
-    sync_buffer_mb: float = 16.0
-    sync_max_age: float = 600.0
-    timetick_lag_warn: float = 120.0
-    gc_interval: float = 3600.0
-    gc_missing_tolerance: float = 86400.0
-    gc_drop_tolerance: float = 10800.0
-    spark_partitions: int = 2
-    dagster_datanodes: int = 2
+    """Every setting of the system, one field per environment variable."""
+
+    home: Path = setting(
+        "VCHAN_HOME", Path(".vchan"), _text, "directory of the embedded stack (etcd data, local storage)"
+    )
+    root: str = setting("VCHAN_ROOT", "vchan", _root, "root prefix of every etcd key")
+    etcd_endpoints: tuple[str, ...] | None = setting(
+        "VCHAN_ETCD_ENDPOINTS",
+        None,
+        _endpoints,
+        "`host:port,host2:port` of an etcd v3 cluster",
+        "unset: embedded etcd",
+    )
+    etcd_user: str | None = setting(
+        "VCHAN_ETCD_USER", None, _text, "etcd user (set together with `VCHAN_ETCD_PASSWORD`)"
+    )
+    etcd_password: str | None = setting("VCHAN_ETCD_PASSWORD", None, _text, "etcd password")
+    etcd_ca_cert: str | None = setting(
+        "VCHAN_ETCD_CA_CERT", None, _existing_file, "CA certificate file: enables TLS to etcd"
+    )
+    etcd_cert: str | None = setting(
+        "VCHAN_ETCD_CERT",
+        None,
+        _existing_file,
+        "client certificate file for etcd TLS (with `VCHAN_ETCD_KEY`)",
+    )
+    etcd_key: str | None = setting("VCHAN_ETCD_KEY", None, _existing_file, "client key file for etcd TLS")
+    etcd_timeout: float = setting(
+        "VCHAN_ETCD_TIMEOUT",
+        5.0,
+        _positive_float,
+        "seconds before an etcd call fails with `MetaUnavailableError`",
+    )
+    storage_uri: str = setting(
+        "VCHAN_STORAGE_URI",
+        ".vchan/storage",
+        _storage_uri,
+        "object storage root: a local path or `s3://bucket/prefix`",
+        "`$VCHAN_HOME/storage`",
+    )
+    s3_endpoint: str | None = setting(
+        "VCHAN_S3_ENDPOINT",
+        None,
+        _text,
+        "endpoint of an S3-compatible server (`http://host:port`); credentials from the usual `AWS_*` variables",
+    )
+    s3_region: str = setting("VCHAN_S3_REGION", "us-east-1", _text, "S3 region")
+    spark_master: str = setting(
+        "VCHAN_SPARK_MASTER", "local[*]", _text, "Spark master URL (standalone, YARN, k8s)"
+    )
+    spark_remote: str | None = setting(
+        "VCHAN_SPARK_REMOTE", None, _spark_remote, "Spark Connect URL `sc://host:port` (wins over the master)"
+    )
+    session_ttl: float = setting(
+        "VCHAN_SESSION_TTL",
+        10.0,
+        _positive_float,
+        "seconds a node session lives without keep-alive (production: 30)",
+    )
+    watch_timeout: float = setting(
+        "VCHAN_WATCH_TIMEOUT",
+        300.0,
+        _positive_float,
+        "seconds before a stuck ToWatch/ToRelease is reassigned",
+    )
+    tickler_interval: float = setting(
+        "VCHAN_TICKLER_INTERVAL", 15.0, _positive_float, "seconds between watch progress updates"
+    )
+    segment_max_size_mb: float = setting(
+        "VCHAN_SEGMENT_MAX_SIZE_MB", 1024.0, _positive_float, "segment size at which it is sealed"
+    )
+    segment_seal_proportion: float = setting(
+        "VCHAN_SEGMENT_SEAL_PROPORTION",
+        0.12,
+        _proportion,
+        "share of the max size at which a growing segment may be sealed",
+    )
+    segment_max_life: float = setting(
+        "VCHAN_SEGMENT_MAX_LIFE", 86400.0, _positive_float, "seconds after which a growing segment is sealed"
+    )
+    segment_max_idle: float = setting(
+        "VCHAN_SEGMENT_MAX_IDLE",
+        600.0,
+        _positive_float,
+        "seconds without inserts after which a segment is sealed",
+    )
+    sync_buffer_mb: float = setting(
+        "VCHAN_SYNC_BUFFER_MB", 16.0, _positive_float, "buffered log data that triggers a sync"
+    )
+    sync_max_age: float = setting(
+        "VCHAN_SYNC_MAX_AGE",
+        600.0,
+        _positive_float,
+        "age in seconds of the oldest unsynced row that triggers a sync",
+    )
+    timetick_lag_warn: float = setting(
+        "VCHAN_TIMETICK_LAG_WARN", 120.0, _positive_float, "seconds of time-tick lag before a warning"
+    )
+    gc_interval: float = setting(
+        "VCHAN_GC_INTERVAL", 3600.0, _positive_float, "seconds between garbage collections"
+    )
+    gc_missing_tolerance: float = setting(
+        "VCHAN_GC_MISSING_TOLERANCE", 86400.0, _positive_float, "seconds before an orphan file is removed"
+    )
+    gc_drop_tolerance: float = setting(
+        "VCHAN_GC_DROP_TOLERANCE",
+        10800.0,
+        _positive_float,
+        "seconds before a dropped segment's files are removed",
+    )
+    spark_partitions: int = setting("VCHAN_SPARK_PARTITIONS", 2, _positive_int, "Spark tasks per sync job")
+    dagster_datanodes: int = setting(
+        "VCHAN_DAGSTER_DATANODES",
+        2,
+        _positive_int,
+        "DataNodes hosted by Dagster sensors (`datanode_1` .. `datanode_N`)",
+    )
 
     @property
     def embedded_etcd(self) -> bool:
@@ -222,49 +279,40 @@ class Settings:
         values: dict[str, Any] = {}
         for var in VARIABLES:
             raw = env.get(var.name)
-            if raw is None or raw == "":
-                if var.default is None:
-                    continue
-                raw = var.default
-            values[var.name] = var.parse(var.name, raw)
-        if ("VCHAN_ETCD_USER" in values) != ("VCHAN_ETCD_PASSWORD" in values):
-            missing = "VCHAN_ETCD_PASSWORD" if "VCHAN_ETCD_USER" in values else "VCHAN_ETCD_USER"
-            raise ConfigError(missing, "", "set together with its pair (user and password)")
-        if ("VCHAN_ETCD_CERT" in values) != ("VCHAN_ETCD_KEY" in values):
-            missing = "VCHAN_ETCD_KEY" if "VCHAN_ETCD_CERT" in values else "VCHAN_ETCD_CERT"
-            raise ConfigError(missing, "", "set together with its pair (certificate and key)")
-        home = Path(values["VCHAN_HOME"]).absolute()
-        storage = values.get("VCHAN_STORAGE_URI") or str(home / "storage")
+            values[var.field] = var.default if raw is None or raw == "" else var.parse(var.name, raw)
+        _check_pair(env, "VCHAN_ETCD_USER", "VCHAN_ETCD_PASSWORD", "user and password")
+        _check_pair(env, "VCHAN_ETCD_CERT", "VCHAN_ETCD_KEY", "certificate and key")
+        home = Path(values["home"]).absolute()
+        storage = values["storage_uri"] if env.get("VCHAN_STORAGE_URI") else str(home / "storage")
         if not storage.startswith("s3://"):
             storage = str(Path(storage.removeprefix("file://")).absolute())
-        return cls(
-            home=home,
-            root=values["VCHAN_ROOT"],
-            etcd_endpoints=values.get("VCHAN_ETCD_ENDPOINTS"),
-            etcd_user=values.get("VCHAN_ETCD_USER"),
-            etcd_password=values.get("VCHAN_ETCD_PASSWORD"),
-            etcd_ca_cert=values.get("VCHAN_ETCD_CA_CERT"),
-            etcd_cert=values.get("VCHAN_ETCD_CERT"),
-            etcd_key=values.get("VCHAN_ETCD_KEY"),
-            etcd_timeout=values["VCHAN_ETCD_TIMEOUT"],
-            storage_uri=storage,
-            s3_endpoint=values.get("VCHAN_S3_ENDPOINT"),
-            s3_region=values["VCHAN_S3_REGION"],
-            spark_master=values["VCHAN_SPARK_MASTER"],
-            spark_remote=values.get("VCHAN_SPARK_REMOTE"),
-            session_ttl=values["VCHAN_SESSION_TTL"],
-            watch_timeout=values["VCHAN_WATCH_TIMEOUT"],
-            tickler_interval=values["VCHAN_TICKLER_INTERVAL"],
-            segment_max_size_mb=values["VCHAN_SEGMENT_MAX_SIZE_MB"],
-            segment_seal_proportion=values["VCHAN_SEGMENT_SEAL_PROPORTION"],
-            segment_max_life=values["VCHAN_SEGMENT_MAX_LIFE"],
-            segment_max_idle=values["VCHAN_SEGMENT_MAX_IDLE"],
-            sync_buffer_mb=values["VCHAN_SYNC_BUFFER_MB"],
-            sync_max_age=values["VCHAN_SYNC_MAX_AGE"],
-            timetick_lag_warn=values["VCHAN_TIMETICK_LAG_WARN"],
-            gc_interval=values["VCHAN_GC_INTERVAL"],
-            gc_missing_tolerance=values["VCHAN_GC_MISSING_TOLERANCE"],
-            gc_drop_tolerance=values["VCHAN_GC_DROP_TOLERANCE"],
-            spark_partitions=values["VCHAN_SPARK_PARTITIONS"],
-            dagster_datanodes=values["VCHAN_DAGSTER_DATANODES"],
-        )
+        return cls(**{**values, "home": home, "storage_uri": storage})
+
+    def to_env(self) -> dict[str, str]:
+        """The VCHAN_* variables that reproduce these settings in a child process."""
+        env = {}
+        for var in VARIABLES:
+            text = var.text(getattr(self, var.field))
+            if text is not None:
+                env[var.name] = text
+        return env
+
+
+def _check_pair(env: Mapping[str, str], first: str, second: str, what: str) -> None:
+    if bool(env.get(first)) != bool(env.get(second)):
+        missing = second if env.get(first) else first
+        raise ConfigError(missing, "", f"set together with its pair ({what})")
+
+
+VARIABLES: tuple[Variable, ...] = tuple(
+    Variable(meta[0], f.name, f.default, meta[1], meta[2], meta[3])
+    for f in dataclass_fields(Settings)
+    if (meta := f.metadata.get("variable"))
+)
+
+
+def readme_table() -> str:
+    """The README's configuration table, generated from `VARIABLES`."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{v.name}` | {v.default_text} | {v.doc} |" for v in VARIABLES]
+    return "\n".join(lines) + "\n"

@@ -41,26 +41,6 @@ class DagsterServiceError(RuntimeError):
     """The webserver or daemon did not start."""
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
-    """The VCHAN_* variables that reproduce `settings` in a child process."""
-    env = {
-        "VCHAN_HOME": str(settings.home),
-        "VCHAN_ROOT": settings.root,
-        "VCHAN_STORAGE_URI": settings.storage_uri,
-        "VCHAN_SPARK_MASTER": settings.spark_master,
-        "VCHAN_SESSION_TTL": str(settings.session_ttl),
-        "VCHAN_WATCH_TIMEOUT": str(settings.watch_timeout),
-        "VCHAN_SYNC_BUFFER_MB": str(settings.sync_buffer_mb),
-        "VCHAN_SYNC_MAX_AGE": str(settings.sync_max_age),
-        "VCHAN_SPARK_PARTITIONS": str(settings.spark_partitions),
-    }
-    if settings.etcd_endpoints:
-        env["VCHAN_ETCD_ENDPOINTS"] = ",".join(settings.etcd_endpoints)
-    if settings.spark_remote:
-        env["VCHAN_SPARK_REMOTE"] = settings.spark_remote
-    return env
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -130,7 +110,7 @@ class DagsterService:
         logs.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
-            **settings_env(settings),
+            **settings.to_env(),
             **self.extra_env,
             "DAGSTER_HOME": str(self.dagster_home.absolute()),
             "PYSPARK_PYTHON": sys.executable,
