@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -375,16 +376,10 @@ def status(args: argparse.Namespace, settings: Settings) -> int:
         if args.watch is None:
             console.print(render_status(collect_status(catalog, orphans=not args.no_orphans)))
             return 0
-        if args.json:  # one JSON document per line, for `| jq` or a log shipper
-            try:
-                while True:
-                    print(json.dumps(collect_status(catalog, orphans=not args.no_orphans)), flush=True)
-                    time.sleep(args.watch)
-            except BrokenPipeError:  # the reader went away (`| head`): done
-                import os
-
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
-                return 0
+        if args.json:  # one JSON document per line, for `| jq` or a log shipper (`| head`: see main)
+            while True:
+                print(json.dumps(collect_status(catalog, orphans=not args.no_orphans)), flush=True)
+                time.sleep(args.watch)
         with Live(console=console, auto_refresh=False) as live:
             while True:
                 live.update(render_status(collect_status(catalog, orphans=not args.no_orphans)), refresh=True)
@@ -506,6 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd: Command = args.command
     try:
         return cmd.run(args, settings)
+    except BrokenPipeError:  # the reader went away (`vchan status --json | head`): done
+        _silence_stdout()
+        return 0
     except (MetaError, LogError, StorageError, EmbeddedEtcdError, ValueError) as exc:
         print(f"vchan {cmd.name}: error: {exc}", file=sys.stderr)
         return 1
