@@ -71,14 +71,3 @@ def test_flush_fires_sealed_and_flush_policies_until_a_sync_passes_it(
     lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
     SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
     assert _reasons(store, storage, settings, collection) == []
-
-
-def test_channel_release_fires_only_with_unsynced_data(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
-) -> None:
-    produce(producer, collection.name, Produced(), 100, start_pk=0)
-    assert _reasons(store, storage, settings, collection, releasing=True) == ["channel is being released"]
-    vchannel = collection.vchannels[0]
-    lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
-    SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
-    assert _reasons(store, storage, settings, collection, releasing=True) == []

@@ -23,10 +23,6 @@ def grant_channel_lease(store: MetaStore, ids: IdAllocator, vchannel: str, node_
     return lease
 
 
-def revoke_channel_lease(store: MetaStore, vchannel: str) -> None:
-    store.delete(store.keys.channel_lease(vchannel))
-
-
 def current_lease(store: MetaStore, vchannel: str, lease_id: int) -> ChannelLease:
     """The channel's lease if it is still `lease_id`; LeaseLostError otherwise."""
     lease = store.read_lease(vchannel)

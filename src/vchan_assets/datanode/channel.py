@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,9 +95,6 @@ class ChannelWorker:
         self.vchannel = vchannel
         self.lease = lease
         self.on_stopped = on_stopped
-        self.syncs = 0  # metrics
-        self.sync_errors = 0
-        self.last_result: SyncResult | None = None
         self.stop_reason = ""
         self._stop = threading.Event()
         self._final_sync = False
@@ -131,7 +127,7 @@ class ChannelWorker:
     def _step(self, force: bool) -> bool:
         """One policy check and maybe a sync; False when the channel's work must end."""
         try:
-            result = sync_once(self.ctx, self.collection, self.vchannel, self.lease, force=force)
+            sync_once(self.ctx, self.collection, self.vchannel, self.lease, force=force)
         except LeaseLostError as exc:
             self.stop_reason = f"lease lost: {exc}"
             log.error("node %s stops channel %s: %s", self.ctx.node_id, self.vchannel, exc)
@@ -140,22 +136,9 @@ class ChannelWorker:
                 self.on_stopped(self.vchannel, self.stop_reason)
             return False
         except MetaUnavailableError as exc:
-            self.sync_errors += 1
             log.warning("node %s: sync of %s failed, retrying: %s", self.ctx.node_id, self.vchannel, exc)
             return True
         except Exception:
-            # A bad log file or any bug: keep the node up, count it, retry at the next poll.
-            self.sync_errors += 1
+            # A bad log file or any bug: keep the node up, log it, retry at the next poll.
             log.exception("node %s: sync of %s failed", self.ctx.node_id, self.vchannel)
-            return True
-        if result is not None and result.synced:
-            self.syncs += 1
-            self.last_result = result
         return True
-
-
-def wait_stopped(worker: ChannelWorker, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while worker.running and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return not worker.running

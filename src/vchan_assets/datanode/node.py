@@ -416,11 +416,3 @@ class DataNode:
             w = self.workers.get(vchannel)
             if w is not None and w.stop_reason == reason:
                 del self.workers[vchannel]
-
-    # --- for callers that drive the node step by step --------------------------------
-
-    def sync_now(self, vchannel: str) -> None:
-        """Force a sync of one watched channel from the caller's thread (tests, CLI)."""
-        with self._lock:
-            worker = self.workers[vchannel]
-        sync_once(self.ctx, worker.collection, vchannel, worker.lease, force=True)

@@ -30,7 +30,6 @@ class ChannelBacklog:
     oldest_unsynced_ts: int | None = None  # timestamp of the oldest unsynced batch
     sealed_segments: int = 0  # Sealed/Flushing segments waiting for a sync
     flush_ts: int | None = None  # pending flush timestamp of the collection
-    releasing: bool = False
 
     @property
     def has_unsynced(self) -> bool:
@@ -68,18 +67,11 @@ def flush_timestamp(b: ChannelBacklog, s: Settings, now: float) -> str | None:
     return None
 
 
-def channel_release(b: ChannelBacklog, s: Settings, now: float) -> str | None:
-    if b.releasing and b.has_unsynced:
-        return "channel is being released"
-    return None
-
-
 SYNC_POLICIES: tuple[Policy, ...] = (
     buffered_size,
     oldest_unsynced_row,
     sealed_segment,
     flush_timestamp,
-    channel_release,
 )
 
 
@@ -94,7 +86,6 @@ def channel_backlog(
     collection: CollectionInfo,
     vchannel: str,
     *,
-    releasing: bool = False,
     flush_ts: int | None = None,
 ) -> ChannelBacklog:
     """The backlog of one vchannel, read from etcd (checkpoint, sealed segments) and the
@@ -118,5 +109,4 @@ def channel_backlog(
         oldest_unsynced_ts=backlog.oldest_timestamp,
         sealed_segments=len(sealed),
         flush_ts=flush_ts,
-        releasing=releasing,
     )

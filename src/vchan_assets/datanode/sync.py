@@ -1,6 +1,6 @@
 """The sync task (DataNode role): a log range -> binlogs -> segment meta -> checkpoint.
 
-Commit order (DESIGN invariant 1, lease MEP "segment meta BEFORE channel checkpoint"):
+Commit order (invariant 1 of docs/architecture.md, lease MEP "segment meta BEFORE channel checkpoint"):
   1. binlog, delta and stats files, written by the tasks to fresh unique paths;
   2. segment meta (binlogs appended, rows, start/dml positions, Flushed), in
      transactions guarded by the channel lease and by each segment's version;
@@ -140,12 +140,11 @@ class SyncTask:
 
     # --- public -------------------------------------------------------------------
 
-    def run(self, up_to: MsgPosition | None = None) -> SyncResult:
+    def run(self) -> SyncResult:
         started = time.monotonic()
         cp = channel_checkpoint(self.store, self.vchannel)
         start = cp.model if cp else start_position(self.collection, self.vchannel)
-        head = self.reader.head()
-        end = head if up_to is None or head is None or up_to.offset > head.offset else up_to
+        end = self.reader.head()
         segments = {d.model.id: d for d in channel_segments(self.store, self.collection.id, self.vchannel)}
         if end is None or end.offset <= start.offset:
             # Nothing new in the log; sealed segments may still be ready to flush.
