@@ -201,4 +201,5 @@ def test_binlog_paths_check_fails_when_a_binlog_is_missing(
     runtime.storage.delete(victim)
     outcome = runtime.check_binlog_paths(vchannel)
     assert not outcome.passed and victim in outcome.description
-    assert not runtime.check_log_rows(vchannel).passed or runtime.check_log_rows(vchannel).passed
+    # The row check counts entries in segment meta, so a lost file is the paths check's to find.
+    assert runtime.check_log_rows(vchannel).passed
