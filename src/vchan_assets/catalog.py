@@ -15,7 +15,7 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
 
 Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
 `t` removes every row of `p` with that pk inserted before `t` (row timestamp < t).
-Where the ownership keys of DESIGN section 4 are read directly (sessions under
+Where the ownership keys (docs/architecture.md, "Keys in etcd") are read directly (sessions under
 `session/datanode/`, watch infos under `channelwatch/{node}/{vchannel}`), this module
 depends on the key layout only, not on the coordinator's code.
 """

@@ -113,7 +113,7 @@ def test_status_json_flags_a_killed_nodes_channels_until_they_are_moved(
         warned = {w["vchannel"] for w in dead["warnings"] if w["kind"] == "dead_owner"}
         assert warned == set(channels)
 
-        # The coordinator's move (DESIGN section 4): watch infos to the live node, fresh leases.
+        # The coordinator's move (docs/architecture.md, "Ownership"): watch infos to the live node, fresh leases.
         for vchannel in channels:
             store.delete(store.keys.channel_watch(11, vchannel))
             lease = grant_channel_lease(store, ids, vchannel, node_id=12)

@@ -1,4 +1,4 @@
-"""The sync task: exactly-once persistence of vchannels into binlogs (DESIGN invariants 1-4, 6).
+"""The sync task: exactly-once persistence of vchannels into binlogs (invariants 1-4 and 6 of docs/architecture.md).
 
 Real etcd, real Spark (local[2]), real files; crashes are SIGKILLs of a real
 `vchan sync` process at a named commit step.

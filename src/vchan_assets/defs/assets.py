@@ -1,6 +1,6 @@
 """The persisted state of a vchannel as assets: `binlogs` -> `segments` -> `channel_checkpoints`.
 
-The three assets are the three commit steps of one sync (DESIGN invariant 1: files,
+The three assets are the three commit steps of one sync (invariant 1 of docs/architecture.md: files,
 then segment meta, then the checkpoint), so they are materialized together by one
 multi-asset, partitioned by vchannel, that runs the PySpark `SyncTask` through
 dagster-pyspark's resource. Their lineage in the UI is the commit order.
@@ -232,7 +232,7 @@ def sync_vchannel(
 
 
 def _release(runtime: VchanRuntime, config: SyncConfig) -> None:
-    """ToRelease -> ReleaseSuccess (issue 4's release_channel), if the key still says so."""
+    """ToRelease -> ReleaseSuccess (the node's release_channel), if the key still says so."""
     if not config.watch_key:
         return  # a deleted watch info: nothing to answer
     found = runtime.store.get(config.watch_key)

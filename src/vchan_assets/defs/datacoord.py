@@ -1,7 +1,7 @@
 """The DataCoord sensor: node sessions appear/disappear -> assign/reassign channels;
 ToWatch/ToRelease stuck past the watch timeout -> reassign.
 
-Each tick is one `ChannelManager.reconcile(now)` step (issue 4's single step, which
+Each tick is one `ChannelManager.reconcile(now)` step (the coordinator's single step, which
 keeps no state of its own and writes only by compare-version-and-swap, so a tick
 re-evaluated after a crash, or a standalone `vchan datacoord` running at the same time,
 makes a step skip instead of clobbering). The cursor records the live nodes and the

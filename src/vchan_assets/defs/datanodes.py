@@ -15,7 +15,7 @@ How a node lives here (the design):
 - **A dead session is never revived.** If the lease is gone when the sensor ticks
   (it was stopped for longer than the TTL), the tick registers a new node with a new,
   never-reused id (MEP 7: restarting a node is the same as starting it).
-- **Watch handling is issue 4's step functions**, the same ones the standalone
+- **Watch handling is the node's step functions**, the same ones the standalone
   `vchan datanode` process calls: `parse_watch_info`, `watch_channel` (ToWatch ->
   lease check, recovery info, CAS WatchSuccess/WatchFailure) runs in the tick; the
   channel's work is then Dagster runs: ToWatch -> add the vchannel partition and

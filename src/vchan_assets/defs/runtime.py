@@ -5,7 +5,7 @@ answers the questions assets, checks and sensors ask: which channels exist, how 
 behind a channel is (for the sync policies), sync one channel under its lease, and
 the invariant checks over what is committed. Usable and testable without Dagster.
 
-Invariant checks (DESIGN section 7), for one vchannel, over the *committed range*
+Invariant checks (docs/architecture.md, "Invariants"), for one vchannel, over the *committed range*
 (start position, channel checkpoint]:
 
 - `log_rows`: the insert binlogs hold exactly the log's inserts of that range and the

@@ -1,4 +1,4 @@
-"""The etcd key layout (DESIGN section 4), in one place."""
+"""The etcd key layout (docs/architecture.md, "Keys in etcd"), in one place."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Two ways to follow a prefix:
   streams events from the next revision, survives etcd restarts and compactions, and
   never delivers an event twice.
 
-Both follow DESIGN invariant 5: after start, or when the cursor was compacted, the caller
+Both follow invariant 5 of docs/architecture.md: after start, or when the cursor was compacted, the caller
 gets the full listing instead of trusting that it missed nothing.
 
 How a batch of etcd watch events proves progress: while a watcher catches up, etcd sends

@@ -1,4 +1,4 @@
-"""Binlog path layout (DESIGN section 6); keys are relative to the storage root."""
+"""Binlog path layout (docs/architecture.md, "Binlogs"); keys are relative to the storage root."""
 
 from __future__ import annotations
 

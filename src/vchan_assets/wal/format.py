@@ -1,4 +1,4 @@
-"""The log's file format (DESIGN section 5), shared by the writer, the reader and the sync.
+"""The log's file format (docs/architecture.md, "The log"), shared by the writer, the reader and the sync.
 
 One Parquet file per appended batch: `wal/{vchannel}/{first_offset:020d}.parquet`,
 offsets dense and contiguous inside the file and across files. Columns, in order:

@@ -2,7 +2,7 @@
 
 Per channel, under the channel's lock, a batch is: a timestamp from the TSO, segment IDs
 from DataCoord's segment manager (inserts), the rows, then a time tick, all in ONE
-log file, so the tick is the batch's last message (DESIGN section 5) and the channel's
+log file, so the tick is the batch's last message (docs/architecture.md, "The log") and the channel's
 head. Rows go to vchannels by primary key (`pk % K`; Milvus hashes the pk).
 
 Ordering rule the flush relies on: the timestamp of a batch is taken after the channel

@@ -1,4 +1,4 @@
-"""Appending to a vchannel's write-ahead log (DESIGN section 5, format in `wal.format`).
+"""Appending to a vchannel's write-ahead log (docs/architecture.md, "The log"; format in `wal.format`).
 
 One `append` = one Parquet file `wal/{vchannel}/{first_offset:020d}.parquet`, written
 with `Storage.write_atomic` (temporary name + rename locally, a single PUT on S3), so a
