@@ -36,12 +36,11 @@ import pyarrow.parquet as pq
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog
 from vchan_assets.datacoord.recovery import list_orphans
-from vchan_assets.meta.codec import decode
-from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
+from vchan_assets.meta.errors import SegmentNotFoundError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     ChannelLease,
-    ChannelWatchInfo,
     CollectionInfo,
     MsgPosition,
     NodeSession,
@@ -56,25 +55,28 @@ from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
 
-REMAINING = "remaining"  # channelwatch/remaining/{vchannel}: no live node to assign to
 SEGMENT_CATALOG_KEY = "catalog/segments.parquet"  # written by the Dagster segment_catalog asset
 
 
-class SegmentNotFoundError(LookupError):
-    def __init__(self, segment_id: int) -> None:
-        super().__init__(f"no segment with id {segment_id}")
-        self.segment_id = segment_id
-
-
 @dataclass(frozen=True)
-class WatchEntry:
-    """One key under `channelwatch/`: which node (or "remaining") holds a vchannel."""
+class _Owner:
+    """Who a `channelwatch/` key says holds a vchannel, and in which state."""
 
-    node: str  # a node id, or "remaining"
     vchannel: str
-    info: ChannelWatchInfo | None  # None: the value did not decode
-    error: str = ""
-    mod_revision: int = 0
+    node: str  # a node id, or "remaining"
+    state: str | None  # the watch state; "Malformed"; None for a remaining channel
+    timeout_ts: float | None
+    revision: int
+
+
+def _owners(watches: WatchListing) -> list[_Owner]:
+    owners = [
+        _Owner(e.vchannel, str(e.node_id), e.info.state.value, e.info.timeout_ts, e.kv.mod_revision)
+        for e in watches.entries
+    ]
+    owners += [_Owner(v, REMAINING, None, None, kv.mod_revision) for v, kv in watches.remaining.items()]
+    owners += [_Owner(m.vchannel, m.node, "Malformed", None, m.kv.mod_revision) for m in watches.malformed]
+    return owners
 
 
 def _ts_seconds(ts: int) -> float:
@@ -141,23 +143,10 @@ class Catalog:
         found, _ = self.store.list_models(self.store.keys.datanode_sessions(), NodeSession, True)
         return [d.model for d in found]
 
-    def watch_entries(self) -> list[WatchEntry]:
-        """Every key under `channelwatch/`; a malformed value is kept with its error."""
-        root = self.store.keys.channel_watch_root()
-        out = []
-        for kv in self.store.list_prefix(root).items:
-            node, _, vchannel = kv.key[len(root) :].partition("/")
-            if not vchannel or "/" in vchannel:
-                continue
-            try:
-                out.append(
-                    WatchEntry(
-                        node, vchannel, decode(kv.key, kv.value, ChannelWatchInfo), "", kv.mod_revision
-                    )
-                )
-            except MalformedValueError as exc:
-                out.append(WatchEntry(node, vchannel, None, str(exc), kv.mod_revision))
-        return out
+    def watches(self) -> WatchListing:
+        """Every key under `channelwatch/`: watch infos, channels waiting as remaining, and
+        malformed keys with their errors."""
+        return list_watches(self.store)
 
     def leases(self) -> dict[str, ChannelLease]:
         root = self.store.keys.channel_leases()
@@ -213,9 +202,9 @@ class Catalog:
         time ticks); `lag_seconds` is the time between the checkpoint's timestamp and the
         head's; `checkpoint_age_seconds` is how old the checkpoint's timestamp is now."""
         now = time.time() if now is None else now
-        watches: dict[str, list[WatchEntry]] = {}
-        for entry in self.watch_entries():
-            watches.setdefault(entry.vchannel, []).append(entry)
+        watches: dict[str, list[_Owner]] = {}
+        for owner in _owners(self.watches()):
+            watches.setdefault(owner.vchannel, []).append(owner)
         leases = self.leases()
         checkpoints = self.checkpoints()
         live = {str(s.node_id) for s in self.sessions()}
@@ -242,7 +231,7 @@ class Catalog:
         self,
         info: CollectionInfo,
         vchannel: str,
-        entries: list[WatchEntry],
+        entries: list[_Owner],
         leases: dict[str, ChannelLease],
         checkpoints: dict[str, tuple[MsgPosition, int]],
         live: set[str],
@@ -250,9 +239,9 @@ class Catalog:
     ) -> dict[str, Any]:
         # A channel being moved has two keys (ToRelease on the old node, ToWatch on the
         # new); the newest key is the one that says where it is going.
-        entry = max(entries, key=lambda e: e.mod_revision) if entries else None
+        entry = max(entries, key=lambda e: e.revision) if entries else None
         owner = entry.node if entry else None
-        state = (entry.info.state.value if entry.info else "Malformed") if entry else None
+        state = entry.state if entry else None
         lease = leases.get(vchannel)
         cp_found = checkpoints.get(vchannel)
         cp = cp_found[0] if cp_found else None
@@ -283,7 +272,7 @@ class Catalog:
             "owner_node": owner,
             "owner_alive": (owner in live) if owner not in (None, REMAINING) else False,
             "watch_state": state,
-            "watch_timeout_at": _utc(entry.info.timeout_ts) if entry and entry.info else None,
+            "watch_timeout_at": _utc(entry.timeout_ts) if entry else None,
             "lease_id": lease.lease_id if lease else None,
             "lease_node": lease.node_id if lease else None,
             "checkpoint_offset": cp.offset if cp else None,

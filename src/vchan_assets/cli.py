@@ -41,6 +41,11 @@ Run = Callable[[argparse.Namespace, Settings], int]
 Configure = Callable[[argparse.ArgumentParser], None]
 
 
+class UsageError(ValueError):
+    """A command's arguments make no sense together: exit code 1 with the message.
+    (Other ValueErrors are bugs and keep their traceback.)"""
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -91,7 +96,7 @@ def _scalars(raw: str) -> dict[str, str]:
     for item in _names(raw):
         name, sep, dtype = item.partition(":")
         if not sep:
-            raise ValueError(
+            raise UsageError(
                 f"--scalars item {item!r}: expected name:type (int64, float, double, string, bool)"
             )
         out[name.strip()] = dtype.strip()
@@ -118,7 +123,10 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
 
 @command("create-collection", "create a collection and its vchannels", _create_collection_args)
 def create_collection(args: argparse.Namespace, settings: Settings) -> int:
-    schema = CollectionSchema.build(args.pk, {args.vector: args.dim}, _scalars(args.scalars))
+    try:
+        schema = CollectionSchema.build(args.pk, {args.vector: args.dim}, _scalars(args.scalars))
+    except ValueError as exc:  # a bad type name, field name or dimension
+        raise UsageError(f"invalid schema: {exc}") from None
     with open_producer(settings) as producer:
         try:
             info = producer.create_collection(
@@ -180,7 +188,7 @@ def produce(args: argparse.Namespace, settings: Settings) -> int:
     )
 
     if args.deletes < 0 or args.deletes > args.rows:
-        raise ValueError(f"--deletes must be between 0 and --rows ({args.rows})")
+        raise UsageError(f"--deletes must be between 0 and --rows ({args.rows})")
     with open_producer(settings) as producer:
         info = producer.collection(args.collection)
         start_pk = producer.ids.alloc(args.rows) if args.start_pk is None else args.start_pk
@@ -523,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`vchan status --json | head`): done
         _silence_stdout()
         return 0
-    except (MetaError, LogError, StorageError, EmbeddedEtcdError, ValueError) as exc:
+    except (MetaError, LogError, StorageError, EmbeddedEtcdError, UsageError) as exc:
         print(f"vchan {cmd.name}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -92,13 +92,11 @@ def collect(catalog: Catalog) -> list[Metric]:
         per_node.add(n, node=node)
 
     watch = Metric("vchan_channel_watch", "1 per watch info, by node and watch state.")
-    for entry in catalog.watch_entries():
-        watch.add(
-            1,
-            vchannel=entry.vchannel,
-            node=entry.node,
-            state=entry.info.state.value if entry.info else "Malformed",
-        )
+    watches = catalog.watches()
+    for entry in watches.entries:
+        watch.add(1, vchannel=entry.vchannel, node=str(entry.node_id), state=entry.info.state.value)
+    for bad in watches.malformed:
+        watch.add(1, vchannel=bad.vchannel, node=bad.node, state="Malformed")
 
     offset = Metric(
         "vchan_channel_checkpoint_offset", "Offset of the channel checkpoint in the vchannel log."

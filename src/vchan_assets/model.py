@@ -1,82 +1,134 @@
-"""The domain model: small immutable records, each with one dict form.
+"""The domain model: small immutable records and the one codec they all share.
 
-`to_dict` / `from_dict` are the only serialization; `meta.codec` adds the schema
-version and turns a validation failure into an error that names the etcd key.
-`from_dict` validates types and raises `ValueError` with the field name.
+Every record stored in etcd is a frozen dataclass deriving from `Record`, whose
+`to_dict` / `from_dict` are generic over the dataclass fields and their type hints:
+ints, floats, strings, bools, enums (by value), nested records, tuples of those and
+`X | None`. `from_dict` checks every field's type, fills in a field's default when a
+value written by an older version lacks it, runs the record's `validate()`, and raises
+`ValueError` naming the field (with its path inside nested records). `meta.codec` adds
+the schema version and turns that error into one that names the etcd key.
+
+Why a small codec of our own and not pydantic: the records stay plain frozen
+dataclasses (hashable, `replace`-able, cheap to pickle into Spark tasks), the domain
+layers depend on nothing that comes only with Dagster, and the stored JSON is exactly
+what the hand-written codec wrote before (tests/meta/test_stored_values.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self
 
-T = TypeVar("T")
-
-
-# --- validation helpers ------------------------------------------------------------------
+# --- the codec -------------------------------------------------------------------------
 
 
-def _get(d: Mapping[str, Any], name: str, kind: type[T] | tuple[type, ...], default: Any = ...) -> Any:
-    if name not in d or d[name] is None:
-        if default is ...:
-            raise ValueError(f"missing field {name!r}")
-        return default
-    value = d[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) and kind is not bool:
-        raise ValueError(f"field {name!r} must be {_kind_name(kind)}, got bool")
-    if not isinstance(value, kind):
-        raise ValueError(f"field {name!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+class Record:
+    """Base of the stored records: one dict form for every dataclass field."""
+
+    # Fields left out of the dict when they are None (as the records were always written).
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OMIT_WHEN_NONE:
+                continue
+            out[f.name] = _dump(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        hints = _hints(cls)
+        values = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            default = f.default if f.default is not dataclasses.MISSING else ...
+            values[f.name] = _load(d, f.name, hints[f.name], default)
+        record = cls(**values)
+        record.validate()
+        return record
+
+    def validate(self) -> None:
+        """Checks beyond the field types, run on decoding; raise ValueError."""
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_dump(v) for v in value]
     return value
 
 
-def _kind_name(kind: Any) -> str:
-    if isinstance(kind, tuple):
-        return " or ".join(k.__name__ for k in kind)
-    return str(kind.__name__)
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _ints(d: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    values = _get(d, name, list, [])
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ValueError(f"field {name!r} must be a list of integers")
-    return tuple(values)
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field types of a record class (computed once per class)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
-def _enum(d: Mapping[str, Any], name: str, kind: type[enum.Enum], default: Any = ...) -> Any:
-    raw = _get(d, name, str, default)
-    if isinstance(raw, kind):
-        return raw
+def _load(d: Mapping[str, Any], name: str, hint: Any, default: Any) -> Any:
+    if _is_optional(hint):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        default = None if default is ... else default
+    if d.get(name) is None:
+        if default is ...:
+            raise ValueError(f"missing field {name!r}")
+        return default
+    return _value(d[name], name, hint)
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _value(raw: Any, name: str, hint: Any) -> Any:
+    if typing.get_origin(hint) is tuple:
+        return _items(raw, name, typing.get_args(hint)[0])
+    if isinstance(hint, type) and issubclass(hint, Record):
+        if not isinstance(raw, dict):
+            raise ValueError(f"field {name!r} must be an object, got {type(raw).__name__}")
+        try:
+            return hint.from_dict(raw)
+        except ValueError as exc:
+            raise ValueError(f"in {name}: {exc}") from None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _member(raw, name, hint)
+    return _scalar(raw, name, hint)
+
+
+def _items(raw: Any, name: str, item: Any) -> tuple[Any, ...]:
+    if not isinstance(raw, list):
+        raise ValueError(f"field {name!r} must be list, got {type(raw).__name__}")
+    return tuple(_value(v, f"{name}[{i}]", item) for i, v in enumerate(raw))
+
+
+def _member(raw: Any, name: str, kind: type[enum.Enum]) -> Any:
     try:
-        return kind(raw)
+        return kind(_scalar(raw, name, str))
     except ValueError:
         allowed = ", ".join(m.value for m in kind)
         raise ValueError(f"field {name!r} is {raw!r}, expected one of: {allowed}") from None
 
 
-def _nested(d: Mapping[str, Any], name: str, cls: Any, default: Any = ...) -> Any:
-    raw = _get(d, name, dict, default)
-    if raw is None or not isinstance(raw, dict):
-        return raw
-    try:
-        return cls.from_dict(raw)
-    except ValueError as exc:
-        raise ValueError(f"in {name!r}: {exc}") from None
-
-
-def _nested_list(d: Mapping[str, Any], name: str, cls: Any) -> tuple[Any, ...]:
-    out = []
-    for i, item in enumerate(_get(d, name, list, [])):
-        if not isinstance(item, dict):
-            raise ValueError(f"{name}[{i}] must be an object")
-        try:
-            out.append(cls.from_dict(item))
-        except ValueError as exc:
-            raise ValueError(f"in {name}[{i}]: {exc}") from None
-    return tuple(out)
+def _scalar(raw: Any, name: str, kind: type) -> Any:
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, bool) and kind is not bool:
+        raise ValueError(f"field {name!r} must be {kind.__name__}, got bool")
+    if not isinstance(raw, kind):
+        raise ValueError(f"field {name!r} must be {kind.__name__}, got {type(raw).__name__}")
+    return raw
 
 
 # --- positions and timestamps ------------------------------------------------------------
@@ -94,22 +146,16 @@ def physical_ms(ts: int) -> int:
 
 
 @dataclass(frozen=True, order=True)
-class MsgPosition:
+class MsgPosition(Record):
     """A position in a vchannel: the message at `offset` and its timestamp."""
 
     channel: str
     offset: int
     timestamp: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"channel": self.channel, "offset": self.offset, "timestamp": self.timestamp}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MsgPosition:
-        offset = _get(d, "offset", int)
-        if offset < -1:
-            raise ValueError(f"field 'offset' must be >= -1, got {offset}")
-        return cls(_get(d, "channel", str), offset, _get(d, "timestamp", int))
+    def validate(self) -> None:
+        if self.offset < -1:
+            raise ValueError(f"field 'offset' must be >= -1, got {self.offset}")
 
 
 # --- schema and collections ------------------------------------------------------------
@@ -125,7 +171,9 @@ class DataType(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class FieldSchema:
+class FieldSchema(Record):
+    OMIT_WHEN_NONE = frozenset({"dim"})
+
     field_id: int
     name: str
     dtype: DataType
@@ -135,29 +183,6 @@ class FieldSchema:
     @property
     def is_vector(self) -> bool:
         return self.dtype is DataType.FLOAT_VECTOR
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "field_id": self.field_id,
-            "name": self.name,
-            "dtype": self.dtype.value,
-            "is_primary": self.is_primary,
-        }
-        if self.dim is not None:
-            d["dim"] = self.dim
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FieldSchema:
-        f = cls(
-            field_id=_get(d, "field_id", int),
-            name=_get(d, "name", str),
-            dtype=_enum(d, "dtype", DataType),
-            is_primary=_get(d, "is_primary", bool, False),
-            dim=_get(d, "dim", int, None),
-        )
-        f.validate()
-        return f
 
     def validate(self) -> None:
         if not self.name.isidentifier():
@@ -175,7 +200,7 @@ FIRST_USER_FIELD_ID = 100
 
 
 @dataclass(frozen=True)
-class CollectionSchema:
+class CollectionSchema(Record):
     fields: tuple[FieldSchema, ...]
 
     def __post_init__(self) -> None:
@@ -235,16 +260,9 @@ class CollectionSchema:
             total += f.dim * 4 if f.is_vector and f.dim else sizes[f.dtype]
         return total
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"fields": [f.to_dict() for f in self.fields]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CollectionSchema:
-        return cls(_nested_list(d, "fields", FieldSchema))
-
 
 @dataclass(frozen=True)
-class CollectionInfo:
+class CollectionInfo(Record):
     id: int
     name: str
     schema: CollectionSchema
@@ -261,39 +279,11 @@ class CollectionInfo:
         except ValueError:
             raise KeyError(f"collection {self.name!r} has no partition {name!r}") from None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "schema": self.schema.to_dict(),
-            "partitions": list(self.partitions),
-            "partition_names": list(self.partition_names),
-            "vchannels": list(self.vchannels),
-            "start_positions": [p.to_dict() for p in self.start_positions],
-            "created_at": self.created_at,
-            "dropped_at": self.dropped_at,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CollectionInfo:
-        vchannels = _get(d, "vchannels", list)
-        if not vchannels or not all(isinstance(v, str) for v in vchannels):
+    def validate(self) -> None:
+        if not self.vchannels:
             raise ValueError("field 'vchannels' must be a non-empty list of strings")
-        partitions = _ints(d, "partitions")
-        names = tuple(_get(d, "partition_names", list, []))
-        if names and len(names) != len(partitions):
+        if self.partition_names and len(self.partition_names) != len(self.partitions):
             raise ValueError("'partition_names' and 'partitions' differ in length")
-        return cls(
-            id=_get(d, "id", int),
-            name=_get(d, "name", str),
-            schema=_nested(d, "schema", CollectionSchema),
-            partitions=partitions,
-            vchannels=tuple(vchannels),
-            start_positions=_nested_list(d, "start_positions", MsgPosition),
-            created_at=_get(d, "created_at", float, 0.0),
-            partition_names=names,
-            dropped_at=_get(d, "dropped_at", float, 0.0),
-        )
 
 
 # --- segments and binlogs ---------------------------------------------------------------
@@ -314,7 +304,7 @@ class SegmentLevel(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class Binlog:
+class Binlog(Record):
     log_id: int
     path: str  # key relative to the storage root
     entries: int
@@ -322,50 +312,18 @@ class Binlog:
     ts_to: int
     size_bytes: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "log_id": self.log_id,
-            "path": self.path,
-            "entries": self.entries,
-            "ts_from": self.ts_from,
-            "ts_to": self.ts_to,
-            "size_bytes": self.size_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Binlog:
-        return cls(
-            _get(d, "log_id", int),
-            _get(d, "path", str),
-            _get(d, "entries", int),
-            _get(d, "ts_from", int),
-            _get(d, "ts_to", int),
-            _get(d, "size_bytes", int),
-        )
-
 
 @dataclass(frozen=True)
-class ColumnGroupBinlogs:
+class ColumnGroupBinlogs(Record):
     """Binlogs of one column group (storage v2): fields stored together in one file."""
 
     group: int
     field_ids: tuple[int, ...]
     logs: tuple[Binlog, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "field_ids": list(self.field_ids),
-            "logs": [b.to_dict() for b in self.logs],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ColumnGroupBinlogs:
-        return cls(_get(d, "group", int), _ints(d, "field_ids"), _nested_list(d, "logs", Binlog))
-
 
 @dataclass(frozen=True)
-class SegmentInfo:
+class SegmentInfo(Record):
     id: int
     collection_id: int
     partition_id: int
@@ -393,99 +351,31 @@ class SegmentInfo:
     def binlog_files(self) -> list[Binlog]:
         return [b for g in self.binlogs for b in g.logs]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "collection_id": self.collection_id,
-            "partition_id": self.partition_id,
-            "vchannel": self.vchannel,
-            "state": self.state.value,
-            "level": self.level.value,
-            "num_rows": self.num_rows,
-            "max_rows": self.max_rows,
-            "binlogs": [g.to_dict() for g in self.binlogs],
-            "deltalogs": [b.to_dict() for b in self.deltalogs],
-            "statslogs": [b.to_dict() for b in self.statslogs],
-            "start_position": self.start_position.to_dict() if self.start_position else None,
-            "dml_position": self.dml_position.to_dict() if self.dml_position else None,
-            "compaction_from": list(self.compaction_from),
-            "is_sorted": self.is_sorted,
-            "last_flush_ts": self.last_flush_ts,
-            "created_at": self.created_at,
-            "last_insert_at": self.last_insert_at,
-            "seal_ts": self.seal_ts,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SegmentInfo:
-        return cls(
-            id=_get(d, "id", int),
-            collection_id=_get(d, "collection_id", int),
-            partition_id=_get(d, "partition_id", int),
-            vchannel=_get(d, "vchannel", str),
-            state=_enum(d, "state", SegmentState),
-            level=_enum(d, "level", SegmentLevel, SegmentLevel.L1.value),
-            num_rows=_get(d, "num_rows", int, 0),
-            max_rows=_get(d, "max_rows", int, 0),
-            binlogs=_nested_list(d, "binlogs", ColumnGroupBinlogs),
-            deltalogs=_nested_list(d, "deltalogs", Binlog),
-            statslogs=_nested_list(d, "statslogs", Binlog),
-            start_position=_nested(d, "start_position", MsgPosition, None),
-            dml_position=_nested(d, "dml_position", MsgPosition, None),
-            compaction_from=_ints(d, "compaction_from"),
-            is_sorted=_get(d, "is_sorted", bool, False),
-            last_flush_ts=_get(d, "last_flush_ts", int, 0),
-            created_at=_get(d, "created_at", float, 0.0),
-            last_insert_at=_get(d, "last_insert_at", float, 0.0),
-            seal_ts=_get(d, "seal_ts", int, 0),
-        )
-
 
 # --- sessions, leases and watch infos ----------------------------------------------------
 
 
+class SessionState(enum.StrEnum):
+    INITIALIZING = "INITIALIZING"  # registered, not yet watching its channels
+    HEALTHY = "HEALTHY"
+
+
 @dataclass(frozen=True)
-class NodeSession:
+class NodeSession(Record):
     node_id: int
     address: str
     version: str
     started_at: float
-    state: str = "HEALTHY"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "address": self.address,
-            "version": self.version,
-            "started_at": self.started_at,
-            "state": self.state,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> NodeSession:
-        return cls(
-            _get(d, "node_id", int),
-            _get(d, "address", str),
-            _get(d, "version", str),
-            _get(d, "started_at", float),
-            _get(d, "state", str, "HEALTHY"),
-        )
+    state: SessionState = SessionState.HEALTHY
 
 
 @dataclass(frozen=True)
-class ChannelLease:
+class ChannelLease(Record):
     """Who may write a channel's meta: `channel-lease/{vchannel}`."""
 
     lease_id: int
     node_id: int
     granted_at: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"lease_id": self.lease_id, "node_id": self.node_id, "granted_at": self.granted_at}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ChannelLease:
-        return cls(_get(d, "lease_id", int), _get(d, "node_id", int), _get(d, "granted_at", float))
 
 
 class WatchState(enum.StrEnum):
@@ -498,7 +388,7 @@ class WatchState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class VchannelInfo:
+class VchannelInfo(Record):
     collection_id: int
     channel_name: str
     seek_position: MsgPosition | None = None
@@ -506,30 +396,9 @@ class VchannelInfo:
     flushed_segment_ids: tuple[int, ...] = ()
     dropped_segment_ids: tuple[int, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "collection_id": self.collection_id,
-            "channel_name": self.channel_name,
-            "seek_position": self.seek_position.to_dict() if self.seek_position else None,
-            "unflushed_segment_ids": list(self.unflushed_segment_ids),
-            "flushed_segment_ids": list(self.flushed_segment_ids),
-            "dropped_segment_ids": list(self.dropped_segment_ids),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> VchannelInfo:
-        return cls(
-            collection_id=_get(d, "collection_id", int),
-            channel_name=_get(d, "channel_name", str),
-            seek_position=_nested(d, "seek_position", MsgPosition, None),
-            unflushed_segment_ids=_ints(d, "unflushed_segment_ids"),
-            flushed_segment_ids=_ints(d, "flushed_segment_ids"),
-            dropped_segment_ids=_ints(d, "dropped_segment_ids"),
-        )
-
 
 @dataclass(frozen=True)
-class ChannelWatchInfo:
+class ChannelWatchInfo(Record):
     vchan: VchannelInfo
     state: WatchState
     start_ts: float
@@ -538,31 +407,6 @@ class ChannelWatchInfo:
     op_id: int = 0
     lease_id: int | None = None  # None: written by an older coordinator
     reason: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "vchan": self.vchan.to_dict(),
-            "state": self.state.value,
-            "start_ts": self.start_ts,
-            "timeout_ts": self.timeout_ts,
-            "progress": self.progress,
-            "op_id": self.op_id,
-            "lease_id": self.lease_id,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ChannelWatchInfo:
-        return cls(
-            vchan=_nested(d, "vchan", VchannelInfo),
-            state=_enum(d, "state", WatchState),
-            start_ts=_get(d, "start_ts", float),
-            timeout_ts=_get(d, "timeout_ts", float),
-            progress=_get(d, "progress", int, 0),
-            op_id=_get(d, "op_id", int, 0),
-            lease_id=_get(d, "lease_id", int, None),
-            reason=_get(d, "reason", str, ""),
-        )
 
 
 @dataclass(frozen=True)

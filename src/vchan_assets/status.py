@@ -23,7 +23,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from vchan_assets.catalog import REMAINING, Catalog
+from vchan_assets.catalog import Catalog
+from vchan_assets.meta.channelwatch import REMAINING
 
 STUCK_STATES = ("ToWatch", "ToRelease")
 CHANNEL_COLUMNS = (
@@ -69,7 +70,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     settings = catalog.settings
     sessions = catalog.sessions()
     channels = catalog.vchannels(now=now)
-    watches = catalog.watch_entries()
+    watches = catalog.watches()
     segments = catalog.segments(include_dropped=True)
 
     per_node = Counter(str(o) for o in channels["owner_node"] if o is not None)
@@ -146,23 +147,18 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
                     "the coordinator should move it",
                 }
             )
-    for entry in watches:
-        if entry.info is None:
-            warnings.append(
-                {
-                    "kind": "malformed_watch",
-                    "vchannel": entry.vchannel,
-                    "node": entry.node,
-                    "message": entry.error,
-                }
-            )
-        elif entry.info.state.value in STUCK_STATES and entry.info.timeout_ts and entry.info.timeout_ts < now:
+    for bad in watches.malformed:
+        warnings.append(
+            {"kind": "malformed_watch", "vchannel": bad.vchannel, "node": bad.node, "message": bad.error}
+        )
+    for entry in watches.entries:
+        if entry.info.state.value in STUCK_STATES and entry.info.timeout_ts and entry.info.timeout_ts < now:
             warnings.append(
                 {
                     "kind": "stuck_watch",
                     "vchannel": entry.vchannel,
-                    "node": entry.node,
-                    "message": f"{entry.vchannel}: {entry.info.state.value} on node {entry.node} "
+                    "node": str(entry.node_id),
+                    "message": f"{entry.vchannel}: {entry.info.state.value} on node {entry.node_id} "
                     f"past its timeout by {now - entry.info.timeout_ts:.0f}s",
                 }
             )

@@ -34,26 +34,22 @@ from vchan_assets.datacoord.collections import CollectionCatalog
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import recovery_info
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.codec import decode
-from vchan_assets.meta.errors import CasConflictError, MalformedValueError
+from vchan_assets.meta.channelwatch import WatchEntry, list_watches
+from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import KeyValue, MetaStore
-from vchan_assets.model import ChannelWatchInfo, CollectionInfo, NodeSession, VchannelInfo, WatchState
+from vchan_assets.model import (
+    ChannelWatchInfo,
+    CollectionInfo,
+    NodeSession,
+    SessionState,
+    VchannelInfo,
+    WatchState,
+)
 
 log = logging.getLogger(__name__)
 
-REMAINING = "remaining"
 HOLDING = (WatchState.TO_WATCH, WatchState.WATCH_SUCCESS, WatchState.TO_RELEASE)
 MOVING = (WatchState.TO_WATCH, WatchState.TO_RELEASE)
-
-
-@dataclass(frozen=True)
-class WatchEntry:
-    """One `channelwatch/{node}/{vchannel}` key, decoded."""
-
-    node_id: int
-    vchannel: str
-    info: ChannelWatchInfo
-    kv: KeyValue
 
 
 @dataclass
@@ -118,35 +114,22 @@ class ChannelManager:
                 self.malformed_sessions += 1
                 log.error("skipping session %s: it names node %s", d.kv.key, d.model.node_id)
                 continue
-            if d.model.state == "HEALTHY":
+            if d.model.state is SessionState.HEALTHY:
                 nodes[d.model.node_id] = d.model
         return nodes
 
     def view(self) -> ChannelView:
         nodes = self.live_nodes()
         channels = {v: c for c in self.catalog.list() for v in c.vchannels}
-        root = self.store.keys.channel_watch_root()
+        listing = list_watches(self.store)
         entries: dict[str, list[WatchEntry]] = {}
-        remaining: dict[str, KeyValue] = {}
-        malformed: list[KeyValue] = []
-        for kv in self.store.list_prefix(root).items:
-            parts = kv.key[len(root) :].split("/")
-            if len(parts) == 2 and parts[0] == REMAINING:
-                remaining[parts[1]] = kv
-                continue
-            try:
-                if len(parts) != 2 or not parts[0].isdigit():
-                    raise MalformedValueError(kv.key, "not channelwatch/{nodeID}/{vchannel}")
-                info = decode(kv.key, kv.value, ChannelWatchInfo)
-                if info.vchan.channel_name != parts[1]:
-                    raise MalformedValueError(kv.key, f"names vchannel {info.vchan.channel_name!r}")
-            except MalformedValueError as exc:
-                self.malformed_skipped += 1
-                log.error("channel manager: skipping %s", exc)
-                malformed.append(kv)
-                continue
-            entries.setdefault(parts[1], []).append(WatchEntry(int(parts[0]), parts[1], info, kv))
-        return ChannelView(nodes, channels, entries, remaining, malformed)
+        for e in listing.entries:
+            entries.setdefault(e.vchannel, []).append(e)
+        for bad in listing.malformed:
+            self.malformed_skipped += 1
+            log.error("channel manager: skipping %s", bad.error)
+        malformed = [bad.kv for bad in listing.malformed]
+        return ChannelView(nodes, channels, entries, listing.remaining, malformed)
 
     def assignments(self) -> dict[str, list[tuple[int, WatchState]]]:
         """vchannel -> [(node, state)] as etcd has it now (for status and tests)."""

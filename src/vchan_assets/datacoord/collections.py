@@ -20,6 +20,7 @@ from dataclasses import replace
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.codec import decode_dict, encode
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError
+from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
 
@@ -27,7 +28,6 @@ DEFAULT_PARTITION = "_default"
 MAX_NAME_LENGTH = 255
 MAX_CHANNELS = 64
 MAX_PARTITIONS = 4096  # as Milvus' rootCoord.maxPartitionNum
-CAS_RETRIES = 50
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -64,6 +64,17 @@ class CollectionNotFoundError(CollectionError, LookupError):
         kind = "id" if isinstance(ref, int) else "name"
         super().__init__(f"no collection with {kind} {ref!r}")
         self.ref = ref
+
+
+class VchannelNotFoundError(CollectionError, LookupError):
+    def __init__(self, vchannel: str, collection: str | None = None) -> None:
+        super().__init__(
+            f"collection {collection!r} has no vchannel {vchannel!r}"
+            if collection
+            else f"no collection has vchannel {vchannel!r}"
+        )
+        self.vchannel = vchannel
+        self.collection = collection
 
 
 class PartitionExistsError(CollectionError):
@@ -196,7 +207,8 @@ class CollectionCatalog:
         """Mark the collection dropped and free its name; returns the dropped info."""
         validate_name("collection", name)
         name_key = self._name_key(name)
-        for _ in range(CAS_RETRIES):
+
+        def attempt() -> CollectionInfo:
             name_kv = self.store.get(name_key)
             if name_kv is None:
                 raise CollectionNotFoundError(name)
@@ -210,9 +222,12 @@ class CollectionCatalog:
                 {key: encode(dropped)},
                 deletes=[name_key],
             )
-            if revision is not None:
-                return dropped
-        raise CasConflictError(name_key, -1, -1)
+            if revision is None:  # the name or the collection changed since read
+                now = self.store.get(key)
+                raise CasConflictError(key, found.kv.version, now.version if now else 0)
+            return dropped
+
+        return retry_on_conflict(f"drop of collection {name!r}", attempt)
 
     def set_start_positions(self, collection_id: int, positions: Sequence[MsgPosition]) -> CollectionInfo:
         """Record where each vchannel starts (the create_collection message)."""
@@ -276,17 +291,16 @@ class CollectionCatalog:
     ) -> CollectionInfo:
         """Read-modify-write of a live collection with compare-and-swap, retried on conflict."""
         key = self.store.keys.collection(collection_id)
-        for _ in range(CAS_RETRIES):
+
+        def attempt() -> CollectionInfo:
             found = self.store.get_model(key, CollectionInfo)
             if found is None or found.model.dropped_at:
                 raise CollectionNotFoundError(collection_id)
             new = change(found.model)
-            try:
-                self.store.cas(key, found.kv.version, new)
-            except CasConflictError:
-                continue
+            self.store.cas(key, found.kv.version, new)
             return new
-        raise CasConflictError(key, -1, -1)
+
+        return retry_on_conflict(f"update of collection {collection_id}", attempt)
 
 
 def _collection_id(key: str, raw: bytes) -> int:

@@ -25,7 +25,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.session import Election
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import MsgPosition, NodeSession
+from vchan_assets.model import MsgPosition, NodeSession, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DataCoordinator:
         self.server_id = self.ids.alloc()
         self.election = Election(
             store,
-            NodeSession(self.server_id, address, __version__, time.time(), "HEALTHY"),
+            NodeSession(self.server_id, address, __version__, time.time(), SessionState.HEALTHY),
             settings.session_ttl,
             on_lost=self._lost,
         )

@@ -7,6 +7,7 @@ are unflushed, flushed or dropped, with their meta.
 
 from __future__ import annotations
 
+from vchan_assets.datacoord.collections import VchannelNotFoundError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -38,7 +39,7 @@ def start_position(collection: CollectionInfo, vchannel: str) -> MsgPosition:
 
 def recovery_info(store: MetaStore, collection: CollectionInfo, vchannel: str) -> RecoveryInfo:
     if vchannel not in collection.vchannels:
-        raise KeyError(f"collection {collection.name!r} has no vchannel {vchannel!r}")
+        raise VchannelNotFoundError(vchannel, collection.name)
     checkpoint = channel_checkpoint(store, vchannel)
     seek = checkpoint.model if checkpoint else start_position(collection, vchannel)
     segments = [d.model for d in channel_segments(store, collection.id, vchannel)]

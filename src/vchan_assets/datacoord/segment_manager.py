@@ -30,6 +30,7 @@ live in its memory and are rebuilt from etcd at start with `num_rows` as the flo
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -38,8 +39,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord import segment_ops
+from vchan_assets.datacoord.collections import CollectionNotFoundError
+from vchan_assets.datacoord.segment_ops import SEALABLE
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
-from vchan_assets.meta.errors import CasConflictError, MetaError
+from vchan_assets.meta.errors import CasConflictError, SegmentNotFoundError
+from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -53,8 +58,6 @@ from vchan_assets.model import (
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-CAS_RETRIES = 50
-SEALABLE = (SegmentState.SEALED, SegmentState.FLUSHING)
 FINAL = (SegmentState.FLUSHED, SegmentState.DROPPED)
 
 
@@ -153,18 +156,18 @@ class FlushProgress:
         return not self.lagging_channels and not self.pending_segments
 
 
+class RecoveryAction(enum.StrEnum):
+    FLUSHED = "flushed"
+    DROPPED = "dropped"
+    PENDING = "pending"  # the DataNode's next sync completes it
+
+
 @dataclass(frozen=True)
 class FlushRecovery:
     segment_id: int
     vchannel: str
-    action: str  # "flushed" | "dropped" | "pending"
+    action: RecoveryAction
     reason: str
-
-
-class SegmentNotFoundError(MetaError, LookupError):
-    def __init__(self, key: str) -> None:
-        super().__init__(f"segment {key} is gone")
-        self.key = key
 
 
 class SegmentManager:
@@ -265,7 +268,7 @@ class SegmentManager:
         if collection_id not in self._max_rows:
             found = self.store.get_model(self.store.keys.collection(collection_id), CollectionInfo)
             if found is None:
-                raise LookupError(f"no collection with id {collection_id}")
+                raise CollectionNotFoundError(collection_id)
             self._max_rows[collection_id] = max_rows_of(found.model, self.settings)
         return self._max_rows[collection_id]
 
@@ -310,7 +313,7 @@ class SegmentManager:
                     SegmentState.SEALED,
                 ):
                     continue
-                self.update_segment(decoded.kv.key, lambda s: _to_flushing(s, flush_ts))
+                self.update_segment(decoded.kv.key, partial(segment_ops.mark_flushing, flush_ts=flush_ts))
             log.info("flush of collection %d at ts %d", collection_id, flush_ts)
             return flush_ts
 
@@ -329,7 +332,7 @@ class SegmentManager:
             if not self._growing[key]:
                 del self._growing[key]
             meta_key = self.store.keys.segment(*key[:2], seg.segment_id)
-            self.update_segment(meta_key, lambda s: _to_sealed(s, state, seal_ts))
+            self.update_segment(meta_key, partial(segment_ops.seal, seal_ts=seal_ts, state=state))
             sealed.append(
                 SealedSegment(
                     seg.segment_id, seg.collection_id, seg.partition_id, seg.vchannel, seal_ts, reason
@@ -343,7 +346,7 @@ class SegmentManager:
     def flush_progress(self, collection_id: int, flush_ts: int) -> FlushProgress:
         found = self.store.get_model(self.store.keys.collection(collection_id), CollectionInfo)
         if found is None:
-            raise LookupError(f"no collection with id {collection_id}")
+            raise CollectionNotFoundError(collection_id)
         lagging = []
         for vchannel in found.model.vchannels:
             cp = self.store.get_model(self.store.keys.channel_checkpoint(vchannel), MsgPosition)
@@ -378,10 +381,14 @@ class SegmentManager:
             cp_pos = checkpoints[seg.vchannel]
             if seg.seal_ts <= 0 or cp_pos is None or cp_pos.timestamp < seg.seal_ts:
                 reason = f"checkpoint {cp_pos.timestamp if cp_pos else None} < seal_ts {seg.seal_ts}"
-                out.append(FlushRecovery(seg.id, seg.vchannel, "pending", reason))
+                out.append(FlushRecovery(seg.id, seg.vchannel, RecoveryAction.PENDING, reason))
                 continue
-            updated = self.update_segment(decoded.kv.key, partial(_to_final, checkpoint=cp_pos))
-            action = "flushed" if updated.state is SegmentState.FLUSHED else "dropped"
+            updated = self.update_segment(
+                decoded.kv.key, partial(segment_ops.complete_flush, position=cp_pos)
+            )
+            action = (
+                RecoveryAction.FLUSHED if updated.state is SegmentState.FLUSHED else RecoveryAction.DROPPED
+            )
             reason = f"checkpoint ts {cp_pos.timestamp} passed seal_ts {seg.seal_ts}"
             log.warning("recovered segment %d on %s: %s (%s)", seg.id, seg.vchannel, action, reason)
             out.append(FlushRecovery(seg.id, seg.vchannel, action, reason))
@@ -412,7 +419,7 @@ class SegmentManager:
                     partition_id is not None and seg.partition_id != partition_id
                 ):
                     continue
-                self.update_segment(decoded.kv.key, _to_dropped)
+                self.update_segment(decoded.kv.key, segment_ops.drop)
                 dropped.append(seg.id)
             return dropped
 
@@ -454,44 +461,18 @@ class SegmentManager:
         """Read-modify-write of one SegmentInfo with CAS on the version read; re-read and
         retry when the DataNode (or anyone) changed it meanwhile. `change` returns None
         when nothing needs to be written."""
-        for _ in range(CAS_RETRIES):
+
+        def attempt() -> SegmentInfo:
             found = self.store.get_model(key, SegmentInfo)
             if found is None:
                 raise SegmentNotFoundError(key)
             new = change(found.model)
             if new is None or new == found.model:
                 return found.model
-            try:
-                self.store.cas(key, found.kv.version, new)
-            except CasConflictError:
-                self.cas_retries += 1
-                log.info("segment %s changed concurrently; re-reading", key)
-                continue
+            self.store.cas(key, found.kv.version, new)
             return new
-        raise CasConflictError(key, -1, -1)
 
+        return retry_on_conflict(f"segment {key}", attempt, on_conflict=self._count_conflict)
 
-def _to_sealed(seg: SegmentInfo, state: SegmentState, seal_ts: int) -> SegmentInfo | None:
-    if seg.state is not SegmentState.GROWING:
-        return None  # sealed, flushed or dropped by someone else meanwhile: keep theirs
-    return seg.with_changes(state=state, seal_ts=seal_ts)
-
-
-def _to_flushing(seg: SegmentInfo, flush_ts: int) -> SegmentInfo | None:
-    if seg.state is SegmentState.GROWING:
-        return seg.with_changes(state=SegmentState.FLUSHING, seal_ts=flush_ts)
-    if seg.state is SegmentState.SEALED:
-        # Keep the earlier seal_ts: no row after it belongs to the segment.
-        return seg.with_changes(state=SegmentState.FLUSHING, seal_ts=seg.seal_ts or flush_ts)
-    return None
-
-
-def _to_dropped(seg: SegmentInfo) -> SegmentInfo | None:
-    return None if seg.state is SegmentState.DROPPED else seg.with_changes(state=SegmentState.DROPPED)
-
-
-def _to_final(seg: SegmentInfo, checkpoint: MsgPosition) -> SegmentInfo | None:
-    if seg.state not in SEALABLE:
-        return None
-    state = SegmentState.FLUSHED if seg.num_rows else SegmentState.DROPPED
-    return seg.with_changes(state=state, dml_position=seg.dml_position or checkpoint)
+    def _count_conflict(self, exc: CasConflictError) -> None:
+        self.cas_retries += 1

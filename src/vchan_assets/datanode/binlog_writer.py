@@ -14,6 +14,7 @@ Returns one `WrittenFile` per file; nothing here touches etcd.
 
 from __future__ import annotations
 
+import enum
 import pickle
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,14 @@ from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log
 from vchan_assets.wal.format import LogError, MsgType
 from vchan_assets.wal.reader import read_log_file
 
-INSERT, DELTA, STATS = "insert", "delta", "stats"
+
+class FileKind(enum.StrEnum):
+    INSERT = "insert"
+    DELTA = "delta"
+    STATS = "stats"
+
+
+INSERT, DELTA, STATS = FileKind.INSERT, FileKind.DELTA, FileKind.STATS
 SCALAR_GROUP = 0
 
 
@@ -57,7 +65,7 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    kind: str  # insert | delta | stats
+    kind: FileKind
     segment_id: int
     partition_id: int
     group: int  # column group of insert binlogs; -1 otherwise
@@ -113,13 +121,18 @@ def group_field_ids(schema: CollectionSchema) -> dict[int, tuple[int, ...]]:
     return out
 
 
+class LogIdsExhaustedError(RuntimeError):
+    """A sync task wrote more files than the log ids allocated to it (a bug or a limit)."""
+
+
 class _Ids:
     def __init__(self, base: int, count: int) -> None:
-        self.next, self.end = base, base + count
+        self.start = self.next = base
+        self.end = base + count
 
     def take(self) -> int:
         if self.next >= self.end:
-            raise RuntimeError("sync task ran out of pre-allocated log ids")
+            raise LogIdsExhaustedError(f"sync task used all {self.end - self.start} log ids allocated to it")
         self.next += 1
         return self.next - 1
 
@@ -289,4 +302,5 @@ def from_record(row: dict[str, Any]) -> WrittenFile:
     """A result row back into a WrittenFile; re-raises a task's typed error."""
     if row.get("error") is not None:
         raise pickle.loads(row["error"])
-    return WrittenFile(**{k: row[k] for k in WrittenFile.__dataclass_fields__})
+    values = {k: row[k] for k in WrittenFile.__dataclass_fields__}
+    return WrittenFile(**{**values, "kind": FileKind(values["kind"])})

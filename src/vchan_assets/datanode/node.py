@@ -24,12 +24,16 @@ from dataclasses import replace
 
 from vchan_assets import __version__
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog, CollectionNotFoundError
+from vchan_assets.datacoord.collections import (
+    CollectionCatalog,
+    CollectionNotFoundError,
+    VchannelNotFoundError,
+)
 from vchan_assets.datacoord.recovery import recovery_info
 from vchan_assets.datanode.channel import ChannelWorker, NodeContext, sync_once
 from vchan_assets.datanode.sync import Engine
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.codec import decode
+from vchan_assets.meta.channelwatch import parse_watch_info, vchannel_of
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, MetaUnavailableError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore, Snapshot
@@ -39,6 +43,7 @@ from vchan_assets.model import (
     ChannelWatchInfo,
     CollectionInfo,
     NodeSession,
+    SessionState,
     VchannelInfo,
     WatchState,
 )
@@ -78,15 +83,6 @@ class WatchFailedError(MetaError):
 def is_end_state(state: WatchState) -> bool:
     """States the coordinator waits for; a node ignores them (seed: isEndWatchState)."""
     return state in END_STATES
-
-
-def parse_watch_info(key: str, value: bytes) -> ChannelWatchInfo:
-    """Decode a watch info; MalformedValueError naming the key if it is not one, or if its
-    vchannel differs from the key's last segment."""
-    info = decode(key, value, ChannelWatchInfo)
-    if key.rsplit("/", 1)[-1] != info.vchan.channel_name:
-        raise MalformedValueError(key, f"names vchannel {info.vchan.channel_name!r}, not the key's")
-    return info
 
 
 class Tickler:
@@ -168,7 +164,7 @@ def watch_channel(
             if start is not None:
                 start(collection, lease, vchan)
             result = replace(tickler.info, vchan=vchan, state=WatchState.WATCH_SUCCESS, progress=100)
-        except (WatchFailedError, CollectionNotFoundError, KeyError, MalformedValueError) as exc:
+        except (WatchFailedError, CollectionNotFoundError, VchannelNotFoundError, MalformedValueError) as exc:
             log.error("node %s: watch of %s failed: %s", ctx.node_id, vchannel, exc)
             result = replace(tickler.info, state=WatchState.WATCH_FAILURE, reason=str(exc))
         with tickler._lock:
@@ -263,7 +259,7 @@ class DataNode:
         # Never reused: the allocator's mark only grows, so no stale channelwatch key of an
         # earlier node can belong to this one (MEP 7).
         self.node_id = IdAllocator(self.store, batch=1).alloc()
-        record = NodeSession(self.node_id, self.address, __version__, time.time(), "INITIALIZING")
+        record = NodeSession(self.node_id, self.address, __version__, time.time(), SessionState.INITIALIZING)
         self.session = Session.for_datanode(
             self.store, record, self.settings.session_ttl, on_expired=self._lost_session
         ).register()
@@ -273,7 +269,9 @@ class DataNode:
             on_event=self._on_event,
             on_relist=self._on_relist,
         ).start()
-        self.store.put(self.session.key, replace(record, state="HEALTHY"), lease=self.session.lease_id)
+        self.store.put(
+            self.session.key, replace(record, state=SessionState.HEALTHY), lease=self.session.lease_id
+        )
         self._resync = threading.Thread(target=self._resync_loop, name="channelwatch resync", daemon=True)
         self._resync.start()
         log.info("datanode %s is HEALTHY (engine %s)", self.node_id, self.engine)
@@ -324,7 +322,7 @@ class DataNode:
         with self._handling:
             present = set()
             for kv in snapshot.items:
-                present.add(kv.key.rsplit("/", 1)[-1])
+                present.add(vchannel_of(kv.key))
                 self._handle_put(kv.key, kv.version, kv.value, kv.mod_revision)
             with self._lock:
                 gone = [v for v in self.workers if v not in present]
@@ -339,7 +337,7 @@ class DataNode:
             if event.kind is EventKind.DELETE:
                 self._handled[event.key] = event.mod_revision
                 log.info("node %s: %s deleted: releasing", self.node_id, event.key)
-                self._stop_channel(event.key.rsplit("/", 1)[-1])
+                self._stop_channel(vchannel_of(event.key))
                 return
             self._handle_put(event.key, event.version, event.value, event.mod_revision)
 

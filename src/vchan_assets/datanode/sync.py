@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord import segment_ops
+from vchan_assets.datacoord.collections import VchannelNotFoundError
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments, start_position
 from vchan_assets.datanode.binlog_writer import (
     DELTA,
@@ -36,7 +38,8 @@ from vchan_assets.datanode.binlog_writer import (
 )
 from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.errors import CasConflictError
+from vchan_assets.meta.errors import CasConflictError, CheckpointRegressionError
+from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     Binlog,
@@ -55,7 +58,7 @@ log = logging.getLogger(__name__)
 
 Engine = Literal["spark", "local"]
 SEGMENTS_PER_TXN = 64  # etcd allows 128 operations per transaction by default
-COMMIT_RETRIES = 20
+COMMIT_ATTEMPTS = 20
 IDS_PER_TASK = 100_000
 
 
@@ -126,7 +129,7 @@ class SyncTask:
         job_timeout: float = 600.0,
     ) -> None:
         if vchannel not in collection.vchannels:
-            raise KeyError(f"collection {collection.name!r} has no vchannel {vchannel!r}")
+            raise VchannelNotFoundError(vchannel, collection.name)
         self.store = store
         self.storage = storage
         self.settings = settings
@@ -153,7 +156,7 @@ class SyncTask:
                 self.vchannel, start, start, flushed_segments=flushed, skipped="no new time tick"
             )
         if end.timestamp < start.timestamp:
-            raise RuntimeError(f"{self.vchannel}: time tick {end} is older than checkpoint {start}")
+            raise CheckpointRegressionError(self.vchannel, start, end)
 
         written = self._write_binlogs(start, end, segments)
         failpoint("after_binlogs")
@@ -261,12 +264,7 @@ class SyncTask:
         """Apply `updates` and flush sealed segments whose seal time the sync passed.
         Each transaction is guarded by the lease and by the versions it read; on a
         version conflict (the coordinator sealed a segment meanwhile) re-read and retry."""
-        ready = {
-            sid
-            for sid, d in segments.items()
-            if d.model.state in (SegmentState.SEALED, SegmentState.FLUSHING)
-            and d.model.seal_ts <= end.timestamp
-        }
+        ready = {sid for sid, d in segments.items() if segment_ops.ready_to_flush(d.model, end)}
         todo = sorted(set(updates) | ready)
         group_fields = group_field_ids(self.collection.schema)
         flushed: list[int] = []
@@ -284,7 +282,8 @@ class SyncTask:
         end: MsgPosition,
         group_fields: dict[int, tuple[int, ...]],
     ) -> list[int]:
-        for _attempt in range(COMMIT_RETRIES):
+
+        def attempt() -> list[int]:
             puts: dict[str, SegmentInfo] = {}
             expect: dict[str, int] = {}
             flushed = []
@@ -302,23 +301,21 @@ class SyncTask:
                     expect[key] = current.kv.version
                 if upd is not None:
                     seg = upd.apply(seg, end, group_fields)
-                if _ready_to_flush(seg, end):
-                    seg = seg.with_changes(
-                        state=SegmentState.FLUSHED if seg.num_rows else SegmentState.DROPPED,
-                        dml_position=seg.dml_position or end,
-                    )
+                done = segment_ops.complete_flush(seg, end)
+                if done is not None:
+                    seg = done
                     flushed.append(sid)
                 puts[key] = seg
-            try:
-                self.store.guarded_txn(self.vchannel, self.lease, puts, expect_versions=expect)
-                return flushed
-            except CasConflictError as exc:
-                log.info("segment changed during commit on %s (%s); re-reading", self.vchannel, exc.key)
-                fresh = {
-                    d.model.id: d for d in channel_segments(self.store, self.collection.id, self.vchannel)
-                }
-                segments.update({sid: fresh[sid] for sid in chunk if sid in fresh})
-        raise CasConflictError(f"segments of {self.vchannel}", -1, -1)
+            self.store.guarded_txn(self.vchannel, self.lease, puts, expect_versions=expect)
+            return flushed
+
+        def reread(exc: CasConflictError) -> None:  # the coordinator sealed a segment meanwhile
+            fresh = {d.model.id: d for d in channel_segments(self.store, self.collection.id, self.vchannel)}
+            segments.update({sid: fresh[sid] for sid in chunk if sid in fresh})
+
+        return retry_on_conflict(
+            f"segment meta of {self.vchannel}", attempt, attempts=COMMIT_ATTEMPTS, on_conflict=reread
+        )
 
     def _new_segment(self, upd: _SegmentUpdate) -> SegmentInfo:
         # L0 segments hold this sync's deletes and are complete at once; an L1 segment
@@ -339,19 +336,11 @@ class SyncTask:
         """Checkpoints only move forward (invariant 4); the version read at the start
         guards against anyone else having moved it since."""
         if before and end.offset <= before.model.offset:
-            raise RuntimeError(
-                f"{self.vchannel}: refusing to move checkpoint back from {before.model} to {end}"
-            )
+            raise CheckpointRegressionError(self.vchannel, before.model, end)
         key = self.store.keys.channel_checkpoint(self.vchannel)
         self.store.guarded_txn(
             self.vchannel, self.lease, {key: end}, expect_versions={key: before.kv.version if before else 0}
         )
-
-
-def _ready_to_flush(seg: SegmentInfo, end: MsgPosition) -> bool:
-    if seg.level is SegmentLevel.L0:
-        return seg.state is not SegmentState.FLUSHED
-    return seg.state in (SegmentState.SEALED, SegmentState.FLUSHING) and seg.seal_ts <= end.timestamp
 
 
 def _run_on_spark(

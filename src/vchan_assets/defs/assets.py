@@ -16,11 +16,12 @@ import dagster as dg
 from dagster_pyspark import PySparkResource
 
 from vchan_assets.datanode.channel import NodeContext
-from vchan_assets.datanode.node import parse_watch_info, release_channel
+from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import CheckOutcome, VchanRuntime
+from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import LeaseLostError
 from vchan_assets.model import WatchState, physical_ms
 

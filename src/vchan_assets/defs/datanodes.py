@@ -42,15 +42,16 @@ import dagster as dg
 
 from vchan_assets import __version__
 from vchan_assets.datanode.channel import NodeContext
-from vchan_assets.datanode.node import is_end_state, parse_watch_info, watch_channel
+from vchan_assets.datanode.node import is_end_state, watch_channel
 from vchan_assets.defs.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError
 from vchan_assets.meta.watch import EventKind, poll_changes
-from vchan_assets.model import NodeSession, WatchState
+from vchan_assets.model import NodeSession, SessionState, WatchState
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,9 @@ class DagsterDataNode:
             )
         node_id = IdAllocator(self.store, batch=1).alloc()
         lease = self.store.grant(self.session_ttl)
-        record = NodeSession(node_id, f"{DAGSTER_ADDRESS}{self.slot}", __version__, time.time(), "HEALTHY")
+        record = NodeSession(
+            node_id, f"{DAGSTER_ADDRESS}{self.slot}", __version__, time.time(), SessionState.HEALTHY
+        )
         self.store.cas(self.store.keys.datanode_session(node_id), 0, record, lease=lease)
         log.info("datanode %s registered for sensor slot %s (lease %s)", node_id, self.slot, lease)
         return NodeCursor(node_id, lease, 0), True

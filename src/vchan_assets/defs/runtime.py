@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionCatalog, VchannelNotFoundError
 from vchan_assets.datacoord.leases import current_lease
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments, start_position
 from vchan_assets.datanode.policies import ChannelBacklog, sync_reasons
@@ -85,7 +85,7 @@ class VchanRuntime:
     def collection_of(self, vchannel: str) -> CollectionInfo:
         found = self.vchannels().get(vchannel)
         if found is None:
-            raise KeyError(f"no collection has vchannel {vchannel!r}")
+            raise VchannelNotFoundError(vchannel)
         return found
 
     def status(self, vchannel: str, collection: CollectionInfo | None = None) -> ChannelStatus:

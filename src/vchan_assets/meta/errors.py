@@ -51,3 +51,34 @@ class LeaseLostError(MetaError):
         self.channel = channel
         self.expected = expected
         self.found = found
+
+
+class RetriesExhaustedError(MetaError):
+    """Every attempt of an optimistic write lost a compare-and-swap to a concurrent writer."""
+
+    def __init__(self, what: str, attempts: int, last: CasConflictError) -> None:
+        super().__init__(
+            f"{what}: gave up after {attempts} attempts, each lost to a concurrent change ({last})"
+        )
+        self.what = what
+        self.attempts = attempts
+        self.last = last
+
+
+class SegmentNotFoundError(MetaError, LookupError):
+    """No segment meta with this id (or at this key): never written, or dropped and
+    garbage-collected, or under another root."""
+
+    def __init__(self, segment: int | str) -> None:
+        where = f"with id {segment}" if isinstance(segment, int) else f"at {segment}"
+        super().__init__(f"no segment {where}")
+        self.segment = segment
+
+
+class CheckpointRegressionError(MetaError):
+    """A sync would move a channel checkpoint back (checkpoints only move forward): the
+    log's head is behind the committed checkpoint, or someone moved it meanwhile."""
+
+    def __init__(self, channel: str, checkpoint: object, end: object) -> None:
+        super().__init__(f"{channel}: refusing to move the checkpoint back from {checkpoint} to {end}")
+        self.channel = channel
