@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
-from vchan_assets.defs.service import DEFAULT_DAGSTER_HOME, DagsterService
+from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, DagsterService
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionSchema

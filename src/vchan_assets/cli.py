@@ -312,7 +312,7 @@ def demo(args: argparse.Namespace, settings: Settings) -> int:
 
     options = DemoOptions(rows=args.rows, deletes=args.deletes, channels=args.channels, keep=args.keep)
     if not args.direct:
-        from vchan_assets.defs.demo import run_dagster_demo
+        from vchan_assets.deploy.dagster_demo import run_dagster_demo
 
         return run_dagster_demo(settings, options)
     return run_demo(settings, options)
@@ -329,7 +329,7 @@ def up(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         stack.close(stop_etcd=False)
     # The Dagster deployment: Spark Connect server, dagster-daemon, dagster-webserver.
-    from vchan_assets.defs.service import DagsterService
+    from vchan_assets.deploy.service import DagsterService
 
     print("starting Spark Connect, dagster-daemon and dagster-webserver ...", flush=True)
     url = DagsterService(settings).start()
@@ -339,7 +339,7 @@ def up(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("down", "stop the embedded stack started by `vchan up` or `vchan demo --keep`")
 def down(args: argparse.Namespace, settings: Settings) -> int:
-    from vchan_assets.defs.service import DagsterService
+    from vchan_assets.deploy.service import DagsterService
 
     dagster_stopped = DagsterService(settings).stop()
     print(

@@ -7,17 +7,17 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.assets import (
+from vchan_assets.defs.cluster.datacoord import datacoord_sensor
+from vchan_assets.defs.cluster.datanodes import NodeCursor
+from vchan_assets.defs.resources import VchanResource, pyspark_resource
+from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.defs.sync.assets import (
     BINLOGS,
     CHANNEL_CHECKPOINTS,
     SEGMENTS,
     segment_catalog,
     sync_vchannel,
 )
-from vchan_assets.defs.datacoord import datacoord_sensor
-from vchan_assets.defs.datanodes import NodeCursor
-from vchan_assets.defs.resources import VchanResource, pyspark_resource
-from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionInfo, WatchState
 from vchan_assets.wal.producer import Producer, generate_rows

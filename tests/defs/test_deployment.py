@@ -19,7 +19,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
-from vchan_assets.defs.service import DEFAULT_DAGSTER_HOME, REPO, DagsterService, graphql
+from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, REPO, DagsterService, graphql
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage

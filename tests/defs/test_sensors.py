@@ -10,11 +10,11 @@ from typing import Any
 import dagster as dg
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.datacoord import datacoord_sensor
-from vchan_assets.defs.datanodes import DAGSTER_ADDRESS, NodeCursor, datanode_sensor
-from vchan_assets.defs.jobs import CHANNEL_TAG, NODE_TAG
+from vchan_assets.defs.cluster.datacoord import datacoord_sensor
+from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, NodeCursor, datanode_sensor
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.defs.sync_sensor import sync_sensor
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG
+from vchan_assets.defs.sync.sensor import sync_sensor
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionInfo, NodeSession, WatchState

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dagster as dg
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.assets import segment_catalog, sync_vchannel
-from vchan_assets.defs.jobs import sync_job
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
+from vchan_assets.defs.sync.assets import segment_catalog, sync_vchannel
+from vchan_assets.defs.sync.jobs import sync_job
 
 defs = dg.Definitions(
     assets=[sync_vchannel, segment_catalog],

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dagster as dg
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.datacoord import datacoord_sensor
-from vchan_assets.defs.datanodes import datanode_sensor
-from vchan_assets.defs.sync_sensor import sync_sensor
+from vchan_assets.defs.cluster.datacoord import datacoord_sensor
+from vchan_assets.defs.cluster.datanodes import datanode_sensor
+from vchan_assets.defs.sync.sensor import sync_sensor
 
 
 def node_slots() -> list[str]:

@@ -22,12 +22,12 @@ from rich.table import Table
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager
-from vchan_assets.defs.assets import segment_catalog
-from vchan_assets.defs.datanodes import DAGSTER_ADDRESS
-from vchan_assets.defs.jobs import CHANNEL_TAG
+from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.defs.service import DEFAULT_DAGSTER_HOME, DagsterService
+from vchan_assets.defs.sync.assets import segment_catalog
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG
 from vchan_assets.demo import SCHEMA, DemoCheckError, DemoOptions, _check, _summary, produce_demo_data
+from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, DagsterService
 from vchan_assets.model import NodeSession, WatchState
 from vchan_assets.stack import Stack
 from vchan_assets.wal.producer import Producer

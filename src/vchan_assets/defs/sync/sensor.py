@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 
 import dagster as dg
 
-from vchan_assets.defs.datanodes import DAGSTER_ADDRESS
-from vchan_assets.defs.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
 from vchan_assets.model import ChannelWatchInfo, NodeSession, WatchState
 
 SYNC_SENSOR_INTERVAL = 1  # seconds: the latency budget of a change is ~10 s

@@ -26,7 +26,7 @@ How a node lives here (the design):
 - **Run keys are stable**: `watch:{node}:{vchannel}:{lease}` and
   `release:{node}:{vchannel}:{mod_revision}`; a tick re-evaluated after a crash
   requests nothing twice.
-- Syncs while watching come from the sync sensor (sync_sensor.py), for channels whose
+- Syncs while watching come from the sync sensor (defs/sync/sensor.py), for channels whose
   lease belongs to a live Dagster-hosted node (session address `dagster:*`), so a
   standalone `vchan datanode` process and Dagster never write one channel together.
 """
@@ -43,10 +43,10 @@ import dagster as dg
 from vchan_assets import __version__
 from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.node import is_end_state, watch_channel
-from vchan_assets.defs.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from vchan_assets.defs.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS
+from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS
 
 CHANNEL_TAG = "vchan/channel"
 NODE_TAG = "vchan/node"

@@ -1,0 +1,1 @@
+"""Dagster wiring of the sync of a vchannel: its assets, checks, job and sensor."""
