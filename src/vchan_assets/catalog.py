@@ -35,7 +35,8 @@ import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog
-from vchan_assets.datacoord.recovery import list_orphans
+from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
+from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
 from vchan_assets.meta.store import MetaStore
@@ -159,6 +160,10 @@ class Catalog:
         found, _ = self.store.list_models(root, MsgPosition, True)
         return {d.kv.key[len(root) :]: (d.model, d.kv.version) for d in found}
 
+    def channel_state(self, info: CollectionInfo, vchannel: str) -> ChannelState:
+        """The vchannel's read model: checkpoint, log, backlog, segments (datanode.channel_state)."""
+        return read_channel_state(self.store, self.reader(info, vchannel))
+
     def reader(self, info: CollectionInfo, vchannel: str) -> WalReader:
         key = f"{info.id}/{vchannel}"
         if key not in self._readers:
@@ -206,18 +211,13 @@ class Catalog:
         for owner in _owners(self.watches()):
             watches.setdefault(owner.vchannel, []).append(owner)
         leases = self.leases()
-        checkpoints = self.checkpoints()
         live = {str(s.node_id) for s in self.sessions()}
         rows = []
         for info in self.collection_infos():
             if collection is not None and info.name != collection:
                 continue
             for vchannel in info.vchannels:
-                rows.append(
-                    self._vchannel_row(
-                        info, vchannel, watches.get(vchannel, []), leases, checkpoints, live, now
-                    )
-                )
+                rows.append(self._vchannel_row(info, vchannel, watches.get(vchannel, []), leases, live, now))
         columns = [
             "vchannel", "collection", "collection_id", "owner_node", "owner_alive", "watch_state",
             "watch_timeout_at", "lease_id", "lease_node", "checkpoint_offset", "checkpoint_ts",
@@ -233,7 +233,6 @@ class Catalog:
         vchannel: str,
         entries: list[_Owner],
         leases: dict[str, ChannelLease],
-        checkpoints: dict[str, tuple[MsgPosition, int]],
         live: set[str],
         now: float,
     ) -> dict[str, Any]:
@@ -243,17 +242,15 @@ class Catalog:
         owner = entry.node if entry else None
         state = entry.state if entry else None
         lease = leases.get(vchannel)
-        cp_found = checkpoints.get(vchannel)
-        cp = cp_found[0] if cp_found else None
-        reader = self.reader(info, vchannel)
         error = ""
         try:
-            files = reader.files()
-            head = reader.head()
+            channel = self.channel_state(info, vchannel)
+            committed, files, head = channel.committed, list(channel.log_files), channel.head
         except (LogError, StorageError) as exc:
             # One unreadable log must not hide every other channel: report it in the row.
             log.error("vchannel %s: %s", vchannel, exc)
-            files, head, error = [], None, str(exc)
+            committed, files, head, error = channel_checkpoint(self.store, vchannel), [], None, str(exc)
+        cp = committed.model if committed else None
         after = cp.offset if cp else -1
         end_offset = files[-1].end_offset if files else 0
         backlog_files = [f for f in files if f.overlaps(after, None)]
@@ -278,7 +275,7 @@ class Catalog:
             "checkpoint_offset": cp.offset if cp else None,
             "checkpoint_ts": cp_ts,
             "checkpoint_time": _utc(_ts_seconds(cp_ts)) if cp_ts else None,
-            "syncs": cp_found[1] if cp_found else 0,
+            "syncs": committed.kv.version if committed else 0,
             "head_offset": head.offset if head else None,
             "head_ts": head.timestamp if head else None,
             "head_time": _utc(_ts_seconds(head.timestamp)) if head else None,

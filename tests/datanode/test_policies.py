@@ -10,6 +10,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.policies import channel_backlog, sync_reasons
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
@@ -17,6 +18,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
+from vchan_assets.wal.reader import WalReader
 
 from .helpers import SCHEMA, Produced, produce
 
@@ -30,7 +32,8 @@ def _reasons(
     store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo, **kw: object
 ) -> list[str]:
     now = kw.pop("now", None)
-    backlog = channel_backlog(store, storage, info, info.vchannels[0], **kw)  # type: ignore[arg-type]
+    state = read_channel_state(store, WalReader(storage, info.vchannels[0], info))
+    backlog = channel_backlog(state)
     return sync_reasons(backlog, settings, now)  # type: ignore[arg-type]
 
 

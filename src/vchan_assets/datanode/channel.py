@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.watchers import NotWatcherError, lease_for_watcher
 from vchan_assets.datanode import policies
+from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.policies import ChannelBacklog, sync_reasons
 from vchan_assets.datanode.sync import Engine, SyncResult, SyncTask
 from vchan_assets.meta.errors import LeaseLostError, MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionInfo
 from vchan_assets.storage import Storage
+from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,9 @@ class NodeContext:
 
 def channel_backlog(ctx: NodeContext, collection: CollectionInfo, vchannel: str) -> ChannelBacklog:
     """The channel's state as the sync policies see it."""
-    return policies.channel_backlog(ctx.store, ctx.storage, collection, vchannel)
+    return policies.channel_backlog(
+        read_channel_state(ctx.store, WalReader(ctx.storage, vchannel, collection))
+    )
 
 
 def resolve_lease(ctx: NodeContext, vchannel: str, lease: ChannelLease | None) -> ChannelLease:

@@ -2,7 +2,8 @@
 
 Each policy looks at a channel's backlog and returns a reason (str) or None.
 `sync_reasons` lists every policy that fires; a sensor or a node loop syncs when it
-is not empty. `channel_backlog` builds the input from etcd and the log.
+is not empty. `channel_backlog` builds the input from the channel's read model
+(`datanode.channel_state`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments, start_position
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState, physical_ms
-from vchan_assets.storage import Storage
-from vchan_assets.wal.reader import WalReader
+from vchan_assets.datanode.channel_state import ChannelState
+from vchan_assets.model import MsgPosition, physical_ms
 
 MiB = 1 << 20
 
@@ -80,33 +78,20 @@ def sync_reasons(b: ChannelBacklog, s: Settings, now: float | None = None) -> li
     return [reason for policy in SYNC_POLICIES if (reason := policy(b, s, now))]
 
 
-def channel_backlog(
-    store: MetaStore,
-    storage: Storage,
-    collection: CollectionInfo,
-    vchannel: str,
-    *,
-    flush_ts: int | None = None,
-) -> ChannelBacklog:
-    """The backlog of one vchannel, read from etcd (checkpoint, sealed segments) and the
-    log (head, unsynced bytes and age): the input of `sync_reasons`."""
-    cp = channel_checkpoint(store, vchannel)
-    checkpoint = cp.model if cp else start_position(collection, vchannel)
-    backlog = WalReader(storage, vchannel, collection).backlog(checkpoint.offset)
-    sealed = [
-        d.model
-        for d in channel_segments(store, collection.id, vchannel)
-        if d.model.state in (SegmentState.SEALED, SegmentState.FLUSHING)
-    ]
-    pending_flush = [s.seal_ts for s in sealed if s.seal_ts > checkpoint.timestamp]
-    if flush_ts is None and pending_flush:
-        flush_ts = min(pending_flush)
+def channel_backlog(state: ChannelState) -> ChannelBacklog:
+    """What the sync policies look at, from the channel's read model.
+
+    Both hosts of a DataNode (the `vchan datanode` loop and the Dagster sync sensor) decide
+    from this one function. Sealed segments count once the log's head passed their seal
+    timestamp (a sync now would flush them: counting earlier ones made a node sync again
+    and again for nothing); the flush target is the earliest seal timestamp the checkpoint
+    has not passed (nothing writes a flush key: the seal timestamps are the record)."""
     return ChannelBacklog(
-        vchannel=vchannel,
-        checkpoint=checkpoint,
-        head=backlog.head,
-        unsynced_bytes=backlog.size_bytes,
-        oldest_unsynced_ts=backlog.oldest_timestamp,
-        sealed_segments=len(sealed),
-        flush_ts=flush_ts,
+        vchannel=state.vchannel,
+        checkpoint=state.checkpoint,
+        head=state.head,
+        unsynced_bytes=state.backlog.size_bytes,
+        oldest_unsynced_ts=state.backlog.oldest_timestamp,
+        sealed_segments=len(state.ready_to_flush),
+        flush_ts=state.flush_ts,
     )

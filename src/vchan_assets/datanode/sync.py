@@ -22,7 +22,7 @@ from typing import Any, Literal
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.datacoord.collections import VchannelNotFoundError
-from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments, start_position
+from vchan_assets.datacoord.recovery import channel_segments
 from vchan_assets.datanode.binlog_writer import (
     DELTA,
     INSERT,
@@ -36,6 +36,7 @@ from vchan_assets.datanode.binlog_writer import (
     run_task,
     run_tasks_arrow,
 )
+from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import CasConflictError, CheckpointRegressionError
@@ -145,10 +146,9 @@ class SyncTask:
 
     def run(self) -> SyncResult:
         started = time.monotonic()
-        cp = channel_checkpoint(self.store, self.vchannel)
-        start = cp.model if cp else start_position(self.collection, self.vchannel)
-        end = self.reader.head()
-        segments = {d.model.id: d for d in channel_segments(self.store, self.collection.id, self.vchannel)}
+        state = read_channel_state(self.store, self.reader)
+        cp, start, end = state.committed, state.checkpoint, state.head
+        segments = {d.model.id: d for d in state.segments}
         if end is None or end.offset <= start.offset:
             # Nothing new in the log; sealed segments may still be ready to flush.
             flushed = self._commit_segments({}, segments, start) if end else ()

@@ -34,17 +34,17 @@ import pyarrow.parquet as pq
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog, VchannelNotFoundError
 from vchan_assets.datacoord.leases import current_lease
-from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments, start_position
-from vchan_assets.datanode.policies import ChannelBacklog, sync_reasons
+from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.datanode.channel_state import read_channel_state
+from vchan_assets.datanode.policies import ChannelBacklog, channel_backlog, sync_reasons
 from vchan_assets.datanode.sync import Engine, SyncResult, SyncTask
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType
 from vchan_assets.wal.reader import WalReader
 
-SEALABLE = (SegmentState.SEALED, SegmentState.FLUSHING)
 # A Spark job of a sync that takes longer is cancelled (a hung Python worker must not
 # hold the channel's run slot for the 600 s default); the sensor asks again.
 SYNC_JOB_TIMEOUT = 120.0
@@ -91,37 +91,12 @@ class VchanRuntime:
     def status(self, vchannel: str, collection: CollectionInfo | None = None) -> ChannelStatus:
         """The channel's backlog for the sync policies, and its current lease."""
         info = collection or self.collection_of(vchannel)
-        cp = channel_checkpoint(self.store, vchannel)
-        checkpoint = cp.model if cp else start_position(info, vchannel)
-        backlog = WalReader(self.storage, vchannel, info).backlog(checkpoint.offset)
-        head = backlog.head
-        sealed = 0
-        if head is not None:
-            sealed = sum(
-                1
-                for d in channel_segments(self.store, info.id, vchannel)
-                if d.model.state in SEALABLE and d.model.seal_ts <= head.timestamp
-            )
-        flush = self.store.get(self.store.keys.flush_request(info.id))
-        flush_ts = None
-        if flush is not None:
-            try:
-                flush_ts = int(flush.value.decode().strip() or 0) or None
-            except ValueError:
-                flush_ts = None
+        state = read_channel_state(self.store, WalReader(self.storage, vchannel, info))
         lease = self.store.read_lease(vchannel)
         return ChannelStatus(
             vchannel,
             info,
-            ChannelBacklog(
-                vchannel=vchannel,
-                checkpoint=checkpoint,
-                head=head,
-                unsynced_bytes=backlog.size_bytes,
-                oldest_unsynced_ts=backlog.oldest_timestamp,
-                sealed_segments=sealed,
-                flush_ts=flush_ts,
-            ),
+            channel_backlog(state),
             lease.lease_id if lease else None,
             lease.node_id if lease else None,
         )

@@ -67,6 +67,3 @@ class Keys:
 
     def tso(self) -> str:
         return self._k("meta", "tso")
-
-    def flush_request(self, collection_id: int) -> str:
-        return self._k("meta", "flush", collection_id)

@@ -315,9 +315,10 @@ class WalReader:
         a sync of that range would read."""
         return sum(f.size_bytes for f in self.files_between(after_offset, up_to_offset))
 
-    def backlog(self, after_offset: int = -1) -> Backlog:
-        """Messages, bytes and age of what follows `after_offset` (a channel checkpoint)."""
-        every = self.files()
+    def backlog(self, after_offset: int = -1, every: list[WalFile] | None = None) -> Backlog:
+        """Messages, bytes and age of what follows `after_offset` (a channel checkpoint),
+        from `every` file of the channel when the caller has listed them already."""
+        every = self.files() if every is None else every
         files = [f for f in every if f.overlaps(after_offset, None)]
         stamps = [f.first_timestamp for f in files if f.first_timestamp is not None]
         return Backlog(
