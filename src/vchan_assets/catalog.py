@@ -31,7 +31,6 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog
@@ -356,17 +355,22 @@ class Catalog:
         rows = [self._file_row(seg, b) for seg in self._segments_of(collection) for b in seg.statslogs]
         return pd.DataFrame(rows, columns=_FILE_COLUMNS)
 
+    def write_segment_catalog(self, key: str = SEGMENT_CATALOG_KEY) -> tuple[str, pa.Table]:
+        """Write `segments()` (every collection, dropped included) as one Parquet table
+        (what the Dagster `segment_catalog` asset materializes); its path and the table."""
+        table = pa.Table.from_pandas(self.segments(), preserve_index=False)
+        self.storage.write_parquet(key, table)
+        return self.storage.path(key), table
+
     def segment_catalog(self, key: str = SEGMENT_CATALOG_KEY) -> pd.DataFrame:
         """The `segment_catalog` Dagster asset's table (`{storage}/catalog/segments.parquet`):
         every segment as of its last materialization. `segments()` reads etcd live instead."""
-        try:
-            with self.storage.filesystem.open_input_file(self.storage.path(key)) as f:
-                return pq.read_table(f).to_pandas()
-        except FileNotFoundError:
+        if not self.storage.exists(key):
             raise FileNotFoundError(
                 f"{self.storage.path(key)} does not exist: materialize the segment_catalog asset "
                 "(Dagster) first, or use Catalog.segments()"
-            ) from None
+            )
+        return self.storage.read_parquet(key).to_pandas()
 
     def orphans(self) -> list[str]:
         """Binlog files no segment meta points to (garbage-collection candidates)."""
@@ -478,8 +482,7 @@ class Catalog:
         return self._read_files(paths, columns=["pk", "timestamp"]) or _empty_deletes()
 
     def _read_files(self, paths: Iterable[str], columns: list[str] | None = None) -> pa.Table | None:
-        fs = self.storage.filesystem
-        tables = [pq.read_table(self.storage.path(p), columns=columns, filesystem=fs) for p in paths]
+        tables = [self.storage.read_parquet(p, columns=columns) for p in paths]
         return pa.concat_tables(tables) if tables else None
 
     def __iter__(self) -> Iterator[CollectionInfo]:

@@ -31,6 +31,7 @@ from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionSchema
+from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.format import LogError
 from vchan_assets.wal.producer import ChannelAppend, Producer, generate_rows
@@ -70,21 +71,23 @@ def command(name: str, help: str, configure: Configure | None = None) -> Callabl
 # --- shared plumbing --------------------------------------------------------------------
 
 
+def open_system(settings: Settings) -> Stack:
+    """The system as every command opens it (`Stack.open`): VCHAN_ETCD_ENDPOINTS, or the
+    embedded etcd (reused if running; one started here dies with the command)."""
+    return Stack.open(settings)
+
+
 def connect(settings: Settings) -> MetaStore:
-    """The metastore: VCHAN_ETCD_ENDPOINTS, or the embedded etcd (reused if running)."""
-    if settings.embedded_etcd:
-        etcd = EmbeddedEtcd(settings.etcd_dir).start()
-        return MetaStore.connect(settings, endpoints=[etcd.endpoint])
-    return MetaStore.connect(settings)
+    return open_system(settings).store
 
 
 @contextlib.contextmanager
 def open_producer(settings: Settings) -> Iterator[Producer]:
-    store = connect(settings)
+    stack = open_system(settings)
     try:
-        yield Producer(store, Storage.from_settings(settings), settings)
+        yield Producer(stack.store, stack.storage, settings)
     finally:
-        store.close()
+        stack.store.close()
 
 
 def _names(raw: str) -> list[str]:

@@ -13,7 +13,6 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-import pyarrow.parquet as pq
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -108,7 +107,7 @@ def produce_demo_data(
 
 def _check(stack: Stack, info: CollectionInfo, rows: int, deleted: list[int]) -> None:
     """Read the binlogs back with plain pyarrow: produced pks exactly once, deletes once."""
-    fs = stack.storage.filesystem
+    read = stack.storage.read_parquet
     pk = info.schema.primary.name
     pks: Counter[int] = Counter()
     deletes: list[int] = []
@@ -117,14 +116,12 @@ def _check(stack: Stack, info: CollectionInfo, rows: int, deleted: list[int]) ->
             seg = decoded.model
             if seg.level is SegmentLevel.L0:
                 for log in seg.deltalogs:
-                    deletes += pq.read_table(stack.storage.path(log.path), filesystem=fs)["pk"].to_pylist()
+                    deletes += read(log.path, columns=["pk"])["pk"].to_pylist()
                 continue
             if seg.state is not SegmentState.FLUSHED:
                 raise DemoCheckError(f"segment {seg.id} is {seg.state.value} after the flush")
             for log in seg.binlogs[0].logs:
-                pks.update(
-                    pq.read_table(stack.storage.path(log.path), columns=[pk], filesystem=fs)[pk].to_pylist()
-                )
+                pks.update(read(log.path, columns=[pk])[pk].to_pylist())
     if len(pks) != rows or max(pks.values()) != 1 or set(pks) != set(range(rows)):
         raise DemoCheckError(f"binlogs hold {sum(pks.values())} rows ({len(pks)} distinct), expected {rows}")
     if sorted(deletes) != sorted(deleted):

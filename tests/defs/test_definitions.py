@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
 import dagster as dg
 
-from vchan_assets.defs.definitions import defs
+from vchan_assets.config import Settings
+from vchan_assets.defs.definitions import build_definitions, defs
 
 
 def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None:
@@ -17,3 +23,28 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
     assert {"datanode_1", "sync_sensor", "datacoord_sensor"} <= sensors
     assert repository.has_job("sync")
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
+
+
+def test_loading_the_definitions_leaves_the_process_environment_alone() -> None:
+    probe = (
+        "import os; before = dict(os.environ); import vchan_assets.defs.definitions; "
+        "changed = sorted(k for k in {*before, *os.environ} if before.get(k) != os.environ.get(k)); "
+        "print(changed)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VCHAN_"))}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_node_slots_come_from_the_settings_of_the_load() -> None:
+    few = build_definitions(replace(Settings(), dagster_datanodes=1)).get_repository_def()
+    many = build_definitions(replace(Settings(), dagster_datanodes=3)).get_repository_def()
+
+    assert {s.name for s in few.sensor_defs if s.name.startswith("datanode_")} == {"datanode_1"}
+    assert {s.name for s in many.sensor_defs if s.name.startswith("datanode_")} == {
+        "datanode_1",
+        "datanode_2",
+        "datanode_3",
+    }

@@ -128,6 +128,7 @@ class SyncTask:
         lease: ChannelLease,
         engine: Engine = "spark",
         job_timeout: float = 600.0,
+        spark: Any = None,
     ) -> None:
         if vchannel not in collection.vchannels:
             raise VchannelNotFoundError(vchannel, collection.name)
@@ -139,6 +140,7 @@ class SyncTask:
         self.lease = lease
         self.engine = engine
         self.job_timeout = job_timeout
+        self.spark = spark  # a session to run on (None: the process's, get_spark)
         self.ids = IdAllocator(store)
         self.reader = WalReader(storage, vchannel, collection)
 
@@ -232,7 +234,7 @@ class SyncTask:
         ]
         if self.engine == "local":
             return [w for spec in specs for w in run_task(spec)]
-        return _run_on_spark(self.settings, specs, self.job_timeout, self.vchannel)
+        return _run_on_spark(self.settings, specs, self.job_timeout, self.vchannel, self.spark)
 
     # --- step 2: segment meta --------------------------------------------------------
 
@@ -344,11 +346,11 @@ class SyncTask:
 
 
 def _run_on_spark(
-    settings: Settings, specs: list[TaskSpec], timeout: float, vchannel: str
+    settings: Settings, specs: list[TaskSpec], timeout: float, vchannel: str, spark: Any = None
 ) -> list[WrittenFile]:
     from vchan_assets.spark.session import get_spark, run_job
 
-    spark = get_spark(settings)
+    spark = spark or get_spark(settings)
 
     def body(batches: Any) -> Any:
         return run_tasks_arrow(specs, batches)
@@ -368,10 +370,14 @@ def sync_channel(
     vchannel: str,
     lease_id: int,
     engine: Engine = "spark",
+    job_timeout: float = 600.0,
+    spark: Any = None,
 ) -> SyncResult:
-    """One sync of `vchannel` by the holder of `lease_id` (what `vchan sync` runs).
-    Raises LeaseLostError before doing anything if the lease is no longer current."""
+    """One sync of `vchannel` by the holder of `lease_id` (what `vchan sync` and the
+    Dagster sync asset run). Raises LeaseLostError before doing anything if the lease is
+    no longer current."""
     from vchan_assets.datacoord.leases import current_lease
 
     lease = current_lease(store, vchannel, lease_id)
-    return SyncTask(store, storage, settings, collection, vchannel, lease, engine=engine).run()
+    task = SyncTask(store, storage, settings, collection, vchannel, lease, engine, job_timeout, spark)
+    return task.run()

@@ -1,4 +1,8 @@
-"""The Dagster definitions of vchan_assets (loaded by workspace.yaml)."""
+"""The Dagster definitions of vchan_assets (loaded by workspace.yaml).
+
+Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`)
+and the two resources. The settings are read once per load.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,14 @@ from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_catalog, sync_vchannel
 from vchan_assets.defs.sync.jobs import sync_job
 
-defs = dg.Definitions(
-    assets=[sync_vchannel, segment_catalog],
-    jobs=[sync_job],
-    sensors=all_sensors(),
-    resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(Settings.from_env())},
-)
+
+def build_definitions(settings: Settings) -> dg.Definitions:
+    return dg.Definitions(
+        assets=[sync_vchannel, segment_catalog],
+        jobs=[sync_job],
+        sensors=all_sensors(settings.dagster_datanodes),
+        resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
+    )
+
+
+defs = build_definitions(Settings.from_env())

@@ -68,11 +68,15 @@ class VchanResource(dg.ConfigurableResource):
 
 
 def pyspark_resource(settings: Settings) -> PySparkResource:
-    """dagster-pyspark's resource, configured like `spark.session.get_spark` so the sync
-    task (which calls get_spark) gets the same session (getOrCreate)."""
-    # Python workers must run this interpreter (it has vchan_assets), as get_spark ensures.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    """dagster-pyspark's resource, configured like `spark.session.get_spark`; the sync
+    asset runs on its session. Nothing in the process environment changes."""
     if settings.spark_remote:
         return PySparkResource(spark_config={"spark.remote": settings.spark_remote})
-    return PySparkResource(spark_config={"spark.master": settings.spark_master, **spark_conf(settings)})
+    # Python workers must run this interpreter (it has vchan_assets), not `python3`.
+    return PySparkResource(
+        spark_config={
+            "spark.master": settings.spark_master,
+            **spark_conf(settings),
+            "spark.pyspark.python": sys.executable,
+        }
+    )

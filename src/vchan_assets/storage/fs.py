@@ -1,12 +1,16 @@
-"""Filesystem resolution: local directories and S3 buckets through pyarrow's filesystems.
+"""The one door to files: local directories and S3 buckets through pyarrow's filesystems.
 
-`Storage` holds a pyarrow filesystem and a base path; everything above it uses
-relative keys ("wal/ch0/00000000000000000000.parquet"), so local and S3 are one
-code path. It is picklable, so Spark tasks can rebuild it on the executors.
+`Storage` holds a storage root; everything above it uses relative keys
+("wal/ch0/00000000000000000000.parquet"), so local and S3 are one code path (the
+FileIO layer of PyIceberg, in its role). It reads and writes Parquet and bytes for
+everyone and turns pyarrow's errors into `StorageError` naming the path; no other
+module touches the filesystem. It is picklable, so Spark tasks rebuild it on the
+executors.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable
@@ -15,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
 
@@ -56,15 +61,30 @@ class Storage:
 
     @property
     def filesystem(self) -> pafs.FileSystem:
-        # Built on demand (cheap) so that the object stays picklable for Spark.
-        if self.is_s3:
-            scheme, _, host = (self.s3_endpoint or "").partition("://")
-            kwargs: dict[str, object] = {"region": self.s3_region}
-            if self.s3_endpoint:
-                kwargs["endpoint_override"] = host or scheme
-                kwargs["scheme"] = scheme if host else "https"
-            return pafs.S3FileSystem(**kwargs)  # credentials from the AWS_* environment
-        return pafs.LocalFileSystem()
+        # Looked up per call (one per process and root) so that Storage stays picklable;
+        # keyed by pid: a client made before a fork is not used after it.
+        return _filesystem(os.getpid(), self.is_s3, self.s3_endpoint, self.s3_region)
+
+    def open_input_file(self, key: str) -> pa.NativeFile:
+        """A random-access reader of one object; pyarrow's own errors (the log reader
+        turns them into its typed ones)."""
+        return self.filesystem.open_input_file(self.path(key))
+
+    def read_parquet(self, key: str, columns: list[str] | None = None) -> pa.Table:
+        """A Parquet object as a table (only `columns`, if given); StorageError naming the path."""
+        path = self.path(key)
+        try:
+            with self.filesystem.open_input_file(path) as f:
+                return pq.read_table(f, columns=columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise StorageError(path, str(exc)) from exc
+
+    def write_parquet(self, key: str, table: pa.Table, **options: Any) -> int:
+        """Write `table` as one Parquet object, atomically (`write_atomic_with`); its bytes."""
+        try:
+            return self.write_atomic_with(key, lambda sink: pq.write_table(table, sink, **options))
+        except pa.ArrowException as exc:
+            raise StorageError(self.path(key), str(exc)) from exc
 
     def path(self, key: str) -> str:
         """Full filesystem path of a relative key."""
@@ -160,3 +180,15 @@ class Storage:
             pass
         except OSError as exc:
             raise StorageError(self.path(key), str(exc)) from exc
+
+
+@functools.cache
+def _filesystem(pid: int, s3: bool, endpoint: str | None, region: str) -> pafs.FileSystem:
+    if s3:
+        scheme, _, host = (endpoint or "").partition("://")
+        kwargs: dict[str, object] = {"region": region}
+        if endpoint:
+            kwargs["endpoint_override"] = host or scheme
+            kwargs["scheme"] = scheme if host else "https"
+        return pafs.S3FileSystem(**kwargs)  # credentials from the AWS_* environment
+    return pafs.LocalFileSystem()

@@ -134,7 +134,6 @@ def read_log_file(
     storage: Storage,
     key: str,
     schema: CollectionSchema,
-    filesystem: pafs.FileSystem | None = None,
     columns: list[str] | None = None,
 ) -> pa.Table:
     """Read one log file and validate it whole: footer against the name, columns against
@@ -143,10 +142,9 @@ def read_log_file(
     Raises CorruptLogError, SchemaMismatchError or UnknownMessageTypeError naming the path.
     `columns` restricts the read (offset, msg_type and timestamp are always included)."""
     path = storage.path(key)
-    fs = filesystem or storage.filesystem
     expected = log_schema(schema)
     try:
-        with fs.open_input_file(path) as f:
+        with storage.open_input_file(key) as f:
             pf = pq.ParquetFile(f, page_checksum_verification=True)
             first, count, _ = _check_footer(pf.metadata, path, key, _channel_of(key), None)
             found = pf.schema_arrow
@@ -190,16 +188,9 @@ class WalReader:
         self.vchannel = vchannel
         self.collection = collection
         self.schema = log_schema(collection.schema)
-        self._fs: pafs.FileSystem | None = None
         self._footers: dict[str, WalFile] = {}
         self._ticks: dict[str, MsgPosition | None] = {}  # last time tick of a file
         self.skipped_files = 0  # metric: files in the channel directory that are not log files
-
-    @property
-    def filesystem(self) -> pafs.FileSystem:
-        if self._fs is None:
-            self._fs = self.storage.filesystem
-        return self._fs
 
     # --- listing ---------------------------------------------------------------------
 
@@ -224,7 +215,7 @@ class WalReader:
         if cached is not None and cached.size_bytes == info.size:
             return cached
         try:
-            with self.filesystem.open_input_file(info.path) as f:
+            with self.storage.open_input_file(key) as f:
                 md = pq.ParquetFile(f).metadata
         except FileNotFoundError:
             raise CorruptLogError(info.path, "the file disappeared while listing") from None
@@ -279,9 +270,7 @@ class WalReader:
 
     def _last_tick(self, f: WalFile) -> MsgPosition | None:
         if f.key not in self._ticks:
-            table = read_log_file(
-                self.storage, f.key, self.collection.schema, self.filesystem, columns=["msg_type"]
-            )
+            table = read_log_file(self.storage, f.key, self.collection.schema, columns=["msg_type"])
             is_tick = pc.equal(table.column("msg_type"), MsgType.TIME_TICK.value).to_numpy(
                 zero_copy_only=False
             )
@@ -300,7 +289,7 @@ class WalReader:
         """Messages with offset in (after_offset, up_to_offset], validated, in offset order."""
         tables = []
         for f in self.files_between(after_offset, up_to_offset):
-            table = read_log_file(self.storage, f.key, self.collection.schema, self.filesystem)
+            table = read_log_file(self.storage, f.key, self.collection.schema)
             if f.first_offset <= after_offset or (up_to_offset is not None and f.last_offset > up_to_offset):
                 start = max(after_offset + 1 - f.first_offset, 0)
                 stop = f.count if up_to_offset is None else min(up_to_offset + 1 - f.first_offset, f.count)

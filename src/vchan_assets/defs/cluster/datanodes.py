@@ -46,6 +46,7 @@ from vchan_assets.datanode.node import is_end_state, watch_channel
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info
@@ -199,17 +200,14 @@ class DagsterDataNode:
 
 
 def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:
-    config = {
-        "lease_id": req.lease_id,
-        "node_id": node_id,
-        "release": req.release,
-        "watch_key": req.watch_key,
-    }
     reason = "release" if req.release else "watch"
+    config = SyncConfig(
+        lease_id=req.lease_id, node_id=node_id, reason=reason, release=req.release, watch_key=req.watch_key
+    )
     return dg.RunRequest(
         run_key=req.run_key,
         partition_key=req.vchannel,
-        run_config=dg.RunConfig(ops={"sync_vchannel": {"config": {**config, "reason": reason}}}),
+        run_config=sync_run_config(config),
         tags={CHANNEL_TAG: req.vchannel, NODE_TAG: str(node_id), REASON_TAG: reason},
     )
 

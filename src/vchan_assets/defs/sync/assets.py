@@ -16,11 +16,12 @@ import dagster as dg
 from dagster_pyspark import PySparkResource
 
 from vchan_assets.datanode.channel import NodeContext
+from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.defs.runtime import CheckOutcome, VchanRuntime
+from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import LeaseLostError
 from vchan_assets.model import WatchState, physical_ms
@@ -66,6 +67,11 @@ class SyncConfig(dg.Config):
     reason: str = ""
     release: bool = False  # a release run: final sync, then ReleaseSuccess on watch_key
     watch_key: str = ""
+
+
+def sync_run_config(config: SyncConfig) -> dg.RunConfig:
+    """The run config of one sync run, built from the typed config."""
+    return dg.RunConfig(ops={"sync_vchannel": config})
 
 
 def _previous_checkpoint(context: dg.AssetExecutionContext, vchannel: str) -> int | None:
@@ -198,8 +204,6 @@ def sync_vchannel(
 ) -> object:
     """Sync one vchannel from its checkpoint to its latest time tick under its channel lease."""
     vchannel = context.partition_key
-    # The session the sync task's get_spark() returns (getOrCreate): started by the resource.
-    context.log.info("spark session %s", type(pyspark.spark_session).__module__)
     with vchan.open() as runtime:
         lease_id = config.lease_id
         if not lease_id:
@@ -209,7 +213,7 @@ def sync_vchannel(
             lease_id = status.lease_id
         previous = _previous_checkpoint(context, vchannel)
         try:
-            result = runtime.sync(vchannel, lease_id)
+            result = runtime.sync(vchannel, lease_id, spark=pyspark.spark_session)
         except LeaseLostError as exc:
             # The channel moved to another writer: this run stops its work (no partial commit).
             if not config.release:
@@ -255,15 +259,14 @@ def segment_catalog(vchan: VchanResource) -> dg.MaterializeResult:
     """Every segment of every collection as one table, `{storage}/catalog/segments.parquet`:
     what the notebooks read."""
     with vchan.open() as runtime:
-        table = runtime.segment_table()
-        path = runtime.write_catalog(table)
+        path, table = runtime.catalog().write_segment_catalog()
     states = table.column("state").to_pylist()
     return dg.MaterializeResult(
         metadata={
             "path": path,
             "segments": table.num_rows,
             "rows": sum(table.column("num_rows").to_pylist()),
-            "binlog_bytes": sum(table.column("binlog_bytes").to_pylist()),
+            "binlog_bytes": sum(table.column("size_bytes").to_pylist()),
             "flushed": states.count("Flushed"),
             "growing": states.count("Growing"),
             "dagster/row_count": table.num_rows,

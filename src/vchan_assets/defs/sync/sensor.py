@@ -22,6 +22,7 @@ from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
 from vchan_assets.model import ChannelWatchInfo, NodeSession, WatchState
 
@@ -104,16 +105,8 @@ def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
     return dg.RunRequest(
         run_key=plan.run_key,
         partition_key=plan.vchannel,
-        run_config=dg.RunConfig(
-            ops={
-                "sync_vchannel": {
-                    "config": {
-                        "lease_id": plan.lease_id,
-                        "node_id": plan.node_id,
-                        "reason": "; ".join(plan.reasons),
-                    }
-                }
-            }
+        run_config=sync_run_config(
+            SyncConfig(lease_id=plan.lease_id, node_id=plan.node_id, reason="; ".join(plan.reasons))
         ),
         tags={CHANNEL_TAG: plan.vchannel, NODE_TAG: str(plan.node_id), REASON_TAG: plan.reasons[0][:60]},
     )

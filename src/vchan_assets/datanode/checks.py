@@ -1,0 +1,137 @@
+"""Invariant checks of one vchannel over its *committed range* (start, checkpoint]:
+what the Dagster asset checks report after every sync, usable without Dagster.
+
+- `check_log_rows`: the insert binlogs hold exactly the log's inserts of that range and
+  the delta logs exactly its deletes. Deletes are not applied to insert binlogs (they go
+  to L0 delta logs, as in Milvus 2.4+), so "rows minus deletes where they belong" is: the
+  entries of the L1 scalar-group insert binlogs == the Insert messages in the range, the
+  entries of the L0 delta logs == the Delete messages, and the live rows = inserted pks
+  minus deleted pks that had been inserted before (reported, not compared).
+- `check_unique_pks`: no primary key appears twice in the channel's insert binlogs.
+- `check_binlog_paths`: every binlog, delta log and stats log path in segment meta exists.
+
+(Checkpoint monotonicity needs the previous materialization: the asset layer checks it.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel
+from vchan_assets.storage import Storage
+from vchan_assets.wal.format import MsgType
+from vchan_assets.wal.reader import WalReader
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    passed: bool
+    description: str
+    metadata: dict[str, int | float | str] = field(default_factory=dict)
+
+
+def _segments(store: MetaStore, collection: CollectionInfo, vchannel: str) -> list[SegmentInfo]:
+    return [d.model for d in channel_segments(store, collection.id, vchannel)]
+
+
+def _insert_binlogs(segments: list[SegmentInfo]) -> list[Binlog]:
+    """The scalar-group (group 0: row id, timestamp, pk, scalars) insert binlogs: one
+    entry per inserted row."""
+    return [
+        b
+        for s in segments
+        if s.level is not SegmentLevel.L0
+        for g in s.binlogs
+        if g.group == 0
+        for b in g.logs
+    ]
+
+
+def _log_columns(storage: Storage, collection: CollectionInfo, vchannel: str, up_to: int) -> pa.Table:
+    pk = collection.schema.primary.name
+    columns = ["offset", "msg_type", pk]
+    reader = WalReader(storage, vchannel, collection)
+    tables = [storage.read_parquet(f.key, columns=columns) for f in reader.files_between(-1, up_to)]
+    if not tables:
+        return pa.table(
+            {
+                "offset": pa.array([], pa.int64()),
+                "msg_type": pa.array([], pa.string()),
+                pk: pa.array([], pa.int64()),
+            }
+        )
+    table = pa.concat_tables(tables)
+    return table.filter(pc.less_equal(table["offset"], up_to))
+
+
+def check_log_rows(
+    store: MetaStore, storage: Storage, collection: CollectionInfo, vchannel: str
+) -> CheckOutcome:
+    found = channel_checkpoint(store, vchannel)
+    if found is None:
+        return CheckOutcome(True, "no checkpoint yet: nothing committed", {"log_inserts": 0})
+    cp = found.model
+    log_table = _log_columns(storage, collection, vchannel, cp.offset)
+    kinds = log_table["msg_type"]
+    log_inserts = pc.sum(pc.equal(kinds, MsgType.INSERT.value)).as_py() or 0
+    log_deletes = pc.sum(pc.equal(kinds, MsgType.DELETE.value)).as_py() or 0
+    segs = _segments(store, collection, vchannel)
+    binlog_rows = sum(b.entries for b in _insert_binlogs(segs))
+    delta_rows = sum(b.entries for s in segs for b in s.deltalogs)
+    pk = collection.schema.primary.name
+    inserted = set(log_table.filter(pc.equal(kinds, MsgType.INSERT.value))[pk].to_pylist())
+    deleted = set(log_table.filter(pc.equal(kinds, MsgType.DELETE.value))[pk].to_pylist())
+    live = len(inserted - deleted)
+    return CheckOutcome(
+        binlog_rows == log_inserts and delta_rows == log_deletes,
+        f"committed range (start, {cp.offset}]: insert binlogs {binlog_rows} / log inserts {log_inserts}, "
+        f"delta logs {delta_rows} / log deletes {log_deletes}, live rows {live}",
+        {
+            "checkpoint_offset": cp.offset,
+            "log_inserts": log_inserts,
+            "binlog_rows": binlog_rows,
+            "log_deletes": log_deletes,
+            "deltalog_rows": delta_rows,
+            "live_rows": live,
+        },
+    )
+
+
+def check_unique_pks(
+    store: MetaStore, storage: Storage, collection: CollectionInfo, vchannel: str
+) -> CheckOutcome:
+    pk = collection.schema.primary.name
+    paths = [b.path for b in _insert_binlogs(_segments(store, collection, vchannel))]
+    if not paths:
+        return CheckOutcome(True, "no insert binlogs yet", {"rows": 0, "duplicates": 0})
+    columns = [storage.read_parquet(path, columns=[pk])[pk] for path in paths]
+    pks = pa.chunked_array([c for col in columns for c in col.chunks], type=pa.int64())
+    distinct = len(pc.unique(pks))
+    dupes = len(pks) - distinct
+    return CheckOutcome(
+        dupes == 0,
+        f"{len(pks)} rows, {distinct} distinct primary keys",
+        {"rows": len(pks), "duplicates": dupes},
+    )
+
+
+def check_binlog_paths(
+    store: MetaStore, storage: Storage, collection: CollectionInfo, vchannel: str
+) -> CheckOutcome:
+    paths = [
+        b.path
+        for s in _segments(store, collection, vchannel)
+        for b in (*s.binlog_files, *s.deltalogs, *s.statslogs)
+    ]
+    missing = [p for p in paths if not storage.exists(p)]
+    return CheckOutcome(
+        not missing,
+        f"{len(paths)} paths in segment meta, {len(missing)} missing"
+        + (f": {', '.join(missing[:5])}" if missing else ""),
+        {"paths": len(paths), "missing": len(missing)},
+    )
