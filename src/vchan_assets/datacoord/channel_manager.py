@@ -96,22 +96,17 @@ class ChannelManager:
         self.ids = ids or IdAllocator(store)
         self.catalog = catalog or CollectionCatalog(store, self.ids)
         self.clock = clock
-        self.malformed_skipped = 0  # metrics
-        self.malformed_sessions = 0
 
     # --- reading the picture -------------------------------------------------------------
 
     def live_nodes(self) -> dict[int, NodeSession]:
         """HEALTHY DataNodes by their sessions; malformed session values are logged, skipped."""
-        before = self.store.malformed_skipped
         found, _ = self.store.list_models(
             self.store.keys.datanode_sessions(), NodeSession, skip_malformed=True
         )
-        self.malformed_sessions += self.store.malformed_skipped - before
         nodes = {}
         for d in found:
             if d.kv.key != self.store.keys.datanode_session(d.model.node_id):
-                self.malformed_sessions += 1
                 log.error("skipping session %s: it names node %s", d.kv.key, d.model.node_id)
                 continue
             if d.model.state is SessionState.HEALTHY:
@@ -126,7 +121,6 @@ class ChannelManager:
         for e in listing.entries:
             entries.setdefault(e.vchannel, []).append(e)
         for bad in listing.malformed:
-            self.malformed_skipped += 1
             log.error("channel manager: skipping %s", bad.error)
         malformed = [bad.kv for bad in listing.malformed]
         return ChannelView(nodes, channels, entries, listing.remaining, malformed)

@@ -53,7 +53,6 @@ class MetaReloader:
             return False
         self.segments.reload()
         self.segment_revision = revision
-        self.reloads += 1
         return True
 
 
@@ -92,8 +91,6 @@ class DataCoordinator:
         self.reloader: MetaReloader | None = None
         self.recovered: list[FlushRecovery] = []
         self.active = threading.Event()
-        self.ticks = 0  # metrics
-        self.tick_errors = 0
         self._last_reload = 0.0
 
     # --- step functions (also for a sensor) ------------------------------------------------
@@ -124,7 +121,6 @@ class DataCoordinator:
         if time.monotonic() - self._last_reload >= self.reload_interval:
             reloaded = self.reloader.reload()
             self._last_reload = time.monotonic()
-        self.ticks += 1
         return CoordinatorTick(report, sealed, reloaded)
 
     # --- long-running ------------------------------------------------------------------------
@@ -143,11 +139,9 @@ class DataCoordinator:
                         try:
                             self.tick()
                         except MetaError as exc:
-                            self.tick_errors += 1
                             log.warning("datacoord tick failed (%s); retrying", exc)
                         stop.wait(self.interval)
                 except MetaError as exc:
-                    self.tick_errors += 1
                     log.warning("datacoord activation failed (%s); campaigning again", exc)
                     self.election.resign()
                 self.active.clear()

@@ -192,7 +192,7 @@ class SegmentManager:
         self.tso = tso or TimestampOracle(store)
         self.policies = tuple(default_seal_policies(settings) if policies is None else policies)
         self.clock = clock
-        self.cas_retries = 0  # metric: coordinator writes retried after a concurrent change
+        self.cas_retries = 0  # writes retried after a concurrent change (each is logged)
         self._lock = threading.Lock()
         self._growing: dict[tuple[int, int, str], list[SegmentAllocation]] = {}
         self._max_rows: dict[int, int] = {}

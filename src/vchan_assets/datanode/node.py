@@ -230,7 +230,6 @@ class DataNode:
         self.watcher: PrefixWatcher | None = None
         self.workers: dict[str, ChannelWorker] = {}
         self._retired: list[ChannelWorker] = []  # stopped on session loss, maybe mid-sync
-        self.malformed_watch_infos = 0  # metrics
         self.lease_losses = 0
         self.session_lost = threading.Event()
         self.stopped = threading.Event()
@@ -362,8 +361,7 @@ class DataNode:
         try:
             info = parse_watch_info(key, value)
         except MalformedValueError as exc:
-            self._handled[key] = mod_revision  # logged and counted once
-            self.malformed_watch_infos += 1
+            self._handled[key] = mod_revision  # logged once
             log.error("node %s: skipping malformed watch info: %s", self.node_id, exc)
             return
         if is_end_state(info.state):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vchan_assets.config import Settings
-from vchan_assets.meta.embedded import free_port
+from vchan_assets.meta.embedded import free_port, pid_alive
 from vchan_assets.spark.connect import LocalSparkConnect
 
 log = logging.getLogger(__name__)
@@ -39,20 +39,6 @@ DEFAULT_DAGSTER_HOME = REPO / "dagster_home"
 
 class DagsterServiceError(RuntimeError):
     """The webserver or daemon did not start."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as dead
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
 
 
 def graphql(
@@ -87,7 +73,7 @@ class DagsterService:
             state = json.loads(self.state_file.read_text())
         except (OSError, ValueError):
             return None
-        return state if any(_alive(int(p)) for p in state.get("pids", [])) else None
+        return state if any(pid_alive(int(p)) for p in state.get("pids", [])) else None
 
     def start(self, timeout: float = 120.0) -> str:
         """Start (or find running) Spark Connect, daemon and webserver; the UI URL."""
@@ -174,14 +160,14 @@ class DagsterService:
             return False
         pids = [int(p) for p in state.get("pids", [])]
         for pid in pids:
-            if _alive(pid):
+            if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid in pids:
-            if _alive(pid):
+            if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
         if stop_spark and state.get("spark_pid"):

@@ -94,7 +94,7 @@ class MetaStore:
         self.client = client
         self.endpoints = tuple(endpoints)
         self.keys = keys
-        self.malformed_skipped = 0  # metric: values skipped because they did not decode
+        self.malformed_skipped = 0  # values skipped because they did not decode (each is logged)
 
     # --- construction ----------------------------------------------------------------
 

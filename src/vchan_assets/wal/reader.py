@@ -190,7 +190,6 @@ class WalReader:
         self.schema = log_schema(collection.schema)
         self._footers: dict[str, WalFile] = {}
         self._ticks: dict[str, MsgPosition | None] = {}  # last time tick of a file
-        self.skipped_files = 0  # metric: files in the channel directory that are not log files
 
     # --- listing ---------------------------------------------------------------------
 
@@ -201,7 +200,6 @@ class WalReader:
             try:
                 first_offset_of(key)
             except ValueError:
-                self.skipped_files += 1
                 log.warning("ignoring %s: not a log file name", info.path)
                 continue
             if _channel_of(key) != self.vchannel:
