@@ -23,7 +23,7 @@ from vchan_assets.model import ChannelWatchInfo, CollectionInfo, WatchState
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
-from .test_sensors import NODE1, evaluate
+from .helpers import NODE1, evaluate
 
 
 def watched_by_a_dagster_node(

@@ -11,7 +11,7 @@ import dagster as dg
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datacoord import datacoord_sensor
-from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, NodeCursor, datanode_sensor
+from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, NodeCursor
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG
 from vchan_assets.defs.sync.sensor import sync_sensor
@@ -22,21 +22,10 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
+from .helpers import NODE1, NODE2, evaluate
+
 
 # Sensor-hosted nodes with the test's 2 s session TTL (no 20 s floor): expiry is quick.
-NODE1 = datanode_sensor("1", min_session_ttl=0)
-NODE2 = datanode_sensor("2", min_session_ttl=0)
-
-
-def evaluate(
-    sensor: dg.SensorDefinition, instance: dg.DagsterInstance, vchan: VchanResource, cursor: str | None = None
-) -> dg.SensorResult:
-    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources={"vchan": vchan})
-    result = sensor(context)
-    assert isinstance(result, dg.SensorResult)
-    return result
-
-
 def added_partitions(result: dg.SensorResult) -> list[str]:
     return [p for r in result.dynamic_partitions_requests or [] for p in r.partition_keys]  # type: ignore[union-attr]
 
