@@ -98,75 +98,65 @@ def sync_results(
     runtime: VchanRuntime, result: SyncResult, previous: int | None, config: SyncConfig
 ) -> list[dg.MaterializeResult | dg.AssetCheckResult]:
     """The three materializations and the four checks of one sync."""
-    vchannel = result.vchannel
-    head = runtime.status(vchannel).backlog.head
-    end = result.end
-    lag_messages = max(0, head.offset - end.offset) if head else 0
-    lag_seconds = max(0.0, time.time() - physical_ms(end.timestamp) / 1000) if end.timestamp else 0.0
-    position = {
-        "position_range": f"({result.start.offset}, {end.offset}]",
-        "start_offset": result.start.offset,
-        "end_offset": end.offset,
-    }
     common: dict[str, Any] = {
-        **position,
+        "position_range": f"({result.start.offset}, {result.end.offset}]",
+        "start_offset": result.start.offset,
+        "end_offset": result.end.offset,
         "lease_id": config.lease_id,
         "node_id": config.node_id,
         "reason": config.reason,
     }
-    segs = runtime.segments(vchannel)
-    out: list[dg.MaterializeResult | dg.AssetCheckResult] = [
-        dg.MaterializeResult(
-            asset_key=BINLOGS,
-            metadata={
-                **common,
-                "rows": result.rows,
-                "deletes": result.deletes,
-                "files": result.files,
-                "bytes": result.bytes,
-                "seconds": round(result.seconds, 3),
-                "skipped": result.skipped,
-            },
-        ),
-        dg.MaterializeResult(
-            asset_key=SEGMENTS,
-            metadata={
-                **common,
-                "segments_touched": len(result.segments),
-                "segments_flushed": len(result.flushed_segments),
-                "segments_total": len(segs),
-                "rows": sum(s.num_rows for s in segs if s.level.value != "L0"),
-                "deletes": sum(b.entries for s in segs for b in s.deltalogs),
-            },
-        ),
-        dg.MaterializeResult(
-            asset_key=CHANNEL_CHECKPOINTS,
-            metadata={
-                **common,
-                "checkpoint_offset": end.offset,
-                "checkpoint_ts": end.timestamp,
-                "previous_checkpoint_offset": previous if previous is not None else -1,
-                "checkpoint_lag_messages": lag_messages,
-                "checkpoint_lag_seconds": round(lag_seconds, 3),
-            },
-        ),
+    return [*_materializations(runtime, result, previous, common), *_checks(runtime, result, previous)]
+
+
+def _materializations(
+    runtime: VchanRuntime, result: SyncResult, previous: int | None, common: dict[str, Any]
+) -> list[dg.MaterializeResult]:
+    end = result.end
+    head = runtime.status(result.vchannel).backlog.head
+    lag_seconds = max(0.0, time.time() - physical_ms(end.timestamp) / 1000) if end.timestamp else 0.0
+    segs = runtime.segments(result.vchannel)
+    binlogs: dict[str, Any] = {
+        "rows": result.rows,
+        "deletes": result.deletes,
+        "files": result.files,
+        "bytes": result.bytes,
+        "seconds": round(result.seconds, 3),
+        "skipped": result.skipped,
+    }
+    segments: dict[str, Any] = {
+        "segments_touched": len(result.segments),
+        "segments_flushed": len(result.flushed_segments),
+        "segments_total": len(segs),
+        "rows": sum(s.num_rows for s in segs if s.level.value != "L0"),
+        "deletes": sum(b.entries for s in segs for b in s.deltalogs),
+    }
+    checkpoint: dict[str, Any] = {
+        "checkpoint_offset": end.offset,
+        "checkpoint_ts": end.timestamp,
+        "previous_checkpoint_offset": previous if previous is not None else -1,
+        "checkpoint_lag_messages": max(0, head.offset - end.offset) if head else 0,
+        "checkpoint_lag_seconds": round(lag_seconds, 3),
+    }
+    return [
+        dg.MaterializeResult(asset_key=key, metadata={**common, **metadata})
+        for key, metadata in ((BINLOGS, binlogs), (SEGMENTS, segments), (CHANNEL_CHECKPOINTS, checkpoint))
     ]
-    monotonic = previous is None or end.offset >= previous
-    out += [
+
+
+def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> list[dg.AssetCheckResult]:
+    vchannel, end = result.vchannel, result.end
+    monotonic = CheckOutcome(
+        previous is None or end.offset >= previous,
+        f"checkpoint {end.offset}, previous materialization {previous}",
+        {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
+    )
+    return [
         _check(CHECK_LOG_ROWS, BINLOGS, runtime.check_log_rows(vchannel)),
         _check(CHECK_UNIQUE_PKS, BINLOGS, runtime.check_unique_pks(vchannel)),
         _check(CHECK_BINLOG_PATHS, SEGMENTS, runtime.check_binlog_paths(vchannel)),
-        _check(
-            CHECK_MONOTONIC,
-            CHANNEL_CHECKPOINTS,
-            CheckOutcome(
-                monotonic,
-                f"checkpoint {end.offset}, previous materialization {previous}",
-                {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
-            ),
-        ),
+        _check(CHECK_MONOTONIC, CHANNEL_CHECKPOINTS, monotonic),
     ]
-    return out
 
 
 @dg.multi_asset(
