@@ -80,6 +80,15 @@ def render(metrics: Iterable[Metric]) -> str:
 
 def collect(catalog: Catalog) -> list[Metric]:
     report = collect_status(catalog)
+    return [
+        *_node_metrics(catalog, report),
+        *_channel_metrics(report),
+        *_segment_metrics(catalog, report),
+        _warning_metric(report),
+    ]
+
+
+def _node_metrics(catalog: Catalog, report: dict[str, Any]) -> list[Metric]:
     sessions = Metric("vchan_datanode_sessions", "Live DataNode sessions in etcd.")
     sessions.add(len(report["nodes"]))
 
@@ -97,7 +106,10 @@ def collect(catalog: Catalog) -> list[Metric]:
         watch.add(1, vchannel=entry.vchannel, node=str(entry.node_id), state=entry.info.state.value)
     for bad in watches.malformed:
         watch.add(1, vchannel=bad.vchannel, node=bad.node, state="Malformed")
+    return [sessions, per_node, watch]
 
+
+def _channel_metrics(report: dict[str, Any]) -> list[Metric]:
     offset = Metric(
         "vchan_channel_checkpoint_offset", "Offset of the channel checkpoint in the vchannel log."
     )
@@ -116,10 +128,14 @@ def collect(catalog: Catalog) -> list[Metric]:
         lag_s.add(c["lag_seconds"], **labels)
         age.add(c["checkpoint_age_seconds"], **labels)
         syncs.add(c["syncs"], **labels)
+    return [offset, lag, lag_s, age, syncs]
 
+
+def _segment_metrics(catalog: Catalog, report: dict[str, Any]) -> list[Metric]:
     segments = Metric("vchan_segments", "Segments by collection, state and level.")
     rows = Metric("vchan_segment_rows", "Rows (L0: deletes) in segments by collection, state and level.")
     size = Metric("vchan_segment_bytes", "Insert binlog bytes in segments by collection, state and level.")
+    files = Metric("vchan_binlog_files", "Binlog files referenced by segment meta, by kind.")
     seg_df = catalog.segments()
     if not seg_df.empty:
         grouped = seg_df.groupby(["collection", "state", "level"], dropna=False)
@@ -128,38 +144,23 @@ def collect(catalog: Catalog) -> list[Metric]:
             segments.add(len(g), **labels)
             rows.add(int(g["num_rows"].sum()), **labels)
             size.add(int(g["size_bytes"].sum()), **labels)
-
-    files = Metric("vchan_binlog_files", "Binlog files referenced by segment meta, by kind.")
-    if not seg_df.empty:
         files.add(int(seg_df["binlog_count"].sum()), kind="insert")
         files.add(int(seg_df["deltalog_count"].sum()), kind="delta")
         files.add(int(seg_df["statslog_count"].sum()), kind="stats")
 
     orphans = Metric("vchan_orphan_binlogs", "Binlog files no segment meta points to (GC candidates).")
     orphans.add(report["orphan_binlogs"])
+    return [segments, rows, size, files, orphans]
 
+
+def _warning_metric(report: dict[str, Any]) -> Metric:
     warnings = Metric("vchan_warnings", "Warnings of `vchan status`, by kind.")
     kinds: dict[str, int] = {}
     for w in report["warnings"]:
         kinds[w["kind"]] = kinds.get(w["kind"], 0) + 1
     for kind, n in sorted(kinds.items()):
         warnings.add(n, kind=kind)
-    return [
-        sessions,
-        per_node,
-        watch,
-        offset,
-        lag,
-        lag_s,
-        age,
-        syncs,
-        segments,
-        rows,
-        size,
-        files,
-        orphans,
-        warnings,
-    ]
+    return warnings
 
 
 def exposition(catalog: Catalog) -> str:

@@ -24,7 +24,9 @@ from rich.table import Table
 from rich.text import Text
 
 from vchan_assets.catalog import Catalog
-from vchan_assets.meta.channelwatch import REMAINING
+from vchan_assets.config import Settings
+from vchan_assets.meta.channelwatch import REMAINING, WatchListing
+from vchan_assets.model import NodeSession
 
 STUCK_STATES = ("ToWatch", "ToRelease")
 CHANNEL_COLUMNS = (
@@ -64,17 +66,17 @@ def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
     return [{c: _plain(row[c]) for c in columns} for _, row in df.iterrows()]
 
 
-def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = True) -> dict[str, Any]:
-    """The whole report as plain JSON values."""
-    now = time.time() if now is None else now
-    settings = catalog.settings
-    sessions = catalog.sessions()
-    channels = catalog.vchannels(now=now)
-    watches = catalog.watches()
-    segments = catalog.segments(include_dropped=True)
+# The columns of a channel in the JSON report (the table shows CHANNEL_COLUMNS).
+JSON_CHANNEL_COLUMNS = [
+    "vchannel", "collection", "owner_node", "owner_alive", "watch_state", "lease_node",
+    "checkpoint_offset", "checkpoint_time", "head_offset", "lag_rows", "lag_seconds",
+    "checkpoint_age_seconds", "syncs", "log_error",
+]  # fmt: skip
 
+
+def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> list[dict[str, Any]]:
     per_node = Counter(str(o) for o in channels["owner_node"] if o is not None)
-    nodes = [
+    return [
         {
             "node_id": s.node_id,
             "address": s.address,
@@ -86,26 +88,24 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         }
         for s in sessions
     ]
-    live = {str(s.node_id) for s in sessions}
 
-    channel_columns = [
-        "vchannel", "collection", "owner_node", "owner_alive", "watch_state", "lease_node",
-        "checkpoint_offset", "checkpoint_time", "head_offset", "lag_rows", "lag_seconds",
-        "checkpoint_age_seconds", "syncs", "log_error",
-    ]  # fmt: skip
-    channel_rows = _records(channels, channel_columns)
 
+def _segment_rows(segments: pd.DataFrame) -> list[dict[str, Any]]:
     by_state: Counter[tuple[str, str, str]] = Counter()
     rows_by_state: Counter[tuple[str, str, str]] = Counter()
     for _, seg in segments.iterrows():
         key = (str(seg["collection"]), str(seg["state"]), str(seg["level"]))
         by_state[key] += 1
         rows_by_state[key] += int(seg["num_rows"])
-    segment_rows = [
+    return [
         {"collection": c, "state": s, "level": lvl, "segments": n, "rows": rows_by_state[(c, s, lvl)]}
         for (c, s, lvl), n in sorted(by_state.items())
     ]
 
+
+def _channel_warnings(
+    channel_rows: list[dict[str, Any]], live: set[str], settings: Settings
+) -> list[dict[str, Any]]:
     warnings: list[dict[str, Any]] = []
     for row in channel_rows:
         if row["log_error"]:
@@ -147,6 +147,11 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
                     "the coordinator should move it",
                 }
             )
+    return warnings
+
+
+def _watch_warnings(watches: WatchListing, now: float) -> list[dict[str, Any]]:
+    warnings: list[dict[str, Any]] = []
     for bad in watches.malformed:
         warnings.append(
             {"kind": "malformed_watch", "vchannel": bad.vchannel, "node": bad.node, "message": bad.error}
@@ -162,6 +167,20 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
                     f"past its timeout by {now - entry.info.timeout_ts:.0f}s",
                 }
             )
+    return warnings
+
+
+def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = True) -> dict[str, Any]:
+    """The whole report as plain JSON values."""
+    now = time.time() if now is None else now
+    settings = catalog.settings
+    sessions = catalog.sessions()
+    channels = catalog.vchannels(now=now)
+    channel_rows = _records(channels, JSON_CHANNEL_COLUMNS)
+    live = {str(s.node_id) for s in sessions}
+    nodes = _nodes(sessions, channels, now)
+    segment_rows = _segment_rows(catalog.segments(include_dropped=True))
+    warnings = [*_channel_warnings(channel_rows, live, settings), *_watch_warnings(catalog.watches(), now)]
     orphan_count = None
     if orphans:
         found = catalog.orphans()

@@ -28,7 +28,7 @@ from vchan_assets.defs.sync.assets import segment_catalog
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG
 from vchan_assets.demo import SCHEMA, DemoCheckError, DemoOptions, _check, _summary, produce_demo_data
 from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, DagsterService
-from vchan_assets.model import NodeSession, WatchState
+from vchan_assets.model import CollectionInfo, NodeSession, WatchState
 from vchan_assets.stack import Stack
 from vchan_assets.wal.producer import Producer
 
@@ -64,6 +64,40 @@ def latest_checks(instance: dg.DagsterInstance, vchannels: list[str]) -> dict[tu
     return found
 
 
+def _dagster_nodes(stack: Stack) -> list[int]:
+    store = stack.store
+    found, _ = store.list_models(store.keys.datanode_sessions(), NodeSession, skip_malformed=True)
+    return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
+
+
+def _all_watched(manager: ChannelManager, info: CollectionInfo) -> bool:
+    states = manager.assignments()
+    return all(
+        any(state is WatchState.WATCH_SUCCESS for _, state in states.get(v, [])) for v in info.vchannels
+    )
+
+
+def _runs_in_flight(instance: dg.DagsterInstance, info: CollectionInfo) -> bool:
+    statuses = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
+    filters = dg.RunsFilter(job_name="sync", statuses=statuses, tags={CHANNEL_TAG: list(info.vchannels)})
+    return bool(instance.get_runs(filters))
+
+
+def _report_checks(console: Console, info: CollectionInfo, checks: dict[tuple[str, str], bool]) -> None:
+    """Print the latest asset checks of every vchannel; DemoCheckError unless all passed."""
+    table = Table(title="asset checks (latest sync run of each vchannel)")
+    names = sorted({c for _, c in checks})
+    table.add_column("vchannel")
+    for c in names:
+        table.add_column(c)
+    for v in info.vchannels:
+        table.add_row(v, *("passed" if checks.get((v, c)) else "[red]FAILED/missing" for c in names))
+    console.print(table)
+    missing = [v for v in info.vchannels if not any((v, c) in checks for c in names)]
+    if not checks or missing or not all(checks.values()):
+        raise DemoCheckError(f"asset checks did not all pass (no checks for {missing})")
+
+
 def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console | None = None) -> int:
     console = console or Console(width=130)
     started = time.monotonic()
@@ -79,29 +113,15 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         console.print(
             f"[bold]Dagster UI[/]: {url}  (daemon + webserver up after {time.monotonic() - started:.0f}s)"
         )
-        store = stack.store
+        _wait(lambda: len(_dagster_nodes(stack)) >= 2, 90, "2 Dagster-hosted DataNodes")
+        console.print(f"DataNodes (sensors datanode_1, datanode_2): {_dagster_nodes(stack)}")
 
-        def dagster_nodes() -> list[int]:
-            found, _ = store.list_models(store.keys.datanode_sessions(), NodeSession, skip_malformed=True)
-            return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
-
-        _wait(lambda: len(dagster_nodes()) >= 2, 90, "2 Dagster-hosted DataNodes")
-        console.print(f"DataNodes (sensors datanode_1, datanode_2): {dagster_nodes()}")
-
-        producer = Producer(store, stack.storage, settings)
+        producer = Producer(stack.store, stack.storage, settings)
         name = f"demo_{uuid.uuid4().hex[:6]}"
         info = producer.create_collection(name, SCHEMA, num_channels=options.channels)
         console.print(f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}")
-        manager = ChannelManager(store, settings)
-
-        def all_watched() -> bool:
-            states = manager.assignments()
-            return all(
-                any(state is WatchState.WATCH_SUCCESS for _, state in states.get(v, []))
-                for v in info.vchannels
-            )
-
-        took = _wait(all_watched, 90, "every vchannel to be watched")
+        manager = ChannelManager(stack.store, settings)
+        took = _wait(lambda: _all_watched(manager, info), 90, "every vchannel to be watched")
         console.print(
             f"the DataCoord sensor assigned every vchannel; nodes answered WatchSuccess ({took:.0f}s)"
         )
@@ -113,23 +133,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
 
         with dg.DagsterInstance.from_config(str(DEFAULT_DAGSTER_HOME)) as instance:
             # The runs still in flight (a last sync after the flush) finish first.
-            _wait(
-                lambda: (
-                    not instance.get_runs(
-                        dg.RunsFilter(
-                            job_name="sync",
-                            statuses=[
-                                dg.DagsterRunStatus.QUEUED,
-                                dg.DagsterRunStatus.STARTING,
-                                dg.DagsterRunStatus.STARTED,
-                            ],
-                            tags={CHANNEL_TAG: list(info.vchannels)},
-                        )
-                    )
-                ),
-                120,
-                "the last sync runs",
-            )
+            _wait(lambda: not _runs_in_flight(instance, info), 120, "the last sync runs")
             checks = latest_checks(instance, list(info.vchannels))
             runs = instance.get_runs(dg.RunsFilter(job_name="sync", tags={CHANNEL_TAG: list(info.vchannels)}))
             failed = [r for r in runs if r.status is dg.DagsterRunStatus.FAILURE]
@@ -139,19 +143,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
                 resources={"vchan": VchanResource.from_settings(settings)},
                 run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
             )
-        check_table = Table(title="asset checks (latest sync run of each vchannel)")
-        names = sorted({c for _, c in checks})
-        check_table.add_column("vchannel")
-        for c in names:
-            check_table.add_column(c)
-        for v in info.vchannels:
-            check_table.add_row(
-                v, *("passed" if checks.get((v, c)) else "[red]FAILED/missing" for c in names)
-            )
-        console.print(check_table)
-        missing = [v for v in info.vchannels if not any((v, c) in checks for c in names)]
-        if not checks or missing or not all(checks.values()):
-            raise DemoCheckError(f"asset checks did not all pass (no checks for {missing})")
+        _report_checks(console, info, checks)
         _check(stack, info, options.rows, deleted)
         console.print(_summary(stack, info))
         (mat,) = catalog.asset_materializations_for_node("segment_catalog")
