@@ -30,12 +30,19 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog
 from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
+from vchan_assets.lifecycle.rows import (
+    DELETE_COLUMNS,
+    apply_deletes_to,
+    delete_paths,
+    empty_deletes,
+    read_files,
+    segment_rows,
+)
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
 from vchan_assets.meta.store import MetaStore
@@ -417,7 +424,7 @@ class Catalog:
         seg = self.segment(segment_id)
         info = CollectionCatalog(self.store).get(seg.collection_id, include_dropped=True)
         if seg.level is SegmentLevel.L0:
-            table = self._read_files(b.path for b in seg.deltalogs) or _empty_deletes()
+            table = self._read_files(b.path for b in seg.deltalogs) or empty_deletes()
         else:
             table = self._segment_rows(seg, info)
             if apply_deletes:
@@ -452,38 +459,14 @@ class Catalog:
         return result if as_arrow else result.to_pandas()
 
     def _segment_rows(self, seg: SegmentInfo, info: CollectionInfo, with_vectors: bool = True) -> pa.Table:
-        groups = sorted(seg.binlogs, key=lambda g: g.group)
-        if not groups:
-            return pa.table({"row_id": pa.array([], pa.int64())})
-        scalar = self._read_files(b.path for b in groups[0].logs)
-        if scalar is None:
-            return pa.table({"row_id": pa.array([], pa.int64())})
-        if with_vectors:
-            for group in groups[1:]:
-                vectors = self._read_files(b.path for b in group.logs)
-                if vectors is None:
-                    continue
-                if not vectors["row_id"].equals(scalar["row_id"]):
-                    raise ValueError(
-                        f"segment {seg.id}: column group {group.group} is not aligned with group 0"
-                    )
-                for name in vectors.column_names:
-                    if name != "row_id":
-                        scalar = scalar.append_column(name, vectors[name])
-        return scalar
+        return segment_rows(self.storage, seg, with_vectors)
 
     def _partition_deletes(self, collection_id: int, partition_id: int) -> pa.Table:
-        paths = [
-            b.path
-            for seg in self.segment_infos(collection_id)
-            if seg.partition_id == partition_id and seg.state is not SegmentState.DROPPED
-            for b in seg.deltalogs
-        ]
-        return self._read_files(paths, columns=["pk", "timestamp"]) or _empty_deletes()
+        paths = delete_paths(self.segment_infos(collection_id), partition_id)
+        return read_files(self.storage, paths, columns=DELETE_COLUMNS) or empty_deletes()
 
     def _read_files(self, paths: Iterable[str], columns: list[str] | None = None) -> pa.Table | None:
-        tables = [self.storage.read_parquet(p, columns=columns) for p in paths]
-        return pa.concat_tables(tables) if tables else None
+        return read_files(self.storage, paths, columns)
 
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())
@@ -493,26 +476,3 @@ _FILE_COLUMNS = [
     "segment_id", "collection_id", "partition_id", "vchannel", "segment_state", "level", "log_id",
     "path", "entries", "ts_from", "ts_to", "size_bytes",
 ]  # fmt: skip
-
-
-def _empty_deletes() -> pa.Table:
-    return pa.table({"pk": pa.array([], pa.int64()), "timestamp": pa.array([], pa.int64())})
-
-
-def apply_deletes_to(rows: pa.Table, deletes: pa.Table, pk: str) -> pa.Table:
-    """Rows minus those deleted later: a row goes if a delete of its pk has a timestamp
-    greater than the row's (Milvus' rule; `deletes` holds one partition's pk, timestamp)."""
-    if deletes.num_rows == 0 or rows.num_rows == 0:
-        return rows
-    grouped = deletes.group_by("pk").aggregate([("timestamp", "max")])
-    latest = pa.table({"__pk": grouped["pk"], "__deleted_ts": grouped["timestamp_max"]})
-    # Key the join by a row index so the original order can be restored.
-    indexed = rows.append_column("__i", pa.array(range(rows.num_rows), pa.int64()))
-    joined = indexed.select(["__i", pk, "timestamp"]).join(
-        latest, keys=pk, right_keys="__pk", join_type="left outer"
-    )
-    deleted_ts = joined["__deleted_ts"]
-    keep_mask = pc.or_kleene(pc.is_null(deleted_ts), pc.less_equal(deleted_ts, joined["timestamp"]))
-    keep = pc.sort_indices(pc.filter(joined["__i"], keep_mask))
-    kept_i = pc.take(pc.filter(joined["__i"], keep_mask), keep)
-    return rows.take(kept_i)

@@ -256,6 +256,33 @@ class Settings:
         _positive_float,
         "seconds before a dropped segment's files are removed",
     )
+    wal_retention: float = setting(
+        "VCHAN_WAL_RETENTION",
+        86400.0,
+        _positive_float,
+        "seconds a log file wholly below its channel checkpoint is kept before GC removes it",
+    )
+    compaction_small_proportion: float = setting(
+        "VCHAN_COMPACTION_SMALL_PROPORTION",
+        0.5,
+        _proportion,
+        "a Flushed segment below this fraction of the max size is merged by mix compaction",
+    )
+    compaction_delete_ratio: float = setting(
+        "VCHAN_COMPACTION_DELETE_RATIO",
+        0.2,
+        _proportion,
+        "a Flushed segment with more deleted rows than this fraction is rewritten by mix compaction",
+    )
+    compaction_timeout: float = setting(
+        "VCHAN_COMPACTION_TIMEOUT", 900.0, _positive_float, "seconds before an executing plan is failed"
+    )
+    compaction_plan_retention: float = setting(
+        "VCHAN_COMPACTION_PLAN_RETENTION",
+        86400.0,
+        _positive_float,
+        "seconds a finished compaction plan stays in etcd (for status) before cleanup deletes it",
+    )
     spark_partitions: int = setting("VCHAN_SPARK_PARTITIONS", 2, _positive_int, "Spark tasks per sync job")
     dagster_datanodes: int = setting(
         "VCHAN_DAGSTER_DATANODES",

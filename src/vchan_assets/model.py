@@ -343,6 +343,9 @@ class SegmentInfo(Record):
     created_at: float = 0.0
     last_insert_at: float = 0.0
     seal_ts: int = 0  # TSO timestamp of the seal (policy or flush); 0: not sealed
+    dropped_at: float | None = None  # when it became Dropped (garbage collection waits a tolerance)
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at"})  # as written before it existed
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)

@@ -14,6 +14,8 @@ always sees the latest version:
 
 from __future__ import annotations
 
+import time
+
 from vchan_assets.model import MsgPosition, SegmentInfo, SegmentLevel, SegmentState
 
 # Sealed segments waiting for a sync to pass their seal timestamp.
@@ -39,7 +41,9 @@ def mark_flushing(seg: SegmentInfo, flush_ts: int) -> SegmentInfo | None:
 
 def drop(seg: SegmentInfo) -> SegmentInfo | None:
     """-> Dropped (its files go to garbage collection)."""
-    return None if seg.state is SegmentState.DROPPED else seg.with_changes(state=SegmentState.DROPPED)
+    if seg.state is SegmentState.DROPPED:
+        return None
+    return seg.with_changes(state=SegmentState.DROPPED, dropped_at=time.time())
 
 
 def ready_to_flush(seg: SegmentInfo, position: MsgPosition) -> bool:

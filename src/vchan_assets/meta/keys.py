@@ -67,3 +67,16 @@ class Keys:
 
     def tso(self) -> str:
         return self._k("meta", "tso")
+
+    # segment lifecycle
+    def compaction_plans(self) -> str:
+        return self._k("meta", "compaction") + "/"
+
+    def compaction_plan(self, plan_id: int) -> str:
+        return self._k("meta", "compaction", plan_id)
+
+    def gc_pause(self) -> str:
+        return self._k("meta", "gc", "pause")
+
+    def gc_last_run(self) -> str:
+        return self._k("meta", "gc", "last-run")

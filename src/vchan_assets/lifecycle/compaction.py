@@ -1,0 +1,351 @@
+"""Compaction triggers (which segments to merge or sort) and the executor of plans.
+
+Triggers, as Milvus' compaction trigger: a Flushed L1 segment that is not sorted gets a
+**sort** plan (the stats task after flush); Flushed L1 segments of one (collection,
+partition, vchannel) below a fraction of the max size, or with more deleted rows than a
+ratio, get **mix** plans that merge them up to the max size; a manual trigger merges
+every Flushed segment of the collection. Only Flushed segments are ever planned (never
+Growing, Sealed or Flushing ones: a sync may still write those), and never one another
+active plan holds.
+
+The executor runs plans: Pending -> Executing, the task (Spark job or in-process)
+writes the outputs' files, then `commit_compaction` swaps inputs for outputs in one
+transaction. Failpoints, in commit order:
+  compaction_after_files     output files written, no meta yet
+  compaction_after_commit    outputs live, inputs Dropped, plan Completed
+  compaction_before_cleanup  right before the plan is marked Cleaned
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.segment_manager import max_rows_of
+from vchan_assets.datanode.stats import PkStats
+from vchan_assets.failpoints import failpoint
+from vchan_assets.lifecycle.plans import (
+    CompactionConflictError,
+    CompactionPlan,
+    CompactionType,
+    PlanInput,
+    PlanState,
+    busy_segments,
+    commit_compaction,
+    create_plan,
+    list_plans,
+    read_inputs,
+    transition,
+)
+from vchan_assets.lifecycle.rows import DELETE_COLUMNS, delete_paths, read_files
+from vchan_assets.lifecycle.task import (
+    LOG_IDS_PER_PLAN,
+    RESULT_SCHEMA,
+    CompactionInputError,
+    CompactionOutput,
+    CompactionSpec,
+    outcome_of,
+    outputs_needed,
+    run_compactions_arrow,
+    run_pickled,
+)
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["spark", "local"]
+
+
+# --- triggers ------------------------------------------------------------------------------
+
+
+def compactable(seg: SegmentInfo) -> bool:
+    """Only Flushed L1/L2 segments with rows: a sync may still write any other."""
+    return seg.state is SegmentState.FLUSHED and seg.level is not SegmentLevel.L0 and seg.num_rows > 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    type: CompactionType
+    segments: tuple[Decoded[SegmentInfo], ...]
+    reason: str
+
+
+def sort_candidates(segments: Sequence[Decoded[SegmentInfo]]) -> list[Candidate]:
+    return [
+        Candidate(CompactionType.SORT, (d,), "flushed segment not sorted by pk")
+        for d in segments
+        if compactable(d.model) and not d.model.is_sorted
+    ]
+
+
+def mix_candidates(
+    segments: Sequence[Decoded[SegmentInfo]],
+    max_rows: int,
+    small_proportion: float,
+    delete_ratio: dict[int, float],
+    delete_threshold: float,
+    manual: bool = False,
+) -> list[Candidate]:
+    """Groups of one (partition, vchannel) to merge, each up to `max_rows` rows."""
+    groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
+    for d in segments:
+        if compactable(d.model):
+            groups[(d.model.partition_id, d.model.vchannel)].append(d)
+    out = []
+    for members in groups.values():
+        heavy = [d for d in members if delete_ratio.get(d.model.id, 0.0) > delete_threshold]
+        small = [d for d in members if d.model.num_rows < small_proportion * max_rows and d not in heavy]
+        chosen = members if manual else heavy + (small if len(small) > 1 or heavy else [])
+        reason = "manual" if manual else ("delete ratio" if heavy else "small segments")
+        for batch in _pack(sorted(chosen, key=lambda d: d.model.id), max_rows):
+            if len(batch) > 1 or manual or batch[0] in heavy:
+                out.append(Candidate(CompactionType.MIX, tuple(batch), reason))
+    return out
+
+
+def _pack(members: list[Decoded[SegmentInfo]], max_rows: int) -> list[list[Decoded[SegmentInfo]]]:
+    batches: list[list[Decoded[SegmentInfo]]] = []
+    rows = 0
+    for d in members:
+        if not batches or rows + d.model.num_rows > max_rows:
+            batches.append([])
+            rows = 0
+        batches[-1].append(d)
+        rows += d.model.num_rows
+    return batches
+
+
+def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int, float]:
+    """Per Flushed segment: the deletes of its partition that may hit it (pk range and
+    bloom filter of its stats logs) over its rows: an upper estimate, as Milvus'."""
+    out: dict[int, float] = {}
+    by_partition: dict[int, Any] = {}
+    for seg in segments:
+        if not compactable(seg) or not seg.statslogs:
+            continue
+        if seg.partition_id not in by_partition:
+            deletes = read_files(storage, delete_paths(segments, seg.partition_id), columns=DELETE_COLUMNS)
+            by_partition[seg.partition_id] = None if deletes is None else deletes["pk"].to_numpy()
+        pks = by_partition[seg.partition_id]
+        if pks is None:
+            continue
+        hits = sum(
+            int(PkStats.from_bytes(storage.read_bytes(s.path)).might_contain(pks).sum())
+            for s in seg.statslogs
+        )
+        out[seg.id] = hits / seg.num_rows
+    return out
+
+
+class CompactionTrigger:
+    """Turns candidates into Pending plans in etcd (output ids reserved up front)."""
+
+    def __init__(self, store: MetaStore, storage: Storage, settings: Settings) -> None:
+        self.store, self.storage, self.settings = store, storage, settings
+        self.ids = IdAllocator(store)
+
+    def trigger(
+        self, collection: CollectionInfo, kind: CompactionType, manual: bool = False
+    ) -> list[CompactionPlan]:
+        found, _ = self.store.list_models(self.store.keys.segments(collection.id), SegmentInfo)
+        busy = busy_segments(list_plans(self.store))
+        free = [d for d in found if d.model.id not in busy]
+        max_rows = max_rows_of(collection, self.settings)
+        if kind is CompactionType.SORT:
+            candidates = sort_candidates(free)
+        elif kind is CompactionType.MIX:
+            ratios = delete_ratios(self.storage, [d.model for d in found])
+            candidates = mix_candidates(
+                free,
+                max_rows,
+                self.settings.compaction_small_proportion,
+                ratios,
+                self.settings.compaction_delete_ratio,
+                manual,
+            )
+        else:
+            raise ValueError(f"compaction type {kind.value!r} is not triggered here")
+        return [self._plan(collection, c, max_rows) for c in candidates]
+
+    def _plan(self, collection: CollectionInfo, c: Candidate, max_rows: int) -> CompactionPlan:
+        rows = sum(d.model.num_rows for d in c.segments)
+        n_out = outputs_needed(rows, max_rows)
+        first = c.segments[0].model
+        first_output = self.ids.alloc(n_out)
+        plan = CompactionPlan(
+            plan_id=self.ids.alloc(),
+            type=c.type,
+            collection_id=collection.id,
+            partition_id=first.partition_id,
+            vchannel=first.vchannel,
+            inputs=tuple(PlanInput(d.model.id, d.kv.version) for d in c.segments),
+            output_ids=tuple(range(first_output, first_output + n_out)),
+            reason=c.reason,
+            created_at=time.time(),
+        )
+        create_plan(self.store, plan)
+        log.info(
+            "planned %s compaction %d of segments %s (%s)", c.type, plan.plan_id, plan.input_ids, c.reason
+        )
+        return plan
+
+
+# --- executor ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    plan_id: int
+    state: PlanState
+    reason: str = ""
+    outputs: tuple[int, ...] = ()
+
+
+class CompactionExecutor:
+    """Runs Pending plans: every plan's task in one Spark job (or in-process)."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        storage: Storage,
+        settings: Settings,
+        engine: Engine = "spark",
+        timeout: float = 600.0,
+    ) -> None:
+        self.store, self.storage, self.settings = store, storage, settings
+        self.engine, self.timeout = engine, timeout
+        self.ids = IdAllocator(store)
+        self.collections = CollectionCatalog(store)
+
+    def run_pending(self, plan_ids: Sequence[int] | None = None) -> list[PlanOutcome]:
+        pending = [
+            d
+            for d in list_plans(self.store)
+            if d.model.state is PlanState.PENDING and (plan_ids is None or d.model.plan_id in plan_ids)
+        ]
+        started: list[tuple[Decoded[CompactionPlan], CompactionSpec]] = []
+        outcomes = []
+        for d in pending:
+            ready = self.start(d)
+            if isinstance(ready, PlanOutcome):
+                outcomes.append(ready)
+            elif ready is not None:
+                started.append(ready)
+        results = self._run([spec for _, spec in started])
+        for (plan, _spec), result in zip(started, results, strict=True):
+            outcomes.append(self.finish(plan, result))
+        return outcomes
+
+    def start(
+        self, plan: Decoded[CompactionPlan]
+    ) -> tuple[Decoded[CompactionPlan], CompactionSpec] | PlanOutcome | None:
+        """Pending -> Executing and the task's spec; a plan whose inputs changed fails."""
+        executing = transition(self.store, plan, state=PlanState.EXECUTING, started_at=time.time())
+        if executing is None:
+            return None  # another executor took it
+        p = executing.model
+        try:
+            inputs = read_inputs(self.store, p)
+        except CompactionConflictError as exc:
+            return self.fail(executing, str(exc))
+        bad = [s.id for s in inputs if not compactable(s)]
+        if bad:
+            return self.fail(executing, f"segments {bad} are not Flushed L1 segments with rows")
+        info = self.collections.get(p.collection_id, include_dropped=True)
+        found, _ = self.store.list_models(self.store.keys.segments(p.collection_id), SegmentInfo)
+        spec = CompactionSpec(
+            plan_id=p.plan_id,
+            storage=self.storage,
+            schema=info.schema,
+            inputs=tuple(inputs),
+            delete_paths=tuple(delete_paths([d.model for d in found], p.partition_id)),
+            output_ids=p.output_ids,
+            log_id_base=self.ids.alloc(LOG_IDS_PER_PLAN),
+            max_rows=max_rows_of(info, self.settings),
+        )
+        return executing, spec
+
+    def _run(self, specs: list[CompactionSpec]) -> list[CompactionOutput | CompactionInputError]:
+        if not specs:
+            return []
+        if self.engine == "local":
+            return [outcome_of(run_pickled(spec)) for spec in specs]
+        return _run_on_spark(self.settings, specs, self.timeout)
+
+    def finish(
+        self, plan: Decoded[CompactionPlan], result: CompactionOutput | CompactionInputError
+    ) -> PlanOutcome:
+        if isinstance(result, CompactionInputError):
+            log.error("%s", result)
+            return self.fail(plan, str(result))
+        failpoint("compaction_after_files")
+        rows_out = sum(s.num_rows for s in result.segments)
+        try:
+            commit_compaction(
+                self.store,
+                plan,
+                result.segments,
+                rows_in=result.rows_in,
+                rows_out=rows_out,
+                bytes_in=result.bytes_in,
+                bytes_out=sum(b.size_bytes for s in result.segments for b in s.binlog_files),
+            )
+        except CompactionConflictError as exc:
+            log.warning("%s", exc)
+            return self.fail(plan, str(exc))
+        failpoint("compaction_after_commit")
+        log.info(
+            "compaction %d (%s): %d rows in, %d out, segments %s -> %s",
+            plan.model.plan_id,
+            plan.model.type,
+            result.rows_in,
+            rows_out,
+            plan.model.input_ids,
+            [s.id for s in result.segments],
+        )
+        failpoint("compaction_before_cleanup")
+        cleanup_plan(self.store, plan.model.plan_id)
+        return PlanOutcome(
+            plan.model.plan_id, PlanState.COMPLETED, outputs=tuple(s.id for s in result.segments)
+        )
+
+    def fail(self, plan: Decoded[CompactionPlan], reason: str) -> PlanOutcome:
+        """The plan failed: its inputs stay live, its files are orphans for GC."""
+        transition(self.store, plan, state=PlanState.FAILED, reason=reason, finished_at=time.time())
+        return PlanOutcome(plan.model.plan_id, PlanState.FAILED, reason)
+
+
+def cleanup_plan(store: MetaStore, plan_id: int) -> bool:
+    """A Completed or Failed plan -> Cleaned: it no longer reserves its output segments."""
+    found = store.get_model(store.keys.compaction_plan(plan_id), CompactionPlan)
+    if found is None or found.model.state not in (PlanState.COMPLETED, PlanState.FAILED):
+        return False
+    return transition(store, found, state=PlanState.CLEANED) is not None
+
+
+def _run_on_spark(
+    settings: Settings, specs: list[CompactionSpec], timeout: float
+) -> list[CompactionOutput | CompactionInputError]:
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from vchan_assets.spark.session import get_spark, run_job
+
+    spark = get_spark(settings)
+
+    def body(batches: Any) -> Any:
+        return run_compactions_arrow(specs, batches)
+
+    df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(RESULT_SCHEMA))
+    rows = run_job(spark, f"compaction of {len(specs)} plans", lambda: df.collect(), timeout)
+    by_plan = {r["plan_id"]: outcome_of(r.asDict()) for r in rows}
+    return [by_plan[s.plan_id] for s in specs]

@@ -1,0 +1,195 @@
+"""Garbage collection of binlogs, dropped segments and the log (seed: DataCoord's
+garbage collector: interval, missing tolerance, drop tolerance, pause/resume).
+
+One pass, in this order:
+  1. orphans: binlog files no segment meta names (a sync or compaction that crashed or
+     lost its commit) once older than the missing tolerance; files of segments an active
+     compaction plan reserved are left alone, and so is any file younger than the
+     tolerance (a sync in flight writes files before their meta);
+  2. Dropped segments, once dropped longer than the drop tolerance AND once the channel
+     checkpoint is past their dml_position (a replay from an older checkpoint would need
+     the meta to skip their rows): files first, then meta (a crash between the two
+     leaves a Dropped meta naming missing files, which the next pass finishes);
+  3. log retention: a vchannel's log files wholly below its checkpoint and older than the
+     retention; the file holding the checkpoint and the newest file always stay.
+Never deleted: a file named by the meta of a segment that is not Dropped.
+Failpoint: gc_after_files (a Dropped segment's files deleted, its meta not yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.failpoints import failpoint
+from vchan_assets.lifecycle.plans import busy_segments, list_plans
+from vchan_assets.meta.codec import decode_dict
+from vchan_assets.meta.errors import CasConflictError
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import SegmentInfo, SegmentState, physical_ms
+from vchan_assets.storage import Storage
+from vchan_assets.storage.layout import BINLOG_ROOTS, segment_of
+from vchan_assets.wal.format import wal_prefix
+from vchan_assets.wal.reader import WalReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GcReport:
+    paused_until: float = 0.0  # > now: the pass did nothing
+    orphans: list[str] = field(default_factory=list)
+    dropped_segments: list[int] = field(default_factory=list)
+    segment_files: list[str] = field(default_factory=list)
+    wal_files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    dry_run: bool = False
+
+    @property
+    def files(self) -> int:
+        return len(self.orphans) + len(self.segment_files) + len(self.wal_files)
+
+
+def segment_paths(seg: SegmentInfo) -> list[str]:
+    return [
+        *(b.path for b in seg.binlog_files),
+        *(b.path for b in seg.deltalogs),
+        *(b.path for b in seg.statslogs),
+    ]
+
+
+def dropped_since(seg: SegmentInfo) -> float:
+    """When the segment was dropped; older records lack it: their last flush or creation."""
+    if seg.dropped_at:
+        return seg.dropped_at
+    return max(seg.created_at, physical_ms(seg.last_flush_ts) / 1000.0)
+
+
+class GarbageCollector:
+    def __init__(
+        self, store: MetaStore, storage: Storage, settings: Settings, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.store, self.storage, self.settings, self.clock = store, storage, settings, clock
+
+    # --- pause / resume (seed: garbage_collection/pause, /resume) -----------------------
+
+    def pause(self, seconds: float) -> float:
+        until = self.clock() + seconds
+        self.store.put(self.store.keys.gc_pause(), {"until": until})
+        return until
+
+    def resume(self) -> None:
+        self.store.delete(self.store.keys.gc_pause())
+
+    def paused_until(self) -> float:
+        found = self.store.get(self.store.keys.gc_pause())
+        if found is None:
+            return 0.0
+        until = decode_dict(found.key, found.value).get("until", 0.0)
+        return float(until) if until > self.clock() else 0.0
+
+    def due(self) -> bool:
+        """The interval has passed since the last pass (any process's)."""
+        found = self.store.get(self.store.keys.gc_last_run())
+        if found is None:
+            return True
+        return (
+            self.clock() - float(decode_dict(found.key, found.value).get("at", 0.0))
+            >= self.settings.gc_interval
+        )
+
+    # --- one pass -----------------------------------------------------------------------
+
+    def run(self, dry_run: bool = False) -> GcReport:
+        report = GcReport(dry_run=dry_run)
+        report.paused_until = self.paused_until()
+        if report.paused_until:
+            log.info("garbage collection paused until %.0f", report.paused_until)
+            return report
+        # Meta is read before files are listed: a file written after this read is younger
+        # than the tolerance, so it is never taken for an orphan.
+        found, _ = self.store.list_models(self.store.keys.segments(), SegmentInfo)
+        busy = busy_segments(list_plans(self.store))
+        self._orphans(found, busy, report)
+        self._dropped(found, report)
+        self._wal(report)
+        if not dry_run:
+            self.store.put(self.store.keys.gc_last_run(), {"at": self.clock()})
+        log.info(
+            "gc%s: %d orphans, %d dropped segments (%d files), %d log files, %.1f MB",
+            " (dry run)" if dry_run else "",
+            len(report.orphans),
+            len(report.dropped_segments),
+            len(report.segment_files),
+            len(report.wal_files),
+            report.bytes / 1e6,
+        )
+        return report
+
+    def _orphans(self, found: list[Decoded[SegmentInfo]], busy: set[int], report: GcReport) -> None:
+        named = {p for d in found for p in segment_paths(d.model)}
+        oldest = self.clock() - self.settings.gc_missing_tolerance
+        for root in BINLOG_ROOTS:
+            for info in self.storage.list_files(root + "/"):
+                key = self.storage.key_of(info.path)
+                owner = segment_of(key)
+                if key in named or (owner and owner[2] in busy):
+                    continue
+                if info.mtime is None or info.mtime.timestamp() > oldest:
+                    continue
+                self._delete(key, int(info.size or 0), report, report.orphans)
+
+    def _dropped(self, found: list[Decoded[SegmentInfo]], report: GcReport) -> None:
+        live = {p for d in found if d.model.state is not SegmentState.DROPPED for p in segment_paths(d.model)}
+        oldest = self.clock() - self.settings.gc_drop_tolerance
+        for d in found:
+            seg = d.model
+            if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest:
+                continue
+            if not self._checkpoint_past(seg):
+                continue
+            for path in segment_paths(seg):
+                if path not in live:
+                    self._delete(path, 0, report, report.segment_files)
+            failpoint("gc_after_files")
+            if not report.dry_run:
+                try:
+                    self.store.cas(d.kv.key, d.kv.version, None)
+                except CasConflictError:
+                    continue  # changed meanwhile: the next pass looks again
+            report.dropped_segments.append(seg.id)
+
+    def _checkpoint_past(self, seg: SegmentInfo) -> bool:
+        if seg.dml_position is None:
+            return True
+        cp = channel_checkpoint(self.store, seg.vchannel)
+        return cp is not None and cp.model.offset >= seg.dml_position.offset
+
+    def _wal(self, report: GcReport) -> None:
+        oldest = self.clock() - self.settings.wal_retention
+        for info in CollectionCatalog(self.store).list(include_dropped=True):
+            for vchannel in info.vchannels:
+                cp = channel_checkpoint(self.store, vchannel)
+                if cp is None:
+                    continue
+                files = WalReader(self.storage, vchannel, info).files()
+                mtimes = {
+                    self.storage.key_of(i.path): i.mtime
+                    for i in self.storage.list_files(wal_prefix(vchannel))
+                }
+                for f in files[:-1]:  # the newest file stays: the writer continues from it
+                    mtime = mtimes.get(f.key)
+                    if f.last_offset >= cp.model.offset or mtime is None or mtime.timestamp() > oldest:
+                        continue
+                    self._delete(f.key, f.size_bytes, report, report.wal_files)
+
+    def _delete(self, key: str, size: int, report: GcReport, into: list[str]) -> None:
+        if not report.dry_run:
+            self.storage.delete(key)
+        into.append(key)
+        report.bytes += size

@@ -1,0 +1,189 @@
+"""Compaction plans in etcd (`{root}/meta/compaction/{planID}`) and their one commit.
+
+A plan names its type (sort, l0, mix), its input segments with the etcd version each
+had when planned, the segment ids reserved for its outputs, and its state:
+
+    Pending --start--> Executing --commit--> Completed --cleanup--> Cleaned (deleted later)
+       |                   +------fail (conflict, bad input, timeout)--> Failed --cleanup--+
+
+`commit_compaction` is the only way a compaction changes segment meta: in ONE etcd
+transaction it compares every input's version (and the plan's), adds the outputs,
+marks the inputs Dropped and the plan Completed. A concurrent change of any input (a
+sync, a flush, another plan, a GC) makes it fail whole; the outputs' files are then
+orphans for garbage collection. So a crash at any step leaves either the inputs or the
+outputs live, never both.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vchan_assets.datacoord import segment_ops
+from vchan_assets.meta.errors import CasConflictError, MetaError
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import Record, SegmentInfo
+
+
+class CompactionType(enum.StrEnum):
+    SORT = "sort"  # the stats task: one Flushed segment rewritten sorted by pk
+    L0 = "l0"  # deletes of L0 segments moved into the segments that hold their pks
+    MIX = "mix"  # small segments merged, deleted rows removed
+
+
+class PlanState(enum.StrEnum):
+    PENDING = "Pending"
+    EXECUTING = "Executing"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+    CLEANED = "Cleaned"
+
+
+ACTIVE = (PlanState.PENDING, PlanState.EXECUTING)
+FINISHED = (PlanState.COMPLETED, PlanState.FAILED)
+
+
+@dataclass(frozen=True)
+class PlanInput(Record):
+    segment_id: int
+    version: int  # etcd version of the segment meta when planned
+
+
+@dataclass(frozen=True)
+class CompactionPlan(Record):
+    plan_id: int
+    type: CompactionType
+    collection_id: int
+    partition_id: int
+    vchannel: str
+    inputs: tuple[PlanInput, ...]
+    output_ids: tuple[int, ...] = ()  # reserved: GC leaves these segments' files alone
+    state: PlanState = PlanState.PENDING
+    reason: str = ""  # why it was triggered, then why it failed
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    rows_in: int = 0
+    rows_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        return tuple(i.segment_id for i in self.inputs)
+
+    def validate(self) -> None:
+        if not self.inputs:
+            raise ValueError("a compaction plan needs at least one input segment")
+
+
+class CompactionConflictError(MetaError):
+    """The commit found an input changed since it was planned: nothing was written."""
+
+    def __init__(self, plan_id: int, key: str, detail: str) -> None:
+        self.plan_id, self.key = plan_id, key
+        super().__init__(f"compaction plan {plan_id}: {key} {detail}; the plan is aborted")
+
+
+def list_plans(store: MetaStore) -> list[Decoded[CompactionPlan]]:
+    found, _ = store.list_models(store.keys.compaction_plans(), CompactionPlan)
+    return sorted(found, key=lambda d: d.model.plan_id)
+
+
+def busy_segments(plans: Sequence[Decoded[CompactionPlan]]) -> set[int]:
+    """Segments an active plan reads or will write: no other plan may take them."""
+    out: set[int] = set()
+    for d in plans:
+        if d.model.state in ACTIVE:
+            out.update(d.model.input_ids)
+            out.update(d.model.output_ids)
+    return out
+
+
+def create_plan(store: MetaStore, plan: CompactionPlan) -> Decoded[CompactionPlan]:
+    key = store.keys.compaction_plan(plan.plan_id)
+    store.cas(key, 0, plan)
+    found = store.get_model(key, CompactionPlan)
+    assert found is not None
+    return found
+
+
+def transition(
+    store: MetaStore, plan: Decoded[CompactionPlan], **changes: Any
+) -> Decoded[CompactionPlan] | None:
+    """Change a plan if nobody else did since `plan` was read; None if someone did."""
+    updated = replace(plan.model, **changes)
+    try:
+        store.cas(plan.kv.key, plan.kv.version, updated)
+    except CasConflictError:
+        return None
+    found = store.get_model(plan.kv.key, CompactionPlan)
+    return found
+
+
+def segment_key(store: MetaStore, plan: CompactionPlan, segment_id: int) -> str:
+    return store.keys.segment(plan.collection_id, plan.partition_id, segment_id)
+
+
+def read_inputs(store: MetaStore, plan: CompactionPlan) -> list[SegmentInfo]:
+    """The inputs as planned; CompactionConflictError if one changed or disappeared."""
+    out = []
+    for inp in plan.inputs:
+        key = segment_key(store, plan, inp.segment_id)
+        found = store.get_model(key, SegmentInfo)
+        version = found.kv.version if found else 0
+        if version != inp.version or found is None:
+            raise CompactionConflictError(
+                plan.plan_id, key, f"is at version {version}, planned at {inp.version}"
+            )
+        out.append(found.model)
+    return out
+
+
+def commit_compaction(
+    store: MetaStore,
+    plan: Decoded[CompactionPlan],
+    outputs: Sequence[SegmentInfo],
+    changed_inputs: Sequence[SegmentInfo] = (),
+    **plan_changes: Any,
+) -> int:
+    """One transaction: every input still at its planned version and the plan unchanged,
+    then the outputs added, the inputs Dropped (or replaced by `changed_inputs`, the L0
+    targets that gained delta logs) and the plan Completed. Returns the revision;
+    CompactionConflictError naming the changed key otherwise (nothing written)."""
+    p = plan.model
+    inputs = {s.id: s for s in read_inputs(store, p)}
+    now = time.time()
+    puts: dict[str, Any] = {}
+    for seg in inputs.values():
+        dropped = segment_ops.drop(seg)
+        puts[segment_key(store, p, seg.id)] = dropped or seg
+    for seg in changed_inputs:
+        puts[segment_key(store, p, seg.id)] = seg
+    expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}
+    for seg in outputs:
+        key = segment_key(store, p, seg.id)
+        puts[key] = seg
+        expect[key] = 0
+    expect[plan.kv.key] = plan.kv.version
+    puts[plan.kv.key] = replace(p, state=PlanState.COMPLETED, finished_at=now, **plan_changes)
+    revision = store.txn(expect, puts)
+    if revision is None:
+        raise _conflict(store, plan, expect)
+    return revision
+
+
+def _conflict(
+    store: MetaStore, plan: Decoded[CompactionPlan], expect: dict[str, int]
+) -> CompactionConflictError:
+    for key, version in expect.items():
+        found = store.get(key)
+        now = found.version if found else 0
+        if now != version:
+            return CompactionConflictError(
+                plan.model.plan_id, key, f"is at version {now}, expected {version}"
+            )
+    return CompactionConflictError(plan.model.plan_id, plan.kv.key, "changed during the commit")

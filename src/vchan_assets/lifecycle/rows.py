@@ -1,0 +1,69 @@
+"""Reading a segment's rows back and applying deletes: shared by compaction and the catalog."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vchan_assets.model import SegmentInfo
+from vchan_assets.storage import Storage
+
+DELETE_COLUMNS = ["pk", "timestamp"]
+
+
+def read_files(storage: Storage, paths: Iterable[str], columns: list[str] | None = None) -> pa.Table | None:
+    tables = [storage.read_parquet(p, columns=columns) for p in paths]
+    return pa.concat_tables(tables) if tables else None
+
+
+def empty_deletes() -> pa.Table:
+    return pa.table({"pk": pa.array([], pa.int64()), "timestamp": pa.array([], pa.int64())})
+
+
+def segment_rows(storage: Storage, seg: SegmentInfo, with_vectors: bool = True) -> pa.Table:
+    """The rows of one L1 segment: its column groups joined on row_id (they are aligned)."""
+    groups = sorted(seg.binlogs, key=lambda g: g.group)
+    scalar = read_files(storage, (b.path for b in groups[0].logs)) if groups else None
+    if scalar is None:
+        return pa.table({"row_id": pa.array([], pa.int64())})
+    for group in groups[1:] if with_vectors else ():
+        vectors = read_files(storage, (b.path for b in group.logs))
+        if vectors is None:
+            continue
+        if not vectors["row_id"].equals(scalar["row_id"]):
+            raise ValueError(f"segment {seg.id}: column group {group.group} is not aligned with group 0")
+        for name in vectors.column_names:
+            if name != "row_id":
+                scalar = scalar.append_column(name, vectors[name])
+    return scalar
+
+
+def delete_paths(segments: Sequence[SegmentInfo], partition_id: int) -> list[str]:
+    """Delta logs that apply to a partition: those of its segments that are not Dropped."""
+    return [
+        b.path
+        for seg in segments
+        if seg.partition_id == partition_id and seg.state.value != "Dropped"
+        for b in seg.deltalogs
+    ]
+
+
+def apply_deletes_to(rows: pa.Table, deletes: pa.Table, pk: str) -> pa.Table:
+    """Rows minus those deleted later: a row goes if a delete of its pk has a timestamp
+    greater than the row's (Milvus' rule; `deletes` holds one partition's pk, timestamp)."""
+    if deletes.num_rows == 0 or rows.num_rows == 0:
+        return rows
+    grouped = deletes.group_by("pk").aggregate([("timestamp", "max")])
+    latest = pa.table({"__pk": grouped["pk"], "__deleted_ts": grouped["timestamp_max"]})
+    # Key the join by a row index so the original order can be restored.
+    indexed = rows.append_column("__i", pa.array(range(rows.num_rows), pa.int64()))
+    joined = indexed.select(["__i", pk, "timestamp"]).join(
+        latest, keys=pk, right_keys="__pk", join_type="left outer"
+    )
+    deleted_ts = joined["__deleted_ts"]
+    keep_mask = pc.or_kleene(pc.is_null(deleted_ts), pc.less_equal(deleted_ts, joined["timestamp"]))
+    keep = pc.sort_indices(pc.filter(joined["__i"], keep_mask))
+    kept_i = pc.take(pc.filter(joined["__i"], keep_mask), keep)
+    return rows.take(kept_i)

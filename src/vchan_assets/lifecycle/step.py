@@ -1,0 +1,77 @@
+"""One DataCoord lifecycle step, the same whoever runs it (the `vchan datacoord` process
+or the Dagster lifecycle assets): time out and clean up plans, trigger sort (the stats
+task after flush) and mix compaction, run Pending plans, and garbage-collect once the
+interval has passed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.lifecycle.compaction import (
+    CompactionExecutor,
+    CompactionTrigger,
+    Engine,
+    PlanOutcome,
+    cleanup_plan,
+)
+from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
+from vchan_assets.lifecycle.plans import FINISHED, CompactionType, PlanState, list_plans, transition
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LifecycleReport:
+    timed_out: list[int] = field(default_factory=list)
+    cleaned: list[int] = field(default_factory=list)
+    deleted_plans: list[int] = field(default_factory=list)
+    planned: list[int] = field(default_factory=list)
+    outcomes: list[PlanOutcome] = field(default_factory=list)
+    gc: GcReport | None = None
+
+
+def expire_plans(store: MetaStore, settings: Settings, now: float, report: LifecycleReport) -> None:
+    """Executing past the timeout -> Failed (its executor died: its files are orphans);
+    Completed/Failed -> Cleaned; Cleaned past the plan retention -> deleted."""
+    for d in list_plans(store):
+        p = d.model
+        expired = p.state is PlanState.EXECUTING and now - p.started_at > settings.compaction_timeout
+        if expired and transition(store, d, state=PlanState.FAILED, reason="timed out", finished_at=now):
+            report.timed_out.append(p.plan_id)
+    for d in list_plans(store):
+        p = d.model
+        if p.state in FINISHED and cleanup_plan(store, p.plan_id):
+            report.cleaned.append(p.plan_id)
+        elif p.state is PlanState.CLEANED and now - p.finished_at > settings.compaction_plan_retention:
+            store.cas(d.kv.key, d.kv.version, None)
+            report.deleted_plans.append(p.plan_id)
+
+
+def lifecycle_step(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    engine: Engine = "spark",
+    now: float | None = None,
+    compact: bool = True,
+    collect: bool = True,
+) -> LifecycleReport:
+    now = time.time() if now is None else now
+    report = LifecycleReport()
+    expire_plans(store, settings, now, report)
+    if compact:
+        trigger = CompactionTrigger(store, storage, settings)
+        for info in CollectionCatalog(store).list():
+            for kind in (CompactionType.MIX, CompactionType.SORT):
+                report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
+        report.outcomes = CompactionExecutor(store, storage, settings, engine).run_pending()
+    gc = GarbageCollector(store, storage, settings)
+    if collect and gc.due():
+        report.gc = gc.run()
+    return report

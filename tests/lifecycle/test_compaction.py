@@ -1,0 +1,188 @@
+"""Sort (stats task) and mix compaction: plans in etcd, one commit that swaps inputs for
+outputs, the loser of a race aborts cleanly. Real etcd, real files, local engine (one
+test runs the plans as a Spark job)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.recovery import list_orphans
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.plans import (
+    CompactionPlan,
+    CompactionType,
+    PlanState,
+    create_plan,
+    list_plans,
+)
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer, generate_rows
+
+from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, segments, sync_all
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def executor(store: MetaStore, storage: Storage, settings: Settings) -> CompactionExecutor:
+    return CompactionExecutor(store, storage, settings, engine="local")
+
+
+def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_commit(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    before = live_l1(store, collection)
+    assert before and not any(s.is_sorted for s in before)
+    plans = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.SORT)
+    assert sorted(p.input_ids[0] for p in plans) == sorted(s.id for s in before)
+    outcomes = executor(store, storage, settings).run_pending()
+    assert [o.state for o in outcomes] == [PlanState.COMPLETED] * len(before)
+    after = live_l1(store, collection)
+    assert all(s.is_sorted and len(s.compaction_from) == 1 for s in after)
+    assert {s.compaction_from[0] for s in after} == {s.id for s in before}
+    dropped = {s.id for s in segments(store, collection) if s.state is SegmentState.DROPPED}
+    assert {s.id for s in before} <= dropped
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
+
+
+def test_mix_merges_small_segments_removing_deleted_rows_into_one_sorted_segment(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    before = live_l1(store, collection)
+    assert len(before) == 3
+    plans = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    assert len(plans) == 1 and sorted(plans[0].input_ids) == sorted(s.id for s in before)
+    [outcome] = executor(store, storage, settings).run_pending()
+    assert outcome.state is PlanState.COMPLETED, outcome.reason
+    [merged] = live_l1(store, collection)
+    assert merged.is_sorted and sorted(merged.compaction_from) == sorted(s.id for s in before)
+    # rows before = rows after + the deletes applied physically
+    assert merged.num_rows == sum(s.num_rows for s in before) - len(produced.deleted)
+    plan = store.get_model(store.keys.compaction_plan(outcome.plan_id), CompactionPlan)
+    assert plan is not None and plan.model.rows_in - plan.model.rows_out == len(produced.deleted)
+    pks = storage.read_parquet(merged.binlogs[0].logs[0].path)["pk"].to_pylist()
+    assert pks == sorted(pks)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_mix_output_is_cut_at_the_max_segment_size(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3, deletes=0)
+    row_mb = collection.schema.row_bytes() / (1 << 20)
+    small = replace(settings, segment_max_size_mb=250 * row_mb)  # 250 rows per segment
+    plans = CompactionTrigger(store, storage, small).trigger(collection, CompactionType.MIX, manual=True)
+    assert plans
+    outcomes = executor(store, storage, small).run_pending()
+    assert all(o.state is PlanState.COMPLETED for o in outcomes)
+    assert all(s.num_rows <= 250 for s in live_l1(store, collection))
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_compaction_never_plans_growing_sealed_or_flushing_segments(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    producer.insert(
+        collection.name,
+        generate_rows(SCHEMA, 50, start_pk=99_000),
+    )
+    sync_all(store, storage, settings, collection)
+    growing = [s.id for s in segments(store, collection) if s.state is not SegmentState.FLUSHED]
+    assert growing
+    trigger = CompactionTrigger(store, storage, settings)
+    planned = {
+        i
+        for kind in CompactionType
+        if kind is not CompactionType.L0
+        for p in trigger.trigger(collection, kind, manual=True)
+        for i in p.input_ids
+    }
+    assert planned and not planned & set(growing)
+
+
+def _bump(store: MetaStore, seg: SegmentInfo) -> None:
+    """What a sync or flush commit does to a segment's meta: a new version."""
+    key = store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
+    found = store.get_model(key, SegmentInfo)
+    assert found is not None
+    store.cas(key, found.kv.version, found.model.with_changes(last_insert_at=1.0))
+
+
+def test_compaction_whose_input_changed_after_its_files_were_written_aborts_and_inputs_stay_live(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    before = live_l1(store, collection)
+    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    ex = executor(store, storage, settings)
+    [pending] = [d for d in list_plans(store) if d.model.plan_id == plan.plan_id]
+    started = ex.start(pending)
+    assert isinstance(started, tuple)
+    running, spec = started
+    [result] = ex._run([spec])
+    _bump(store, before[0])  # a sync/flush commit lands between the files and the commit
+    outcome = ex.finish(running, result)
+    assert outcome.state is PlanState.FAILED and "version" in outcome.reason
+    assert {s.id for s in live_l1(store, collection)} == {s.id for s in before}
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    orphans = list_orphans(store, storage)
+    assert any(f"/{plan.output_ids[0]}/" in o for o in orphans), "the loser's files are orphans"
+
+
+def test_two_plans_of_the_same_segments_the_second_commit_aborts(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    trigger = CompactionTrigger(store, storage, settings)
+    [first] = trigger.trigger(collection, CompactionType.MIX)
+    # The trigger never plans a busy segment; force a rival plan on the same inputs.
+    rival = replace(first, plan_id=first.plan_id + 10_000_000, output_ids=(first.output_ids[0] + 10_000_000,))
+    create_plan(store, rival)
+    ex = executor(store, storage, settings)
+    a = ex.start([d for d in list_plans(store) if d.model.plan_id == first.plan_id][0])
+    b = ex.start([d for d in list_plans(store) if d.model.plan_id == rival.plan_id][0])
+    assert isinstance(a, tuple) and isinstance(b, tuple)
+    ra, rb = ex._run([a[1], b[1]])
+    assert ex.finish(a[0], ra).state is PlanState.COMPLETED
+    lost = ex.finish(b[0], rb)
+    assert lost.state is PlanState.FAILED
+    assert len(live_l1(store, collection)) == 1
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_corrupt_input_binlog_fails_that_plan_naming_the_file_and_other_plans_go_on(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    before = live_l1(store, collection)
+    bad = before[0].binlogs[0].logs[0].path
+    storage.write_atomic(bad, b"not parquet")
+    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.SORT)
+    outcomes = {o.state: o for o in executor(store, storage, settings).run_pending()}
+    assert set(outcomes) == {PlanState.FAILED, PlanState.COMPLETED}
+    assert bad in outcomes[PlanState.FAILED].reason
+    assert before[0].id in {s.id for s in live_l1(store, collection)}, "the corrupt input stays live"
+    plan = store.get_model(store.keys.compaction_plan(outcomes[PlanState.FAILED].plan_id), CompactionPlan)
+    assert plan is not None and bad in plan.model.reason
+
+
+def test_sort_and_mix_run_as_one_spark_job(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.SORT)
+    outcomes = CompactionExecutor(store, storage, settings, engine="spark").run_pending()
+    assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)

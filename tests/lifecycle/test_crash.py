@@ -1,0 +1,93 @@
+"""Crash safety: `vchan compact` and `vchan gc` SIGKILLed at each commit step (the
+failpoints), then the DataCoord lifecycle step and GC recover: every live row in exactly
+one live segment, every delete still applied, no live meta naming a missing file."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.recovery import list_orphans
+from vchan_assets.lifecycle.gc import GarbageCollector
+from vchan_assets.lifecycle.plans import PlanState, list_plans
+from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
+
+from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, run_vchan, segments
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def recover(store: MetaStore, storage: Storage, settings: Settings) -> None:
+    """What the DataCoord does next: time out the dead executor's plan, clean up, GC."""
+    quick = replace(settings, compaction_timeout=0.001, gc_missing_tolerance=1.0, gc_drop_tolerance=1.0)
+    time.sleep(0.01)
+    lifecycle_step(store, storage, quick, engine="local", compact=False, collect=False)
+    GarbageCollector(store, storage, quick, clock=lambda: time.time() + 5).run()
+
+
+@pytest.mark.parametrize(
+    "step", ["compaction_after_files", "compaction_after_commit", "compaction_before_cleanup"]
+)
+def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_both(
+    step: str,
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    before = {s.id for s in live_l1(store, collection)}
+    crashed = run_vchan(
+        settings,
+        "compact",
+        "--collection",
+        collection.name,
+        "--wait",
+        "--engine",
+        "local",
+        VCHAN_FAILPOINT=step,
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    after = {s.id for s in live_l1(store, collection)}
+    assert after == before if step == "compaction_after_files" else not after & before
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    recover(store, storage, settings)
+    assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert not list_orphans(store, storage), "the dead compaction's files are collected"
+
+
+def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    done = run_vchan(settings, "compact", "--collection", collection.name, "--wait", "--engine", "local")
+    assert done.returncode == 0, done.stderr
+    dropped = {s.id for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs}
+    time.sleep(0.05)
+    crashed = run_vchan(
+        settings,
+        "gc",
+        "--once",
+        VCHAN_FAILPOINT="gc_after_files",
+        VCHAN_GC_DROP_TOLERANCE="0.01",
+        VCHAN_GC_MISSING_TOLERANCE="0.01",
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    recover(store, storage, settings)
+    assert not dropped & {s.id for s in segments(store, collection)}
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
