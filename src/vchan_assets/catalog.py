@@ -35,6 +35,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog
 from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
+from vchan_assets.lifecycle.plans import list_plans
 from vchan_assets.lifecycle.rows import (
     DELETE_COLUMNS,
     apply_deletes_to,
@@ -336,6 +337,37 @@ class Catalog:
             "num_rows", "max_rows", "size_bytes", "delta_bytes", "stats_bytes", "binlog_count",
             "deltalog_count", "statslog_count", "column_groups", "is_sorted", "compaction_from",
             "start_offset", "dml_offset", "dml_ts", "created_at", "last_flush_time",
+        ]  # fmt: skip
+        return pd.DataFrame(rows, columns=columns)
+
+    def compactions(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per compaction plan (`meta/compaction/`): type, state, reason, inputs and
+        reserved outputs, rows and bytes in and out, times."""
+        names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
+        rows = [
+            {
+                "plan_id": p.plan_id,
+                "collection": names.get(p.collection_id),
+                "partition_id": p.partition_id,
+                "vchannel": p.vchannel,
+                "type": p.type.value,
+                "state": p.state.value,
+                "reason": p.reason,
+                "inputs": list(p.input_ids),
+                "outputs": list(p.output_ids),
+                "rows_in": p.rows_in,
+                "rows_out": p.rows_out,
+                "bytes_in": p.bytes_in,
+                "bytes_out": p.bytes_out,
+                "created_at": _utc(p.created_at),
+                "finished_at": _utc(p.finished_at) if p.finished_at else None,
+            }
+            for p in (d.model for d in list_plans(self.store))
+            if collection is None or names.get(p.collection_id) == collection
+        ]
+        columns = [
+            "plan_id", "collection", "partition_id", "vchannel", "type", "state", "reason", "inputs",
+            "outputs", "rows_in", "rows_out", "bytes_in", "bytes_out", "created_at", "finished_at",
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 

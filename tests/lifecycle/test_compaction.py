@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import list_orphans
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
@@ -186,3 +187,21 @@ def test_sort_and_mix_run_as_one_spark_job(
     outcomes = CompactionExecutor(store, storage, settings, engine="spark").run_pending()
     assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_output(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    [outcome] = executor(store, storage, settings).run_pending()
+    catalog = Catalog(store, storage, settings)
+    plans = catalog.compactions(collection.name)
+    assert list(plans["plan_id"]) == [outcome.plan_id]
+    assert plans.iloc[0]["type"] == "mix" and plans.iloc[0]["state"] == "Cleaned"
+    table = catalog.segments(collection.name, include_dropped=False)
+    merged = table[table["segment_id"] == outcome.outputs[0]].iloc[0]
+    assert merged["is_sorted"] and sorted(merged["compaction_from"]) == sorted(plans.iloc[0]["inputs"])
+    assert not set(merged["compaction_from"]) & set(table["segment_id"])
+    rows = catalog.read_collection(collection.name)
+    assert set(rows["segment_id"]) <= set(table["segment_id"])
