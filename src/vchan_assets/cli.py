@@ -551,6 +551,27 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reload-interval", type=float, default=5.0, help="seconds between segment-meta reloads"
     )
+    parser.add_argument(
+        "--engine", choices=("spark", "local"), default="spark", help="where compaction tasks run"
+    )
+
+
+def _run_lifecycle(
+    settings: Settings, store: MetaStore, active: threading.Event, stop: threading.Event, engine: str
+) -> None:
+    """The segment lifecycle beside the coordinator: one step every VCHAN_LIFECYCLE_INTERVAL
+    while this DataCoord is the active one."""
+    from vchan_assets.lifecycle.step import lifecycle_step
+
+    storage = Storage.from_settings(settings)
+    while not stop.wait(settings.lifecycle_interval):
+        if not active.is_set():
+            continue
+        try:
+            report = lifecycle_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+            log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
+        except (MetaError, StorageError, LogError) as exc:
+            log.warning("lifecycle step failed (%s); next one in %gs", exc, settings.lifecycle_interval)
 
 
 @command("datacoord", "run a DataCoord (active-standby by election) until SIGTERM", _datacoord_args)
@@ -564,6 +585,10 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
         coord = DataCoordinator(settings, store, interval=args.interval, reload_interval=args.reload_interval)
         runner = threading.Thread(target=coord.run, args=(stop,), name="datacoord", daemon=True)
         runner.start()
+        lifecycle = threading.Thread(
+            target=_run_lifecycle, args=(settings, store, coord.active, stop, args.engine), daemon=True
+        )
+        lifecycle.start()
         print(f"datacoord {coord.server_id} started", flush=True)
         while not stop.wait(0.5) and runner.is_alive():
             pass

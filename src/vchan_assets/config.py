@@ -262,6 +262,12 @@ class Settings:
         _positive_float,
         "seconds a log file wholly below its channel checkpoint is kept before GC removes it",
     )
+    lifecycle_interval: float = setting(
+        "VCHAN_LIFECYCLE_INTERVAL",
+        300.0,
+        _positive_float,
+        "seconds between the active DataCoord's lifecycle steps (plans, sort, compaction, GC)",
+    )
     compaction_small_proportion: float = setting(
         "VCHAN_COMPACTION_SMALL_PROPORTION",
         0.5,
