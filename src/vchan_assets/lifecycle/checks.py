@@ -1,0 +1,112 @@
+"""Invariant checks of the segment lifecycle (what the Dagster lifecycle asset checks
+report after every step), usable without Dagster:
+
+- `check_rows_conserved`: for each completed compaction, rows in = rows out + the rows of
+  its inputs that a delete removes (recomputed from the input files, kept until GC);
+- `check_unique_live_pks`: no primary key in two live segments of a vchannel;
+- `check_live_files_exist`: every file named by the meta of a live segment exists;
+- `storage_figures`: storage bytes and file counts (binlogs, log), for metadata over time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datanode.checks import CheckOutcome
+from vchan_assets.lifecycle.gc import segment_paths
+from vchan_assets.lifecycle.plans import CompactionPlan
+from vchan_assets.lifecycle.rows import (
+    DELETE_COLUMNS,
+    apply_deletes_to,
+    delete_paths,
+    empty_deletes,
+    read_files,
+)
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.storage.layout import BINLOG_ROOTS
+
+
+def _segments(store: MetaStore) -> list[SegmentInfo]:
+    found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    return [d.model for d in found]
+
+
+def _live_l1(segments: Sequence[SegmentInfo]) -> list[SegmentInfo]:
+    return [s for s in segments if s.state is not SegmentState.DROPPED and s.level is not SegmentLevel.L0]
+
+
+def check_rows_conserved(store: MetaStore, storage: Storage, plans: Sequence[CompactionPlan]) -> CheckOutcome:
+    segments = {s.id: s for s in _segments(store)}
+    bad = []
+    for p in plans:
+        inputs = [segments[i] for i in p.input_ids if i in segments]
+        if len(inputs) != len(p.inputs):
+            continue  # garbage-collected since: nothing left to recompute from
+        pk = CollectionCatalog(store).get(p.collection_id, include_dropped=True).schema.primary.name
+        rows = read_files(
+            storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
+        )
+        deletes = read_files(storage, delete_paths(list(segments.values()), p.partition_id), DELETE_COLUMNS)
+        rows = rows if rows is not None else pa.table({pk: pa.array([], pa.int64())})
+        kept = apply_deletes_to(rows, deletes or empty_deletes(), pk).num_rows
+        if p.rows_in != rows.num_rows or p.rows_out != kept:
+            bad.append(f"plan {p.plan_id}: in {p.rows_in}/{rows.num_rows}, out {p.rows_out}/{kept}")
+    return CheckOutcome(
+        not bad,
+        f"{len(plans)} compactions: rows in = rows out + deleted rows"
+        + (f"; wrong: {bad[:3]}" if bad else ""),
+        {"compactions": len(plans), "wrong": len(bad)},
+    )
+
+
+def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
+    by_channel: dict[tuple[int, str], list[SegmentInfo]] = defaultdict(list)
+    for s in _live_l1(_segments(store)):
+        by_channel[(s.collection_id, s.vchannel)].append(s)
+    duplicates = 0
+    rows = 0
+    catalog = CollectionCatalog(store)
+    for (collection_id, _), segs in by_channel.items():
+        pk = catalog.get(collection_id, include_dropped=True).schema.primary.name
+        pks = read_files(storage, [b.path for s in segs for g in s.binlogs[:1] for b in g.logs], [pk])
+        if pks is None:
+            continue
+        counts = Counter(pks[pk].to_pylist())
+        rows += pks.num_rows
+        duplicates += sum(c - 1 for c in counts.values() if c > 1)
+    return CheckOutcome(
+        duplicates == 0,
+        f"{rows} rows in live segments of {len(by_channel)} vchannels, {duplicates} duplicated primary keys",
+        {"rows": rows, "duplicates": duplicates},
+    )
+
+
+def check_live_files_exist(store: MetaStore, storage: Storage) -> CheckOutcome:
+    paths = [p for s in _segments(store) if s.state is not SegmentState.DROPPED for p in segment_paths(s)]
+    missing = [p for p in paths if not storage.exists(p)]
+    return CheckOutcome(
+        not missing,
+        f"{len(paths)} files named by live segment meta, {len(missing)} missing"
+        + (f": {', '.join(missing[:5])}" if missing else ""),
+        {"files": len(paths), "missing": len(missing)},
+    )
+
+
+def storage_figures(store: MetaStore, storage: Storage) -> dict[str, int]:
+    segments = _segments(store)
+    binlogs = [i for root in BINLOG_ROOTS for i in storage.list_files(root + "/")]
+    wal = storage.list_files("wal/")
+    return {
+        "live_segments": len([s for s in segments if s.state is not SegmentState.DROPPED]),
+        "dropped_segments": len([s for s in segments if s.state is SegmentState.DROPPED]),
+        "binlog_files": len(binlogs),
+        "binlog_bytes": sum(int(i.size or 0) for i in binlogs),
+        "wal_files": len(wal),
+        "wal_bytes": sum(int(i.size or 0) for i in wal),
+    }
