@@ -4,7 +4,6 @@ and mix compaction plans run by the DataCoord lifecycle step) and `garbage_colle
 checks, and a sensor that runs the step every VCHAN_LIFECYCLE_INTERVAL. The step is the
 same one the `vchan datacoord` process runs (lifecycle/step.py)."""
 
-
 import time
 
 import dagster as dg
@@ -80,9 +79,7 @@ def _check(name: str, asset: dg.AssetKey, outcome: CheckOutcome) -> dg.AssetChec
     ],
     check_specs=LIFECYCLE_CHECKS,
 )
-def segment_lifecycle(
-    context: dg.AssetExecutionContext, vchan: VchanResource
-) -> object:
+def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect."""
     with vchan.open() as runtime:
         store, storage = runtime.store, runtime.storage
