@@ -301,7 +301,12 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
 
 def _compact_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collection", required=True, help="collection name")
-    parser.add_argument("--type", choices=("sort", "mix"), default="mix", help="sort by pk, or merge (mix)")
+    parser.add_argument(
+        "--type",
+        choices=("sort", "l0", "mix"),
+        default="mix",
+        help="sort by pk, move L0 deletes into the segments they hit (l0), or merge (mix)",
+    )
     parser.add_argument("--wait", action="store_true", help="run the plans here and wait for each to finish")
     parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where tasks run")
 

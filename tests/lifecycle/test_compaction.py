@@ -21,7 +21,7 @@ from vchan_assets.lifecycle.plans import (
     list_plans,
 )
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
@@ -205,3 +205,42 @@ def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_outpu
     assert not set(merged["compaction_from"]) & set(table["segment_id"])
     rows = catalog.read_collection(collection.name)
     assert set(rows["segment_id"]) <= set(table["segment_id"])
+
+
+def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_drops_the_l0_segments(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    l0 = [
+        s
+        for s in segments(store, collection)
+        if s.level is SegmentLevel.L0 and s.state is SegmentState.FLUSHED
+    ]
+    assert len(l0) == 3
+    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0)
+    [outcome] = executor(store, storage, settings).run_pending()
+    assert outcome.state is PlanState.COMPLETED, outcome.reason
+    after = {s.id: s for s in segments(store, collection)}
+    assert all(after[s.id].state is SegmentState.DROPPED for s in l0)
+    # each batch deleted its own first pks: exactly the segment of that batch got them
+    targets = [s for s in live_l1(store, collection) if s.deltalogs]
+    assert len(targets) == 3 and all(s.state is SegmentState.FLUSHED for s in targets)
+    moved = sorted(
+        pk for s in targets for b in s.deltalogs for pk in storage.read_parquet(b.path)["pk"].to_pylist()
+    )
+    assert moved == sorted(produced.deleted)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    # then a mix compaction removes the rows physically and keeps nothing deleted
+    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_l0_compaction_waits_while_a_segment_that_may_hold_older_rows_is_not_flushed(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    producer.insert(collection.name, generate_rows(SCHEMA, 50, start_pk=99_000))
+    producer.delete(collection.name, [99_000], partition="_default")
+    sync_all(store, storage, settings, collection)  # the deleted row sits in a Growing segment
+    assert CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0) == []

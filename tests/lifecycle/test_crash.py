@@ -91,3 +91,28 @@ def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
     recover(store, storage, settings)
     assert not dropped & {s.id for s in segments(store, collection)}
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+@pytest.mark.parametrize("step", ["compaction_after_files", "compaction_after_commit"])
+def test_l0_compaction_killed_at_a_commit_step_keeps_every_delete_applied(
+    step: str,
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    crashed = run_vchan(
+        settings, "compact", "--collection", collection.name, "--type", "l0", "--wait", "--engine", "local",
+        VCHAN_FAILPOINT=step,
+    )  # fmt: skip
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    l0_live = [
+        s for s in segments(store, collection) if s.level.value == "L0" and s.state is SegmentState.FLUSHED
+    ]
+    assert bool(l0_live) == (step == "compaction_after_files")
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    recover(store, storage, settings)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert not list_orphans(store, storage)

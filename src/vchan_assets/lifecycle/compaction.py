@@ -22,11 +22,12 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.segment_manager import max_rows_of
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.failpoints import failpoint
@@ -57,7 +58,7 @@ from vchan_assets.lifecycle.task import (
 )
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import Decoded, MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,44 @@ def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int
     return out
 
 
+def l0_candidates(
+    segments: Sequence[Decoded[SegmentInfo]], busy: set[int], checkpoints: dict[str, int]
+) -> list[Candidate]:
+    """Per (partition, vchannel): the Flushed L0 segments at or below the channel checkpoint,
+    with every live Flushed L1 segment of the partition as a target (inputs too: the
+    commit checks their versions). Skipped while a target is in another plan, or while a
+    segment that may hold rows older than the deletes is not Flushed yet (a sync still
+    writes it: its rows would miss the deletes)."""
+    groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
+    for d in segments:
+        s = d.model
+        cp = checkpoints.get(s.vchannel)
+        ready = s.level is SegmentLevel.L0 and s.state is SegmentState.FLUSHED and s.deltalogs
+        if ready and s.id not in busy and s.dml_position and cp is not None and s.dml_position.offset <= cp:
+            groups[(s.partition_id, s.vchannel)].append(d)
+    out = []
+    for (partition, _), l0 in groups.items():
+        last_delete = (
+            max(physical_ms(d.model.dml_position.timestamp) for d in l0 if d.model.dml_position) / 1000
+        )
+        same = [
+            d for d in segments if d.model.partition_id == partition and d.model.level is not SegmentLevel.L0
+        ]
+        targets = [d for d in same if compactable(d.model)]
+        unsettled = [
+            d
+            for d in same
+            if d.model.state in (SegmentState.GROWING, SegmentState.SEALED, SegmentState.FLUSHING)
+            and d.model.created_at <= last_delete + 1.0
+        ]
+        if unsettled or any(d.model.id in busy for d in targets):
+            continue
+        out.append(
+            Candidate(CompactionType.L0, (*l0, *targets), f"{len(l0)} L0 segments below the checkpoint")
+        )
+    return out
+
+
 class CompactionTrigger:
     """Turns candidates into Pending plans in etcd (output ids reserved up front)."""
 
@@ -174,14 +213,16 @@ class CompactionTrigger:
                 manual,
             )
         else:
-            raise ValueError(f"compaction type {kind.value!r} is not triggered here")
+            checkpoints = {v: channel_checkpoint(self.store, v) for v in collection.vchannels}
+            offsets = {v: cp.model.offset for v, cp in checkpoints.items() if cp is not None}
+            candidates = l0_candidates(found, busy, offsets)
         return [self._plan(collection, c, max_rows) for c in candidates]
 
     def _plan(self, collection: CollectionInfo, c: Candidate, max_rows: int) -> CompactionPlan:
         rows = sum(d.model.num_rows for d in c.segments)
-        n_out = outputs_needed(rows, max_rows)
+        n_out = 0 if c.type is CompactionType.L0 else outputs_needed(rows, max_rows)
         first = c.segments[0].model
-        first_output = self.ids.alloc(n_out)
+        first_output = self.ids.alloc(n_out) if n_out else 0
         plan = CompactionPlan(
             plan_id=self.ids.alloc(),
             type=c.type,
@@ -258,7 +299,8 @@ class CompactionExecutor:
             inputs = read_inputs(self.store, p)
         except CompactionConflictError as exc:
             return self.fail(executing, str(exc))
-        bad = [s.id for s in inputs if not compactable(s)]
+        l0 = tuple(s for s in inputs if s.level is SegmentLevel.L0)
+        bad = [s.id for s in inputs if not compactable(s) and not (p.type is CompactionType.L0 and s in l0)]
         if bad:
             return self.fail(executing, f"segments {bad} are not Flushed L1 segments with rows")
         info = self.collections.get(p.collection_id, include_dropped=True)
@@ -273,6 +315,8 @@ class CompactionExecutor:
             log_id_base=self.ids.alloc(LOG_IDS_PER_PLAN),
             max_rows=max_rows_of(info, self.settings),
         )
+        if p.type is CompactionType.L0:
+            spec = replace(spec, inputs=l0, targets=tuple(s for s in inputs if s not in l0))
         return executing, spec
 
     def _run(self, specs: list[CompactionSpec]) -> list[CompactionOutput | CompactionInputError]:
@@ -295,6 +339,7 @@ class CompactionExecutor:
                 self.store,
                 plan,
                 result.segments,
+                changed_inputs=result.changed,
                 rows_in=result.rows_in,
                 rows_out=rows_out,
                 bytes_in=result.bytes_in,

@@ -68,7 +68,7 @@ def lifecycle_step(
     if compact:
         trigger = CompactionTrigger(store, storage, settings)
         for info in CollectionCatalog(store).list():
-            for kind in (CompactionType.MIX, CompactionType.SORT):
+            for kind in (CompactionType.MIX, CompactionType.SORT, CompactionType.L0):
                 report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
         report.outcomes = CompactionExecutor(store, storage, settings, engine).run_pending()
     gc = GarbageCollector(store, storage, settings)

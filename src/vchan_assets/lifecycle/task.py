@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from vchan_assets.datanode.binlog_writer import SCALAR_GROUP, column_groups, group_field_ids, write_parquet
@@ -37,7 +38,7 @@ from vchan_assets.model import (
     SegmentState,
 )
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.storage.layout import insert_log_key, stats_log_key
+from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log_key
 
 
 class CompactionInputError(ValueError):
@@ -63,6 +64,7 @@ class CompactionSpec:
     output_ids: tuple[int, ...]
     log_id_base: int  # log ids log_id_base .. + LOG_IDS_PER_PLAN
     max_rows: int
+    targets: tuple[SegmentInfo, ...] = ()  # L0 compaction: the segments that get the deletes
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class CompactionOutput:
     segments: tuple[SegmentInfo, ...]
     rows_in: int
     bytes_in: int
+    changed: tuple[SegmentInfo, ...] = ()  # L0 compaction: targets with their new delta logs
 
 
 LOG_IDS_PER_PLAN = 10_000
@@ -93,6 +96,46 @@ def run_compaction(spec: CompactionSpec) -> CompactionOutput:
             outputs.append(_write_output(spec, seg_id, chunk, log_ids))
     bytes_in = sum(b.size_bytes for s in spec.inputs for b in s.binlog_files)
     return CompactionOutput(spec.plan_id, tuple(outputs), rows_in, bytes_in)
+
+
+def run_l0_compaction(spec: CompactionSpec) -> CompactionOutput:
+    """The deletes of the L0 inputs, one delta log per target segment holding those whose
+    pk the target may contain (pk range and bloom filter of its stats logs). Deletes keep
+    their timestamps, so each still removes only older rows of its pk."""
+    try:
+        deletes = read_files(spec.storage, [b.path for s in spec.inputs for b in s.deltalogs])
+        stats = {
+            t.id: [PkStats.from_bytes(spec.storage.read_bytes(b.path)) for b in t.statslogs]
+            for t in spec.targets
+        }
+    except StorageError as exc:
+        raise CompactionInputError(spec.plan_id, exc.path, exc.reason) from None
+    if deletes is None:
+        deletes = empty_deletes()
+    pks = deletes["pk"].to_numpy()
+    log_ids = iter(range(spec.log_id_base, spec.log_id_base + LOG_IDS_PER_PLAN))
+    changed = []
+    for target in spec.targets:
+        hit = np.zeros(len(pks), dtype=bool)
+        for s in stats[target.id]:
+            hit |= s.might_contain(pks)
+        if not hit.any():
+            changed.append(target)  # kept as it is (the commit drops only what is not listed)
+            continue
+        rows = deletes.filter(pa.array(hit))
+        log_id = next(log_ids)
+        key = delta_log_key(target.collection_id, target.partition_id, target.id, log_id)
+        size = write_parquet(spec.storage, key, rows, vector=False)
+        ts = rows["timestamp"].to_numpy()
+        delta = Binlog(log_id, key, rows.num_rows, int(ts.min()), int(ts.max()), size)
+        changed.append(target.with_changes(deltalogs=(*target.deltalogs, delta)))
+    return CompactionOutput(
+        spec.plan_id,
+        (),
+        deletes.num_rows,
+        sum(b.size_bytes for s in spec.inputs for b in s.deltalogs),
+        tuple(changed),
+    )
 
 
 def _read_inputs(spec: CompactionSpec) -> pa.Table:
@@ -178,7 +221,7 @@ def run_compactions_arrow(
 
 def run_pickled(spec: CompactionSpec) -> dict[str, object]:
     try:
-        result: object = run_compaction(spec)
+        result: object = run_l0_compaction(spec) if spec.targets else run_compaction(spec)
     except (CompactionInputError, ValueError, pa.ArrowException, OSError) as exc:
         result = (
             exc
