@@ -178,7 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, default=3_000_000)
+    parser.add_argument("--rows", type=int, default=3_000_000, help="0: skip the throughput part")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--soak", type=float, default=120.0, help="seconds of each soak run (0: skip)")
     parser.add_argument("--out", default="bench/results/compaction.json")
@@ -197,9 +197,11 @@ def main() -> None:
         store = MetaStore.connect(settings)
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        report["spark"] = get_spark(settings).version
-        throughput(store, storage, settings, 20_000, 1)  # JVM and Python workers warm
-        report["throughput"] = throughput(store, storage, settings, args.rows, args.repeat)
+        if args.rows:
+            report["spark"] = get_spark(settings).version
+        if args.rows:
+            throughput(store, storage, settings, 20_000, 1)  # JVM and Python workers warm
+            report["throughput"] = throughput(store, storage, settings, args.rows, args.repeat)
         store.close()
         if args.soak:
             for lifecycle in (False, True):

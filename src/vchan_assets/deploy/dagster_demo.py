@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import replace
+from typing import Any
 
 import dagster as dg
 from rich.console import Console
@@ -23,10 +24,19 @@ from rich.table import Table
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
+from vchan_assets.defs.lifecycle.assets import segment_lifecycle
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import segment_catalog
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG
-from vchan_assets.demo import SCHEMA, DemoCheckError, DemoOptions, _check, _summary, produce_demo_data
+from vchan_assets.demo import (
+    SCHEMA,
+    DemoCheckError,
+    DemoOptions,
+    _check,
+    _summary,
+    check_lifecycle,
+    produce_demo_data,
+)
 from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, DagsterService
 from vchan_assets.model import CollectionInfo, NodeSession, WatchState
 from vchan_assets.stack import Stack
@@ -98,6 +108,42 @@ def _report_checks(console: Console, info: CollectionInfo, checks: dict[tuple[st
         raise DemoCheckError(f"asset checks did not all pass (no checks for {missing})")
 
 
+def _spark_remote(service: DagsterService, settings: Settings) -> str | None:
+    state = service.recorded() or {}
+    return str(state.get("spark_remote") or settings.spark_remote or "") or None
+
+
+def _lifecycle_assets(console: Console, settings: Settings) -> None:
+    """Materialize the segment lifecycle twice (sort/mix, then L0 into the sorted
+    segments), GC with a short drop tolerance, and print what each step did."""
+    quick = VchanResource.from_settings(replace(settings, gc_interval=0.5, gc_drop_tolerance=0.5))
+    with dg.DagsterInstance.ephemeral() as instance:
+        for step in (1, 2):
+            time.sleep(1.0)  # the dropped segments pass the drop tolerance
+            result = dg.materialize(
+                [segment_lifecycle],
+                instance=instance,
+                resources={"vchan": quick},
+                run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
+            )
+            meta = {
+                m.asset_key.path[-1]: m.metadata
+                for m in result.asset_materializations_for_node("segment_lifecycle")
+            }
+            compacted = {k: v.value for k, v in meta["compacted_segments"].items()}
+            gc: dict[str, Any] = {k: v.value for k, v in meta["garbage_collection"].items()}
+            checks = ", ".join(
+                f"{c.check_name} {'passed' if c.passed else 'FAILED'}"
+                for c in result.get_asset_check_evaluations()
+            )
+            console.print(
+                f"lifecycle step {step}: {compacted['completed']} compactions completed "
+                f"({compacted['rows_in']} rows in, {compacted['rows_out']} out); GC removed "
+                f"{gc['dropped_segments_deleted']} dropped segments, {gc['orphans_deleted']} orphans, "
+                f"{float(gc['bytes_freed']) / 1e6:.1f} MB; {checks}"
+            )
+
+
 def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console | None = None) -> int:
     console = console or Console(width=130)
     started = time.monotonic()
@@ -145,6 +191,9 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
             )
         _report_checks(console, info, checks)
         _check(stack, info, options.rows, deleted)
+        console.print(_summary(stack, info))
+        _lifecycle_assets(console, replace(settings, spark_remote=_spark_remote(service, settings)))
+        check_lifecycle(stack, settings, info, options.rows, deleted, console)
         console.print(_summary(stack, info))
         (mat,) = catalog.asset_materializations_for_node("segment_catalog")
         console.print(

@@ -151,20 +151,20 @@ def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int
 def l0_candidates(
     segments: Sequence[Decoded[SegmentInfo]], busy: set[int], checkpoints: dict[str, int]
 ) -> list[Candidate]:
-    """Per (partition, vchannel): the Flushed L0 segments at or below the channel checkpoint,
+    """Per partition: the Flushed L0 segments at or below their channel's checkpoint,
     with every live Flushed L1 segment of the partition as a target (inputs too: the
     commit checks their versions). Skipped while a target is in another plan, or while a
     segment that may hold rows older than the deletes is not Flushed yet (a sync still
     writes it: its rows would miss the deletes)."""
-    groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
+    groups: dict[int, list[Decoded[SegmentInfo]]] = defaultdict(list)
     for d in segments:
         s = d.model
         cp = checkpoints.get(s.vchannel)
         ready = s.level is SegmentLevel.L0 and s.state is SegmentState.FLUSHED and s.deltalogs
         if ready and s.id not in busy and s.dml_position and cp is not None and s.dml_position.offset <= cp:
-            groups[(s.partition_id, s.vchannel)].append(d)
+            groups[s.partition_id].append(d)
     out = []
-    for (partition, _), l0 in groups.items():
+    for partition, l0 in groups.items():
         last_delete = (
             max(physical_ms(d.model.dml_position.timestamp) for d in l0 if d.model.dml_position) / 1000
         )

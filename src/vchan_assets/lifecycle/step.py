@@ -66,11 +66,15 @@ def lifecycle_step(
     report = LifecycleReport()
     expire_plans(store, settings, now, report)
     if compact:
+        # L0 first (deletes into the segments that hold their pks), then merge and sort:
+        # a round of each, so neither keeps the other's segments busy forever.
         trigger = CompactionTrigger(store, storage, settings)
-        for info in CollectionCatalog(store).list():
-            for kind in (CompactionType.MIX, CompactionType.SORT, CompactionType.L0):
-                report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
-        report.outcomes = CompactionExecutor(store, storage, settings, engine).run_pending()
+        executor = CompactionExecutor(store, storage, settings, engine)
+        for kinds in ((CompactionType.L0,), (CompactionType.MIX, CompactionType.SORT)):
+            for info in CollectionCatalog(store).list():
+                for kind in kinds:
+                    report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
+            report.outcomes += executor.run_pending()
     gc = GarbageCollector(store, storage, settings)
     if collect and gc.due():
         report.gc = gc.run()
