@@ -204,8 +204,22 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "channels": channel_rows,
         "segments": segment_rows,
         "orphan_binlogs": orphan_count,
+        "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
         "warnings": warnings,
     }
+
+
+COMPACTION_COLUMNS = [
+    "plan_id",
+    "collection",
+    "type",
+    "state",
+    "inputs",
+    "outputs",
+    "rows_in",
+    "rows_out",
+    "reason",
+]
 
 
 def _cell(value: Any) -> str:
@@ -260,6 +274,14 @@ def render_status(report: dict[str, Any]) -> Group:
     for s in report["segments"]:
         segments.add_row(s["collection"], s["state"], s["level"], _cell(s["segments"]), _cell(s["rows"]))
 
+    plans = Table(title="compaction plans", title_justify="left")
+    for column in COMPACTION_COLUMNS:
+        plans.add_column(column.replace("_", " "))
+    for p in report.get("compactions", [])[-20:]:
+        plans.add_row(*(_cell(p[c]) if not isinstance(p[c], list) else str(p[c]) for c in COMPACTION_COLUMNS))
+    if not report.get("compactions"):
+        plans.add_row("-", "no compaction plan", *([""] * (len(COMPACTION_COLUMNS) - 2)))
+
     warnings = Table(title="warnings", title_justify="left")
     warnings.add_column("kind")
     warnings.add_column("message")
@@ -267,4 +289,4 @@ def render_status(report: dict[str, Any]) -> Group:
         warnings.add_row(Text(w["kind"], style="yellow"), w["message"])
     if not report["warnings"]:
         warnings.add_row(Text("none", style="green"), "nothing needs attention")
-    return Group(header, nodes, channels, segments, warnings)
+    return Group(header, nodes, channels, segments, plans, warnings)

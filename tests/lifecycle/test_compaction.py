@@ -244,3 +244,21 @@ def test_l0_compaction_waits_while_a_segment_that_may_hold_older_rows_is_not_flu
     producer.delete(collection.name, [99_000], partition="_default")
     sync_all(store, storage, settings, collection)  # the deleted row sits in a Growing segment
     assert CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0) == []
+
+
+def test_status_lists_the_compaction_plans(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    from rich.console import Console
+
+    from vchan_assets.status import collect_status, render_status
+
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    [plan] = report["compactions"]
+    assert plan["state"] == "Pending" and plan["type"] == "mix" and len(plan["inputs"]) == 2
+    console = Console(width=200, record=True)
+    console.print(render_status(report))
+    text = console.export_text()
+    assert "compaction plans" in text and f"{plan['plan_id']:,}" in text
