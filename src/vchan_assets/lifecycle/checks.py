@@ -53,7 +53,12 @@ def check_rows_conserved(store: MetaStore, storage: Storage, plans: Sequence[Com
         rows = read_files(
             storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
         )
-        deletes = read_files(storage, delete_paths(list(segments.values()), p.partition_id), DELETE_COLUMNS)
+        # The deletes the compaction applied: the live ones of the partition and its inputs' own.
+        paths = {
+            *delete_paths(list(segments.values()), p.partition_id),
+            *(b.path for s in inputs for b in s.deltalogs),
+        }
+        deletes = read_files(storage, sorted(paths), DELETE_COLUMNS)
         rows = rows if rows is not None else pa.table({pk: pa.array([], pa.int64())})
         kept = apply_deletes_to(rows, deletes or empty_deletes(), pk).num_rows
         if p.rows_in != rows.num_rows or p.rows_out != kept:

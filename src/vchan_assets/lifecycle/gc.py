@@ -153,9 +153,10 @@ class GarbageCollector:
                 continue
             if not self._checkpoint_past(seg):
                 continue
+            sizes = {b.path: b.size_bytes for b in (*seg.binlog_files, *seg.deltalogs, *seg.statslogs)}
             for path in segment_paths(seg):
                 if path not in live:
-                    self._delete(path, 0, report, report.segment_files)
+                    self._delete(path, sizes[path], report, report.segment_files)
             failpoint("gc_after_files")
             if not report.dry_run:
                 try:
