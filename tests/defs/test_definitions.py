@@ -18,10 +18,17 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
     repository = defs.get_repository_def()
 
     assets = {key.to_user_string() for key in repository.asset_graph.get_all_asset_keys()}
-    assert assets == {"binlogs", "segments", "channel_checkpoints", "segment_catalog"}
+    assert assets == {
+        "binlogs",
+        "segments",
+        "channel_checkpoints",
+        "segment_catalog",
+        "compacted_segments",
+        "garbage_collection",
+    }
     sensors = {s.name for s in repository.sensor_defs}
-    assert {"datanode_1", "sync_sensor", "datacoord_sensor"} <= sensors
-    assert repository.has_job("sync")
+    assert {"datanode_1", "sync_sensor", "datacoord_sensor", "lifecycle_sensor"} <= sensors
+    assert repository.has_job("sync") and repository.has_job("lifecycle")
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
 
 
