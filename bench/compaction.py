@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from bench import bench_stack
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.binlog_writer import column_groups, write_parquet
@@ -42,7 +42,6 @@ from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.rows import apply_deletes_to, read_files, segment_rows
 from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentLevel
 from vchan_assets.spark.session import get_spark
@@ -183,15 +182,7 @@ def main() -> None:
     parser.add_argument("--soak", type=float, default=120.0, help="seconds of each soak run (0: skip)")
     parser.add_argument("--out", default="bench/results/compaction.json")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="vchan-bench-"))
-    etcd = EmbeddedEtcd(work / "etcd").start()
-    settings = replace(
-        Settings.from_env({}),
-        home=work,
-        etcd_endpoints=(etcd.endpoint,),
-        storage_uri=str(work / "storage"),
-        segment_max_size_mb=4096,
-    )
+    work, etcd, settings = bench_stack()
     report: dict[str, Any] = {}
     try:
         store = MetaStore.connect(settings)

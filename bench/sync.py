@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import threading
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +30,12 @@ import psutil
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from bench import bench_stack
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.binlog_writer import column_groups, take_rows, write_parquet
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.spark.session import get_spark
@@ -148,15 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    work = Path(tempfile.mkdtemp(prefix="vchan-bench-"))
-    etcd = EmbeddedEtcd(work / "etcd").start()
-    settings = replace(
-        Settings.from_env({}),
-        home=work,
-        etcd_endpoints=(etcd.endpoint,),
-        storage_uri=str(work / "storage"),
-        segment_max_size_mb=4096,
-    )
+    work, etcd, settings = bench_stack()
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()
