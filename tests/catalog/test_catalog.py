@@ -152,11 +152,11 @@ def test_a_corrupt_log_file_is_reported_on_its_channel_and_the_others_still_show
     assert [w["vchannel"] for w in warnings if w["kind"] == "log_error"] == [broken]
 
 
-def test_segment_catalog_reads_the_dagster_assets_table_or_says_how_to_get_it(
+def test_segment_table_reads_the_dagster_assets_table_or_says_how_to_get_it(
     catalog: Catalog, known: Known
 ) -> None:
-    with pytest.raises(FileNotFoundError, match="materialize the segment_catalog asset"):
-        catalog.segment_catalog()
+    with pytest.raises(FileNotFoundError, match="materialize the segment_table asset"):
+        catalog.segment_table()
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -164,4 +164,4 @@ def test_segment_catalog_reads_the_dagster_assets_table_or_says_how_to_get_it(
     sink = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pandas(segments, preserve_index=False), sink)
     catalog.storage.write_atomic("catalog/segments.parquet", sink.getvalue())
-    assert catalog.segment_catalog()["num_rows"].sum() == 805 + 62
+    assert catalog.segment_table()["num_rows"].sum() == 805 + 62

@@ -1,4 +1,4 @@
-"""Collections and partitions in etcd (CollectionCatalog), against a real etcd."""
+"""Collections and partitions in etcd (CollectionRegistry), against a real etcd."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from vchan_assets.datacoord.collections import (
-    CollectionCatalog,
     CollectionExistsError,
     CollectionNotFoundError,
+    CollectionRegistry,
     InvalidNameError,
     InvalidSchemaError,
     PartitionExistsError,
@@ -24,12 +24,12 @@ SCHEMA = CollectionSchema.build("id", {"vector": 8}, {"age": "int64", "label": "
 
 
 @pytest.fixture
-def catalog(store: MetaStore) -> CollectionCatalog:
-    return CollectionCatalog(store)
+def catalog(store: MetaStore) -> CollectionRegistry:
+    return CollectionRegistry(store)
 
 
 def test_create_stores_the_collection_with_default_partition_and_vchannels(
-    catalog: CollectionCatalog, store: MetaStore
+    catalog: CollectionRegistry, store: MetaStore
 ) -> None:
     info = catalog.create("docs", SCHEMA, ["news"], num_channels=3)
 
@@ -42,7 +42,7 @@ def test_create_stores_the_collection_with_default_partition_and_vchannels(
     assert info.schema == SCHEMA
 
 
-def test_a_duplicate_name_raises_collection_exists(catalog: CollectionCatalog) -> None:
+def test_a_duplicate_name_raises_collection_exists(catalog: CollectionRegistry) -> None:
     first = catalog.create("docs", SCHEMA)
 
     with pytest.raises(CollectionExistsError, match="docs") as err:
@@ -56,7 +56,7 @@ def test_concurrent_creates_of_one_name_have_exactly_one_winner(store: MetaStore
 
     def create() -> None:
         try:
-            results.append(CollectionCatalog(store).create("race", SCHEMA))
+            results.append(CollectionRegistry(store).create("race", SCHEMA))
         except CollectionExistsError as exc:
             results.append(exc)
 
@@ -68,10 +68,10 @@ def test_concurrent_creates_of_one_name_have_exactly_one_winner(store: MetaStore
 
     winners = [r for r in results if isinstance(r, CollectionInfo)]
     assert len(winners) == 1
-    assert len(CollectionCatalog(store).list()) == 1
+    assert len(CollectionRegistry(store).list()) == 1
 
 
-def test_get_by_id_and_name_and_list(catalog: CollectionCatalog) -> None:
+def test_get_by_id_and_name_and_list(catalog: CollectionRegistry) -> None:
     a = catalog.create("a", SCHEMA)
     b = catalog.create("b", SCHEMA, num_channels=1)
 
@@ -86,24 +86,24 @@ def test_get_by_id_and_name_and_list(catalog: CollectionCatalog) -> None:
 
 
 @pytest.mark.parametrize("name", ["", "1abc", "has space", "a/b", "x" * 256, "naïve"])
-def test_invalid_names_are_rejected(catalog: CollectionCatalog, name: str) -> None:
+def test_invalid_names_are_rejected(catalog: CollectionRegistry, name: str) -> None:
     with pytest.raises(InvalidNameError):
         catalog.create(name, SCHEMA)
     with pytest.raises(InvalidNameError):
         catalog.create("ok", SCHEMA, [name]) if name else catalog.create("ok", SCHEMA, ["-"])
 
 
-def test_a_schema_without_a_vector_is_rejected(catalog: CollectionCatalog) -> None:
+def test_a_schema_without_a_vector_is_rejected(catalog: CollectionRegistry) -> None:
     with pytest.raises(InvalidSchemaError, match="vector"):
         catalog.create("plain", CollectionSchema.build("id", {}, {"age": "int64"}))
 
 
-def test_a_field_named_like_a_log_column_is_rejected(catalog: CollectionCatalog) -> None:
+def test_a_field_named_like_a_log_column_is_rejected(catalog: CollectionRegistry) -> None:
     with pytest.raises(InvalidSchemaError, match="reserved"):
         catalog.create("bad", CollectionSchema.build("id", {"vector": 4}, {"timestamp": "int64"}))
 
 
-def test_create_and_drop_partition_update_the_meta(catalog: CollectionCatalog, store: MetaStore) -> None:
+def test_create_and_drop_partition_update_the_meta(catalog: CollectionRegistry, store: MetaStore) -> None:
     info = catalog.create("docs", SCHEMA)
 
     updated, news_id = catalog.create_partition("docs", "news")
@@ -122,14 +122,14 @@ def test_create_and_drop_partition_update_the_meta(catalog: CollectionCatalog, s
     assert stored is not None and stored.version == 3  # create, add, drop: one CAS each
 
 
-def test_the_default_partition_cannot_be_dropped(catalog: CollectionCatalog) -> None:
+def test_the_default_partition_cannot_be_dropped(catalog: CollectionRegistry) -> None:
     catalog.create("docs", SCHEMA)
 
     with pytest.raises(ValueError, match="_default"):
         catalog.drop_partition("docs", "_default")
 
 
-def test_drop_frees_the_name_and_keeps_the_meta_for_the_log(catalog: CollectionCatalog) -> None:
+def test_drop_frees_the_name_and_keeps_the_meta_for_the_log(catalog: CollectionRegistry) -> None:
     old = catalog.create("docs", SCHEMA)
 
     dropped = catalog.drop("docs")
@@ -143,7 +143,7 @@ def test_drop_frees_the_name_and_keeps_the_meta_for_the_log(catalog: CollectionC
         catalog.drop("never")
 
 
-def test_start_positions_are_recorded_per_vchannel(catalog: CollectionCatalog) -> None:
+def test_start_positions_are_recorded_per_vchannel(catalog: CollectionRegistry) -> None:
     info = catalog.create("docs", SCHEMA, num_channels=2)
     positions = [MsgPosition(ch, 0, 100 + i) for i, ch in enumerate(info.vchannels)]
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.segment_manager import MiB, SegmentManager, max_rows_of, seal_by_lifetime
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
@@ -37,7 +37,7 @@ def dc_settings(settings: Settings) -> Settings:
 
 @pytest.fixture
 def collection(store: MetaStore) -> CollectionInfo:
-    return CollectionCatalog(store).create("docs", SCHEMA, ["news"], num_channels=2)
+    return CollectionRegistry(store).create("docs", SCHEMA, ["news"], num_channels=2)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from vchan_assets.defs.sync.assets import (
     BINLOGS,
     CHANNEL_CHECKPOINTS,
     SEGMENTS,
-    segment_catalog,
+    segment_table,
     sync_vchannel,
 )
 from vchan_assets.meta.store import MetaStore
@@ -161,7 +161,7 @@ def test_release_run_syncs_then_answers_release_success(
     assert store_checkpoint(store, vchannel) > 0
 
 
-def test_segment_catalog_writes_one_parquet_table_of_all_segments(
+def test_segment_table_writes_one_parquet_table_of_all_segments(
     instance: dg.DagsterInstance,
     vchan: VchanResource,
     dsettings: Settings,
@@ -175,9 +175,9 @@ def test_segment_catalog_writes_one_parquet_table_of_all_segments(
     for vchannel in collection.vchannels:
         config = {"lease_id": infos[vchannel].lease_id, "node_id": node.node_id}
         assert materialize_sync(instance, vchan, dsettings, vchannel, config).success
-    result = dg.materialize([segment_catalog], instance=instance, resources={"vchan": vchan})
+    result = dg.materialize([segment_table], instance=instance, resources={"vchan": vchan})
     assert result.success
-    (mat,) = result.asset_materializations_for_node("segment_catalog")
+    (mat,) = result.asset_materializations_for_node("segment_table")
     table = pq.read_table(str(mat.metadata["path"].value))
     assert table.num_rows == mat.metadata["segments"].value == len(runtime.segments())
     assert sum(table.column("num_rows").to_pylist()) == 300

@@ -22,7 +22,7 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "binlogs",
         "segments",
         "channel_checkpoints",
-        "segment_catalog",
+        "segment_table",
         "compacted_segments",
         "garbage_collection",
     }

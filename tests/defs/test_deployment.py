@@ -150,7 +150,7 @@ def test_graphql_returns_the_lineage_and_the_vchannel_partitions(deployment: Dep
         assert node["isPartitioned"]
         assert set(deployment.collection.vchannels) <= set(node["partitionKeys"])
     catalog = graphql(
-        deployment.url, '{ assetNodes(assetKeys: [{path: ["segment_catalog"]}]) { dependencyKeys { path } } }'
+        deployment.url, '{ assetNodes(assetKeys: [{path: ["segment_table"]}]) { dependencyKeys { path } } }'
     )
     assert [d["path"] for d in catalog["assetNodes"][0]["dependencyKeys"]] == [["channel_checkpoints"]]
 

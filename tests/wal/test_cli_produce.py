@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
@@ -55,7 +55,7 @@ def test_produce_writes_rows_deletes_and_ticks_end_to_end(etcd: EmbeddedEtcd, tm
     settings = replace(Settings(), root=root, etcd_endpoints=(etcd.endpoint,))
     store = MetaStore.connect(settings)
     try:
-        info = CollectionCatalog(store).get_by_name("demo")
+        info = CollectionRegistry(store).get_by_name("demo")
     finally:
         store.close()
     storage = Storage(str(tmp_path / "storage"))

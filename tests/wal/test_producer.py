@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog, PartitionNotFoundError
+from vchan_assets.datacoord.collections import CollectionRegistry, PartitionNotFoundError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
@@ -228,7 +228,7 @@ def test_a_collection_whose_create_message_was_lost_is_completed_on_first_use(
     store: MetaStore, storage: Storage, settings: Settings
 ) -> None:
     # A crash after the meta was written but before the log: no create message, no start positions.
-    info = CollectionCatalog(store).create("half", SCHEMA, num_channels=2)
+    info = CollectionRegistry(store).create("half", SCHEMA, num_channels=2)
 
     completed = Producer(store, storage, settings).collection("half")
 
