@@ -32,7 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
 from vchan_assets.lifecycle.plans import list_plans
@@ -63,7 +63,7 @@ from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
 
-SEGMENT_CATALOG_KEY = "catalog/segments.parquet"  # written by the Dagster segment_catalog asset
+SEGMENT_TABLE_KEY = "catalog/segments.parquet"  # written by the Dagster segment_table asset
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,10 @@ class Catalog:
     # --- raw reads (typed) ----------------------------------------------------------------
 
     def collection_infos(self, include_dropped: bool = False) -> list[CollectionInfo]:
-        return CollectionCatalog(self.store).list(include_dropped=include_dropped)
+        return CollectionRegistry(self.store).list(include_dropped=include_dropped)
 
     def collection(self, name: str) -> CollectionInfo:
-        return CollectionCatalog(self.store).get_by_name(name)
+        return CollectionRegistry(self.store).get_by_name(name)
 
     def segment_infos(self, collection_id: int | None = None) -> list[SegmentInfo]:
         found, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo, True)
@@ -394,19 +394,19 @@ class Catalog:
         rows = [self._file_row(seg, b) for seg in self._segments_of(collection) for b in seg.statslogs]
         return pd.DataFrame(rows, columns=_FILE_COLUMNS)
 
-    def write_segment_catalog(self, key: str = SEGMENT_CATALOG_KEY) -> tuple[str, pa.Table]:
+    def write_segment_table(self, key: str = SEGMENT_TABLE_KEY) -> tuple[str, pa.Table]:
         """Write `segments()` (every collection, dropped included) as one Parquet table
-        (what the Dagster `segment_catalog` asset materializes); its path and the table."""
+        (what the Dagster `segment_table` asset materializes); its path and the table."""
         table = pa.Table.from_pandas(self.segments(), preserve_index=False)
         self.storage.write_parquet(key, table)
         return self.storage.path(key), table
 
-    def segment_catalog(self, key: str = SEGMENT_CATALOG_KEY) -> pd.DataFrame:
-        """The `segment_catalog` Dagster asset's table (`{storage}/catalog/segments.parquet`):
+    def segment_table(self, key: str = SEGMENT_TABLE_KEY) -> pd.DataFrame:
+        """The `segment_table` Dagster asset's table (`{storage}/catalog/segments.parquet`):
         every segment as of its last materialization. `segments()` reads etcd live instead."""
         if not self.storage.exists(key):
             raise FileNotFoundError(
-                f"{self.storage.path(key)} does not exist: materialize the segment_catalog asset "
+                f"{self.storage.path(key)} does not exist: materialize the segment_table asset "
                 "(Dagster) first, or use Catalog.segments()"
             )
         return self.storage.read_parquet(key).to_pandas()
@@ -454,7 +454,7 @@ class Catalog:
         float32). With `apply_deletes`, rows deleted later in the same partition are
         removed. An L0 segment returns its deletes (pk, timestamp, offset)."""
         seg = self.segment(segment_id)
-        info = CollectionCatalog(self.store).get(seg.collection_id, include_dropped=True)
+        info = CollectionRegistry(self.store).get(seg.collection_id, include_dropped=True)
         if seg.level is SegmentLevel.L0:
             table = self._read_files(b.path for b in seg.deltalogs) or empty_deletes()
         else:

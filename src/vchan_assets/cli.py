@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vchan_assets.config import ConfigError, Settings
-from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionCatalog, CollectionExistsError
+from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionExistsError, CollectionRegistry
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
@@ -272,7 +272,7 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
     store = connect(settings)
     try:
         storage = Storage.from_settings(settings)
-        info = CollectionCatalog(store).get_by_name(args.collection)
+        info = CollectionRegistry(store).get_by_name(args.collection)
         channels = [args.channel] if args.channel else list(info.vchannels)
         for vchannel in channels:
             lease_id = args.lease_id
@@ -319,7 +319,7 @@ def compact(args: argparse.Namespace, settings: Settings) -> int:
     store = connect(settings)
     try:
         storage = Storage.from_settings(settings)
-        info = CollectionCatalog(store).get_by_name(args.collection)
+        info = CollectionRegistry(store).get_by_name(args.collection)
         kind = CompactionType(args.type)
         plans = CompactionTrigger(store, storage, settings).trigger(info, kind, manual=True)
         for p in plans:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import recovery_info
 from vchan_assets.meta.allocator import IdAllocator
@@ -88,13 +88,13 @@ class ChannelManager:
         store: MetaStore,
         settings: Settings,
         ids: IdAllocator | None = None,
-        catalog: CollectionCatalog | None = None,
+        catalog: CollectionRegistry | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.settings = settings
         self.ids = ids or IdAllocator(store)
-        self.catalog = catalog or CollectionCatalog(store, self.ids)
+        self.catalog = catalog or CollectionRegistry(store, self.ids)
         self.clock = clock
 
     # --- reading the picture -------------------------------------------------------------

@@ -112,7 +112,7 @@ def validate_schema(name: str, schema: CollectionSchema) -> None:
             raise InvalidSchemaError(name, f"field name {field.name!r} is reserved by the log")
 
 
-class CollectionCatalog:
+class CollectionRegistry:
     """Create, find, list and drop collections and partitions in etcd."""
 
     def __init__(

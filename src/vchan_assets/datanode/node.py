@@ -25,8 +25,8 @@ from dataclasses import replace
 from vchan_assets import __version__
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import (
-    CollectionCatalog,
     CollectionNotFoundError,
+    CollectionRegistry,
     VchannelNotFoundError,
 )
 from vchan_assets.datacoord.recovery import recovery_info
@@ -152,7 +152,7 @@ def watch_channel(
     with Tickler(ctx.store, key, version, info, ctx.settings) as tickler:
         try:
             lease = _take_lease(ctx, info)
-            collection = CollectionCatalog(ctx.store).get(info.vchan.collection_id)
+            collection = CollectionRegistry(ctx.store).get(info.vchan.collection_id)
             recovery = recovery_info(ctx.store, collection, vchannel)
             vchan = replace(
                 info.vchan,

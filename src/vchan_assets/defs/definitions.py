@@ -12,13 +12,13 @@ from vchan_assets.config import Settings
 from vchan_assets.defs.lifecycle.assets import lifecycle_job, lifecycle_sensor, segment_lifecycle
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
-from vchan_assets.defs.sync.assets import segment_catalog, sync_vchannel
+from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
 from vchan_assets.defs.sync.jobs import sync_job
 
 
 def build_definitions(settings: Settings) -> dg.Definitions:
     return dg.Definitions(
-        assets=[sync_vchannel, segment_catalog, segment_lifecycle],
+        assets=[sync_vchannel, segment_table, segment_lifecycle],
         jobs=[sync_job, lifecycle_job],
         sensors=[*all_sensors(settings.dagster_datanodes), lifecycle_sensor],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},

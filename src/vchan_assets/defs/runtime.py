@@ -17,7 +17,7 @@ from typing import Any
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog, VchannelNotFoundError
+from vchan_assets.datacoord.collections import CollectionRegistry, VchannelNotFoundError
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.datanode import checks
 from vchan_assets.datanode.channel_state import read_channel_state
@@ -55,7 +55,7 @@ class VchanRuntime:
     # --- channels ---------------------------------------------------------------------
 
     def collections(self) -> list[CollectionInfo]:
-        return CollectionCatalog(self.store).list()
+        return CollectionRegistry(self.store).list()
 
     def vchannels(self) -> dict[str, CollectionInfo]:
         return {v: info for info in self.collections() for v in info.vchannels}

@@ -5,7 +5,7 @@ dagster-webserver (DAGSTER_HOME=dagster_home); creates a collection with 4 vchan
 the two Dagster-hosted DataNodes (sensors `datanode_1`, `datanode_2`) register, the
 DataCoord sensor assigns the channels; produces rows and deletes; the sync sensor
 requests sync runs; flushes and waits for the flush state; then reads the asset check
-results the sync runs recorded, materializes `segment_catalog`, re-reads every binlog
+results the sync runs recorded, materializes `segment_table`, re-reads every binlog
 with pyarrow (the direct demo's check), and prints a summary and the UI address.
 """
 
@@ -26,7 +26,7 @@ from vchan_assets.datacoord.channel_manager import ChannelManager
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.lifecycle.assets import segment_lifecycle
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.defs.sync.assets import segment_catalog
+from vchan_assets.defs.sync.assets import segment_table
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG
 from vchan_assets.demo import (
     SCHEMA,
@@ -184,7 +184,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
             runs = instance.get_runs(dg.RunsFilter(job_name="sync", tags={CHANNEL_TAG: list(info.vchannels)}))
             failed = [r for r in runs if r.status is dg.DagsterRunStatus.FAILURE]
             catalog = dg.materialize(
-                [segment_catalog],
+                [segment_table],
                 instance=instance,
                 resources={"vchan": VchanResource.from_settings(settings)},
                 run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
@@ -195,10 +195,10 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         _lifecycle_assets(console, replace(settings, spark_remote=_spark_remote(service, settings)))
         check_lifecycle(stack, settings, info, options.rows, deleted, console)
         console.print(_summary(stack, info))
-        (mat,) = catalog.asset_materializations_for_node("segment_catalog")
+        (mat,) = catalog.asset_materializations_for_node("segment_table")
         console.print(
             f"{len(runs)} sync runs ({len(failed)} failed: lease moved during a reassignment); "
-            f"segment_catalog: {mat.metadata['segments'].value} segments at {mat.metadata['path'].value}"
+            f"segment_table: {mat.metadata['segments'].value} segments at {mat.metadata['path'].value}"
         )
         console.print(
             f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]: every row is in exactly one "

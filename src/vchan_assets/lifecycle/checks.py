@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.lifecycle.gc import segment_paths
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
@@ -49,7 +49,7 @@ def check_rows_conserved(store: MetaStore, storage: Storage, plans: Sequence[Com
         inputs = [segments[i] for i in p.input_ids if i in segments]
         if len(inputs) != len(p.inputs):
             continue  # garbage-collected since: nothing left to recompute from
-        pk = CollectionCatalog(store).get(p.collection_id, include_dropped=True).schema.primary.name
+        pk = CollectionRegistry(store).get(p.collection_id, include_dropped=True).schema.primary.name
         rows = read_files(
             storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
         )
@@ -77,7 +77,7 @@ def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
         by_channel[(s.collection_id, s.vchannel)].append(s)
     duplicates = 0
     rows = 0
-    catalog = CollectionCatalog(store)
+    catalog = CollectionRegistry(store)
     for (collection_id, _), segs in by_channel.items():
         pk = catalog.get(collection_id, include_dropped=True).schema.primary.name
         pks = read_files(storage, [b.path for s in segs for g in s.binlogs[:1] for b in g.logs], [pk])

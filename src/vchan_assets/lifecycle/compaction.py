@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.segment_manager import max_rows_of
 from vchan_assets.datanode.stats import PkStats
@@ -266,7 +266,7 @@ class CompactionExecutor:
         self.store, self.storage, self.settings = store, storage, settings
         self.engine, self.timeout = engine, timeout
         self.ids = IdAllocator(store)
-        self.collections = CollectionCatalog(store)
+        self.collections = CollectionRegistry(store)
 
     def run_pending(self, plan_ids: Sequence[int] | None = None) -> list[PlanOutcome]:
         pending = [

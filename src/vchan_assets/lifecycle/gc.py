@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import busy_segments, list_plans
@@ -173,7 +173,7 @@ class GarbageCollector:
 
     def _wal(self, report: GcReport) -> None:
         oldest = self.clock() - self.settings.wal_retention
-        for info in CollectionCatalog(self.store).list(include_dropped=True):
+        for info in CollectionRegistry(self.store).list(include_dropped=True):
             for vchannel in info.vchannels:
                 cp = channel_checkpoint(self.store, vchannel)
                 if cp is None:

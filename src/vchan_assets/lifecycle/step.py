@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.lifecycle.compaction import (
     CompactionExecutor,
     CompactionTrigger,
@@ -71,7 +71,7 @@ def lifecycle_step(
         trigger = CompactionTrigger(store, storage, settings)
         executor = CompactionExecutor(store, storage, settings, engine)
         for kinds in ((CompactionType.L0,), (CompactionType.MIX, CompactionType.SORT)):
-            for info in CollectionCatalog(store).list():
+            for info in CollectionRegistry(store).list():
                 for kind in kinds:
                     report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
             report.outcomes += executor.run_pending()

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import (
     DEFAULT_PARTITION,
-    CollectionCatalog,
+    CollectionRegistry,
     PartitionNotFoundError,
 )
 from vchan_assets.datacoord.segment_manager import SealedSegment, SegmentManager
@@ -73,7 +73,7 @@ class Producer:
         ids: IdAllocator | None = None,
         tso: TimestampOracle | None = None,
         segments: SegmentManager | None = None,
-        catalog: CollectionCatalog | None = None,
+        catalog: CollectionRegistry | None = None,
         seal_after_insert: bool = True,
     ) -> None:
         if segments is not None and tso is not None and tso is not segments.tso:
@@ -84,7 +84,7 @@ class Producer:
         self.ids = ids or (segments.ids if segments else IdAllocator(store))
         self.tso = segments.tso if segments else (tso or TimestampOracle(store))
         self.segments = segments or SegmentManager(store, settings, self.ids, self.tso)
-        self.catalog = catalog or CollectionCatalog(store, self.ids)
+        self.catalog = catalog or CollectionRegistry(store, self.ids)
         self.seal_after_insert = seal_after_insert
         self.last_sealed: list[SealedSegment] = []
         self._collections: dict[str, CollectionInfo] = {}

@@ -51,7 +51,7 @@ from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError
-from vchan_assets.meta.watch import EventKind, poll_changes
+from vchan_assets.meta.watch import Changes, EventKind, poll_changes
 from vchan_assets.model import NodeSession, SessionState, WatchState
 
 log = logging.getLogger(__name__)
@@ -146,57 +146,63 @@ class DagsterDataNode:
         prefix = self.store.keys.channel_watch_prefix(cursor.node_id)
         changes = poll_changes(self.store, prefix, cursor.revision or None)
         out = NodeTick(NodeCursor(cursor.node_id, cursor.session_lease, changes.revision), new_session=new)
-        # (key, kind, version, value, mod_revision): the last event per key wins.
-        latest: dict[str, tuple[EventKind, int, bytes, int]] = {}
-        if changes.relisted:
-            out.relisted = changes.reason
-            assert changes.snapshot is not None
-            for kv in changes.snapshot.items:
-                latest[kv.key] = (EventKind.PUT, kv.version, kv.value, kv.mod_revision)
-        for event in changes.events:
-            latest[event.key] = (event.kind, event.version, event.value, event.mod_revision)
-        for key, (kind, version, value, revision) in sorted(latest.items()):
-            vchannel = key.rsplit("/", 1)[-1]
-            if kind is EventKind.DELETE:
-                out.requests.append(
-                    WatchRequest(vchannel, f"release:{cursor.node_id}:{vchannel}:{revision}", 0, release=True)
-                )
-                continue
-            try:
-                info = parse_watch_info(key, value)
-            except MalformedValueError as exc:
-                log.error("datanode %s: skipping malformed watch info: %s", cursor.node_id, exc)
-                out.skipped.append(key)
-                continue
-            if info.state is WatchState.TO_WATCH:
-                try:
-                    result = watch_channel(ctx, key, version, info)
-                except CasConflictError:
-                    out.skipped.append(key)  # the coordinator moved on meanwhile
-                    continue
-                out.watched.append((vchannel, result.state.value))
-                if result.state is WatchState.WATCH_SUCCESS:
-                    out.partitions.append(vchannel)
-                    out.requests.append(
-                        WatchRequest(
-                            vchannel, f"watch:{cursor.node_id}:{vchannel}:{info.lease_id}", info.lease_id or 0
-                        )
-                    )
-            elif info.state is WatchState.TO_RELEASE:
-                out.requests.append(
-                    WatchRequest(
-                        vchannel,
-                        f"release:{cursor.node_id}:{vchannel}:{revision}",
-                        info.lease_id or 0,
-                        release=True,
-                        watch_key=key,
-                    )
-                )
-            elif info.state is WatchState.WATCH_SUCCESS:
-                out.partitions.append(vchannel)  # relist: make sure the partition exists
-            elif not is_end_state(info.state):
-                out.skipped.append(key)
+        out.relisted = changes.reason if changes.relisted else ""
+        for key, change in sorted(latest_changes(changes).items()):
+            self.handle(ctx, out, key, change)
         return out
+
+    def handle(self, ctx: NodeContext, out: NodeTick, key: str, change: KeyChange) -> None:
+        """One watch key's latest change: watch it now, or ask for the run it needs."""
+        node_id = out.cursor.node_id
+        vchannel = key.rsplit("/", 1)[-1]
+        release_key = f"release:{node_id}:{vchannel}:{change.mod_revision}"
+        if change.kind is EventKind.DELETE:
+            out.requests.append(WatchRequest(vchannel, release_key, 0, release=True))
+            return
+        try:
+            info = parse_watch_info(key, change.value)
+        except MalformedValueError as exc:
+            log.error("datanode %s: skipping malformed watch info: %s", node_id, exc)
+            out.skipped.append(key)
+            return
+        lease_id = info.lease_id or 0
+        if info.state is WatchState.TO_RELEASE:
+            out.requests.append(WatchRequest(vchannel, release_key, lease_id, release=True, watch_key=key))
+        elif info.state is WatchState.WATCH_SUCCESS:
+            out.partitions.append(vchannel)  # relist: make sure the partition exists
+        elif info.state is WatchState.TO_WATCH:
+            try:
+                result = watch_channel(ctx, key, change.version, info)
+            except CasConflictError:
+                out.skipped.append(key)  # the coordinator moved on meanwhile
+                return
+            out.watched.append((vchannel, result.state.value))
+            if result.state is WatchState.WATCH_SUCCESS:
+                out.partitions.append(vchannel)
+                out.requests.append(
+                    WatchRequest(vchannel, f"watch:{node_id}:{vchannel}:{lease_id}", lease_id)
+                )
+        elif not is_end_state(info.state):
+            out.skipped.append(key)
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    kind: EventKind
+    version: int
+    value: bytes
+    mod_revision: int
+
+
+def latest_changes(changes: Changes) -> dict[str, KeyChange]:
+    """The last change per key: the relisted snapshot first, then the events after it."""
+    latest: dict[str, KeyChange] = {}
+    if changes.snapshot is not None:
+        for kv in changes.snapshot.items:
+            latest[kv.key] = KeyChange(EventKind.PUT, kv.version, kv.value, kv.mod_revision)
+    for event in changes.events:
+        latest[event.key] = KeyChange(event.kind, event.version, event.value, event.mod_revision)
+    return latest
 
 
 def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:

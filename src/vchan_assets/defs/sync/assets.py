@@ -5,7 +5,7 @@ then segment meta, then the checkpoint), so they are materialized together by on
 multi-asset, partitioned by vchannel, that runs the PySpark `SyncTask` through
 dagster-pyspark's resource. Their lineage in the UI is the commit order.
 
-Downstream, unpartitioned: `segment_catalog`, one Parquet table of every segment
+Downstream, unpartitioned: `segment_table`, one Parquet table of every segment
 (`{storage}/catalog/segments.parquet`) that the notebooks read.
 """
 
@@ -245,11 +245,11 @@ def _release(runtime: VchanRuntime, config: SyncConfig) -> None:
     group_name="catalog",
     kinds={"parquet"},
 )
-def segment_catalog(vchan: VchanResource) -> dg.MaterializeResult:
+def segment_table(vchan: VchanResource) -> dg.MaterializeResult:
     """Every segment of every collection as one table, `{storage}/catalog/segments.parquet`:
     what the notebooks read."""
     with vchan.open() as runtime:
-        path, table = runtime.catalog().write_segment_catalog()
+        path, table = runtime.catalog().write_segment_table()
     states = table.column("state").to_pylist()
     return dg.MaterializeResult(
         metadata={
