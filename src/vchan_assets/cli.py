@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionSchema
+from vchan_assets.spark import Engine
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.format import LogError
@@ -82,12 +84,25 @@ def connect(settings: Settings) -> MetaStore:
 
 
 @contextlib.contextmanager
-def open_producer(settings: Settings) -> Iterator[Producer]:
+def opened(settings: Settings) -> Iterator[Stack]:
+    """`open_system` for one command: its etcd client is closed when the command ends."""
     stack = open_system(settings)
     try:
-        yield Producer(stack.store, stack.storage, settings)
+        yield stack
     finally:
         stack.store.close()
+
+
+@contextlib.contextmanager
+def open_producer(settings: Settings) -> Iterator[Producer]:
+    with opened(settings) as stack:
+        yield Producer(stack.store, stack.storage, settings)
+
+
+def _engine_arg(parser: argparse.ArgumentParser, tasks: str) -> None:
+    parser.add_argument(
+        "--engine", choices=get_args(Engine), default="spark", help=f"where {tasks} run (default spark)"
+    )
 
 
 def _names(raw: str) -> list[str]:
@@ -259,7 +274,7 @@ def _sync_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="grant a new lease to this command first (fences off the channel's current writer)",
     )
-    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where tasks run")
+    _engine_arg(parser, "tasks")
 
 
 @command("sync", "persist a collection's vchannels from their checkpoints into binlogs", _sync_args)
@@ -269,9 +284,8 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.meta.allocator import IdAllocator
     from vchan_assets.meta.errors import LeaseLostError
 
-    store = connect(settings)
-    try:
-        storage = Storage.from_settings(settings)
+    with opened(settings) as stack:
+        store, storage = stack.store, stack.storage
         info = CollectionRegistry(store).get_by_name(args.collection)
         channels = [args.channel] if args.channel else list(info.vchannels)
         for vchannel in channels:
@@ -291,8 +305,6 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
                     f"{result.deletes} deletes, {result.files} files, {result.bytes / 1e6:.1f} MB, "
                     f"{len(result.flushed_segments)} segments flushed in {result.seconds:.2f}s"
                 )
-    finally:
-        store.close()
     return 0
 
 
@@ -308,7 +320,7 @@ def _compact_args(parser: argparse.ArgumentParser) -> None:
         help="sort by pk, move L0 deletes into the segments they hit (l0), or merge (mix)",
     )
     parser.add_argument("--wait", action="store_true", help="run the plans here and wait for each to finish")
-    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where tasks run")
+    _engine_arg(parser, "tasks")
 
 
 @command("compact", "plan (and with --wait run) a manual compaction of a collection", _compact_args)
@@ -316,9 +328,8 @@ def compact(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
     from vchan_assets.lifecycle.plans import CompactionType, PlanState
 
-    store = connect(settings)
-    try:
-        storage = Storage.from_settings(settings)
+    with opened(settings) as stack:
+        store, storage = stack.store, stack.storage
         info = CollectionRegistry(store).get_by_name(args.collection)
         kind = CompactionType(args.type)
         plans = CompactionTrigger(store, storage, settings).trigger(info, kind, manual=True)
@@ -334,8 +345,6 @@ def compact(args: argparse.Namespace, settings: Settings) -> int:
             detail = f"-> segments {list(o.outputs)}" if o.state is PlanState.COMPLETED else o.reason
             print(f"[{i}/{len(outcomes)}] plan {o.plan_id}: {o.state} {detail}", flush=True)
         return 0 if all(o.state is PlanState.COMPLETED for o in outcomes) else 1
-    finally:
-        store.close()
 
 
 def _gc_args(parser: argparse.ArgumentParser) -> None:
@@ -352,9 +361,9 @@ def _gc_args(parser: argparse.ArgumentParser) -> None:
 def gc(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.lifecycle.gc import GarbageCollector
 
-    store = connect(settings)
-    try:
-        collector = GarbageCollector(store, Storage.from_settings(settings), settings)
+    with opened(settings) as stack:
+        store, storage = stack.store, stack.storage
+        collector = GarbageCollector(store, storage, settings)
         if args.pause is not None:
             print(f"garbage collection paused for {args.pause:g}s")
             collector.pause(args.pause)
@@ -376,8 +385,6 @@ def gc(args: argparse.Namespace, settings: Settings) -> int:
             f"{report.bytes / 1e6:.1f} MB"
         )
         return 0
-    finally:
-        store.close()
 
 
 # --- demo, up, down ---------------------------------------------------------------------
@@ -407,8 +414,6 @@ def demo(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("up", "start the embedded stack (etcd, Spark Connect, Dagster webserver + daemon) in the background")
 def up(args: argparse.Namespace, settings: Settings) -> int:
-    from vchan_assets.stack import Stack
-
     stack = Stack.open(settings, detach=True)
     try:
         for key, value in stack.health().items():
@@ -519,7 +524,7 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _datanode_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where sync tasks run")
+    _engine_arg(parser, "sync tasks")
     parser.add_argument(
         "--poll", type=float, default=1.0, help="seconds between sync-policy checks per channel (default 1)"
     )
@@ -556,9 +561,7 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reload-interval", type=float, default=5.0, help="seconds between segment-meta reloads"
     )
-    parser.add_argument(
-        "--engine", choices=("spark", "local"), default="spark", help="where compaction tasks run"
-    )
+    _engine_arg(parser, "compaction tasks")
 
 
 def _run_lifecycle(

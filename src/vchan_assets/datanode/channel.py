@@ -18,10 +18,11 @@ from vchan_assets.datacoord.watchers import NotWatcherError, lease_for_watcher
 from vchan_assets.datanode import policies
 from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.policies import ChannelBacklog, sync_reasons
-from vchan_assets.datanode.sync import Engine, SyncResult, SyncTask
+from vchan_assets.datanode.sync import SyncResult, SyncTask
 from vchan_assets.meta.errors import LeaseLostError, MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionInfo
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 from vchan_assets.wal.reader import WalReader
 

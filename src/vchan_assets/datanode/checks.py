@@ -143,10 +143,14 @@ def check_binlog_paths(
         for s in _segments(store, collection, vchannel)
         for b in (*s.binlog_files, *s.deltalogs, *s.statslogs)
     ]
+    return files_exist_outcome(storage, paths, "paths in segment meta", "paths")
+
+
+def files_exist_outcome(storage: Storage, paths: list[str], what: str, count_key: str) -> CheckOutcome:
+    """Passes when every one of `paths` exists; names the first missing ones."""
     missing = [p for p in paths if not storage.exists(p)]
     return CheckOutcome(
         not missing,
-        f"{len(paths)} paths in segment meta, {len(missing)} missing"
-        + (f": {', '.join(missing[:5])}" if missing else ""),
-        {"paths": len(paths), "missing": len(missing)},
+        f"{len(paths)} {what}, {len(missing)} missing" + (f": {', '.join(missing[:5])}" if missing else ""),
+        {count_key: len(paths), "missing": len(missing)},
     )

@@ -31,7 +31,6 @@ from vchan_assets.datacoord.collections import (
 )
 from vchan_assets.datacoord.recovery import recovery_info
 from vchan_assets.datanode.channel import ChannelWorker, NodeContext, sync_once
-from vchan_assets.datanode.sync import Engine
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info, vchannel_of
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, MetaUnavailableError
@@ -47,6 +46,7 @@ from vchan_assets.model import (
     VchannelInfo,
     WatchState,
 )
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
@@ -52,12 +52,12 @@ from vchan_assets.model import (
     SegmentLevel,
     SegmentState,
 )
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
 
-Engine = Literal["spark", "local"]
 SEGMENTS_PER_TXN = 64  # etcd allows 128 operations per transaction by default
 COMMIT_ATTEMPTS = 20
 IDS_PER_TASK = 100_000

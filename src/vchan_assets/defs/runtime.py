@@ -23,9 +23,10 @@ from vchan_assets.datanode import checks
 from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.policies import ChannelBacklog, channel_backlog, sync_reasons
-from vchan_assets.datanode.sync import Engine, SyncResult, sync_channel
+from vchan_assets.datanode.sync import SyncResult, sync_channel
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo
+from vchan_assets.spark import Engine
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
 from vchan_assets.wal.reader import WalReader

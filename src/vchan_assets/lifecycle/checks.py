@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from vchan_assets.datacoord.collections import CollectionRegistry
-from vchan_assets.datanode.checks import CheckOutcome
+from vchan_assets.datanode.checks import CheckOutcome, files_exist_outcome
 from vchan_assets.lifecycle.gc import segment_paths
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
 from vchan_assets.lifecycle.rows import (
@@ -95,13 +95,7 @@ def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
 
 def check_live_files_exist(store: MetaStore, storage: Storage) -> CheckOutcome:
     paths = [p for s in _segments(store) if s.state is not SegmentState.DROPPED for p in segment_paths(s)]
-    missing = [p for p in paths if not storage.exists(p)]
-    return CheckOutcome(
-        not missing,
-        f"{len(paths)} files named by live segment meta, {len(missing)} missing"
-        + (f": {', '.join(missing[:5])}" if missing else ""),
-        {"files": len(paths), "missing": len(missing)},
-    )
+    return files_exist_outcome(storage, paths, "files named by live segment meta", "files")
 
 
 def storage_figures(store: MetaStore, storage: Storage) -> dict[str, int]:

@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
@@ -59,11 +59,10 @@ from vchan_assets.lifecycle.task import (
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 
 log = logging.getLogger(__name__)
-
-Engine = Literal["spark", "local"]
 
 
 # --- triggers ------------------------------------------------------------------------------

@@ -14,13 +14,13 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.lifecycle.compaction import (
     CompactionExecutor,
     CompactionTrigger,
-    Engine,
     PlanOutcome,
     cleanup_plan,
 )
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
 from vchan_assets.lifecycle.plans import FINISHED, CompactionType, PlanState, list_plans, transition
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 
 log = logging.getLogger(__name__)
