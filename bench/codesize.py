@@ -19,6 +19,7 @@ LAYERS = {
     "datanode": ["datanode"],
     "datacoord": ["datacoord"],
     "spark": ["spark"],
+    "lifecycle": ["lifecycle"],
     "defs": ["defs"],
     "deploy": ["deploy", "stack.py", "demo.py"],
     "cli+catalog+status+metrics": ["cli.py", "catalog.py", "status.py", "metrics.py", "readmodel"],
