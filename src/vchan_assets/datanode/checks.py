@@ -1,5 +1,7 @@
-"""Invariant checks of one vchannel over its *committed range* (start, checkpoint]:
+"""Invariant checks of one vchannel over its *committed range* [0, checkpoint]:
 what the Dagster asset checks report after every sync, usable without Dagster.
+Once log retention deleted the oldest log files, `check_log_rows` compares the range
+the log still holds, [first retained offset, checkpoint], and reports that floor.
 
 - `check_log_rows`: the insert binlogs hold exactly the log's inserts of that range and
   the delta logs exactly its deletes. Deletes are not applied to insert binlogs (they go
@@ -25,8 +27,8 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
-from vchan_assets.storage import Storage
-from vchan_assets.wal.format import MsgType
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.wal.format import CorruptLogError, MsgType, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
 
@@ -56,21 +58,52 @@ def _insert_binlogs(segments: list[SegmentInfo]) -> list[Binlog]:
     ]
 
 
-def _log_columns(storage: Storage, collection: CollectionInfo, vchannel: str, up_to: int) -> pa.Table:
+@dataclass(frozen=True)
+class RetainedLog:
+    """What the log still holds of a channel's committed range: log retention deletes the
+    files wholly below the checkpoint, so only offsets from `floor` on can be compared."""
+
+    floor: int  # the first offset still in the log (0 while nothing was deleted)
+    table: pa.Table  # offset, msg_type, pk of [floor, checkpoint]
+
+
+def _empty_log(pk: str) -> pa.Table:
+    return pa.table(
+        {
+            "offset": pa.array([], pa.int64()),
+            "msg_type": pa.array([], pa.string()),
+            pk: pa.array([], pa.int64()),
+        }
+    )
+
+
+def _retained_log(storage: Storage, collection: CollectionInfo, vchannel: str, up_to: int) -> RetainedLog:
+    """The retained log up to `up_to`; listed again if a retention pass deletes a file
+    between the listing and the read (the floor then moves up)."""
     pk = collection.schema.primary.name
-    columns = ["offset", "msg_type", pk]
-    reader = WalReader(storage, vchannel, collection)
-    tables = [storage.read_parquet(f.key, columns=columns) for f in reader.files_between(-1, up_to)]
-    if not tables:
-        return pa.table(
-            {
-                "offset": pa.array([], pa.int64()),
-                "msg_type": pa.array([], pa.string()),
-                pk: pa.array([], pa.int64()),
-            }
-        )
-    table = pa.concat_tables(tables)
-    return table.filter(pc.less_equal(table["offset"], up_to))
+    for _ in range(3):
+        files = WalReader(storage, vchannel, collection).files_between(-1, up_to)
+        floor = files[0].first_offset if files else 0
+        try:
+            tables = [storage.read_parquet(f.key, columns=["offset", "msg_type", pk]) for f in files]
+        except StorageError:
+            if all(storage.exists(f.key) for f in files):
+                raise
+            continue
+        table = pa.concat_tables(tables) if tables else _empty_log(pk)
+        return RetainedLog(floor, table.filter(pc.less_equal(table["offset"], up_to)))
+    raise CorruptLogError(storage.path(wal_prefix(vchannel)), "files kept disappearing while read")
+
+
+def _count_from(storage: Storage, logs: list[Binlog], column: str, floor: int) -> int:
+    """Entries of `logs` whose log offset (`column`) is at or above `floor`: all of them
+    while the log is whole, else read from the files."""
+    if floor == 0:
+        return sum(b.entries for b in logs)
+    return sum(
+        pc.sum(pc.greater_equal(storage.read_parquet(b.path, columns=[column])[column], floor)).as_py() or 0
+        for b in logs
+    )
 
 
 def check_log_rows(
@@ -80,13 +113,16 @@ def check_log_rows(
     if found is None:
         return CheckOutcome(True, "no checkpoint yet: nothing committed", {"log_inserts": 0})
     cp = found.model
-    log_table = _log_columns(storage, collection, vchannel, cp.offset)
+    retained = _retained_log(storage, collection, vchannel, cp.offset)
+    log_table, floor = retained.table, retained.floor
     kinds = log_table["msg_type"]
     log_inserts = pc.sum(pc.equal(kinds, MsgType.INSERT.value)).as_py() or 0
     log_deletes = pc.sum(pc.equal(kinds, MsgType.DELETE.value)).as_py() or 0
     segs = _segments(store, collection, vchannel)
-    binlog_rows = sum(b.entries for b in _insert_binlogs(segs))
-    delta_rows = sum(b.entries for s in segs for b in s.deltalogs)
+    # Insert binlogs carry the log offset as row_id, delta logs as offset.
+    binlog_rows = _count_from(storage, _insert_binlogs(segs), "row_id", floor)
+    deltalogs = [b for s in segs for b in s.deltalogs]
+    delta_rows = _count_from(storage, deltalogs, "offset", floor)
     pk = collection.schema.primary.name
     inserted = set(log_table.filter(pc.equal(kinds, MsgType.INSERT.value))[pk].to_pylist())
     deleted = set(log_table.filter(pc.equal(kinds, MsgType.DELETE.value))[pk].to_pylist())
@@ -99,15 +135,23 @@ def check_log_rows(
     moved = any(s.deltalogs for s in segs if s.level is not SegmentLevel.L0)
     deltas_ok = delta_rows == log_deletes
     if moved and not deltas_ok:
-        paths = [b.path for s in segs for b in s.deltalogs]
-        delta_pks = {pk for p in paths for pk in storage.read_parquet(p, columns=["pk"])["pk"].to_pylist()}
+        delta_pks = set()
+        for b in deltalogs:
+            table = storage.read_parquet(b.path, columns=["pk", "offset"])
+            delta_pks |= set(table.filter(pc.greater_equal(table["offset"], floor))["pk"].to_pylist())
         deltas_ok = delta_pks <= deleted  # every delete still in the log, none invented
+    scope = (
+        f"committed range [0, {cp.offset}]"
+        if floor == 0
+        else f"retained range [{floor}, {cp.offset}] (log retention deleted offsets below {floor})"
+    )
     return CheckOutcome(
         rows_ok and deltas_ok,
-        f"committed range (start, {cp.offset}]: insert binlogs {binlog_rows} / log inserts {log_inserts}, "
+        f"{scope}: insert binlogs {binlog_rows} / log inserts {log_inserts}, "
         f"delta logs {delta_rows} / log deletes {log_deletes}, live rows {live}",
         {
             "checkpoint_offset": cp.offset,
+            "retained_from_offset": floor,
             "log_inserts": log_inserts,
             "binlog_rows": binlog_rows,
             "log_deletes": log_deletes,

@@ -207,7 +207,8 @@ class WalReader:
             out.append(info)
         return out
 
-    def _describe(self, info: pafs.FileInfo) -> WalFile:
+    def _describe(self, info: pafs.FileInfo) -> WalFile | None:
+        """The file's footer; None if it disappeared since the listing (log retention)."""
         key = self.storage.key_of(info.path)
         cached = self._footers.get(key)
         if cached is not None and cached.size_bytes == info.size:
@@ -216,7 +217,7 @@ class WalReader:
             with self.storage.open_input_file(key) as f:
                 md = pq.ParquetFile(f).metadata
         except FileNotFoundError:
-            raise CorruptLogError(info.path, "the file disappeared while listing") from None
+            return None
         except (pa.ArrowException, OSError) as exc:
             raise CorruptLogError(info.path, f"unreadable footer: {exc}") from None
         first, count, last_ts = _check_footer(md, info.path, key, self.vchannel, self.collection.id)
@@ -225,8 +226,11 @@ class WalReader:
         return described
 
     def files(self) -> list[WalFile]:
-        """Every log file of the channel in offset order, checked to be contiguous."""
-        files = [self._describe(info) for info in self._listing()]
+        """Every log file of the channel in offset order, checked to be contiguous.
+
+        Log retention deletes the oldest files while readers list: a file gone since the
+        listing is left out (one gone from the middle shows as a gap)."""
+        files = [f for f in map(self._describe, self._listing()) if f is not None]
         for before, after in zip(files, files[1:], strict=False):
             if after.first_offset != before.end_offset:
                 raise CorruptLogError(
@@ -239,7 +243,12 @@ class WalReader:
     def last_file(self) -> WalFile | None:
         """The newest log file (only its footer is read)."""
         listing = self._listing()
-        return self._describe(listing[-1]) if listing else None
+        if not listing:
+            return None
+        last = self._describe(listing[-1])
+        if last is None:  # retention never deletes the newest file
+            raise CorruptLogError(listing[-1].path, "the newest log file disappeared while listing")
+        return last
 
     def files_between(self, after_offset: int, up_to_offset: int | None = None) -> list[WalFile]:
         """Files holding an offset in (after_offset, up_to_offset] (up to the end if None)."""

@@ -1,0 +1,109 @@
+"""After log retention deleted a vchannel's oldest log files, everything that reads the
+log still works on what is left: the sync checks compare the range the retained log can
+prove (and say so), readers listing the log while a retention pass deletes files carry
+on. Real etcd, real files, real GC passes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+import pyarrow.fs as pafs
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datanode.checks import check_log_rows
+from vchan_assets.lifecycle.gc import GarbageCollector
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
+from vchan_assets.wal.reader import WalReader
+
+from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1
+from .test_gc import compact_all
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def retain(store: MetaStore, storage: Storage, settings: Settings) -> list[str]:
+    """One GC pass with a clock past the log retention: the log files it deleted."""
+    gc = GarbageCollector(
+        store, storage, replace(settings, wal_retention=5.0), clock=lambda: time.time() + 10
+    )
+    deleted = gc.run().wal_files
+    assert deleted, "nothing was old enough to delete: the test proves nothing"
+    return deleted
+
+
+def test_log_rows_check_after_retention_compares_the_retained_range_and_says_so(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    compact_all(store, storage, settings, collection)  # one segment with rows below and above the floor
+    [vchannel] = collection.vchannels
+    assert check_log_rows(store, storage, collection, vchannel).passed
+    retain(store, storage, settings)
+    floor = WalReader(storage, vchannel, collection).files()[0].first_offset
+    outcome = check_log_rows(store, storage, collection, vchannel)
+    assert outcome.passed, outcome.description
+    assert outcome.metadata["retained_from_offset"] == floor > 0
+    assert f"[{floor}," in outcome.description and "retention" in outcome.description
+    # and the next rounds are checked the same way
+    more = flushed_batches(store, storage, settings, producer, collection, batches=2, first_batch=3)
+    retain(store, storage, settings)
+    outcome = check_log_rows(store, storage, collection, vchannel)
+    assert outcome.passed, outcome.description
+    produced.rows += more.rows
+    produced.deleted += more.deleted
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_log_rows_check_after_retention_still_catches_rows_lost_above_the_floor(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=3)
+    retain(store, storage, settings)
+    flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=3)
+    [vchannel] = collection.vchannels
+    assert check_log_rows(store, storage, collection, vchannel).passed
+    # lose the newest segment's rows (as a bad commit would): the check must see it
+    newest = max(live_l1(store, collection), key=lambda s: s.id)
+    key = store.keys.segment(newest.collection_id, newest.partition_id, newest.id)
+    found = store.get_model(key, SegmentInfo)
+    assert found is not None and newest.level is SegmentLevel.L1
+    store.cas(key, found.kv.version, newest.with_changes(state=SegmentState.DROPPED))
+    outcome = check_log_rows(store, storage, collection, vchannel)
+    assert not outcome.passed, outcome.description
+
+
+@dataclass(frozen=True)
+class RetentionDuringListing(Storage):
+    """The real storage, where a retention pass deletes `doomed` log files right after a
+    reader listed the log (the window a concurrent GC pass can hit)."""
+
+    doomed: list[str] = field(default_factory=list)
+
+    def list_files(self, prefix: str) -> list[pafs.FileInfo]:
+        found = super().list_files(prefix)
+        while self.doomed:
+            self.delete(self.doomed.pop())
+        return found
+
+
+def test_a_reader_listing_the_log_while_retention_deletes_its_oldest_file_carries_on(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=3)
+    [vchannel] = collection.vchannels
+    before = WalReader(storage, vchannel, collection).files()
+    racing = RetentionDuringListing(storage.uri, doomed=[before[0].key])
+    assert WalReader(racing, vchannel, collection).files() == before[1:]
+    racing = RetentionDuringListing(storage.uri, doomed=[before[1].key])
+    outcome = check_log_rows(store, racing, collection, vchannel)
+    assert outcome.passed, outcome.description
+    assert outcome.metadata["retained_from_offset"] == before[2].first_offset
