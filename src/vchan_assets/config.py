@@ -232,6 +232,12 @@ class Settings:
         _positive_float,
         "seconds without inserts after which a segment is sealed",
     )
+    segment_max_binlog_files: int = setting(
+        "VCHAN_SEGMENT_MAX_BINLOG_FILES",
+        32,
+        _positive_int,
+        "binlog files per column group at which a growing segment is sealed (bounds its etcd value)",
+    )
     sync_buffer_mb: float = setting(
         "VCHAN_SYNC_BUFFER_MB", 16.0, _positive_float, "buffered log data that triggers a sync"
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 import uuid
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from vchan_assets.datacoord.recovery import list_orphans, recovery_info
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.errors import LeaseLostError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
@@ -154,6 +157,42 @@ def test_recovery_info_lists_seek_position_and_segments_by_state(
     assert after.seek_position == checkpoint(store, vchannel)
     assert set(before.unflushed_segment_ids) <= set(after.flushed_segment_ids)
     assert not after.unflushed_segment_ids
+
+
+# --- segment meta size ------------------------------------------------------------------
+
+SMALL_REQUEST_BYTES = 16 * 1024  # etcd's --max-request-bytes: ~35 syncs of one segment's meta
+
+
+@pytest.fixture
+def small_etcd(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
+    """An etcd that refuses requests over SMALL_REQUEST_BYTES, to reach the limit in seconds."""
+    server = EmbeddedEtcd(tmp_path / "small-etcd", max_request_bytes=SMALL_REQUEST_BYTES).start()
+    yield server
+    server.stop()
+
+
+def test_growing_segment_is_sealed_by_binlog_file_count_before_its_meta_outgrows_etcd_request_limit(
+    settings: Settings, small_etcd: EmbeddedEtcd, storage: Storage
+) -> None:
+    settings = replace(settings, etcd_endpoints=(small_etcd.endpoint,), segment_max_binlog_files=8)
+    store = MetaStore.connect(settings)
+    try:
+        producer = Producer(store, storage, settings)
+        info = producer.create_collection("small", SCHEMA, num_channels=1)
+        vchannel = info.vchannels[0]
+        lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+        produced = Produced()
+        for i in range(60):  # one segment would pass the limit after ~35 syncs
+            produce(producer, info.name, produced, 10, start_pk=i * 10)
+            SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        assert_exactly_once(store, storage, info, produced)
+        l1 = [s for s in segments(store, info) if s.level is SegmentLevel.L1]
+        assert len(l1) >= 60 // 9
+        # sealed at 8 files; the sync that flushes it adds the last rows assigned before the seal
+        assert max(len(s.binlogs[0].logs) for s in l1) <= 8 + 1
+    finally:
+        store.close()
 
 
 # --- crashes between commit steps -------------------------------------------------------

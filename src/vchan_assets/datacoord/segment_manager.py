@@ -74,6 +74,7 @@ class SegmentAllocation:
     created_at: float
     last_insert_at: float
     last_ts: int = 0  # largest timestamp passed to assign for it
+    binlog_files: int = 0  # most binlog files of one column group, as last read from etcd
 
     @property
     def free(self) -> int:
@@ -119,11 +120,25 @@ def seal_by_idle(max_idle: float) -> SealPolicy:
     return policy
 
 
+def seal_by_binlog_count(max_files: int) -> SealPolicy:
+    """Milvus' sealL1SegmentByBinlogFileNumber (segment.maxBinlogFileNumber): seal a segment
+    whose column group holds `max_files` binlogs. Every sync appends to the segment's one
+    etcd value; a segment that never fills would outgrow etcd's request limit."""
+
+    def policy(seg: SegmentAllocation, now: float) -> str | None:
+        if seg.binlog_files >= max_files:
+            return f"binlog files: {seg.binlog_files} >= {max_files}"
+        return None
+
+    return policy
+
+
 def default_seal_policies(settings: Settings) -> tuple[SealPolicy, ...]:
     return (
         seal_by_capacity(settings.segment_seal_proportion),
         seal_by_lifetime(settings.segment_max_life),
         seal_by_idle(settings.segment_max_idle),
+        seal_by_binlog_count(settings.segment_max_binlog_files),
     )
 
 
@@ -291,10 +306,19 @@ class SegmentManager:
             chosen = []
             for segments in self._growing.values():
                 for seg in segments:
+                    seg.binlog_files = self._binlog_files(seg)
                     reasons = [r for r in (p(seg, now) for p in self.policies) if r]
                     if reasons:
                         chosen.append((seg, "; ".join(reasons)))
             return self._seal_locked(chosen, SegmentState.SEALED) if chosen else []
+
+    def _binlog_files(self, seg: SegmentAllocation) -> int:
+        """The segment's binlog count per column group, from etcd (the DataNode writes it)."""
+        key = self.store.keys.segment(seg.collection_id, seg.partition_id, seg.segment_id)
+        found = self.store.get_model(key, SegmentInfo)
+        if found is None:
+            return seg.binlog_files
+        return max((len(g.logs) for g in found.model.binlogs), default=0)
 
     def flush(self, collection_id: int) -> int:
         """Seal every growing segment of the collection (state Flushing) and return the

@@ -116,6 +116,7 @@ class EmbeddedEtcd:
     peer_port: int | None = None
     pid: int | None = None
     owned: bool = False
+    max_request_bytes: int | None = None  # etcd's --max-request-bytes (None: its 1.5 MiB default)
     _process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -184,6 +185,8 @@ class EmbeddedEtcd:
             "--log-level=warn",
             "--auto-compaction-retention=0",
         ]
+        if self.max_request_bytes is not None:
+            args.append(f"--max-request-bytes={self.max_request_bytes}")
         logfile = open(self.directory / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
         self._process = subprocess.Popen(
             args,
