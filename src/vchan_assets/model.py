@@ -295,6 +295,7 @@ class SegmentState(enum.StrEnum):
     FLUSHING = "Flushing"
     FLUSHED = "Flushed"
     DROPPED = "Dropped"
+    IMPORTING = "Importing"  # written by a bulk import, invisible until its job commits
 
 
 class SegmentLevel(enum.StrEnum):
@@ -344,8 +345,10 @@ class SegmentInfo(Record):
     last_insert_at: float = 0.0
     seal_ts: int = 0  # TSO timestamp of the seal (policy or flush); 0: not sealed
     dropped_at: float | None = None  # when it became Dropped (garbage collection waits a tolerance)
+    import_job: int | None = None  # the bulk import job that wrote it (None: written from the log)
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at"})  # as written before it existed
+    # Left out when None: as written before they existed.
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job"})
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)

@@ -174,7 +174,8 @@ def l0_candidates(
         unsettled = [
             d
             for d in same
-            if d.model.state in (SegmentState.GROWING, SegmentState.SEALED, SegmentState.FLUSHING)
+            if d.model.state
+            in (SegmentState.GROWING, SegmentState.SEALED, SegmentState.FLUSHING, SegmentState.IMPORTING)
             and d.model.created_at <= last_delete + 1.0
         ]
         if unsettled or any(d.model.id in busy for d in targets):

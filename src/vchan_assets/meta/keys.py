@@ -75,6 +75,13 @@ class Keys:
     def compaction_plan(self, plan_id: int) -> str:
         return self._k("meta", "compaction", plan_id)
 
+    # bulk import
+    def import_jobs(self) -> str:
+        return self._k("meta", "import") + "/"
+
+    def import_job(self, job_id: int) -> str:
+        return self._k("meta", "import", job_id)
+
     def gc_pause(self) -> str:
         return self._k("meta", "gc", "pause")
 

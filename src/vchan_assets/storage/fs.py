@@ -182,6 +182,14 @@ class Storage:
             raise StorageError(self.path(key), str(exc)) from exc
 
 
+def filesystem_for(uri: str, s3_endpoint: str | None, s3_region: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) of a file outside the storage root: a local path, or
+    s3://bucket/key on the configured S3 endpoint (bulk import reads its input here)."""
+    if uri.startswith("s3://"):
+        return _filesystem(os.getpid(), True, s3_endpoint, s3_region), uri.removeprefix("s3://")
+    return _filesystem(os.getpid(), False, None, s3_region), os.path.abspath(uri.removeprefix("file://"))
+
+
 @functools.cache
 def _filesystem(pid: int, s3: bool, endpoint: str | None, region: str) -> pafs.FileSystem:
     if s3:
