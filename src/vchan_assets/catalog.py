@@ -11,6 +11,7 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
     cat.vchannels()              # owner node, watch state, checkpoint, lag
     cat.segments()               # state, level, rows, bytes, binlog count, sorted
     cat.binlogs(); cat.deltalogs()
+    cat.imports()                # bulk import jobs: state, reason, progress, rows, segments
     cat.read_collection("books") # the rows a query would see: deletes applied
 
 Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
@@ -64,6 +65,8 @@ from vchan_assets.wal.reader import WalReader
 log = logging.getLogger(__name__)
 
 SEGMENT_TABLE_KEY = "catalog/segments.parquet"  # written by the Dagster segment_table asset
+# Segments whose rows a query does not see: replaced, or written by an import job not committed yet.
+_INVISIBLE = (SegmentState.DROPPED, SegmentState.IMPORTING)
 
 
 @dataclass(frozen=True)
@@ -371,6 +374,39 @@ class Catalog:
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 
+    def imports(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per bulk import job (`meta/import/`): state, reason, progress, files,
+        rows counted by pre-import and rows imported, segments, times."""
+        from vchan_assets.imports.jobs import list_jobs
+
+        rows = [
+            {
+                "job_id": j.job_id,
+                "collection": j.collection,
+                "partition": j.partition,
+                "format": j.format.value,
+                "state": j.state.value,
+                "reason": j.reason,
+                "progress": j.progress,
+                "files": len(j.files),
+                "rows": j.rows,
+                "bytes": j.bytes,
+                "imported_rows": j.imported_rows,
+                "segments": list(j.segment_ids),
+                "attempt": j.attempt,
+                "upsert": j.upsert,
+                "created_at": _utc(j.created_at),
+                "finished_at": _utc(j.finished_at) if j.finished_at else None,
+            }
+            for j in (d.model for d in list_jobs(self.store))
+            if collection is None or j.collection == collection
+        ]
+        columns = [
+            "job_id", "collection", "partition", "format", "state", "reason", "progress", "files", "rows",
+            "bytes", "imported_rows", "segments", "attempt", "upsert", "created_at", "finished_at",
+        ]  # fmt: skip
+        return pd.DataFrame(rows, columns=columns)
+
     def binlogs(self, collection: str | None = None) -> pd.DataFrame:
         """One row per insert binlog file (per column group), with its segment."""
         rows = [
@@ -467,13 +503,14 @@ class Catalog:
     def read_collection(
         self, name: str, apply_deletes: bool = True, as_arrow: bool = False, with_vectors: bool = True
     ) -> pd.DataFrame | pa.Table:
-        """Every persisted row of a collection (segments not Dropped, L1 and L2), with
+        """Every persisted row of a collection (L1 and L2 segments, neither Dropped nor still
+        Importing), with
         `segment_id` and `partition_id` columns, deletes applied per partition."""
         info = self.collection(name)
         tables = []
         deletes: dict[int, pa.Table] = {}
         for seg in self.segment_infos(info.id):
-            if seg.level is SegmentLevel.L0 or seg.state is SegmentState.DROPPED or not seg.binlogs:
+            if seg.level is SegmentLevel.L0 or seg.state in _INVISIBLE or not seg.binlogs:
                 continue
             table = self._segment_rows(seg, info, with_vectors)
             if apply_deletes:

@@ -387,6 +387,66 @@ def gc(args: argparse.Namespace, settings: Settings) -> int:
         return 0
 
 
+# --- bulk import ------------------------------------------------------------------------
+
+
+def _import_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="*", metavar="FILE_OR_DIR", help="input files or directories")
+    parser.add_argument("--collection", help="collection to import into")
+    parser.add_argument("--partition", default=DEFAULT_PARTITION, help="partition (default: _default)")
+    parser.add_argument(
+        "--format", choices=("parquet", "json", "csv"), default="parquet", help="input format"
+    )
+    parser.add_argument("--job-id", type=int, help="job id (submitting the same id again imports once)")
+    parser.add_argument(
+        "--upsert", action="store_true", help="replace the rows whose pk is already in the collection"
+    )
+    parser.add_argument(
+        "--drop-unknown-columns", action="store_true", help="ignore columns the schema does not have"
+    )
+    parser.add_argument("--wait", action="store_true", help="run the job here and show its progress")
+    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where tasks run")
+    parser.add_argument("--status", type=int, metavar="JOB", help="show one job")
+    parser.add_argument("--list", action="store_true", help="list every import job")
+
+
+@command("import", "bulk-import Parquet, JSON-lines or CSV files into flushed segments", _import_args)
+def import_files(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets import imports
+    from vchan_assets.imports.progress import ProgressPrinter, describe
+
+    store = connect(settings)
+    try:
+        if args.list:
+            for job in imports.jobs(store=store, settings=settings):
+                print(describe(job))
+            return 0
+        if args.status is not None:
+            job = imports.status(args.status, store=store, settings=settings)
+            print(describe(job, verbose=True))
+            return 0 if job.state is not imports.ImportState.FAILED else 1
+        if not args.collection or not args.files:
+            raise UsageError("give --collection and at least one FILE_OR_DIR (or --status JOB / --list)")
+        job_id = imports.submit(
+            args.collection, args.files, partition=args.partition, format=args.format, job_id=args.job_id,
+            upsert=args.upsert,
+            drop_unknown_columns=args.drop_unknown_columns, store=store, settings=settings,
+        )  # fmt: skip
+        print(f"import job {job_id} submitted", flush=True)
+        if not args.wait:
+            return 0
+        with ProgressPrinter() as progress:
+            job = imports.run(
+                job_id, engine=args.engine, on_progress=progress, store=store, settings=settings
+            )
+        print(describe(job, verbose=True))
+        return 0 if job.state is imports.ImportState.COMPLETED else 1
+    except imports.ImportInputError as exc:  # a path that does not exist
+        raise UsageError(str(exc)) from None
+    finally:
+        store.close()
+
+
 # --- demo, up, down ---------------------------------------------------------------------
 
 
@@ -561,7 +621,7 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reload-interval", type=float, default=5.0, help="seconds between segment-meta reloads"
     )
-    _engine_arg(parser, "compaction tasks")
+    _engine_arg(parser, "compaction and import tasks")
 
 
 def _run_lifecycle(
@@ -582,6 +642,25 @@ def _run_lifecycle(
             log.warning("lifecycle step failed (%s); next one in %gs", exc, settings.lifecycle_interval)
 
 
+def _run_imports(
+    settings: Settings, store: MetaStore, active: threading.Event, stop: threading.Event, engine: str
+) -> None:
+    """Bulk import beside the coordinator: start Pending jobs and take over stuck ones every
+    VCHAN_IMPORT_INTERVAL while this DataCoord is the active one."""
+    from vchan_assets.imports.step import import_step
+
+    storage = Storage.from_settings(settings)
+    while not stop.wait(settings.import_interval):
+        if not active.is_set():
+            continue
+        try:
+            report = import_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+            if report.started or report.resumed:
+                log.info("import step: completed %s, failed %s", report.completed, report.failed)
+        except (MetaError, StorageError) as exc:
+            log.warning("import step failed (%s); next one in %gs", exc, settings.import_interval)
+
+
 @command("datacoord", "run a DataCoord (active-standby by election) until SIGTERM", _datacoord_args)
 def datacoord(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.datacoord.coordinator import DataCoordinator
@@ -597,6 +676,10 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
             target=_run_lifecycle, args=(settings, store, coord.active, stop, args.engine), daemon=True
         )
         lifecycle.start()
+        importer = threading.Thread(
+            target=_run_imports, args=(settings, store, coord.active, stop, args.engine), daemon=True
+        )
+        importer.start()
         print(f"datacoord {coord.server_id} started", flush=True)
         while not stop.wait(0.5) and runner.is_alive():
             pass

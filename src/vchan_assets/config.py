@@ -295,6 +295,30 @@ class Settings:
         _positive_float,
         "seconds a finished compaction plan stays in etcd (for status) before cleanup deletes it",
     )
+    import_interval: float = setting(
+        "VCHAN_IMPORT_INTERVAL",
+        2.0,
+        _positive_float,
+        "seconds between the active DataCoord's import steps (start Pending jobs, take over stuck ones)",
+    )
+    import_buffer_mb: float = setting(
+        "VCHAN_IMPORT_BUFFER_MB",
+        128.0,
+        _positive_float,
+        "rows an import task buffers before writing binlogs (memory per task, flat in the rows imported)",
+    )
+    import_timeout: float = setting(
+        "VCHAN_IMPORT_TIMEOUT",
+        900.0,
+        _positive_float,
+        "seconds without progress after which the DataCoord takes over (resumes or retries) an import job",
+    )
+    import_max_attempts: int = setting(
+        "VCHAN_IMPORT_MAX_ATTEMPTS",
+        3,
+        _positive_int,
+        "attempts of an import job's pre-import and import before it fails",
+    )
     spark_partitions: int = setting("VCHAN_SPARK_PARTITIONS", 2, _positive_int, "Spark tasks per sync job")
     dagster_datanodes: int = setting(
         "VCHAN_DAGSTER_DATANODES",

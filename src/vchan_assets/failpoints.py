@@ -7,6 +7,10 @@ Names used by the sync task, in commit order:
   after_binlogs        binlog files written, no meta yet
   after_segment_meta   the first segment-meta transaction committed, maybe not all
   before_checkpoint    all segment meta committed, channel checkpoint not yet
+
+by bulk import (imports/executor.py): import_after_preimport, import_after_binlogs,
+import_before_commit; by the lifecycle: compaction_after_files, compaction_after_commit,
+compaction_before_cleanup, gc_after_files.
 """
 
 from __future__ import annotations

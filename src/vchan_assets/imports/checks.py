@@ -1,0 +1,98 @@
+"""Checks of a completed import job, usable without Dagster (the `imported_segments`
+asset reports them):
+
+- `check_rows_match_files`: the rows in the input files (counted again, from the Parquet
+  footers or by reading the text files) equal the rows in the job's segments (the entries
+  of their scalar-group binlogs, as the binlog files' own footers say).
+- `check_no_existing_pks`: no imported primary key was already live in the collection
+  (rows of other segments, deletes applied); upsert jobs replace such rows instead.
+"""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datanode.checks import CheckOutcome
+from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
+from vchan_assets.imports.jobs import ImportFormat, ImportJob
+from vchan_assets.lifecycle.rows import (
+    DELETE_COLUMNS,
+    apply_deletes_to,
+    delete_paths,
+    empty_deletes,
+    read_files,
+)
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+
+
+def _job_segments(store: MetaStore, job: ImportJob) -> list[SegmentInfo]:
+    found, _ = store.list_models(store.keys.segments(job.collection_id), SegmentInfo)
+    return [d.model for d in found if d.model.id in job.segment_ids]
+
+
+def _file_rows(source: FileSource, job: ImportJob, path: str) -> int:
+    if job.format is ImportFormat.PARQUET:
+        return int(parquet_file(source, path).metadata.num_rows)
+    return sum(b.num_rows for b in read_batches(source, path, job.format))
+
+
+def check_rows_match_files(
+    store: MetaStore, storage: Storage, source: FileSource, job: ImportJob
+) -> CheckOutcome:
+    try:
+        in_files = sum(_file_rows(source, job, f.path) for f in job.files)
+    except ImportInputError as exc:
+        return CheckOutcome(False, f"an input file cannot be counted again: {exc}", {"files": len(job.files)})
+    segments = _job_segments(store, job)
+    in_segments = 0
+    for seg in segments:
+        for group in seg.binlogs[:1]:
+            for b in group.logs:
+                with storage.open_input_file(b.path) as f:
+                    in_segments += pq.ParquetFile(f).metadata.num_rows
+    flushed = all(s.state is SegmentState.FLUSHED for s in segments) and len(segments) == len(job.segment_ids)
+    return CheckOutcome(
+        in_files == in_segments and flushed,
+        f"{in_files} rows in {len(job.files)} files, {in_segments} in {len(segments)} imported segments"
+        + ("" if flushed else " (not all Flushed)"),
+        {"rows_in_files": in_files, "rows_in_segments": in_segments, "segments": len(segments)},
+    )
+
+
+def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) -> CheckOutcome:
+    info = CollectionCatalog(store).get(job.collection_id, include_dropped=True)
+    pk = info.schema.primary.name
+    found, _ = store.list_models(store.keys.segments(job.collection_id), SegmentInfo)
+    every = [d.model for d in found]
+    mine = {s.id for s in every if s.id in job.segment_ids}
+    others = [
+        s
+        for s in every
+        if s.id not in mine
+        and s.partition_id == job.partition_id
+        and s.level is not SegmentLevel.L0
+        and s.state not in (SegmentState.DROPPED, SegmentState.IMPORTING)
+    ]
+    imported = read_files(
+        storage, [b.path for s in every if s.id in mine and s.binlogs for b in s.binlogs[0].logs], [pk]
+    )
+    existing = read_files(
+        storage, [b.path for s in others if s.binlogs for b in s.binlogs[0].logs], [pk, "timestamp"]
+    )
+    if imported is None or existing is None:
+        return CheckOutcome(True, "no other live rows in the partition", {"overlap": 0})
+    # Deletes older than the import: the rows they removed are not "already there".
+    deletes = read_files(storage, delete_paths(every, job.partition_id), DELETE_COLUMNS) or empty_deletes()
+    deletes = deletes.filter(pc.less(deletes["timestamp"], job.timestamp)) if deletes.num_rows else deletes
+    live = apply_deletes_to(existing, deletes, pk)
+    overlap = int(pc.sum(pc.is_in(imported[pk], value_set=live[pk])).as_py() or 0)
+    return CheckOutcome(
+        overlap == 0 or job.upsert,
+        f"{overlap} of {imported.num_rows} imported primary keys were already live in the partition"
+        + (" (upsert: replaced)" if job.upsert and overlap else ""),
+        {"overlap": overlap, "imported_rows": imported.num_rows},
+    )

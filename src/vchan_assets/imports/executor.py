@@ -1,0 +1,375 @@
+"""Running an import job to its end (the seed's importScheduler + importChecker).
+
+Commit order, each step a compare-and-swap on the job's version:
+  1. pre-import: PreImporting, every file checked and counted; then Importing with the
+     counts and the job's one TSO timestamp                    failpoint import_after_preimport
+  2. the import tasks write binlogs + stats logs (Spark job, one task per file or slice
+     of row groups), nothing in etcd yet                         failpoint import_after_binlogs
+  3. ONE transaction: the segments created in state Importing (invisible to readers)
+     and their ids recorded in the job                           failpoint import_before_commit
+  4. ONE transaction: every segment Importing -> Flushed and the job Completed, only if
+     the job, the collection and every segment are as read.
+A crash before 3 leaves only files no meta names (orphans for garbage collection): the
+job is imported again from step 2. A crash after 3 leaves invisible segments the job
+names: it is finished by step 4. A failed job drops its Importing segments in the same
+transaction that marks it Failed. So a job is never half visible and never imported twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord import segment_ops
+from vchan_assets.datacoord.collections import CollectionCatalog, CollectionNotFoundError
+from vchan_assets.datacoord.segment_manager import max_rows_of
+from vchan_assets.failpoints import failpoint
+from vchan_assets.imports.files import FileSource, ImportInputError
+from vchan_assets.imports.jobs import (
+    ImportFile,
+    ImportJob,
+    ImportJobTakenError,
+    ImportState,
+    get_job,
+    update_job,
+)
+from vchan_assets.imports.preimport import pre_import
+from vchan_assets.imports.task import (
+    RESULT_SCHEMA,
+    ImportSpec,
+    TaskResult,
+    outcome_of,
+    run_pickled,
+    run_tasks_arrow,
+)
+from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.store import Decoded, KeyValue, MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage, StorageError
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["spark", "local"]
+# etcd's default limit is 128 operations per transaction; the commit makes every segment
+# of a job visible at once, plus the job and the collection.
+MAX_SEGMENTS_PER_JOB = 120
+LOG_IDS_PER_TASK = 10_000
+Progress = Callable[[ImportJob], None]
+
+
+class ImportFailed(Exception):
+    """Internal: the job cannot succeed; `reason` goes into its meta."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class _Slice:
+    file: ImportFile
+    row_groups: tuple[int, ...] | None
+    rows: int
+
+
+class ImportExecutor:
+    """Moves jobs from any state to Completed or Failed; safe to run again after a crash."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        storage: Storage,
+        settings: Settings,
+        engine: Engine = "spark",
+        timeout: float = 3600.0,
+        spark: Any = None,
+        on_progress: Progress | None = None,
+    ) -> None:
+        self.store, self.storage, self.settings = store, storage, settings
+        self.engine, self.timeout, self.spark = engine, timeout, spark
+        self.on_progress = on_progress or (lambda job: None)
+        self.ids = IdAllocator(store)
+        self.tso = TimestampOracle(store)
+        self.collections = CollectionCatalog(store)
+        self.source = FileSource(settings.s3_endpoint, settings.s3_region)
+
+    def run(self, job_id: int) -> ImportJob:
+        """Drive the job to Completed or Failed; returns its final meta. Raises
+        ImportJobTakenError if another executor moved it meanwhile."""
+        job = self.current = get_job(self.store, job_id)
+        if not job.model.done:  # one more attempt; also claims the job (CAS on its version)
+            job = self._update(job, attempt=job.model.attempt + 1)
+        while not job.model.done:
+            self.on_progress(job.model)
+            try:
+                job = self._advance(job)
+            except ImportFailed as exc:
+                job = self.fail(self.current, exc.reason)  # the version this executor last wrote
+        self.on_progress(job.model)
+        return job.model
+
+    def _advance(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
+        state = job.model.state
+        if state in (ImportState.PENDING, ImportState.PRE_IMPORTING):
+            return self._pre_import(job)
+        if job.model.segment_ids:
+            return self._commit(job)
+        return self._import(job)
+
+    def _update(self, job: Decoded[ImportJob], **changes: Any) -> Decoded[ImportJob]:
+        self.current = update_job(self.store, job, **changes)
+        return self.current
+
+    # --- step 1: pre-import ----------------------------------------------------------
+
+    def _pre_import(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
+        job = self._update(job, state=ImportState.PRE_IMPORTING)
+        j = job.model
+        info = self._collection(j)
+        try:
+            files = pre_import(
+                self.source, info.schema, [f.path for f in j.files], j.format, j.drop_unknown_columns
+            )
+        except ImportInputError as exc:
+            raise ImportFailed(str(exc)) from None
+        job = self._update(
+            job,
+            state=ImportState.IMPORTING,
+            files=files,
+            rows=sum(f.rows for f in files),
+            bytes=sum(f.bytes for f in files),
+            timestamp=self.tso.alloc(),
+            progress=10,
+        )
+        failpoint("import_after_preimport")
+        return job
+
+    # --- step 2 and 3: binlogs, then the invisible segments --------------------------
+
+    def _import(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
+        job = self._update(job, progress=10)  # a second executor now fails its next write
+        j = job.model
+        info = self._collection(j)
+        specs = self._specs(j, info)
+        segments: list[SegmentInfo] = []
+        done_rows = 0
+        for result in self._run(specs):
+            if isinstance(result, ImportInputError | StorageError):
+                raise ImportFailed(str(result))
+            segments += result
+            done_rows += sum(s.num_rows for s in result if s.level is not SegmentLevel.L0)
+            self.on_progress(replace(j, progress=10 + 80 * done_rows // max(1, j.rows)))
+        failpoint("import_after_binlogs")
+        imported = sum(s.num_rows for s in segments if s.level is not SegmentLevel.L0)
+        if imported != j.rows:
+            raise ImportFailed(f"pre-import counted {j.rows} rows, the import wrote {imported}")
+        job = self._register(job, segments)
+        self.on_progress(job.model)
+        failpoint("import_before_commit")
+        return self._commit(job)
+
+    def _specs(self, j: ImportJob, info: CollectionInfo) -> list[ImportSpec]:
+        max_rows = max_rows_of(info, self.settings)
+        slices = self._slices(j, max_rows)
+        k = len(info.vchannels)
+        # Per task: a segment per vchannel, one more each time max_rows is reached, and for
+        # an upsert the L0 segment of its deletes.
+        per_task = [k + s.rows // max_rows + int(j.upsert) for s in slices]
+        if sum(per_task) > MAX_SEGMENTS_PER_JOB:
+            raise ImportFailed(
+                f"the job would write {sum(per_task)} segments, more than the {MAX_SEGMENTS_PER_JOB} one "
+                "commit can make visible: import fewer or larger files per job"
+            )
+        first_segment = self.ids.alloc(sum(per_task))
+        first_row = self.ids.alloc(max(1, j.rows))
+        first_log = self.ids.alloc(LOG_IDS_PER_TASK * len(slices))
+        specs = []
+        seg_at, row_at = first_segment, first_row
+        for i, (s, n_seg) in enumerate(zip(slices, per_task, strict=True)):
+            specs.append(
+                ImportSpec(
+                    job_id=j.job_id,
+                    task=i,
+                    source=self.source,
+                    path=s.file.path,
+                    format=j.format,
+                    row_groups=s.row_groups,
+                    storage=self.storage,
+                    schema=info.schema,
+                    collection_id=info.id,
+                    partition_id=j.partition_id,
+                    vchannels=info.vchannels,
+                    timestamp=j.timestamp,
+                    row_id_base=row_at,
+                    segment_ids=tuple(range(seg_at, seg_at + n_seg - int(j.upsert))),
+                    upsert_segment=seg_at + n_seg - 1 if j.upsert else 0,
+                    log_id_base=first_log + i * LOG_IDS_PER_TASK,
+                    log_id_count=LOG_IDS_PER_TASK,
+                    max_rows=max_rows,
+                    buffer_bytes=int(self.settings.import_buffer_mb * (1 << 20)),
+                )
+            )
+            seg_at += n_seg
+            row_at += s.rows
+        return specs
+
+    def _slices(self, j: ImportJob, max_rows: int) -> list[_Slice]:
+        """One task per file; a Parquet file of more than a segment's rows is cut into
+        slices of whole row groups (the row counts per group come from its footer)."""
+        from vchan_assets.imports.files import parquet_file
+
+        out = []
+        for f in j.files:
+            if f.row_groups <= 1 or f.rows <= max_rows:
+                out.append(_Slice(f, None, f.rows))
+                continue
+            meta = parquet_file(self.source, f.path).metadata
+            groups: list[int] = []
+            rows = 0
+            for g in range(meta.num_row_groups):
+                n = meta.row_group(g).num_rows
+                if groups and rows + n > max_rows:
+                    out.append(_Slice(f, tuple(groups), rows))
+                    groups, rows = [], 0
+                groups.append(g)
+                rows += n
+            out.append(_Slice(f, tuple(groups), rows))
+        return out
+
+    def _run(self, specs: list[ImportSpec]) -> list[TaskResult]:
+        if self.engine == "local":
+            return [outcome_of(run_pickled(spec)) for spec in specs]
+        return _run_on_spark(self.settings, specs, self.timeout, self.spark)
+
+    def _register(self, job: Decoded[ImportJob], segments: list[SegmentInfo]) -> Decoded[ImportJob]:
+        """One transaction: the segments (Importing) and their ids in the job."""
+        j = job.model
+        puts: dict[str, Any] = {self._segment_key(s): s for s in segments}
+        expect = {key: 0 for key in puts}
+        updated = replace(
+            j,
+            segment_ids=tuple(s.id for s in segments),
+            imported_rows=sum(s.num_rows for s in segments if s.level is not SegmentLevel.L0),
+            progress=90,
+            updated_at=time.time(),
+        )
+        puts[job.kv.key] = updated
+        expect[job.kv.key] = job.kv.version
+        if self.store.txn(expect, puts) is None:
+            raise ImportJobTakenError(j.job_id)
+        self.current = get_job(self.store, j.job_id)
+        return self.current
+
+    # --- step 4: visible ------------------------------------------------------------
+
+    def _commit(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
+        """Every segment Importing -> Flushed and the job Completed, in one transaction
+        that also checks the collection is the one read (not dropped meanwhile)."""
+        for _ in range(20):
+            j = job.model
+            collection = self._collection_kv(j)
+            segments = self._segments(j)
+            puts: dict[str, Any] = {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
+            expect = {k: d.kv.version for k, d in segments}
+            puts[job.kv.key] = replace(
+                j, state=ImportState.COMPLETED, progress=100, finished_at=time.time(), updated_at=time.time()
+            )
+            expect[job.kv.key] = job.kv.version
+            expect[collection.key] = collection.version
+            if self.store.txn(expect, puts) is not None:
+                log.info(
+                    "import job %d: %d rows visible in segments %s", j.job_id, j.imported_rows, j.segment_ids
+                )
+                return get_job(self.store, j.job_id)
+            fresh = get_job(self.store, j.job_id)
+            if fresh.kv.version != job.kv.version:
+                raise ImportJobTakenError(j.job_id)
+            # The collection changed (a partition, say): look again.
+        raise ImportFailed("the collection kept changing during the commit")
+
+    def _segments(self, j: ImportJob) -> list[tuple[str, Decoded[SegmentInfo]]]:
+        out = []
+        for seg_id in j.segment_ids:
+            key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
+            found = self.store.get_model(key, SegmentInfo)
+            if found is None or found.model.state is not SegmentState.IMPORTING:
+                state = found.model.state if found else "missing"
+                raise ImportFailed(f"segment {seg_id} of the job is {state}, not Importing")
+            out.append((key, found))
+        return out
+
+    # --- failing ------------------------------------------------------------------------
+
+    def fail(self, job: Decoded[ImportJob], reason: str) -> Decoded[ImportJob]:
+        """Failed with `reason`; its Importing segments Dropped in the same transaction
+        (their files go to garbage collection). Nothing of the job stays visible."""
+        for _ in range(20):
+            j = job.model
+            puts: dict[str, Any] = {}
+            expect: dict[str, int] = {job.kv.key: job.kv.version}
+            for seg_id in j.segment_ids:
+                key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
+                found = self.store.get_model(key, SegmentInfo)
+                if found is not None and found.model.state is SegmentState.IMPORTING:
+                    dropped = segment_ops.drop(found.model)
+                    assert dropped is not None
+                    puts[key] = dropped
+                    expect[key] = found.kv.version
+            now = time.time()
+            puts[job.kv.key] = replace(
+                j, state=ImportState.FAILED, reason=reason, finished_at=now, updated_at=now
+            )
+            if self.store.txn(expect, puts) is not None:
+                log.warning("import job %d failed: %s", j.job_id, reason)
+                return get_job(self.store, j.job_id)
+            fresh = get_job(self.store, j.job_id)
+            if fresh.kv.version != job.kv.version:
+                raise ImportJobTakenError(j.job_id)
+        raise ImportJobTakenError(job.model.job_id)
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def _collection(self, j: ImportJob) -> CollectionInfo:
+        try:
+            info = self.collections.get(j.collection_id)
+        except CollectionNotFoundError:
+            raise ImportFailed(f"collection {j.collection!r} was dropped during the job") from None
+        if j.partition_id not in info.partitions:
+            raise ImportFailed(f"partition {j.partition!r} of {j.collection!r} was dropped during the job")
+        return info
+
+    def _collection_kv(self, j: ImportJob) -> KeyValue:
+        key = self.store.keys.collection(j.collection_id)
+        kv = self.store.get(key)
+        info = decode(key, kv.value, CollectionInfo) if kv else None
+        if kv is None or info is None or info.dropped_at:
+            raise ImportFailed(f"collection {j.collection!r} was dropped during the job")
+        if j.partition_id not in info.partitions:
+            raise ImportFailed(f"partition {j.partition!r} of {j.collection!r} was dropped during the job")
+        return kv
+
+    def _segment_key(self, seg: SegmentInfo) -> str:
+        return self.store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
+
+
+def _run_on_spark(
+    settings: Settings, specs: list[ImportSpec], timeout: float, spark: Any = None
+) -> list[TaskResult]:
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from vchan_assets.spark.session import get_spark, run_job
+
+    spark = spark or get_spark(settings)
+
+    def body(batches: Any) -> Any:
+        return run_tasks_arrow(specs, batches)
+
+    df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(RESULT_SCHEMA))
+    rows = run_job(spark, f"import of {len(specs)} files", lambda: df.collect(), timeout)
+    by_task = {r["task"]: outcome_of(r.asDict()) for r in rows}
+    return [by_task[s.task] for s in specs]

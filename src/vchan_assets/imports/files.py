@@ -1,0 +1,295 @@
+"""Input files of an import: finding them, reading them in batches, and turning their
+columns into the collection's (pure pyarrow; runs in the driver and in Spark tasks).
+
+Formats: Parquet, JSON lines (one object per line) and CSV (a header row; vectors as
+JSON arrays such as "[0.1, 0.2]"), through pyarrow's readers, streamed batch by batch.
+
+Column rules, checked against the collection schema before anything is written:
+  - the primary key and every vector field must be present; a missing scalar field is
+    null in every row;
+  - a column the schema does not know fails the job, unless asked to drop such columns;
+  - types must fit: int64 from any integer type, float/double from integers or floats,
+    string from strings, bool from bools; a vector from fixed_size_list / list of numbers
+    or fixed_size_binary(dim * 4), with exactly the field's dimension;
+  - the primary key and vectors have no nulls.
+Every violation is an `ImportInputError` naming the file and the column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import pyarrow.fs as pafs
+import pyarrow.json as pjson
+import pyarrow.parquet as pq
+
+from vchan_assets.imports.jobs import ImportFormat
+from vchan_assets.model import CollectionSchema, DataType, FieldSchema
+from vchan_assets.storage.fs import filesystem_for
+from vchan_assets.wal.format import arrow_type
+
+BATCH_ROWS = 64 * 1024
+SUFFIXES = {
+    ImportFormat.PARQUET: (".parquet", ".parq"),
+    ImportFormat.JSON: (".json", ".jsonl", ".ndjson"),
+    ImportFormat.CSV: (".csv",),
+}
+
+
+class ImportInputError(ValueError):
+    """An input file does not fit the collection; names the file and, where one is at
+    fault, the column. Picklable: a Spark task raises it and the driver gets it back."""
+
+    def __init__(self, path: str, reason: str, column: str | None = None) -> None:
+        self.path, self.reason, self.column = path, reason, column
+        where = f"{path}: column {column!r}" if column else path
+        super().__init__(f"{where}: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (ImportInputError, (self.path, self.reason, self.column))
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """Where input paths are read from: local paths, or s3://bucket/key through the
+    configured S3 endpoint. Picklable into Spark tasks."""
+
+    s3_endpoint: str | None = None
+    s3_region: str = "us-east-1"
+
+    def resolve(self, path: str) -> tuple[pafs.FileSystem, str]:
+        return filesystem_for(path, self.s3_endpoint, self.s3_region)
+
+    def size(self, path: str) -> int:
+        fs, inner = self.resolve(path)
+        info = fs.get_file_info(inner)
+        if info.type != pafs.FileType.File:
+            raise ImportInputError(path, "does not exist (or is not a file)")
+        return int(info.size or 0)
+
+    def expand(self, paths: list[str], fmt: ImportFormat) -> list[str]:
+        """Files named, and the files of the format under directories named (sorted)."""
+        out: list[str] = []
+        for path in paths:
+            fs, inner = self.resolve(path)
+            info = fs.get_file_info(inner)
+            if info.type == pafs.FileType.Directory:
+                found = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
+                names = sorted(
+                    i.path for i in found if i.type == pafs.FileType.File and i.path.endswith(SUFFIXES[fmt])
+                )
+                if not names:
+                    raise ImportInputError(path, f"directory holds no {fmt} files")
+                prefix = "s3://" if path.startswith("s3://") else ""
+                out += [prefix + n for n in names]
+            elif info.type == pafs.FileType.File:
+                out.append(path)
+            else:
+                raise ImportInputError(path, "does not exist")
+        return out
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def parquet_file(source: FileSource, path: str) -> pq.ParquetFile:
+    fs, inner = source.resolve(path)
+    try:
+        return pq.ParquetFile(fs.open_input_file(inner))
+    except FileNotFoundError:
+        raise ImportInputError(path, "does not exist") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise ImportInputError(path, f"is not a readable Parquet file ({exc})") from None
+
+
+def file_schema(source: FileSource, path: str, fmt: ImportFormat) -> pa.Schema:
+    if fmt is ImportFormat.PARQUET:
+        return parquet_file(source, path).schema_arrow
+    return next(iter(read_batches(source, path, fmt))).schema
+
+
+def read_batches(
+    source: FileSource,
+    path: str,
+    fmt: ImportFormat,
+    columns: list[str] | None = None,
+    row_groups: tuple[int, ...] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """The file's rows batch by batch (only `columns`, and only `row_groups` of a
+    Parquet file, if given); ImportInputError naming the file when it cannot be read."""
+    try:
+        yield from _batches(source, path, fmt, columns, row_groups)
+    except ImportInputError:
+        raise
+    except FileNotFoundError:
+        raise ImportInputError(path, "does not exist (it disappeared after pre-import?)") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise ImportInputError(path, f"cannot be read as {fmt}: {exc}") from None
+
+
+def _batches(
+    source: FileSource,
+    path: str,
+    fmt: ImportFormat,
+    columns: list[str] | None,
+    row_groups: tuple[int, ...] | None,
+) -> Iterator[pa.RecordBatch]:
+    if fmt is ImportFormat.PARQUET:
+        pf = parquet_file(source, path)
+        groups = list(range(pf.num_row_groups)) if row_groups is None else list(row_groups)
+        if groups:
+            yield from pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups, columns=columns)
+        return
+    fs, inner = source.resolve(path)
+    with fs.open_input_stream(inner) as stream:
+        reader = pjson.open_json(stream) if fmt is ImportFormat.JSON else pcsv.open_csv(stream)
+        for batch in reader:
+            yield batch.select(columns) if columns is not None else batch
+
+
+# --- columns -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ColumnPlan:
+    """How a file's columns become the collection's: which to read, which to drop,
+    which fields are missing (null)."""
+
+    read: tuple[str, ...]
+    dropped: tuple[str, ...]
+    missing: tuple[str, ...]
+
+
+def plan_columns(schema: CollectionSchema, found: pa.Schema, path: str, drop_unknown: bool) -> ColumnPlan:
+    names = set(found.names)
+    known = {f.name for f in schema.fields}
+    unknown = tuple(n for n in found.names if n not in known)
+    if unknown and not drop_unknown:
+        raise ImportInputError(path, "is not a field of the collection (or drop unknown columns)", unknown[0])
+    missing = []
+    for f in schema.fields:
+        if f.name not in names:
+            if f.is_primary or f.is_vector:
+                raise ImportInputError(
+                    path, f"is missing ({'primary key' if f.is_primary else 'vector'})", f.name
+                )
+            missing.append(f.name)
+            continue
+        check_type(f, found.field(f.name).type, path)
+    return ColumnPlan(tuple(n for n in found.names if n in known), unknown, tuple(missing))
+
+
+def check_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
+    """The column's type can hold the field's values (vector dims checked when fixed)."""
+    if field.is_vector:
+        _check_vector_type(field, found, path)
+        return
+    ok = {
+        DataType.INT64: pa.types.is_integer(found),
+        DataType.FLOAT: pa.types.is_integer(found) or pa.types.is_floating(found),
+        DataType.DOUBLE: pa.types.is_integer(found) or pa.types.is_floating(found),
+        DataType.STRING: pa.types.is_string(found) or pa.types.is_large_string(found),
+        DataType.BOOL: pa.types.is_boolean(found),
+    }[field.dtype] or (pa.types.is_null(found) and not field.is_primary)
+    if not ok:
+        raise ImportInputError(path, f"is {found}, expected {field.dtype.value}", field.name)
+
+
+def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
+    dim = field.dim
+    assert dim is not None
+    if pa.types.is_fixed_size_binary(found):
+        if found.byte_width != dim * 4:
+            raise ImportInputError(
+                path, f"holds {found.byte_width}-byte vectors, expected {dim * 4} (dim {dim})", field.name
+            )
+        return
+    if pa.types.is_fixed_size_list(found) or pa.types.is_list(found) or pa.types.is_large_list(found):
+        value = found.value_type
+        if not (pa.types.is_floating(value) or pa.types.is_integer(value) or pa.types.is_null(value)):
+            raise ImportInputError(path, f"is {found}, expected a vector of floats", field.name)
+        if pa.types.is_fixed_size_list(found) and found.list_size != dim:
+            raise ImportInputError(path, f"has dimension {found.list_size}, expected {dim}", field.name)
+        return
+    if pa.types.is_string(found) or pa.types.is_large_string(found):
+        return  # CSV: JSON arrays, parsed per batch
+    raise ImportInputError(path, f"is {found}, expected a float vector of dim {dim}", field.name)
+
+
+def convert(schema: CollectionSchema, batch: pa.RecordBatch, path: str, first_row: int = 0) -> pa.Table:
+    """A batch as the collection's fields in log order (pk first): scalars cast, missing
+    scalars null, vectors as fixed_size_binary(dim * 4) little-endian float32."""
+    names = set(batch.schema.names)
+    ordered = [schema.primary] + [f for f in schema.fields if not f.is_primary]
+    columns = [
+        convert_column(f, batch.column(f.name), path, first_row)
+        if f.name in names
+        else pa.nulls(batch.num_rows, arrow_type(f))
+        for f in ordered
+    ]
+    return pa.Table.from_arrays(columns, names=[f.name for f in ordered])
+
+
+def convert_column(f: FieldSchema, raw: pa.Array, path: str, first_row: int = 0) -> pa.Array:
+    """One column as the field's log type; ImportInputError naming the file, the column
+    and the first bad row."""
+    return _vector(f, raw, path, first_row) if f.is_vector else _scalar(f, raw, path, first_row)
+
+
+def _first_null(column: pa.Array) -> int:
+    return int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+
+
+def _scalar(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:
+    if f.is_primary and raw.null_count:
+        raise ImportInputError(path, f"is null at row {first_row + _first_null(raw)}", f.name)
+    target = arrow_type(f)
+    if raw.type.equals(target):
+        return raw
+    try:
+        return pc.cast(raw, target)
+    except pa.ArrowException as exc:
+        raise ImportInputError(path, f"cannot be read as {f.dtype.value}: {exc}", f.name) from None
+
+
+def _vector(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:
+    dim = f.dim
+    assert dim is not None
+    if raw.null_count:
+        raise ImportInputError(path, f"has a null vector at row {first_row + _first_null(raw)}", f.name)
+    target = pa.binary(dim * 4)
+    if raw.type.equals(target):
+        return raw
+    if pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type):
+        raw = _parse_json_arrays(f, raw, path)
+    lengths = pc.list_value_length(raw).to_numpy(zero_copy_only=False)
+    wrong = np.flatnonzero(lengths != dim)
+    if len(wrong):
+        row = int(wrong[0])
+        raise ImportInputError(
+            path, f"has dimension {int(lengths[row])} at row {first_row + row}, expected {dim}", f.name
+        )
+    values = pc.list_flatten(raw)
+    if values.null_count:
+        raise ImportInputError(path, "has a null inside a vector", f.name)
+    matrix = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype="<f4")
+    return pa.FixedSizeBinaryArray.from_buffers(target, len(raw), [None, pa.py_buffer(matrix)])
+
+
+def _parse_json_arrays(f: FieldSchema, raw: pa.Array, path: str) -> pa.Array:
+    """CSV vectors: "[0.1, 0.2]" -> list<float32>."""
+    inner = pc.utf8_trim(pc.utf8_trim_whitespace(raw), "[]")
+    parts = pc.split_pattern(inner, ",")
+    try:
+        values = pc.cast(pc.utf8_trim_whitespace(pc.list_flatten(parts)), pa.float32())
+    except pa.ArrowException as exc:
+        raise ImportInputError(
+            path, f"holds a vector that is not a JSON array of numbers: {exc}", f.name
+        ) from None
+    offsets = parts.offsets
+    return pa.ListArray.from_arrays(offsets, values)

@@ -1,0 +1,66 @@
+"""The DataCoord's import step, the same whoever runs it (the `vchan datacoord` process or
+the Dagster import sensor): start Pending jobs, take over stuck ones, fail those that ran
+out of attempts (the seed's importScheduler and importChecker).
+
+A job is stuck when it made no progress (`updated_at`) for VCHAN_IMPORT_TIMEOUT seconds:
+its executor died. Taking it over is safe at any step (see `executor`): a job whose
+segments are registered is committed, any other is pre-imported or imported again; the
+dead executor's files are orphans for garbage collection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from vchan_assets.config import Settings
+from vchan_assets.imports.executor import Engine, ImportExecutor
+from vchan_assets.imports.jobs import ImportJobTakenError, ImportState, list_jobs
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ImportStepReport:
+    started: list[int] = field(default_factory=list)  # Pending jobs run
+    resumed: list[int] = field(default_factory=list)  # stuck jobs taken over
+    completed: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+
+
+def import_step(
+    store: MetaStore, storage: Storage, settings: Settings, engine: Engine = "spark", now: float | None = None
+) -> ImportStepReport:
+    now = time.time() if now is None else now
+    report = ImportStepReport()
+    executor = ImportExecutor(store, storage, settings, engine)
+    for d in list_jobs(store):
+        j = d.model
+        if j.done:
+            continue
+        stuck = j.state is not ImportState.PENDING and now - j.updated_at > settings.import_timeout
+        if j.state is not ImportState.PENDING and not stuck:
+            continue  # a live executor is on it
+        try:
+            if stuck:
+                log.warning(
+                    "import job %d made no progress for %.0fs: taking it over", j.job_id, now - j.updated_at
+                )
+                if j.attempt >= settings.import_max_attempts and not j.segment_ids:
+                    executor.fail(
+                        d, f"no progress for {settings.import_timeout:g}s after {j.attempt} attempts"
+                    )
+                    report.failed.append(j.job_id)
+                    continue
+                report.resumed.append(j.job_id)
+            else:
+                report.started.append(j.job_id)
+            final = executor.run(j.job_id)
+        except ImportJobTakenError as exc:
+            log.info("%s", exc)
+            continue
+        (report.completed if final.state is ImportState.COMPLETED else report.failed).append(j.job_id)
+    return report

@@ -1,0 +1,133 @@
+"""Crash safety: `vchan import --wait` SIGKILLed at each step (the failpoints), then a
+restart (the same command again, or the DataCoord's import step taking the stuck job
+over) finishes the job: never half visible, never imported twice; the dead attempt's
+files are orphans that garbage collection removes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.recovery import list_orphans
+from vchan_assets.imports.jobs import ImportState, get_job
+from vchan_assets.imports.step import import_step
+from vchan_assets.lifecycle.gc import GarbageCollector
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
+
+from .helpers import (
+    VCHAN,
+    assert_imported_once,
+    cli_env,
+    new_collection,
+    rows,
+    segments,
+    visible,
+    write_parquet,
+)
+
+STEPS = ["import_after_preimport", "import_after_binlogs", "import_before_commit"]
+
+
+def vchan_import(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VCHAN), "import", "--wait", "--engine", "local", *args],
+        env=cli_env(settings, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def collect_garbage(store: MetaStore, storage: Storage, settings: Settings) -> None:
+    quick = replace(settings, gc_missing_tolerance=1.0, gc_drop_tolerance=1.0)
+    GarbageCollector(store, storage, quick, clock=lambda: time.time() + 5).run()
+
+
+@pytest.mark.parametrize("restart", ["same command", "datacoord step"])
+@pytest.mark.parametrize("step", STEPS)
+def test_import_killed_at_a_step_then_restarted_imports_exactly_once(
+    step: str,
+    restart: str,
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    tmp_path: Path,
+) -> None:
+    info = new_collection(producer)
+    parts = [rows(120, 0, seed=1), rows(80, 1000, seed=2)]
+    paths = [write_parquet(tmp_path / f"{i}.parquet", t) for i, t in enumerate(parts)]
+    args = ["--collection", info.name, "--job-id", "77", *paths]
+
+    crashed = vchan_import(settings, *args, VCHAN_FAILPOINT=step)
+
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    job = get_job(store, 77).model
+    assert job.state is ImportState.IMPORTING
+    assert visible(store, storage, settings, info).num_rows == 0, "nothing visible before the commit"
+    importing = [s for s in segments(store, info) if s.state is SegmentState.IMPORTING]
+    assert bool(importing) == (step == "import_before_commit") == bool(job.segment_ids)
+    if step == "import_after_binlogs":
+        assert list_orphans(store, storage), "the dead attempt's files are named by no meta"
+
+    if restart == "same command":
+        again = vchan_import(settings, *args)
+        assert again.returncode == 0, again.stderr
+    else:
+        report = import_step(store, storage, replace(settings, import_timeout=0.001), engine="local")
+        assert report.resumed == [77] and report.completed == [77]
+
+    assert get_job(store, 77).model.state is ImportState.COMPLETED
+    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
+    assert not [s for s in segments(store, info) if s.state is SegmentState.IMPORTING]
+    collect_garbage(store, storage, settings)
+    assert not list_orphans(store, storage)
+    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
+
+
+def test_a_stuck_job_whose_collection_was_dropped_fails_with_its_segments_dropped(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    path = write_parquet(tmp_path / "a.parquet", rows(50))
+    crashed = vchan_import(
+        settings, "--collection", info.name, "--job-id", "5", path, VCHAN_FAILPOINT="import_before_commit"
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    producer.drop_collection(info.name)
+
+    report = import_step(store, storage, replace(settings, import_timeout=0.001), engine="local")
+
+    job = get_job(store, 5).model
+    assert report.failed == [5] and job.state is ImportState.FAILED
+    assert "was dropped during the job" in job.reason
+    assert {s.state for s in segments(store, info)} == {SegmentState.DROPPED}
+
+
+def test_a_job_out_of_attempts_fails_instead_of_retrying_forever(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    path = write_parquet(tmp_path / "a.parquet", rows(50))
+    quick = replace(settings, import_timeout=0.001, import_max_attempts=2)
+    for _ in range(2):
+        crashed = vchan_import(
+            settings, "--collection", info.name, "--job-id", "9", path, VCHAN_FAILPOINT="import_after_binlogs"
+        )
+        assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+
+    report = import_step(store, storage, quick, engine="local")
+
+    job = get_job(store, 9).model
+    assert report.failed == [9] and job.state is ImportState.FAILED
+    assert "after 2 attempts" in job.reason and visible(store, storage, settings, info).num_rows == 0

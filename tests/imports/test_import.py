@@ -1,0 +1,144 @@
+"""Bulk import end to end: Parquet files into Flushed segments in the binlog layout,
+readable like any other rows; the job's meta; the same job id imports once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from vchan_assets import imports
+from vchan_assets.catalog import Catalog
+from vchan_assets.config import Settings
+from vchan_assets.imports.jobs import ImportJobConflictError, ImportState, get_job
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
+
+from .helpers import assert_imported_once, new_collection, rows, segments, visible, write_parquet
+
+
+def test_parquet_files_become_flushed_segments_readable_by_read_collection(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    a, b = rows(300, 0, seed=1), rows(200, 1000, seed=2)
+    paths = [write_parquet(tmp_path / "in" / "a.parquet", a), write_parquet(tmp_path / "in" / "b.parquet", b)]
+
+    job_id = imports.submit(info.name, paths, store=store, settings=settings)
+    job = imports.run(job_id, engine="local", store=store, settings=settings)
+
+    assert job.state is ImportState.COMPLETED, job.reason
+    assert (job.rows, job.imported_rows, job.progress) == (500, 500, 100)
+    assert [f.rows for f in job.files] == [300, 200]
+    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables([a, b]))
+    segs = [s for s in segments(store, info) if s.id in job.segment_ids]
+    assert {s.state for s in segs} == {SegmentState.FLUSHED}
+    assert {s.vchannel for s in segs} == set(info.vchannels)  # routed by pk % K, as the producer
+    for s in segs:
+        k = info.vchannels.index(s.vchannel)
+        pks = Catalog(store, storage, settings).read_segment(s.id)["pk"]
+        assert (pks % len(info.vchannels) == k).all()
+        assert len(s.binlogs) == 2 and s.statslogs and s.import_job == job_id
+        assert all(b.ts_from == job.timestamp for b in s.binlog_files)
+
+
+def test_a_directory_stands_for_its_files(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer, channels=1)
+    write_parquet(tmp_path / "dir" / "one.parquet", rows(50, 0))
+    write_parquet(tmp_path / "dir" / "sub" / "two.parquet", rows(70, 100))
+    (tmp_path / "dir" / "notes.txt").write_text("not data")
+
+    job_id = imports.submit(info.name, [str(tmp_path / "dir")], store=store, settings=settings)
+    job = imports.run(job_id, engine="local", store=store, settings=settings)
+
+    assert job.state is ImportState.COMPLETED, job.reason
+    assert len(job.files) == 2 and visible(store, storage, settings, info).num_rows == 120
+
+
+def test_the_same_job_id_submitted_twice_imports_once(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    data = rows(100)
+    path = write_parquet(tmp_path / "a.parquet", data)
+
+    first = imports.submit(info.name, [path], job_id=4242, store=store, settings=settings)
+    imports.run(first, engine="local", store=store, settings=settings)
+    again = imports.submit(info.name, [path], job_id=4242, store=store, settings=settings)
+    imports.run(again, engine="local", store=store, settings=settings)
+
+    assert first == again == 4242
+    assert_imported_once(visible(store, storage, settings, info), data)
+    with pytest.raises(ImportJobConflictError, match="4242"):
+        imports.submit(info.name, [path, path], job_id=4242, store=store, settings=settings)
+
+
+def test_a_large_parquet_file_is_cut_into_segments_by_row_groups(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    info = new_collection(producer, channels=1)
+    small = replace(settings, segment_max_size_mb=30_000 * info.schema.row_bytes() / (1 << 20) / 1000)
+    data = rows(120)
+    path = write_parquet(tmp_path / "big.parquet", data, row_group_size=10)
+
+    job_id = imports.submit(info.name, [path], store=store, settings=small)
+    job = imports.run(job_id, engine="local", store=store, settings=small)
+
+    assert job.state is ImportState.COMPLETED, job.reason
+    assert len(job.segment_ids) >= 4  # max 30 rows per segment
+    assert_imported_once(visible(store, storage, settings, info), data)
+
+
+def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    parts = [rows(150, i * 1000, seed=i) for i in range(3)]
+    paths = [write_parquet(tmp_path / f"p{i}.parquet", t) for i, t in enumerate(parts)]
+
+    job_id = imports.submit(info.name, paths, store=store, settings=settings)
+    job = imports.run(job_id, engine="spark", store=store, settings=settings)
+
+    assert job.state is ImportState.COMPLETED, job.reason
+    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
+    listed = Catalog(store, storage, settings).imports(info.name)
+    row = listed.set_index("job_id").loc[job_id]
+    assert (row["state"], row["rows"], row["imported_rows"], row["files"]) == ("Completed", 450, 450, 3)
+    assert get_job(store, job_id).model.segment_ids == tuple(row["segments"])
+
+
+def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    from vchan_assets.imports.checks import check_no_existing_pks
+
+    info = new_collection(producer)
+    old = rows(50, 0, seed=1)
+    first = imports.submit(
+        info.name, [write_parquet(tmp_path / "old.parquet", old)], store=store, settings=settings
+    )
+    imports.run(first, engine="local", store=store, settings=settings)
+    new = rows(50, 40, seed=2)  # pks 40..89: 40..49 already there, with other values
+    path = write_parquet(tmp_path / "new.parquet", new)
+
+    plain = imports.submit(info.name, [path], store=store, settings=settings)
+    upsert = imports.submit(info.name, [path], upsert=True, store=store, settings=settings)
+    job = imports.run(upsert, engine="local", store=store, settings=settings)
+
+    assert job.state is ImportState.COMPLETED and job.imported_rows == 50, job.reason
+    expected = pa.concat_tables([old.slice(0, 40), new])
+    assert_imported_once(visible(store, storage, settings, info), expected)
+    assert check_no_existing_pks(store, storage, job).passed
+    l0 = [s for s in segments(store, info) if s.id in job.segment_ids and s.level.value == "L0"]
+    assert len(l0) == 1 and l0[0].num_rows == 50 and l0[0].state is SegmentState.FLUSHED
+    # The same rows without upsert: the check reports the repeated pks.
+    plain_job = imports.run(plain, engine="local", store=store, settings=settings)
+    outcome = check_no_existing_pks(store, storage, plain_job)
+    assert not outcome.passed and outcome.metadata["overlap"] == 50
