@@ -1,6 +1,6 @@
 """The Dagster definitions of vchan_assets (loaded by workspace.yaml).
 
-Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`)
+Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`, `defs/lifecycle`, `defs/imports`)
 and the two resources. The settings are read once per load.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dagster as dg
 
 from vchan_assets.config import Settings
+from vchan_assets.defs.imports.assets import import_job, import_sensor, imported_segments
 from vchan_assets.defs.lifecycle.assets import lifecycle_job, lifecycle_sensor, segment_lifecycle
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
@@ -18,9 +19,9 @@ from vchan_assets.defs.sync.jobs import sync_job
 
 def build_definitions(settings: Settings) -> dg.Definitions:
     return dg.Definitions(
-        assets=[sync_vchannel, segment_table, segment_lifecycle],
-        jobs=[sync_job, lifecycle_job],
-        sensors=[*all_sensors(settings.dagster_datanodes), lifecycle_sensor],
+        assets=[sync_vchannel, segment_table, segment_lifecycle, imported_segments],
+        jobs=[sync_job, lifecycle_job, import_job],
+        sensors=[*all_sensors(settings.dagster_datanodes), lifecycle_sensor, import_sensor],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
     )
 

@@ -8,7 +8,7 @@ import time
 
 import dagster as dg
 
-from vchan_assets.datanode.checks import CheckOutcome
+from vchan_assets.defs.checks import check_result
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import SEGMENTS
 from vchan_assets.lifecycle.checks import (
@@ -47,22 +47,12 @@ LIFECYCLE_CHECKS = [
 ]
 
 
-def _check(name: str, asset: dg.AssetKey, outcome: CheckOutcome) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        check_name=name,
-        asset_key=asset,
-        passed=outcome.passed,
-        description=outcome.description,
-        metadata=dict(outcome.metadata),
-    )
-
-
 @dg.multi_asset(
     name="segment_lifecycle",
     specs=[
         dg.AssetSpec(
             COMPACTED_SEGMENTS,
-            deps=[SEGMENTS],
+            deps=[SEGMENTS, dg.AssetKey("imported_segments")],  # imported segments are sorted too
             description="Flushed segments sorted by pk (stats task) and small ones merged with deleted rows "
             "removed (mix compaction): plans at meta/compaction/, one version-checked commit each.",
             group_name=LIFECYCLE_GROUP,
@@ -121,9 +111,9 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
                 "wal_bytes": figures["wal_bytes"],
             },
         ),
-        _check(CHECK_ROWS, COMPACTED_SEGMENTS, rows),
-        _check(CHECK_UNIQUE, COMPACTED_SEGMENTS, unique),
-        _check(CHECK_FILES, GARBAGE_COLLECTION, files),
+        check_result(CHECK_ROWS, COMPACTED_SEGMENTS, rows),
+        check_result(CHECK_UNIQUE, COMPACTED_SEGMENTS, unique),
+        check_result(CHECK_FILES, GARBAGE_COLLECTION, files),
     ]
 
 

@@ -19,6 +19,7 @@ from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
+from vchan_assets.defs.checks import check_result
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
@@ -84,16 +85,6 @@ def _previous_checkpoint(context: dg.AssetExecutionContext, vchannel: str) -> in
     return int(str(value.value)) if value is not None else None
 
 
-def _check(name: str, asset: dg.AssetKey, outcome: CheckOutcome) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        check_name=name,
-        asset_key=asset,
-        passed=outcome.passed,
-        description=outcome.description,
-        metadata=dict(outcome.metadata),
-    )
-
-
 def sync_results(
     runtime: VchanRuntime, result: SyncResult, previous: int | None, config: SyncConfig
 ) -> list[dg.MaterializeResult | dg.AssetCheckResult]:
@@ -152,10 +143,10 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
         {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
     )
     return [
-        _check(CHECK_LOG_ROWS, BINLOGS, runtime.check_log_rows(vchannel)),
-        _check(CHECK_UNIQUE_PKS, BINLOGS, runtime.check_unique_pks(vchannel)),
-        _check(CHECK_BINLOG_PATHS, SEGMENTS, runtime.check_binlog_paths(vchannel)),
-        _check(CHECK_MONOTONIC, CHANNEL_CHECKPOINTS, monotonic),
+        check_result(CHECK_LOG_ROWS, BINLOGS, runtime.check_log_rows(vchannel)),
+        check_result(CHECK_UNIQUE_PKS, BINLOGS, runtime.check_unique_pks(vchannel)),
+        check_result(CHECK_BINLOG_PATHS, SEGMENTS, runtime.check_binlog_paths(vchannel)),
+        check_result(CHECK_MONOTONIC, CHANNEL_CHECKPOINTS, monotonic),
     ]
 
 
