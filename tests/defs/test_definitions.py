@@ -25,10 +25,13 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "segment_table",
         "compacted_segments",
         "garbage_collection",
+        "imported_segments",
     }
     sensors = {s.name for s in repository.sensor_defs}
-    assert {"datanode_1", "sync_sensor", "datacoord_sensor", "lifecycle_sensor"} <= sensors
-    assert repository.has_job("sync") and repository.has_job("lifecycle")
+    assert {"datanode_1", "sync_sensor", "datacoord_sensor", "lifecycle_sensor", "import_sensor"} <= sensors
+    assert (
+        repository.has_job("sync") and repository.has_job("lifecycle") and repository.has_job("bulk_import")
+    )
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
 
 

@@ -142,3 +142,32 @@ def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(
     plain_job = imports.run(plain, engine="local", store=store, settings=settings)
     outcome = check_no_existing_pks(store, storage, plain_job)
     assert not outcome.passed and outcome.metadata["overlap"] == 50
+
+
+def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_alone(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    from lifecycle.helpers import sync_all
+
+    from vchan_assets.datanode.checks import check_log_rows
+    from vchan_assets.lifecycle.step import lifecycle_step
+
+    info = new_collection(producer)
+    produced = rows(100, 0, seed=3)
+    producer.insert(info.name, produced)
+    producer.flush(info.name)
+    sync_all(store, storage, settings, info)
+    data = rows(300, 10_000, seed=4).take(pa.array(range(299, -1, -1)))  # pks descending
+    job = imports.run(
+        imports.submit(info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=settings),
+        engine="local", store=store, settings=settings,
+    )  # fmt: skip
+
+    for vchannel in info.vchannels:
+        assert check_log_rows(store, storage, info, vchannel).passed
+    lifecycle_step(store, storage, settings, engine="local", collect=False)
+
+    live = [s for s in segments(store, info) if s.state is SegmentState.FLUSHED and s.level.value == "L1"]
+    assert all(s.is_sorted for s in live)
+    assert {i for s in live for i in s.compaction_from} >= set(job.segment_ids)
+    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables([produced, data]))

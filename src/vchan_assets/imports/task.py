@@ -64,6 +64,9 @@ class ImportSpec:
     upsert_segment: int = 0  # upsert: the L0 segment that gets a delete of every imported pk
 
 
+_SYSTEM = (pa.field("offset", pa.int64(), nullable=False), pa.field("timestamp", pa.int64(), nullable=False))
+
+
 @dataclass
 class _Open:
     """The segment a vchannel's rows currently go to, and its buffered rows."""
@@ -105,9 +108,9 @@ class ImportTask:
         n = table.num_rows
         ids = pa.array(np.arange(self.next_row_id, self.next_row_id + n, dtype=np.int64))
         self.next_row_id += n
-        table = table.add_column(0, "offset", ids).add_column(
-            1, "timestamp", pa.array(np.full(n, self.spec.timestamp, dtype=np.int64))
-        )
+        # Not nullable, as in the log: binlogs of imports and syncs share one schema.
+        ts = pa.array(np.full(n, self.spec.timestamp, dtype=np.int64))
+        table = table.add_column(0, _SYSTEM[0], ids).add_column(1, _SYSTEM[1], ts)
         k = len(self.spec.vchannels)
         channel = np.mod(table[self.pk].to_numpy(), k) if k > 1 else np.zeros(n, dtype=np.int64)
         for c in np.unique(channel).tolist():
