@@ -405,7 +405,7 @@ def _import_args(parser: argparse.ArgumentParser) -> None:
         "--drop-unknown-columns", action="store_true", help="ignore columns the schema does not have"
     )
     parser.add_argument("--wait", action="store_true", help="run the job here and show its progress")
-    parser.add_argument("--engine", choices=("spark", "local"), default="spark", help="where tasks run")
+    _engine_arg(parser, "import tasks")
     parser.add_argument("--status", type=int, metavar="JOB", help="show one job")
     parser.add_argument("--list", action="store_true", help="list every import job")
 
@@ -415,36 +415,35 @@ def import_files(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets import imports
     from vchan_assets.imports.progress import ProgressPrinter, describe
 
-    store = connect(settings)
     try:
-        if args.list:
-            for job in imports.jobs(store=store, settings=settings):
-                print(describe(job))
-            return 0
-        if args.status is not None:
-            job = imports.status(args.status, store=store, settings=settings)
+        with opened(settings) as stack:
+            store = stack.store
+            if args.list:
+                for job in imports.jobs(store=store, settings=settings):
+                    print(describe(job))
+                return 0
+            if args.status is not None:
+                job = imports.status(args.status, store=store, settings=settings)
+                print(describe(job, verbose=True))
+                return 0 if job.state is not imports.ImportState.FAILED else 1
+            if not args.collection or not args.files:
+                raise UsageError("give --collection and at least one FILE_OR_DIR (or --status JOB / --list)")
+            job_id = imports.submit(
+                args.collection, args.files, partition=args.partition, format=args.format, job_id=args.job_id,
+                upsert=args.upsert,
+                drop_unknown_columns=args.drop_unknown_columns, store=store, settings=settings,
+            )  # fmt: skip
+            print(f"import job {job_id} submitted", flush=True)
+            if not args.wait:
+                return 0
+            with ProgressPrinter() as progress:
+                job = imports.run(
+                    job_id, engine=args.engine, on_progress=progress, store=store, settings=settings
+                )
             print(describe(job, verbose=True))
-            return 0 if job.state is not imports.ImportState.FAILED else 1
-        if not args.collection or not args.files:
-            raise UsageError("give --collection and at least one FILE_OR_DIR (or --status JOB / --list)")
-        job_id = imports.submit(
-            args.collection, args.files, partition=args.partition, format=args.format, job_id=args.job_id,
-            upsert=args.upsert,
-            drop_unknown_columns=args.drop_unknown_columns, store=store, settings=settings,
-        )  # fmt: skip
-        print(f"import job {job_id} submitted", flush=True)
-        if not args.wait:
-            return 0
-        with ProgressPrinter() as progress:
-            job = imports.run(
-                job_id, engine=args.engine, on_progress=progress, store=store, settings=settings
-            )
-        print(describe(job, verbose=True))
-        return 0 if job.state is imports.ImportState.COMPLETED else 1
+            return 0 if job.state is imports.ImportState.COMPLETED else 1
     except imports.ImportInputError as exc:  # a path that does not exist
         raise UsageError(str(exc)) from None
-    finally:
-        store.close()
 
 
 # --- demo, up, down ---------------------------------------------------------------------

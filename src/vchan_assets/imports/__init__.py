@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionCatalog, PartitionNotFoundError
-from vchan_assets.imports.executor import Engine, ImportExecutor, Progress
+from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionRegistry, PartitionNotFoundError
+from vchan_assets.imports.executor import ImportExecutor, Progress
 from vchan_assets.imports.files import FileSource, ImportInputError
 from vchan_assets.imports.jobs import (
     ImportFile,
@@ -34,6 +34,7 @@ from vchan_assets.imports.jobs import (
 )
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.spark import Engine
 
 __all__ = [
     "ImportFormat",
@@ -83,7 +84,7 @@ def submit(
     pk is already in the collection are replaced (a delete at the import's timestamp)."""
     fmt = ImportFormat(format)
     with _store(store, settings) as (meta, conf):
-        info = CollectionCatalog(meta).get_by_name(collection)
+        info = CollectionRegistry(meta).get_by_name(collection)
         if partition not in info.partition_names:
             raise PartitionNotFoundError(collection, partition)
         paths = FileSource(conf.s3_endpoint, conf.s3_region).expand(list(files), fmt)

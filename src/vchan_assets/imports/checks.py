@@ -13,7 +13,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
 from vchan_assets.imports.jobs import ImportFormat, ImportJob
@@ -64,7 +64,7 @@ def check_rows_match_files(
 
 
 def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) -> CheckOutcome:
-    info = CollectionCatalog(store).get(job.collection_id, include_dropped=True)
+    info = CollectionRegistry(store).get(job.collection_id, include_dropped=True)
     pk = info.schema.primary.name
     found, _ = store.list_models(store.keys.segments(job.collection_id), SegmentInfo)
     every = [d.model for d in found]

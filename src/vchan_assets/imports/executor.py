@@ -21,11 +21,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
-from vchan_assets.datacoord.collections import CollectionCatalog, CollectionNotFoundError
+from vchan_assets.datacoord.collections import CollectionNotFoundError, CollectionRegistry
 from vchan_assets.datacoord.segment_manager import max_rows_of
 from vchan_assets.failpoints import failpoint
 from vchan_assets.imports.files import FileSource, ImportInputError
@@ -50,11 +50,11 @@ from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.store import Decoded, KeyValue, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
 
-Engine = Literal["spark", "local"]
 # etcd's default limit is 128 operations per transaction; the commit makes every segment
 # of a job visible at once, plus the job and the collection.
 MAX_SEGMENTS_PER_JOB = 120
@@ -95,7 +95,7 @@ class ImportExecutor:
         self.on_progress = on_progress or (lambda job: None)
         self.ids = IdAllocator(store)
         self.tso = TimestampOracle(store)
-        self.collections = CollectionCatalog(store)
+        self.collections = CollectionRegistry(store)
         self.source = FileSource(settings.s3_endpoint, settings.s3_region)
 
     def run(self, job_id: int) -> ImportJob:

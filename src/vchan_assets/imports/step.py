@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
-from vchan_assets.imports.executor import Engine, ImportExecutor
+from vchan_assets.imports.executor import ImportExecutor
 from vchan_assets.imports.jobs import ImportJobTakenError, ImportState, list_jobs
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 
 log = logging.getLogger(__name__)
