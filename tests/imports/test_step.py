@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from coord.helpers import Role, wait_until
+from datacoord.helpers import Role, wait_until
 
 from vchan_assets import imports
 from vchan_assets.config import Settings
