@@ -18,7 +18,7 @@ from vchan_assets.datanode.node import release_channel, watch_channel
 from vchan_assets.meta.errors import CasConflictError, LeaseLostError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import ChannelWatchInfo, NodeSession, WatchState
+from vchan_assets.model import ChannelWatchInfo, MsgPosition, NodeSession, WatchState
 from vchan_assets.storage import Storage
 
 from .helpers import create_collections, fast_settings
@@ -333,5 +333,47 @@ def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(
             time.sleep(0.05)
         assert node.channels == [v0]
         assert node.lease_losses == 1 and not node.session_lost.is_set()
+    finally:
+        node.stop()
+
+
+def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
+    store: MetaStore, settings: Settings
+) -> None:
+    """The node's own tickler PUTs (ToWatch, progress > 0) come back as watch events; a node
+    that re-handles them restarts the channel and its final CAS fails: the channel is left
+    WatchSuccess with no worker (seed: a PUT with progress != 0 is ignored)."""
+    from vchan_assets.datanode.node import DataNode
+
+    # A tick every few ms: every watch outlives the tickler interval.
+    settings = replace(fast_settings(settings), tickler_interval=0.002)
+    producer, infos = create_collections(store, settings, count=1, shards=1)
+    vchannel = infos[0].vchannels[0]
+    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    try:
+        ChannelManager(store, settings).reconcile()
+        key = store.keys.channel_watch(node.node_id, vchannel)
+
+        def watched() -> bool:
+            found = store.get_model(key, ChannelWatchInfo)
+            return found is not None and found.model.state is WatchState.WATCH_SUCCESS
+
+        deadline = time.monotonic() + 10
+        while not watched() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watched()
+        time.sleep(1.0)  # the tickler's queued PUTs are delivered meanwhile
+        assert node.channels == [vchannel], "WatchSuccess in etcd, but the node runs no worker"
+        produced = Produced()
+        produce(producer, infos[0].name, produced, 20, 1)
+        producer.time_tick(infos[0].name)
+        head = producer.time_tick(infos[0].name)[vchannel]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            found = store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
+            if found is not None and found.model.offset >= head.offset:
+                break
+            time.sleep(0.1)
+        assert found is not None and found.model.offset >= head.offset
     finally:
         node.stop()

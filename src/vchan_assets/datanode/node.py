@@ -57,6 +57,7 @@ __all__ = [
     "Tickler",
     "WatchFailedError",
     "is_end_state",
+    "is_tickler_update",
     "parse_watch_info",
     "release_channel",
     "sync_once",
@@ -83,6 +84,13 @@ class WatchFailedError(MetaError):
 def is_end_state(state: WatchState) -> bool:
     """States the coordinator waits for; a node ignores them (seed: isEndWatchState)."""
     return state in END_STATES
+
+
+def is_tickler_update(info: ChannelWatchInfo) -> bool:
+    """A ToWatch with progress > 0 is a node's own tickler write, not a new request (seed:
+    "DataNode received a PUT event with tickler update, ignore it"). Re-handling it would
+    restart the watch, whose final CAS then fails against the tickler's newer version."""
+    return info.state is WatchState.TO_WATCH and info.progress != 0
 
 
 class Tickler:
@@ -364,7 +372,7 @@ class DataNode:
             self._handled[key] = mod_revision  # logged once
             log.error("node %s: skipping malformed watch info: %s", self.node_id, exc)
             return
-        if is_end_state(info.state):
+        if is_end_state(info.state) or is_tickler_update(info):
             self._handled[key] = mod_revision
             return
         try:
