@@ -377,3 +377,53 @@ def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
         assert found is not None and found.model.offset >= head.offset
     finally:
         node.stop()
+
+
+def _one_watched_channel(
+    store: MetaStore, settings: Settings, nodes: Nodes, node_id: int
+) -> tuple[ChannelManager, str, int]:
+    """One collection of one vchannel, watched (WatchSuccess) by node `node_id`."""
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=1)
+    manager = ChannelManager(store, settings)
+    a = nodes.up(node_id)
+    manager.reconcile()
+    _answer(store, settings, a)
+    return manager, infos[0].vchannels[0], a
+
+
+def test_a_to_watch_that_loses_its_compare_and_swap_grants_no_lease(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    """Lease grant and ToWatch are one transaction: when the ToWatch cannot be written
+    (here: the target node's key is taken by a value the manager cannot read), the
+    channel's lease is left as it was, so no holder is fenced for nothing."""
+    manager, vchannel, a = _one_watched_channel(store, settings, nodes, 7801)
+    before = store.read_lease(vchannel)
+    assert before is not None and before.node_id == a
+    # Node a's watch info is replaced by something unreadable: the manager sees no holder
+    # and tries to assign the channel to node a again, whose key is not free.
+    store.put(store.keys.channel_watch(a, vchannel), b"not json")
+    report = manager.reconcile()
+    assert report.conflicts == 1 and not report.assigned
+    assert store.read_lease(vchannel) == before
+
+
+def test_a_holder_fenced_by_a_newer_lease_is_noticed_and_the_channel_reassigned(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    """A WatchSuccess whose lease id is not the channel's current lease holds nothing: the
+    node stopped the channel when its commit was refused. The manager removes that watch
+    info and assigns the channel again with a new lease."""
+    from vchan_assets.datacoord.leases import grant_channel_lease
+    from vchan_assets.meta.allocator import IdAllocator
+
+    manager, vchannel, a = _one_watched_channel(store, settings, nodes, 7901)
+    fencer = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=424242)
+    report = manager.reconcile()
+    assert [(v, n) for v, n, _ in report.removed] == [(vchannel, a)]
+    assert report.assigned == [(vchannel, a)]
+    found = _watch(store, a, vchannel)
+    lease = store.read_lease(vchannel)
+    assert found is not None and found[0].state is WatchState.TO_WATCH
+    assert lease is not None and lease.lease_id == found[0].lease_id != fencer.lease_id

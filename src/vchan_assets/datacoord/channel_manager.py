@@ -10,10 +10,12 @@ standby that takes over simply continues from what etcd says.
 Rules of one step, per vchannel of every non-dropped collection:
 - a watch info of a node whose session is gone is deleted and the channel reassigned
   with a NEW lease (granting it fences off the old writer: lease MEP);
-- WatchFailure, ReleaseSuccess/ReleaseFailure, or ToWatch/ToRelease past `timeout_ts`
-  (pushed back by the node's tickler) -> deleted, and the channel reassigned;
+- WatchFailure, ReleaseSuccess/ReleaseFailure, ToWatch/ToRelease past `timeout_ts`
+  (pushed back by the node's tickler), or ToWatch/WatchSuccess naming a lease that is no
+  longer `channel-lease/{vchannel}` (its node was fenced and stopped) -> deleted, and the
+  channel reassigned;
 - an unassigned channel goes to the live node with the fewest channels (ToWatch with a
-  fresh lease id), or, with no live node, waits in `channelwatch/remaining/{vchannel}`;
+  fresh lease id, written in the same transaction), or, with no live node, waits in `channelwatch/remaining/{vchannel}`;
 - when nothing is moving, a node with 2+ channels more than another gives one up:
   ToRelease on the old node first; only after its ReleaseSuccess (or its death or
   timeout) is the channel written as ToWatch for another node. Never two watchers;
@@ -31,13 +33,14 @@ from dataclasses import dataclass, field, replace
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
-from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datacoord.leases import new_channel_lease
 from vchan_assets.datacoord.recovery import recovery_info
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import WatchEntry, list_watches
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import KeyValue, MetaStore
 from vchan_assets.model import (
+    ChannelLease,
     ChannelWatchInfo,
     CollectionInfo,
     NodeSession,
@@ -78,6 +81,15 @@ class ChannelView:
     entries: dict[str, list[WatchEntry]]
     remaining: dict[str, KeyValue]
     malformed: list[KeyValue]
+    leases: dict[str, ChannelLease] = field(default_factory=dict)  # vchannel -> current lease
+
+
+def _fenced(e: WatchEntry, current: ChannelLease | None) -> str:
+    """Why a watch info no longer holds its channel because another lease replaced its
+    own (its node's commits are refused and it stopped the channel), or ""."""
+    if e.info.lease_id is None or current is None or current.lease_id == e.info.lease_id:
+        return ""  # no lease named (older coordinator), or still the current one
+    return f"lease {e.info.lease_id} replaced by {current.lease_id} (node {current.node_id})"
 
 
 class ChannelManager:
@@ -123,7 +135,14 @@ class ChannelManager:
         for bad in listing.malformed:
             log.error("channel manager: skipping %s", bad.error)
         malformed = [bad.kv for bad in listing.malformed]
-        return ChannelView(nodes, channels, entries, listing.remaining, malformed)
+        # Read after the watch infos: a lease is written with its ToWatch, so every lease
+        # id a listed watch info names is here, or a newer one.
+        return ChannelView(nodes, channels, entries, listing.remaining, malformed, self._leases())
+
+    def _leases(self) -> dict[str, ChannelLease]:
+        prefix = self.store.keys.channel_leases()
+        found, _ = self.store.list_models(prefix, ChannelLease, skip_malformed=True)
+        return {d.kv.key[len(prefix) :]: d.model for d in found}
 
     def assignments(self) -> dict[str, list[tuple[int, WatchState]]]:
         """vchannel -> [(node, state)] as etcd has it now (for status and tests)."""
@@ -226,6 +245,8 @@ class ChannelManager:
             elif state in MOVING and now > e.info.timeout_ts:
                 why = f"{state.value} stuck past the watch timeout"
                 exclude.add(e.node_id)
+            elif state in (WatchState.TO_WATCH, WatchState.WATCH_SUCCESS):
+                why = _fenced(e, view.leases.get(vchannel))
             if not why:
                 holders.append(e)
                 continue
@@ -235,7 +256,7 @@ class ChannelManager:
                 and state in HOLDING
             ):
                 load[e.node_id] -= 1
-        holders.sort(key=lambda e: (e.info.state is not WatchState.WATCH_SUCCESS, -(e.info.lease_id or 0)))
+        holders.sort(key=lambda e: (e.info.state is not WatchState.WATCH_SUCCESS, e.node_id))
         return holders, exclude
 
     def _retire(
@@ -255,7 +276,7 @@ class ChannelManager:
     ) -> bool:
         """ToWatch on `node_id` with a fresh lease (which fences off any earlier writer)."""
         recovery = recovery_info(self.store, collection, vchannel)
-        lease = grant_channel_lease(self.store, self.ids, vchannel, node_id)
+        lease = new_channel_lease(self.ids, node_id)
         info = ChannelWatchInfo(
             vchan=VchannelInfo(
                 collection.id,
@@ -271,9 +292,13 @@ class ChannelManager:
             op_id=lease.lease_id,
             lease_id=lease.lease_id,
         )
-        try:
-            self.store.cas(self.store.keys.channel_watch(node_id, vchannel), 0, info)
-        except CasConflictError:
+        # One transaction: a ToWatch that cannot be written grants no lease (else the
+        # current holder would be fenced off for nothing).
+        watch_key = self.store.keys.channel_watch(node_id, vchannel)
+        written = self.store.txn(
+            {watch_key: 0}, {self.store.keys.channel_lease(vchannel): lease, watch_key: info}
+        )
+        if written is None:
             report.conflicts += 1
             return False
         report.assigned.append((vchannel, node_id))

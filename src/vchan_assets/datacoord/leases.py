@@ -16,9 +16,15 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease
 
 
+def new_channel_lease(ids: IdAllocator, node_id: int) -> ChannelLease:
+    """A lease for `node_id` with a fresh id, not yet written (the caller writes it in the
+    transaction that needs it, e.g. together with the ToWatch that names it)."""
+    return ChannelLease(lease_id=ids.alloc(), node_id=node_id, granted_at=time.time())
+
+
 def grant_channel_lease(store: MetaStore, ids: IdAllocator, vchannel: str, node_id: int) -> ChannelLease:
     """A new lease for `node_id`, replacing (and so revoking) any previous one."""
-    lease = ChannelLease(lease_id=ids.alloc(), node_id=node_id, granted_at=time.time())
+    lease = new_channel_lease(ids, node_id)
     store.put(store.keys.channel_lease(vchannel), lease)
     return lease
 
