@@ -626,19 +626,27 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
 def _run_lifecycle(
     settings: Settings, store: MetaStore, active: threading.Event, stop: threading.Event, engine: str
 ) -> None:
-    """The segment lifecycle beside the coordinator: one step every VCHAN_LIFECYCLE_INTERVAL
-    while this DataCoord is the active one."""
-    from vchan_assets.lifecycle.step import lifecycle_step
+    """The segment lifecycle beside the coordinator while this DataCoord is the active one:
+    newly flushed segments sorted every VCHAN_SORT_POLL_INTERVAL (the stats task after
+    flush), the whole step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL."""
+    from vchan_assets.lifecycle.step import lifecycle_step, sort_step
 
     storage = Storage.from_settings(settings)
-    while not stop.wait(settings.lifecycle_interval):
+    next_step = time.monotonic() + settings.lifecycle_interval
+    while not stop.wait(min(settings.sort_poll_interval, settings.lifecycle_interval)):
         if not active.is_set():
             continue
         try:
-            report = lifecycle_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
-            log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
+            if time.monotonic() >= next_step:
+                next_step = time.monotonic() + settings.lifecycle_interval
+                report = lifecycle_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+                log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
+            else:
+                sorted_now = sort_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+                if sorted_now:
+                    log.info("sorted %d newly flushed segments", len(sorted_now))
         except (MetaError, StorageError, LogError) as exc:
-            log.warning("lifecycle step failed (%s); next one in %gs", exc, settings.lifecycle_interval)
+            log.warning("lifecycle step failed (%s); trying again", exc)
 
 
 def _run_imports(

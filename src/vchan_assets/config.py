@@ -58,6 +58,13 @@ def _proportion(name: str, raw: str) -> float:
     return value
 
 
+def _factor(name: str, raw: str) -> float:
+    value = _positive_float(name, raw)
+    if value < 1:
+        raise ConfigError(name, raw, "a factor of at least 1")
+    return value
+
+
 def _endpoints(name: str, raw: str) -> tuple[str, ...]:
     endpoints = tuple(part.strip() for part in raw.split(",") if part.strip())
     if not endpoints:
@@ -274,11 +281,23 @@ class Settings:
         _positive_float,
         "seconds between the active DataCoord's lifecycle steps (plans, sort, compaction, GC)",
     )
+    sort_poll_interval: float = setting(
+        "VCHAN_SORT_POLL_INTERVAL",
+        2.0,
+        _positive_float,
+        "seconds between the active DataCoord's looks for newly flushed segments to sort by pk",
+    )
     compaction_small_proportion: float = setting(
         "VCHAN_COMPACTION_SMALL_PROPORTION",
         0.5,
         _proportion,
         "a Flushed segment below this fraction of the max size is merged by mix compaction",
+    )
+    compaction_tier_factor: float = setting(
+        "VCHAN_COMPACTION_TIER_FACTOR",
+        2.0,
+        _factor,
+        "mix compaction merges small segments of one size tier: at most this many times the tier's smallest",
     )
     compaction_delete_ratio: float = setting(
         "VCHAN_COMPACTION_DELETE_RATIO",

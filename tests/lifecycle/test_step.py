@@ -12,13 +12,13 @@ from datanode.helpers import VCHAN, cli_env
 
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.plans import PlanState, list_plans
-from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.lifecycle.step import lifecycle_step, sort_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1
+from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1
 
 
 @pytest.fixture
@@ -65,4 +65,51 @@ def test_datacoord_process_runs_the_lifecycle_step_on_its_interval(
         proc.terminate()
         proc.wait(30)
     assert all(s.is_sorted for s in live_l1(store, collection))
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_sort_step_sorts_each_newly_flushed_segment_and_merges_nothing(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    flushed = live_l1(store, collection)
+    assert [s.id for s in unsorted_segments(store) if s.collection_id == collection.id] == [
+        s.id for s in flushed
+    ]
+    outcomes = sort_step(store, storage, settings, engine="local")
+    assert len(outcomes) == 2 and all(o.state is PlanState.COMPLETED for o in outcomes)
+    now = live_l1(store, collection)
+    assert sorted(s.compaction_from for s in now) == [(s.id,) for s in flushed]
+    assert all(s.is_sorted for s in now)
+    assert sort_step(store, storage, settings, engine="local") == []  # nothing new: no plan
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifecycle_interval(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_POLL_INTERVAL="0.5")
+    proc = subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    produced = Produced()
+    try:
+        for batch in range(2):  # each flush, sorted on its own before the next one
+            more = flushed_batches(
+                store, storage, settings, producer, collection, batches=1, first_batch=batch
+            )
+            produced.rows += more.rows
+            produced.deleted += more.deleted
+            [flushed] = [s for s in live_l1(store, collection) if not s.is_sorted]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(s.is_sorted for s in live_l1(store, collection)):
+                time.sleep(0.2)
+            assert (flushed.id,) in [s.compaction_from for s in live_l1(store, collection)]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert len(live_l1(store, collection)) == 2, "sorted one by one, not merged (no lifecycle step ran)"
     assert_lifecycle_invariants(store, storage, settings, collection, produced)

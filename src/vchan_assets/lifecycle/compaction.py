@@ -2,9 +2,9 @@
 
 Triggers, as Milvus' compaction trigger: a Flushed L1 segment that is not sorted gets a
 **sort** plan (the stats task after flush); Flushed L1 segments of one (collection,
-partition, vchannel) below a fraction of the max size, or with more deleted rows than a
-ratio, get **mix** plans that merge them up to the max size; a manual trigger merges
-every Flushed segment of the collection. Only Flushed segments are ever planned (never
+partition, vchannel) below a fraction of the max size and of one size tier get **mix**
+plans that merge them up to the max size, and one with more deleted rows than a ratio is
+rewritten without them; a manual trigger merges every Flushed segment of the collection. Only Flushed segments are ever planned (never
 Growing, Sealed or Flushing ones: a sync may still write those), and never one another
 active plan holds.
 
@@ -88,6 +88,18 @@ def sort_candidates(segments: Sequence[Decoded[SegmentInfo]]) -> list[Candidate]
     ]
 
 
+def size_tiers(members: Sequence[Decoded[SegmentInfo]], factor: float) -> list[list[Decoded[SegmentInfo]]]:
+    """Segments cut into runs of similar size: from the smallest up, a run takes the next
+    segment while that one is at most `factor` times the run's smallest."""
+    runs: list[list[Decoded[SegmentInfo]]] = []
+    for d in sorted(members, key=lambda d: (d.model.num_rows, d.model.id)):
+        if runs and d.model.num_rows <= factor * runs[-1][0].model.num_rows:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return runs
+
+
 def mix_candidates(
     segments: Sequence[Decoded[SegmentInfo]],
     max_rows: int,
@@ -95,22 +107,37 @@ def mix_candidates(
     delete_ratio: dict[int, float],
     delete_threshold: float,
     manual: bool = False,
+    tier_factor: float = 2.0,
 ) -> list[Candidate]:
-    """Groups of one (partition, vchannel) to merge, each up to `max_rows` rows."""
+    """Groups of one (partition, vchannel) to merge, each up to `max_rows` rows.
+
+    Size-tiered, so a row is rewritten about log(total / new) times, not at every step:
+    small segments merge only with others of their size tier (a grown merged segment
+    waits until enough smaller ones grew to its size). A segment with more deleted rows
+    than the threshold is rewritten alone, its deleted rows' bytes reclaimed."""
     groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
     for d in segments:
         if compactable(d.model):
             groups[(d.model.partition_id, d.model.vchannel)].append(d)
     out = []
     for members in groups.values():
+        if manual:
+            out += [
+                Candidate(CompactionType.MIX, tuple(b), "manual") for b in _pack(_by_id(members), max_rows)
+            ]
+            continue
         heavy = [d for d in members if delete_ratio.get(d.model.id, 0.0) > delete_threshold]
+        out += [Candidate(CompactionType.MIX, (d,), "delete ratio") for d in heavy]
         small = [d for d in members if d.model.num_rows < small_proportion * max_rows and d not in heavy]
-        chosen = members if manual else heavy + (small if len(small) > 1 or heavy else [])
-        reason = "manual" if manual else ("delete ratio" if heavy else "small segments")
-        for batch in _pack(sorted(chosen, key=lambda d: d.model.id), max_rows):
-            if len(batch) > 1 or manual or batch[0] in heavy:
-                out.append(Candidate(CompactionType.MIX, tuple(batch), reason))
+        for tier in size_tiers(small, tier_factor):
+            for batch in _pack(_by_id(tier), max_rows) if len(tier) > 1 else []:
+                if len(batch) > 1:
+                    out.append(Candidate(CompactionType.MIX, tuple(batch), "small segments of one size tier"))
     return out
+
+
+def _by_id(members: Sequence[Decoded[SegmentInfo]]) -> list[Decoded[SegmentInfo]]:
+    return sorted(members, key=lambda d: d.model.id)
 
 
 def _pack(members: list[Decoded[SegmentInfo]], max_rows: int) -> list[list[Decoded[SegmentInfo]]]:
@@ -211,6 +238,7 @@ class CompactionTrigger:
                 ratios,
                 self.settings.compaction_delete_ratio,
                 manual,
+                self.settings.compaction_tier_factor,
             )
         else:
             checkpoints = {v: channel_checkpoint(self.store, v) for v in collection.vchannels}

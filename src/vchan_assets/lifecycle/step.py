@@ -1,7 +1,11 @@
 """One DataCoord lifecycle step, the same whoever runs it (the `vchan datacoord` process
 or the Dagster lifecycle assets): time out and clean up plans, trigger sort (the stats
 task after flush) and mix compaction, run Pending plans, and garbage-collect once the
-interval has passed."""
+interval has passed.
+
+`sort_step` is the stats task alone, for the seed's postFlush hand-off: run every few
+seconds (VCHAN_SORT_POLL_INTERVAL), it sorts segments soon after their flush instead of
+at the next lifecycle step."""
 
 from __future__ import annotations
 
@@ -16,10 +20,19 @@ from vchan_assets.lifecycle.compaction import (
     CompactionTrigger,
     PlanOutcome,
     cleanup_plan,
+    sort_candidates,
 )
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
-from vchan_assets.lifecycle.plans import FINISHED, CompactionType, PlanState, list_plans, transition
+from vchan_assets.lifecycle.plans import (
+    FINISHED,
+    CompactionType,
+    PlanState,
+    busy_segments,
+    list_plans,
+    transition,
+)
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import SegmentInfo
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 
@@ -79,3 +92,28 @@ def lifecycle_step(
     if collect and gc.due():
         report.gc = gc.run()
     return report
+
+
+def unsorted_segments(store: MetaStore) -> list[SegmentInfo]:
+    """Flushed L1 segments not sorted by pk and in no active plan: the stats task's work."""
+    found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    busy = busy_segments(list_plans(store))
+    return [c.segments[0].model for c in sort_candidates(found) if c.segments[0].model.id not in busy]
+
+
+def sort_step(
+    store: MetaStore, storage: Storage, settings: Settings, engine: Engine = "spark"
+) -> list[PlanOutcome]:
+    """The stats task after flush: plan a sort of every newly flushed segment and run
+    those plans (one job). Cheap when there is none: one listing of segment meta."""
+    waiting = {s.collection_id for s in unsorted_segments(store)}
+    if not waiting:
+        return []
+    trigger = CompactionTrigger(store, storage, settings)
+    planned = [
+        p.plan_id
+        for info in CollectionRegistry(store).list()
+        if info.id in waiting
+        for p in trigger.trigger(info, CompactionType.SORT)
+    ]
+    return CompactionExecutor(store, storage, settings, engine).run_pending(planned) if planned else []

@@ -1,0 +1,83 @@
+"""Mix compaction triggers: size-tiered merging (a merged segment is not rewritten at
+every step, only once the newer segments have grown to its size) and the delete ratio
+(a segment many deletes hit is rewritten without them, its bytes reclaimed)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.lifecycle.plans import PlanState
+from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
+
+from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def test_a_merged_segment_waits_until_newer_ones_reach_its_size_tier(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+
+    def round_then_step(batches: int = 1) -> list[tuple[int, int]]:
+        """(rows, segment id) of the live segments, smallest first, after a lifecycle step."""
+        more = flushed_batches(
+            store, storage, settings, producer, collection, batches=batches, first_batch=len(produced.rows)
+        )
+        produced.rows += more.rows
+        produced.deleted += more.deleted
+        report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+        assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
+        return sorted((s.num_rows, s.id) for s in live_l1(store, collection))
+
+    [(merged, big)] = round_then_step(3)  # three rounds of 200 rows, 10 of each deleted
+    assert merged == 570
+    # One new segment per step: the merged one is not rewritten while the newer ones are
+    # below half its size; they merge among themselves (190 + 190; 200 + 380).
+    for expected in ([190, 570], [380, 570], [570, 570]):
+        now = round_then_step()
+        assert [rows for rows, _ in now] == expected
+        assert big in [seg for _, seg in now], "the merged segment was rewritten"
+    # Its tier is full now: the two 570-row segments merge (and the new one is sorted).
+    now = round_then_step()
+    assert [rows for rows, _ in now] == [190, 1140]
+    [grown] = [s for s in live_l1(store, collection) if s.num_rows == 1140]
+    assert big in grown.compaction_from
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_a_segment_many_deletes_hit_is_rewritten_alone_and_its_bytes_reclaimed(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3, deletes=0)
+    lifecycle_step(store, storage, settings, engine="local", collect=False)
+    [big] = live_l1(store, collection)
+    # 30% of its rows deleted; a new small segment beside it (its own tier: not merged)
+    doomed = list(range(10_000, 10_180))
+    producer.delete(collection.name, doomed, partition="_default")
+    produced.deleted += doomed
+    more = flushed_batches(
+        store, storage, settings, producer, collection, batches=1, first_batch=5, deletes=0
+    )
+    produced.rows += more.rows
+    report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+    assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
+    [rewritten] = [s for s in live_l1(store, collection) if big.id in s.compaction_from]
+    assert rewritten.compaction_from == (big.id,), "rewritten alone"
+    assert rewritten.num_rows == big.num_rows - len(doomed)
+
+    def stored(seg: SegmentInfo) -> int:
+        return sum(b.size_bytes for b in seg.binlog_files)
+
+    assert stored(rewritten) < 0.8 * stored(big)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
