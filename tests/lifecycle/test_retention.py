@@ -15,19 +15,26 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.datanode.checks import check_log_rows
 from vchan_assets.lifecycle.gc import GarbageCollector
+from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
+from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
 
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1
+from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live, live_l1
 from .test_gc import compact_all
 
 
 @pytest.fixture
 def collection(producer: Producer) -> CollectionInfo:
     return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def list_plans_of(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
+    found = [store.get_model(store.keys.compaction_plan(p), CompactionPlan) for p in plan_ids]
+    return [d.model for d in found if d is not None]
 
 
 def retain(store: MetaStore, storage: Storage, settings: Settings) -> list[str]:
@@ -107,3 +114,32 @@ def test_a_reader_listing_the_log_while_retention_deletes_its_oldest_file_carrie
     outcome = check_log_rows(store, racing, collection, vchannel)
     assert outcome.passed, outcome.description
     assert outcome.metadata["retained_from_offset"] == before[2].first_offset
+
+
+def test_log_rows_check_passes_once_compaction_applied_the_deletes_an_l0_compaction_moved(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    [vchannel] = collection.vchannels
+    report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+    assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
+    assert not any(s.deltalogs for s in live(store, collection)), "every delete applied and gone"
+    outcome = check_log_rows(store, storage, collection, vchannel)
+    assert outcome.passed, outcome.description
+    assert outcome.metadata["lost_deletes"] == 0 and outcome.metadata["lost_rows"] == 0
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_log_rows_check_catches_a_delete_that_was_lost(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    [vchannel] = collection.vchannels
+    # drop the L0 segments (their deletes) without applying them: a lost delete
+    for seg in [s for s in live(store, collection) if s.level is SegmentLevel.L0]:
+        key = store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
+        found = store.get_model(key, SegmentInfo)
+        assert found is not None
+        store.cas(key, found.kv.version, seg.with_changes(state=SegmentState.DROPPED))
+    outcome = check_log_rows(store, storage, collection, vchannel)
+    assert not outcome.passed and outcome.metadata["lost_deletes"] == 20, outcome.description

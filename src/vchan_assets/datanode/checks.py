@@ -3,14 +3,13 @@ what the Dagster asset checks report after every sync, usable without Dagster.
 Once log retention deleted the oldest log files, `check_log_rows` compares the range
 the log still holds, [first retained offset, checkpoint], and reports that floor.
 
-- `check_log_rows`: the insert binlogs hold exactly the log's inserts of that range and
-  the delta logs exactly its deletes. Deletes are not applied to insert binlogs (they go
-  to L0 delta logs, as in Milvus 2.4+), so "rows minus deletes where they belong" is: the
-  entries of the L1 scalar-group insert binlogs == the Insert messages in the range, the
-  entries of the L0 delta logs == the Delete messages, and the live rows = inserted pks
-  minus deleted pks that had been inserted before. After a compaction removed deleted
-  rows physically, the live insert binlogs hold between the live rows and the inserts.
-  Only live (not Dropped) segments count: compaction drops its inputs.
+- `check_log_rows`: the live segments hold the log's inserts and deletes of that range,
+  value by log offset (insert binlogs carry it as row_id, delta logs as offset): no row
+  or delete that is not in the log or is there twice; every insert is in an insert
+  binlog unless a later delete of its pk removed it (compaction applies deletes); every
+  delete is in a delta log (an L0 one, or copied to its targets by L0 compaction) unless
+  it was applied: no live row of its pk older than it is left. Only live (not Dropped)
+  segments count: compaction drops its inputs.
 - `check_unique_pks`: no primary key appears twice in the channel's insert binlogs.
 - `check_binlog_paths`: every binlog, delta log and stats log path in segment meta exists.
 
@@ -28,7 +27,7 @@ from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.wal.format import CorruptLogError, MsgType, wal_prefix
+from vchan_assets.wal.format import CorruptLogError, MsgType, log_schema, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
 
@@ -67,46 +66,44 @@ class RetainedLog:
     files wholly below the checkpoint, so only offsets from `floor` on can be compared."""
 
     floor: int  # the first offset still in the log (0 while nothing was deleted)
-    table: pa.Table  # offset, msg_type, pk of [floor, checkpoint]
-
-
-def _empty_log(pk: str) -> pa.Table:
-    return pa.table(
-        {
-            "offset": pa.array([], pa.int64()),
-            "msg_type": pa.array([], pa.string()),
-            pk: pa.array([], pa.int64()),
-        }
-    )
+    table: pa.Table  # offset, msg_type, timestamp, pk of [floor, checkpoint]
 
 
 def _retained_log(storage: Storage, collection: CollectionInfo, vchannel: str, up_to: int) -> RetainedLog:
     """The retained log up to `up_to`; listed again if a retention pass deletes a file
     between the listing and the read (the floor then moves up)."""
     pk = collection.schema.primary.name
+    columns = ["offset", "msg_type", "timestamp", pk]
     for _ in range(3):
         files = WalReader(storage, vchannel, collection).files_between(-1, up_to)
         floor = files[0].first_offset if files else 0
         try:
-            tables = [storage.read_parquet(f.key, columns=["offset", "msg_type", pk]) for f in files]
+            tables = [storage.read_parquet(f.key, columns=columns) for f in files]
         except StorageError:
             if all(storage.exists(f.key) for f in files):
                 raise
             continue
-        table = pa.concat_tables(tables) if tables else _empty_log(pk)
+        table = (
+            pa.concat_tables(tables)
+            if tables
+            else log_schema(collection.schema).empty_table().select(columns)
+        )
         return RetainedLog(floor, table.filter(pc.less_equal(table["offset"], up_to)))
     raise CorruptLogError(storage.path(wal_prefix(vchannel)), "files kept disappearing while read")
 
 
-def _count_from(storage: Storage, logs: list[Binlog], column: str, floor: int) -> int:
-    """Entries of `logs` whose log offset (`column`) is at or above `floor`: all of them
-    while the log is whole, else read from the files."""
-    if floor == 0:
-        return sum(b.entries for b in logs)
-    return sum(
-        pc.sum(pc.greater_equal(storage.read_parquet(b.path, columns=[column])[column], floor)).as_py() or 0
-        for b in logs
-    )
+def _read(storage: Storage, logs: list[Binlog], columns: list[str]) -> dict[str, list[int]]:
+    tables = [storage.read_parquet(b.path, columns=columns) for b in logs]
+    if not tables:
+        return {c: [] for c in columns}
+    table = pa.concat_tables(tables)
+    return {c: table[c].to_pylist() for c in columns}
+
+
+def _messages(log_table: pa.Table, kind: MsgType, pk: str) -> list[tuple[int, int, int]]:
+    """(offset, pk, timestamp) of the log's messages of one kind."""
+    t = log_table.filter(pc.equal(log_table["msg_type"], kind.value))
+    return list(zip(t["offset"].to_pylist(), t[pk].to_pylist(), t["timestamp"].to_pylist(), strict=True))
 
 
 def check_log_rows(
@@ -117,49 +114,50 @@ def check_log_rows(
         return CheckOutcome(True, "no checkpoint yet: nothing committed", {"log_inserts": 0})
     cp = found.model
     retained = _retained_log(storage, collection, vchannel, cp.offset)
-    log_table, floor = retained.table, retained.floor
-    kinds = log_table["msg_type"]
-    log_inserts = pc.sum(pc.equal(kinds, MsgType.INSERT.value)).as_py() or 0
-    log_deletes = pc.sum(pc.equal(kinds, MsgType.DELETE.value)).as_py() or 0
+    floor, pk = retained.floor, collection.schema.primary.name
+    inserts = _messages(retained.table, MsgType.INSERT, pk)
+    deletes = _messages(retained.table, MsgType.DELETE, pk)
     segs = _segments(store, collection, vchannel)
     # Insert binlogs carry the log offset as row_id, delta logs as offset.
-    binlog_rows = _count_from(storage, _insert_binlogs(segs), "row_id", floor)
-    deltalogs = [b for s in segs for b in s.deltalogs]
-    delta_rows = _count_from(storage, deltalogs, "offset", floor)
-    pk = collection.schema.primary.name
-    inserted = set(log_table.filter(pc.equal(kinds, MsgType.INSERT.value))[pk].to_pylist())
-    deleted = set(log_table.filter(pc.equal(kinds, MsgType.DELETE.value))[pk].to_pylist())
-    live = len(inserted - deleted)
-    # A compaction removed deleted rows physically: the live binlogs then hold fewer rows
-    # than the log inserted, but never fewer than the live pks.
-    compacted = any(s.compaction_from for s in segs)
-    rows_ok = binlog_rows == log_inserts or (compacted and live <= binlog_rows <= log_inserts)
-    # An L0 compaction copies each delete into every segment that may hold its pk.
-    moved = any(s.deltalogs for s in segs if s.level is not SegmentLevel.L0)
-    deltas_ok = delta_rows == log_deletes
-    if moved and not deltas_ok:
-        delta_pks = set()
-        for b in deltalogs:
-            table = storage.read_parquet(b.path, columns=["pk", "offset"])
-            delta_pks |= set(table.filter(pc.greater_equal(table["offset"], floor))["pk"].to_pylist())
-        deltas_ok = delta_pks <= deleted  # every delete still in the log, none invented
+    rows = _read(storage, _insert_binlogs(segs), ["row_id", pk, "timestamp"])
+    deltas = _read(storage, [b for s in segs for b in s.deltalogs], ["offset", "pk", "timestamp"])
+    row_ids = [r for r in rows["row_id"] if r >= floor]
+    delta_offsets = {o for o in deltas["offset"] if o >= floor}
+    # The latest delete of each pk (the log's and the live delta logs'), and the oldest live row.
+    latest_delete: dict[int, int] = {}
+    for key, ts in [*((p, t) for _, p, t in deletes), *zip(deltas["pk"], deltas["timestamp"], strict=True)]:
+        latest_delete[key] = max(ts, latest_delete.get(key, ts))
+    oldest_row: dict[int, int] = {}
+    for key, ts in zip(rows[pk], rows["timestamp"], strict=True):
+        oldest_row[key] = min(ts, oldest_row.get(key, ts))
+    insert_offsets = {o for o, _, _ in inserts}
+    delete_offsets = {o for o, _, _ in deletes}
+    held = set(row_ids)
+    # A row may be missing only if a later delete removed it (compaction applies deletes);
+    # a delete may be missing from the delta logs only once applied (no older row left).
+    lost_rows = sum(1 for o, p, t in inserts if o not in held and latest_delete.get(p, -1) <= t)
+    lost_deletes = sum(1 for o, p, t in deletes if o not in delta_offsets and oldest_row.get(p, t) < t)
+    invented = len(row_ids) - len(held) + len(held - insert_offsets) + len(delta_offsets - delete_offsets)
     scope = (
         f"committed range [0, {cp.offset}]"
         if floor == 0
         else f"retained range [{floor}, {cp.offset}] (log retention deleted offsets below {floor})"
     )
     return CheckOutcome(
-        rows_ok and deltas_ok,
-        f"{scope}: insert binlogs {binlog_rows} / log inserts {log_inserts}, "
-        f"delta logs {delta_rows} / log deletes {log_deletes}, live rows {live}",
+        lost_rows == 0 and lost_deletes == 0 and invented == 0,
+        f"{scope}: insert binlogs {len(row_ids)} / log inserts {len(inserts)}, delta logs "
+        f"{len(delta_offsets)} / log deletes {len(deletes)}; lost rows {lost_rows}, lost deletes "
+        f"{lost_deletes}, rows or deletes not in the log or twice {invented}",
         {
             "checkpoint_offset": cp.offset,
             "retained_from_offset": floor,
-            "log_inserts": log_inserts,
-            "binlog_rows": binlog_rows,
-            "log_deletes": log_deletes,
-            "deltalog_rows": delta_rows,
-            "live_rows": live,
+            "log_inserts": len(inserts),
+            "binlog_rows": len(row_ids),
+            "log_deletes": len(deletes),
+            "deltalog_rows": len(delta_offsets),
+            "lost_rows": lost_rows,
+            "lost_deletes": lost_deletes,
+            "invented": invented,
         },
     )
 

@@ -10,7 +10,14 @@ import dagster as dg
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.imports.assets import import_job, import_sensor, imported_segments
-from vchan_assets.defs.lifecycle.assets import lifecycle_job, lifecycle_sensor, segment_lifecycle
+from vchan_assets.defs.lifecycle.assets import (
+    lifecycle_job,
+    lifecycle_sensor,
+    segment_lifecycle,
+    sort_job,
+    sort_sensor,
+    sorted_segments,
+)
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
@@ -19,9 +26,9 @@ from vchan_assets.defs.sync.jobs import sync_job
 
 def build_definitions(settings: Settings) -> dg.Definitions:
     return dg.Definitions(
-        assets=[sync_vchannel, segment_table, segment_lifecycle, imported_segments],
-        jobs=[sync_job, lifecycle_job, import_job],
-        sensors=[*all_sensors(settings.dagster_datanodes), lifecycle_sensor, import_sensor],
+        assets=[sync_vchannel, segment_table, sorted_segments, segment_lifecycle, imported_segments],
+        jobs=[sync_job, lifecycle_job, sort_job, import_job],
+        sensors=[*all_sensors(settings.dagster_datanodes), lifecycle_sensor, sort_sensor, import_sensor],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
     )
 

@@ -221,9 +221,16 @@ class CompactionTrigger:
         self.ids = IdAllocator(store)
 
     def trigger(
-        self, collection: CollectionInfo, kind: CompactionType, manual: bool = False
+        self,
+        collection: CollectionInfo,
+        kind: CompactionType,
+        manual: bool = False,
+        vchannel: str | None = None,
     ) -> list[CompactionPlan]:
+        """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given)."""
         found, _ = self.store.list_models(self.store.keys.segments(collection.id), SegmentInfo)
+        if vchannel is not None:
+            found = [d for d in found if d.model.vchannel == vchannel]
         busy = busy_segments(list_plans(self.store))
         free = [d for d in found if d.model.id not in busy]
         max_rows = max_rows_of(collection, self.settings)

@@ -94,19 +94,27 @@ def lifecycle_step(
     return report
 
 
-def unsorted_segments(store: MetaStore) -> list[SegmentInfo]:
-    """Flushed L1 segments not sorted by pk and in no active plan: the stats task's work."""
+def unsorted_segments(store: MetaStore, vchannel: str | None = None) -> list[SegmentInfo]:
+    """Flushed L1 segments not sorted by pk and in no active plan (of `vchannel` if given):
+    the stats task's work."""
     found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    if vchannel is not None:
+        found = [d for d in found if d.model.vchannel == vchannel]
     busy = busy_segments(list_plans(store))
     return [c.segments[0].model for c in sort_candidates(found) if c.segments[0].model.id not in busy]
 
 
 def sort_step(
-    store: MetaStore, storage: Storage, settings: Settings, engine: Engine = "spark"
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    engine: Engine = "spark",
+    vchannel: str | None = None,
 ) -> list[PlanOutcome]:
-    """The stats task after flush: plan a sort of every newly flushed segment and run
-    those plans (one job). Cheap when there is none: one listing of segment meta."""
-    waiting = {s.collection_id for s in unsorted_segments(store)}
+    """The stats task after flush: plan a sort of every newly flushed segment (of
+    `vchannel` if given) and run those plans (one job). Cheap when there is none: one
+    listing of segment meta."""
+    waiting = {s.collection_id for s in unsorted_segments(store, vchannel)}
     if not waiting:
         return []
     trigger = CompactionTrigger(store, storage, settings)
@@ -114,6 +122,6 @@ def sort_step(
         p.plan_id
         for info in CollectionRegistry(store).list()
         if info.id in waiting
-        for p in trigger.trigger(info, CompactionType.SORT)
+        for p in trigger.trigger(info, CompactionType.SORT, vchannel=vchannel)
     ]
     return CompactionExecutor(store, storage, settings, engine).run_pending(planned) if planned else []

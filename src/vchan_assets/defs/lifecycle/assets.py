@@ -1,14 +1,21 @@
-"""The segment lifecycle as assets downstream of `segments`: `compacted_segments` (sort
-and mix compaction plans run by the DataCoord lifecycle step) and `garbage_collection`
-(orphans, dropped segments, old log files), materialized together by one step, with
-checks, and a sensor that runs the step every VCHAN_LIFECYCLE_INTERVAL. The step is the
-same one the `vchan datacoord` process runs (lifecycle/step.py)."""
+"""The segment lifecycle as assets downstream of `segments`:
 
+- `sorted_segments`, partitioned by vchannel: the stats task after flush (`sort_step`),
+  requested by `sort_sensor` for each vchannel with newly flushed unsorted segments;
+- `compacted_segments` (L0, mix and leftover sort plans of the DataCoord lifecycle step)
+  and `garbage_collection` (orphans, dropped segments, old log files), materialized
+  together by one step every VCHAN_LIFECYCLE_INTERVAL (`lifecycle_sensor`);
+
+with checks. The steps are the ones the `vchan datacoord` process runs (lifecycle/step.py)."""
+
+import statistics
 import time
+from collections import defaultdict
 
 import dagster as dg
 
 from vchan_assets.defs.checks import check_result
+from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import SEGMENTS
 from vchan_assets.lifecycle.checks import (
@@ -18,12 +25,16 @@ from vchan_assets.lifecycle.checks import (
     storage_figures,
 )
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
-from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.lifecycle.step import lifecycle_step, sort_step, unsorted_segments
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import physical_ms
 
+SORTED_SEGMENTS = dg.AssetKey("sorted_segments")
 COMPACTED_SEGMENTS = dg.AssetKey("compacted_segments")
 GARBAGE_COLLECTION = dg.AssetKey("garbage_collection")
 LIFECYCLE_GROUP = "segment_lifecycle"
 
+CHECK_SORTED_ROWS = "sorted_rows_conserved"
 CHECK_ROWS = "rows_conserved"
 CHECK_UNIQUE = "no_pk_in_two_live_segments"
 CHECK_FILES = "live_meta_files_exist"
@@ -47,12 +58,96 @@ LIFECYCLE_CHECKS = [
 ]
 
 
+def _plans(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
+    return [
+        found.model
+        for pid in plan_ids
+        if (found := store.get_model(store.keys.compaction_plan(pid), CompactionPlan)) is not None
+    ]
+
+
+@dg.asset(
+    key=SORTED_SEGMENTS,
+    deps=[SEGMENTS],
+    partitions_def=vchannels,
+    group_name=LIFECYCLE_GROUP,
+    kinds={"spark", "etcd"},
+    description="The stats task after flush: each newly flushed segment of the vchannel rewritten sorted "
+    "by pk with a fresh stats log (pk range, bloom filter), swapped for it in one etcd transaction.",
+    check_specs=[
+        dg.AssetCheckSpec(
+            CHECK_SORTED_ROWS,
+            asset=SORTED_SEGMENTS,
+            description="Per sort: rows in = rows out + rows its deletes removed (recomputed).",
+        )
+    ],
+)
+def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
+    """Sort the vchannel's newly flushed segments (one job); how long each waited since its flush."""
+    vchannel = context.partition_key
+    with vchan.open() as runtime:
+        store, storage = runtime.store, runtime.storage
+        flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in unsorted_segments(store, vchannel)}
+        outcomes = sort_step(store, storage, runtime.settings, vchannel=vchannel)
+        done = time.time()
+        completed = [o.plan_id for o in outcomes if o.state is PlanState.COMPLETED]
+        plans = _plans(store, completed)
+        rows = check_rows_conserved(store, storage, plans)
+    waited = [done - flushed_at[i] for p in plans for i in p.input_ids if i in flushed_at]
+    context.log.info(
+        "%s: %d segments sorted, %d failed", vchannel, len(completed), len(outcomes) - len(completed)
+    )
+    yield dg.MaterializeResult(
+        metadata={
+            "sorted": len(completed),
+            "failed": len(outcomes) - len(completed),
+            "rows": sum(p.rows_out for p in plans),
+            "flush_to_sorted_s_median": round(statistics.median(waited), 2) if waited else 0.0,
+            "flush_to_sorted_s_max": round(max(waited), 2) if waited else 0.0,
+        }
+    )
+    yield check_result(CHECK_SORTED_ROWS, SORTED_SEGMENTS, rows)
+
+
+sort_job = dg.define_asset_job(
+    "sort",
+    selection=dg.AssetSelection.assets(SORTED_SEGMENTS),
+    partitions_def=vchannels,
+    executor_def=dg.in_process_executor,
+    description="The stats task of one vchannel: sort its newly flushed segments by pk.",
+)
+
+
+@dg.sensor(job=sort_job, minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING)
+def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+    """Sort right after flush: a `sorted_segments` run for each vchannel with newly flushed
+    unsorted segments, once per newest such segment (the run key)."""
+    with vchan.open() as runtime:
+        waiting = unsorted_segments(runtime.store)
+        known = set(context.instance.get_dynamic_partitions(VCHANNELS))
+    newest: dict[str, int] = defaultdict(int)
+    for s in waiting:
+        newest[s.vchannel] = max(newest[s.vchannel], s.id)
+    requests = [
+        dg.RunRequest(run_key=f"sort-{v}-{seg}", partition_key=v)
+        for v, seg in sorted(newest.items())
+        if v in known
+    ]
+    if not requests:
+        return dg.SensorResult(skip_reason="no newly flushed segment waits for its sort")
+    return dg.SensorResult(run_requests=requests)
+
+
 @dg.multi_asset(
     name="segment_lifecycle",
     specs=[
         dg.AssetSpec(
             COMPACTED_SEGMENTS,
-            deps=[SEGMENTS, dg.AssetKey("imported_segments")],  # imported segments are sorted too
+            deps=[
+                SEGMENTS,
+                SORTED_SEGMENTS,
+                dg.AssetKey("imported_segments"),
+            ],  # imported segments are sorted too
             description="Flushed segments sorted by pk (stats task) and small ones merged with deleted rows "
             "removed (mix compaction): plans at meta/compaction/, one version-checked commit each.",
             group_name=LIFECYCLE_GROUP,
@@ -75,11 +170,7 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
         store, storage = runtime.store, runtime.storage
         report = lifecycle_step(store, storage, runtime.settings)
         completed = [o.plan_id for o in report.outcomes if o.state is PlanState.COMPLETED]
-        plans = [
-            found.model
-            for pid in completed
-            if (found := store.get_model(store.keys.compaction_plan(pid), CompactionPlan)) is not None
-        ]
+        plans = _plans(store, completed)
         figures = storage_figures(store, storage)
         rows = check_rows_conserved(store, storage, plans)
         unique = check_unique_live_pks(store, storage)
