@@ -23,15 +23,21 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "segments",
         "channel_checkpoints",
         "segment_table",
+        "sorted_segments",
         "compacted_segments",
         "garbage_collection",
         "imported_segments",
     }
     sensors = {s.name for s in repository.sensor_defs}
-    assert {"datanode_1", "sync_sensor", "datacoord_sensor", "lifecycle_sensor", "import_sensor"} <= sensors
-    assert (
-        repository.has_job("sync") and repository.has_job("lifecycle") and repository.has_job("bulk_import")
-    )
+    assert {
+        "datanode_1",
+        "sync_sensor",
+        "datacoord_sensor",
+        "lifecycle_sensor",
+        "import_sensor",
+        "sort_sensor",
+    } <= sensors
+    assert all(repository.has_job(job) for job in ("sync", "lifecycle", "bulk_import", "sort"))
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
 
 

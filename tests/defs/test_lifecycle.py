@@ -9,11 +9,19 @@ import dagster as dg
 from lifecycle.helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.lifecycle.assets import COMPACTED_SEGMENTS, GARBAGE_COLLECTION, segment_lifecycle
+from vchan_assets.defs.lifecycle.assets import (
+    COMPACTED_SEGMENTS,
+    GARBAGE_COLLECTION,
+    segment_lifecycle,
+    sort_sensor,
+    sorted_segments,
+)
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
+
+from .helpers import evaluate
 
 
 def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_checks(
@@ -36,4 +44,44 @@ def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_chec
     assert len(checks) == 3 and all(c.passed for c in checks), [c.description for c in checks]
     [merged] = live_l1(store, info)
     assert merged.is_sorted and len(merged.compaction_from) == 3
+    assert_lifecycle_invariants(store, storage, dsettings, info, produced)
+
+
+def test_sort_sensor_requests_a_sorted_segments_run_per_vchannel_with_newly_flushed_segments(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+) -> None:
+    storage = Storage.from_settings(dsettings)
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    produced = flushed_batches(store, storage, dsettings, producer, info, batches=1)
+    flushed = {s.id: s.vchannel for s in live_l1(store, info)}
+    requests = evaluate(sort_sensor, instance, vchan).run_requests or []
+    mine = [r for r in requests if r.partition_key in info.vchannels]
+    assert sorted(r.partition_key for r in mine) == sorted(info.vchannels)
+    first = info.vchannels[0]
+    result = dg.materialize(
+        [sorted_segments], instance=instance, resources={"vchan": vchan}, partition_key=first
+    )
+    assert result.success
+    [materialization] = result.asset_materializations_for_node("sorted_segments")
+    assert materialization.metadata["sorted"].value == 1
+    assert materialization.metadata["flush_to_sorted_s_max"].value > 0
+    [check] = result.get_asset_check_evaluations()
+    assert check.passed, check.description
+    # only that vchannel's segment was sorted; the sensor now asks for the other one only
+    now = {s.vchannel: s for s in live_l1(store, info)}
+    assert now[first].is_sorted and now[first].compaction_from == tuple(
+        i for i, v in flushed.items() if v == first
+    )
+    assert not now[info.vchannels[1]].is_sorted
+    again = [
+        r
+        for r in evaluate(sort_sensor, instance, vchan).run_requests or []
+        if r.partition_key in info.vchannels
+    ]
+    assert [r.partition_key for r in again] == [info.vchannels[1]]
     assert_lifecycle_invariants(store, storage, dsettings, info, produced)

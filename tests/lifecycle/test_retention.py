@@ -143,3 +143,19 @@ def test_log_rows_check_catches_a_delete_that_was_lost(
         store.cas(key, found.kv.version, seg.with_changes(state=SegmentState.DROPPED))
     outcome = check_log_rows(store, storage, collection, vchannel)
     assert not outcome.passed and outcome.metadata["lost_deletes"] == 20, outcome.description
+
+
+def test_a_reader_with_cached_footers_sees_no_gap_when_retention_deletes_files_as_it_lists(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    [vchannel] = collection.vchannels
+    racing = RetentionDuringListing(storage.uri)
+    reader = WalReader(racing, vchannel, collection)
+    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    cached = reader.files()  # these footers are cached, the next files' are not
+    flushed_batches(store, storage, settings, producer, collection, batches=2, first_batch=1)
+    every = WalReader(storage, vchannel, collection).files()
+    # a pass deletes the oldest files, up to one the reader has not described yet
+    doomed = every[: len(cached) + 1]
+    racing.doomed.extend(reversed([f.key for f in doomed]))
+    assert reader.files() == every[len(doomed) :]

@@ -228,9 +228,18 @@ class WalReader:
     def files(self) -> list[WalFile]:
         """Every log file of the channel in offset order, checked to be contiguous.
 
-        Log retention deletes the oldest files while readers list: a file gone since the
-        listing is left out (one gone from the middle shows as a gap)."""
-        files = [f for f in map(self._describe, self._listing()) if f is not None]
+        Log retention deletes the oldest files, in offset order, while readers list: when
+        a listed file is gone by the time its footer is read, the listing is stale (files
+        before it, whose footers were cached, may be gone too) and is taken again."""
+        for _ in range(5):
+            described = [self._describe(info) for info in self._listing()]
+            files = [f for f in described if f is not None]
+            if len(files) == len(described):
+                break
+        else:
+            raise CorruptLogError(
+                self.storage.path(wal_prefix(self.vchannel)), "log files kept disappearing while listed"
+            )
         for before, after in zip(files, files[1:], strict=False):
             if after.first_offset != before.end_offset:
                 raise CorruptLogError(
