@@ -147,15 +147,15 @@ def baseline(paths: list[str], out: Path, channels: int) -> int:
 
 def run_import(
     store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo, paths: list[str]
-) -> tuple[float, int, int]:
-    """(seconds, rows imported, peak RSS of the process tree) of one import job on Spark."""
+) -> tuple[float, int, PeakRss]:
+    """(seconds, rows imported, peak RSS: process tree and Python workers) of one import job on Spark."""
     with PeakRss() as peak:
         started = time.perf_counter()
         job_id = imports.submit(info.name, paths, store=store, settings=settings)
         job = ImportExecutor(store, storage, settings, engine="spark").run(job_id)
         seconds = time.perf_counter() - started
     assert job.state is ImportState.COMPLETED, job.reason
-    return seconds, job.imported_rows, peak.peak
+    return seconds, job.imported_rows, peak
 
 
 def measure(
@@ -183,12 +183,13 @@ def measure(
         "import_rows_per_s": rows / imp_s,
         "ratio_baseline_over_import": base_s / imp_s,
         "baseline_peak_rss_mb": base_peak.peak / 2**20,
-        "import_peak_rss_mb": imp_peak / 2**20,
+        "import_peak_rss_mb": imp_peak.peak / 2**20,
+        "import_peak_workers_rss_mb": imp_peak.peak_workers / 2**20,
     }
     print(
         f"{rows:,} rows in {files} files ({input_bytes / 1e9:.2f} GB): baseline {base_s:.1f}s, "
-        f"import {imp_s:.1f}s, ratio {base_s / imp_s:.2f}; peak RSS import {imp_peak / 2**20:.0f} MB, "
-        f"baseline {base_peak.peak / 2**20:.0f} MB",
+        f"import {imp_s:.1f}s, ratio {base_s / imp_s:.2f}; peak RSS import {imp_peak.peak / 2**20:.0f} MB "
+        f"(Python workers {imp_peak.peak_workers / 2**20:.0f} MB), baseline {base_peak.peak / 2**20:.0f} MB",
         flush=True,
     )
     return result

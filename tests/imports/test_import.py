@@ -171,3 +171,22 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
     assert all(s.is_sorted for s in live)
     assert {i for s in live for i in s.compaction_from} >= set(job.segment_ids)
     assert_imported_once(visible(store, storage, settings, info), pa.concat_tables([produced, data]))
+
+
+def test_progress_moves_with_the_finished_tasks_and_is_written_to_the_job(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    paths = [write_parquet(tmp_path / f"{i}.parquet", rows(20, i * 100)) for i in range(3)]
+    seen: list[tuple[str, int]] = []
+
+    def record(job: imports.ImportJob) -> None:
+        stored = get_job(store, job.job_id).model
+        seen.append((stored.state.value, stored.progress))
+
+    job_id = imports.submit(info.name, paths, store=store, settings=settings)
+    imports.run(job_id, engine="local", on_progress=record, store=store, settings=settings)
+
+    importing = [p for state, p in seen if state == "Importing"]
+    assert {36, 63, 90} <= set(importing) and importing == sorted(importing)
+    assert seen[-1] == ("Completed", 100)

@@ -18,6 +18,7 @@ transaction that marks it Failed. So a job is never half visible and never impor
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -157,18 +158,15 @@ class ImportExecutor:
         info = self._collection(j)
         specs = self._specs(j, info)
         segments: list[SegmentInfo] = []
-        done_rows = 0
         for result in self._run(specs):
             if isinstance(result, ImportInputError | StorageError):
                 raise ImportFailed(str(result))
             segments += result
-            done_rows += sum(s.num_rows for s in result if s.level is not SegmentLevel.L0)
-            self.on_progress(replace(j, progress=10 + 80 * done_rows // max(1, j.rows)))
         failpoint("import_after_binlogs")
         imported = sum(s.num_rows for s in segments if s.level is not SegmentLevel.L0)
         if imported != j.rows:
             raise ImportFailed(f"pre-import counted {j.rows} rows, the import wrote {imported}")
-        job = self._register(job, segments)
+        job = self._register(self.current, segments)  # progress reports moved the job's version
         self.on_progress(job.model)
         failpoint("import_before_commit")
         return self._commit(job)
@@ -243,8 +241,23 @@ class ImportExecutor:
 
     def _run(self, specs: list[ImportSpec]) -> list[TaskResult]:
         if self.engine == "local":
-            return [outcome_of(run_pickled(spec)) for spec in specs]
-        return _run_on_spark(self.settings, specs, self.timeout, self.spark)
+            results = []
+            for i, spec in enumerate(specs):
+                results.append(outcome_of(run_pickled(spec)))
+                self._tasks_done(i + 1, len(specs))
+            return results
+        return _run_on_spark(self.settings, specs, self.timeout, self.spark, self._tasks_done)
+
+    def _tasks_done(self, done: int, total: int) -> None:
+        """Progress 10..90 with the tasks finished, written to the job: it is also the
+        heartbeat that tells the DataCoord this executor is alive (at least every third
+        of VCHAN_IMPORT_TIMEOUT, even while one long task runs)."""
+        job = self.current
+        progress = 10 + 80 * done // max(1, total)
+        stale = time.time() - job.model.updated_at > self.settings.import_timeout / 3
+        if progress != job.model.progress or stale:
+            self._update(job, progress=progress)
+            self.on_progress(self.current.model)
 
     def _register(self, job: Decoded[ImportJob], segments: list[SegmentInfo]) -> Decoded[ImportJob]:
         """One transaction: the segments (Importing) and their ids in the job."""
@@ -358,7 +371,11 @@ class ImportExecutor:
 
 
 def _run_on_spark(
-    settings: Settings, specs: list[ImportSpec], timeout: float, spark: Any = None
+    settings: Settings,
+    specs: list[ImportSpec],
+    timeout: float,
+    spark: Any = None,
+    on_tasks: Callable[[int, int], None] | None = None,
 ) -> list[TaskResult]:
     from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -370,6 +387,45 @@ def _run_on_spark(
         return run_tasks_arrow(specs, batches)
 
     df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(RESULT_SCHEMA))
-    rows = run_job(spark, f"import of {len(specs)} files", lambda: df.collect(), timeout)
+    with _TaskMonitor(spark, len(specs), on_tasks):
+        rows = run_job(spark, f"import of {len(specs)} files", lambda: df.collect(), timeout)
     by_task = {r["task"]: outcome_of(r.asDict()) for r in rows}
     return [by_task[s.task] for s in specs]
+
+
+class _TaskMonitor:
+    """Reports finished tasks of the running import stage once a second (classic Spark
+    sessions: Spark Connect has no status tracker; there the job reports at its end)."""
+
+    def __init__(self, spark: Any, total: int, on_tasks: Callable[[int, int], None] | None) -> None:
+        from vchan_assets.spark.session import settings_is_connect
+
+        self.spark, self.total, self.on_tasks = spark, total, on_tasks
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        if on_tasks is not None and not settings_is_connect(spark):
+            self.thread = threading.Thread(target=self._watch, name="import-progress", daemon=True)
+
+    def __enter__(self) -> _TaskMonitor:
+        if self.thread is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _watch(self) -> None:
+        assert self.on_tasks is not None
+        tracker = self.spark.sparkContext.statusTracker()
+        reported = -1
+        while not self.stop.wait(1.0):
+            stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
+            done = max((s.numCompletedTasks for s in stages if s and s.numTasks == self.total), default=0)
+            if done != reported:
+                reported = done
+                try:
+                    self.on_tasks(done, self.total)
+                except ImportJobTakenError:
+                    return  # the commit step will say so
