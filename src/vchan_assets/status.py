@@ -205,6 +205,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "segments": segment_rows,
         "orphan_binlogs": orphan_count,
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
+        "imports": _records(catalog.imports(), IMPORT_COLUMNS),
         "warnings": warnings,
     }
 
@@ -220,6 +221,8 @@ COMPACTION_COLUMNS = [
     "rows_out",
     "reason",
 ]
+
+IMPORT_COLUMNS = ["job_id", "collection", "state", "progress", "files", "rows", "imported_rows", "reason"]
 
 
 def _cell(value: Any) -> str:
@@ -274,13 +277,10 @@ def render_status(report: dict[str, Any]) -> Group:
     for s in report["segments"]:
         segments.add_row(s["collection"], s["state"], s["level"], _cell(s["segments"]), _cell(s["rows"]))
 
-    plans = Table(title="compaction plans", title_justify="left")
-    for column in COMPACTION_COLUMNS:
-        plans.add_column(column.replace("_", " "))
-    for p in report.get("compactions", [])[-20:]:
-        plans.add_row(*(_cell(p[c]) if not isinstance(p[c], list) else str(p[c]) for c in COMPACTION_COLUMNS))
-    if not report.get("compactions"):
-        plans.add_row("-", "no compaction plan", *([""] * (len(COMPACTION_COLUMNS) - 2)))
+    plans = _recent(
+        "compaction plans", report.get("compactions", []), COMPACTION_COLUMNS, "no compaction plan"
+    )
+    jobs = _recent("import jobs", report.get("imports", []), IMPORT_COLUMNS, "no import job")
 
     warnings = Table(title="warnings", title_justify="left")
     warnings.add_column("kind")
@@ -289,4 +289,16 @@ def render_status(report: dict[str, Any]) -> Group:
         warnings.add_row(Text(w["kind"], style="yellow"), w["message"])
     if not report["warnings"]:
         warnings.add_row(Text("none", style="green"), "nothing needs attention")
-    return Group(header, nodes, channels, segments, plans, warnings)
+    return Group(header, nodes, channels, segments, plans, jobs, warnings)
+
+
+def _recent(title: str, records: list[dict[str, Any]], columns: list[str], empty: str) -> Table:
+    """The last 20 records (compaction plans, import jobs) as a table."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column.replace("_", " "))
+    for r in records[-20:]:
+        table.add_row(*(_cell(r[c]) if not isinstance(r[c], list) else str(r[c]) for c in columns))
+    if not records:
+        table.add_row("-", empty, *([""] * (len(columns) - 2)))
+    return table

@@ -194,3 +194,23 @@ def test_a_collection_dropped_during_the_job_fails_it_with_nothing_visible(
     from .helpers import segments
 
     assert {s.state.value for s in segments(store, info)} <= {"Dropped"}
+
+
+def test_status_lists_import_jobs_with_the_reason_of_a_failed_one(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    from rich.console import Console
+
+    from vchan_assets.catalog import Catalog
+    from vchan_assets.status import collect_status, render_status
+
+    info = new_collection(producer)
+    job = run_import(store, settings, info, [_null_pk(tmp_path)])
+
+    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    [listed] = [j for j in report["imports"] if j["job_id"] == job.job_id]
+    assert listed["state"] == "Failed" and "is null at row 2" in listed["reason"]
+    console = Console(width=250, record=True)
+    console.print(render_status(report))
+    text = console.export_text()
+    assert "import jobs" in text and f"{job.job_id:,}" in text
