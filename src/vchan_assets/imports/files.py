@@ -141,9 +141,11 @@ def _batches(
 ) -> Iterator[pa.RecordBatch]:
     if fmt is ImportFormat.PARQUET:
         pf = parquet_file(source, path)
-        groups = list(range(pf.num_row_groups)) if row_groups is None else list(row_groups)
-        if groups:
-            yield from pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups, columns=columns)
+        groups = range(pf.num_row_groups) if row_groups is None else row_groups
+        # One row group at a time: a reader given them all reads ahead and holds the whole
+        # file in memory (measured), so memory would grow with the rows of a file.
+        for group in groups:
+            yield from pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=columns)
         return
     fs, inner = source.resolve(path)
     with fs.open_input_stream(inner) as stream:
