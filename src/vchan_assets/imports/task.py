@@ -55,7 +55,7 @@ class ImportSpec:
     partition_id: int
     vchannels: tuple[str, ...]
     timestamp: int
-    row_id_base: int  # row ids row_id_base .. + rows
+    row_id_base: int  # row ids -row_id_base .. -(row_id_base + rows - 1)
     segment_ids: tuple[int, ...]  # reserved for this task, used in order
     log_id_base: int
     log_id_count: int
@@ -106,7 +106,9 @@ class ImportTask:
 
     def _add(self, table: pa.Table) -> None:
         n = table.num_rows
-        ids = pa.array(np.arange(self.next_row_id, self.next_row_id + n, dtype=np.int64))
+        # Row ids from the ID allocator, negated: a synced row's row_id is its log offset
+        # (>= 0), so log checks tell imported rows apart even after a compaction merged them.
+        ids = pa.array(-np.arange(self.next_row_id, self.next_row_id + n, dtype=np.int64))
         self.next_row_id += n
         # Not nullable, as in the log: binlogs of imports and syncs share one schema.
         ts = pa.array(np.full(n, self.spec.timestamp, dtype=np.int64))
