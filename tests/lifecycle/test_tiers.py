@@ -5,18 +5,22 @@ every step, only once the newer segments have grown to its size) and the delete 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.lifecycle.plans import PlanState
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
-from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1
+from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live, live_l1
 
 
 @pytest.fixture
@@ -81,3 +85,40 @@ def test_a_segment_many_deletes_hit_is_rewritten_alone_and_its_bytes_reclaimed(
 
     assert stored(rewritten) < 0.8 * stored(big)
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_many_l0_and_small_segments_are_compacted_in_plans_small_enough_for_one_etcd_transaction(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    # 70 rounds: 70 L0 segments and 70 small L1 targets; one commit of all of them would
+    # write ~140 keys, over etcd's 128 operations per transaction.
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=70, rows=20, deletes=2)
+    for _ in range(4):
+        report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+        assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
+    left = [s for s in live(store, collection) if s.level is SegmentLevel.L0]
+    assert not left, f"{len(left)} L0 segments left"
+    assert len(live_l1(store, collection)) <= 3
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_a_commit_etcd_refuses_fails_its_plan_and_leaves_the_inputs_live(
+    settings: Settings, storage: Storage, tmp_path: Path
+) -> None:
+    # an etcd taking at most 8 operations per transaction; a merge of 8 segments needs 10
+    server = EmbeddedEtcd(tmp_path / "small-txn-etcd", max_txn_ops=8).start()
+    settings = replace(settings, etcd_endpoints=(server.endpoint,))
+    store = MetaStore.connect(settings)
+    try:
+        producer = Producer(store, storage, settings)
+        info = producer.create_collection("c", SCHEMA, num_channels=1)
+        produced = flushed_batches(store, storage, settings, producer, info, batches=8, rows=20, deletes=0)
+        before = {s.id for s in live_l1(store, info)}
+        CompactionTrigger(store, storage, settings).trigger(info, CompactionType.MIX, manual=True)
+        [outcome] = CompactionExecutor(store, storage, settings, "local").run_pending()
+        assert outcome.state is PlanState.FAILED and "commit refused" in outcome.reason
+        assert {s.id for s in live_l1(store, info)} == before
+        assert_lifecycle_invariants(store, storage, settings, info, produced)
+    finally:
+        store.close()
+        server.stop()

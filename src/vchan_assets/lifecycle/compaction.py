@@ -57,6 +57,7 @@ from vchan_assets.lifecycle.task import (
     run_pickled,
 )
 from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.errors import MetaError, MetaUnavailableError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.spark import Engine
@@ -66,6 +67,10 @@ log = logging.getLogger(__name__)
 
 
 # --- triggers ------------------------------------------------------------------------------
+
+# Inputs of one plan at most: its commit writes every input and output and the plan in one
+# etcd transaction, and etcd refuses more than 128 operations in one (--max-txn-ops).
+MAX_PLAN_SEGMENTS = 60
 
 
 def compactable(seg: SegmentInfo) -> bool:
@@ -141,10 +146,11 @@ def _by_id(members: Sequence[Decoded[SegmentInfo]]) -> list[Decoded[SegmentInfo]
 
 
 def _pack(members: list[Decoded[SegmentInfo]], max_rows: int) -> list[list[Decoded[SegmentInfo]]]:
+    """Batches of up to `max_rows` rows and MAX_PLAN_SEGMENTS segments."""
     batches: list[list[Decoded[SegmentInfo]]] = []
     rows = 0
     for d in members:
-        if not batches or rows + d.model.num_rows > max_rows:
+        if not batches or rows + d.model.num_rows > max_rows or len(batches[-1]) >= MAX_PLAN_SEGMENTS:
             batches.append([])
             rows = 0
         batches[-1].append(d)
@@ -207,6 +213,8 @@ def l0_candidates(
         ]
         if unsettled or any(d.model.id in busy for d in targets):
             continue
+        # The oldest first, as many as one commit can drop beside its targets; the rest next time.
+        l0 = sorted(l0, key=lambda d: d.model.id)[: max(1, MAX_PLAN_SEGMENTS - len(targets))]
         out.append(
             Candidate(CompactionType.L0, (*l0, *targets), f"{len(l0)} L0 segments below the checkpoint")
         )
@@ -383,6 +391,11 @@ class CompactionExecutor:
         except CompactionConflictError as exc:
             log.warning("%s", exc)
             return self.fail(plan, str(exc))
+        except MetaUnavailableError:
+            raise  # the commit may have happened: the plan times out, or the next step sees it
+        except MetaError as exc:  # etcd refused the transaction: nothing was written
+            log.error("compaction %d: %s", plan.model.plan_id, exc)
+            return self.fail(plan, f"commit refused: {exc}")
         failpoint("compaction_after_commit")
         log.info(
             "compaction %d (%s): %d rows in, %d out, segments %s -> %s",

@@ -117,6 +117,7 @@ class EmbeddedEtcd:
     pid: int | None = None
     owned: bool = False
     max_request_bytes: int | None = None  # etcd's --max-request-bytes (None: its 1.5 MiB default)
+    max_txn_ops: int | None = None  # etcd's --max-txn-ops (None: its default, 128)
     _process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -187,6 +188,8 @@ class EmbeddedEtcd:
         ]
         if self.max_request_bytes is not None:
             args.append(f"--max-request-bytes={self.max_request_bytes}")
+        if self.max_txn_ops is not None:
+            args.append(f"--max-txn-ops={self.max_txn_ops}")
         logfile = open(self.directory / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
         self._process = subprocess.Popen(
             args,
