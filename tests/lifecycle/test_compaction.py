@@ -4,6 +4,7 @@ test runs the plans as a Spark job)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import replace
 
@@ -244,6 +245,20 @@ def test_l0_compaction_waits_while_a_segment_that_may_hold_older_rows_is_not_flu
     producer.delete(collection.name, [99_000], partition="_default")
     sync_all(store, storage, settings, collection)  # the deleted row sits in a Growing segment
     assert CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0) == []
+
+
+def test_l0_compaction_under_continuous_writes_takes_the_deletes_older_than_every_unflushed_segment(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    older = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0}
+    time.sleep(1.2)  # the next round's segment is created more than the 1 s margin later
+    flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=2)
+    newest = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0} - older
+    producer.insert(collection.name, generate_rows(SCHEMA, 50, start_pk=99_000))  # a round in flight
+    sync_all(store, storage, settings, collection)  # its rows sit in a Growing segment
+    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0)
+    assert older <= set(plan.input_ids) and not newest & set(plan.input_ids)
 
 
 def test_status_lists_the_compaction_plans(

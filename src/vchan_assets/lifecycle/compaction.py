@@ -185,9 +185,9 @@ def l0_candidates(
 ) -> list[Candidate]:
     """Per partition: the Flushed L0 segments at or below their channel's checkpoint,
     with every live Flushed L1 segment of the partition as a target (inputs too: the
-    commit checks their versions). Skipped while a target is in another plan, or while a
-    segment that may hold rows older than the deletes is not Flushed yet (a sync still
-    writes it: its rows would miss the deletes)."""
+    commit checks their versions). Skipped while a target is in another plan; an L0 segment
+    waits while a segment that may hold rows older than its deletes is not Flushed yet (a
+    sync still writes it: its rows would miss the deletes)."""
     groups: dict[int, list[Decoded[SegmentInfo]]] = defaultdict(list)
     for d in segments:
         s = d.model
@@ -197,21 +197,27 @@ def l0_candidates(
             groups[s.partition_id].append(d)
     out = []
     for partition, l0 in groups.items():
-        last_delete = (
-            max(physical_ms(d.model.dml_position.timestamp) for d in l0 if d.model.dml_position) / 1000
-        )
         same = [
             d for d in segments if d.model.partition_id == partition and d.model.level is not SegmentLevel.L0
         ]
         targets = [d for d in same if compactable(d.model)]
-        unsettled = [
+        # A segment a sync still writes holds only rows newer than its creation: the deletes
+        # older than every such segment (1 s margin for clocks) can go now, the others wait.
+        unsettled = min(
+            (
+                d.model.created_at
+                for d in same
+                if d.model.state
+                in (SegmentState.GROWING, SegmentState.SEALED, SegmentState.FLUSHING, SegmentState.IMPORTING)
+            ),
+            default=float("inf"),
+        )
+        l0 = [
             d
-            for d in same
-            if d.model.state
-            in (SegmentState.GROWING, SegmentState.SEALED, SegmentState.FLUSHING, SegmentState.IMPORTING)
-            and d.model.created_at <= last_delete + 1.0
+            for d in l0
+            if d.model.dml_position and _seconds(d.model.dml_position.timestamp) + 1.0 < unsettled
         ]
-        if unsettled or any(d.model.id in busy for d in targets):
+        if not l0 or any(d.model.id in busy for d in targets):
             continue
         # The oldest first, as many as one commit can drop beside its targets; the rest next time.
         l0 = sorted(l0, key=lambda d: d.model.id)[: max(1, MAX_PLAN_SEGMENTS - len(targets))]
@@ -219,6 +225,10 @@ def l0_candidates(
             Candidate(CompactionType.L0, (*l0, *targets), f"{len(l0)} L0 segments below the checkpoint")
         )
     return out
+
+
+def _seconds(ts: int) -> float:
+    return physical_ms(ts) / 1000
 
 
 class CompactionTrigger:
