@@ -59,7 +59,7 @@ from vchan_assets.model import (
     physical_ms,
 )
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.wal.format import LogError
+from vchan_assets.wal.format import LogError, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,11 @@ class Catalog:
 
         `lag_rows` is the number of log messages after the checkpoint (inserts, deletes,
         time ticks); `lag_seconds` is the time between the checkpoint's timestamp and the
-        head's; `checkpoint_age_seconds` is how old the checkpoint's timestamp is now."""
+        head's; `checkpoint_age_seconds` is how old the checkpoint's timestamp is now.
+        While the log after the checkpoint cannot be read (`log_error`: the sync stops
+        there too), the lag is unknown: `lag_rows` and `end_offset` are None, never 0.
+        `log_damaged` lists damaged files wholly below the checkpoint: syncs never read
+        them again, so they stop nothing (one footer read per such file, in this report)."""
         now = time.time() if now is None else now
         watches: dict[str, list[_Owner]] = {}
         for owner in _owners(self.watches()):
@@ -233,7 +237,7 @@ class Catalog:
             "watch_timeout_at", "lease_id", "lease_node", "checkpoint_offset", "checkpoint_ts",
             "checkpoint_time", "syncs", "head_offset", "head_ts", "head_time", "end_offset",
             "lag_rows", "lag_seconds", "checkpoint_age_seconds", "log_files", "log_bytes",
-            "backlog_bytes", "log_error",
+            "backlog_bytes", "log_error", "log_damaged",
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 
@@ -252,17 +256,22 @@ class Catalog:
         owner = entry.node if entry else None
         state = entry.state if entry else None
         lease = leases.get(vchannel)
-        error = ""
+        error, damaged = "", []
+        end_offset: int | None = None  # unknown while the log after the checkpoint is unreadable
         try:
             channel = self.channel_state(info, vchannel)
-            committed, files, head = channel.committed, list(channel.log_files), channel.head
+            committed, files, head = channel.committed, list(channel.unsynced_files), channel.head
+            self.reader(info, vchannel).check_end(channel.end_offset)  # a hole stops the sync there
+            end_offset = channel.end_offset
+            synced_below = files[0].first_offset if files else end_offset
+            damaged = [str(exc) for exc in self.reader(info, vchannel).damaged_before(synced_below)]
         except (LogError, StorageError) as exc:
             # One unreadable log must not hide every other channel: report it in the row.
             log.error("vchannel %s: %s", vchannel, exc)
             committed, files, head, error = channel_checkpoint(self.store, vchannel), [], None, str(exc)
+        listed = self.storage.list_files(wal_prefix(vchannel))
         cp = committed.model if committed else None
         after = cp.offset if cp else -1
-        end_offset = files[-1].end_offset if files else 0
         backlog_files = [f for f in files if f.overlaps(after, None)]
         cp_ts = cp.timestamp if cp else None
         lag_seconds = None
@@ -290,13 +299,14 @@ class Catalog:
             "head_ts": head.timestamp if head else None,
             "head_time": _utc(_ts_seconds(head.timestamp)) if head else None,
             "end_offset": end_offset,
-            "lag_rows": max(0, end_offset - 1 - after),
+            "lag_rows": None if end_offset is None else max(0, end_offset - 1 - after),
             "lag_seconds": lag_seconds,
             "checkpoint_age_seconds": max(0.0, now - _ts_seconds(cp_ts)) if cp_ts else None,
-            "log_files": len(files),
-            "log_bytes": sum(f.size_bytes for f in files),
-            "backlog_bytes": sum(f.size_bytes for f in backlog_files),
+            "log_files": len(listed),
+            "log_bytes": sum(int(i.size or 0) for i in listed),
+            "backlog_bytes": None if error else sum(f.size_bytes for f in backlog_files),
             "log_error": error,
+            "log_damaged": damaged,
         }
 
     def segments(self, collection: str | None = None, include_dropped: bool = True) -> pd.DataFrame:

@@ -7,7 +7,9 @@
   - stuck watches: ToWatch / ToRelease past their timeout (`watch_timeout`);
   - channels on a node without a live session (the node died; the coordinator
     should move them) and channels waiting as "remaining" (no live node);
-  - orphan binlogs: files no segment meta points to (left by a crash; GC removes them).
+  - orphan binlogs: files no segment meta points to (left by a crash; GC removes them);
+  - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
+    and damaged files wholly below the checkpoint (already synced; nothing stops).
 `render_status(report)` draws it as rich tables.
 """
 
@@ -70,7 +72,7 @@ def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
 JSON_CHANNEL_COLUMNS = [
     "vchannel", "collection", "owner_node", "owner_alive", "watch_state", "lease_node",
     "checkpoint_offset", "checkpoint_time", "head_offset", "lag_rows", "lag_seconds",
-    "checkpoint_age_seconds", "syncs", "log_error",
+    "checkpoint_age_seconds", "syncs", "log_error", "log_damaged",
 ]  # fmt: skip
 
 
@@ -110,6 +112,14 @@ def _channel_warnings(
     for row in channel_rows:
         if row["log_error"]:
             warnings.append({"kind": "log_error", "vchannel": row["vchannel"], "message": row["log_error"]})
+        for damage in row["log_damaged"] or ():
+            warnings.append(
+                {
+                    "kind": "log_damaged_below_checkpoint",
+                    "vchannel": row["vchannel"],
+                    "message": f"{row['vchannel']}: already synced, the channel goes on: {damage}",
+                }
+            )
         age = row["checkpoint_age_seconds"]
         if row["lag_rows"] and age is not None and age > settings.timetick_lag_warn:
             warnings.append(
@@ -235,6 +245,11 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _lag_cell(channel: dict[str, Any], column: str) -> str:
+    """A lag figure, "?" while the channel's log cannot be read (unknown is not 0)."""
+    return "?" if channel["log_error"] else _cell(channel[column])
+
+
 def render_status(report: dict[str, Any]) -> Group:
     """The report as rich tables: nodes, channels, segments, warnings."""
     header = Text.assemble(
@@ -267,8 +282,8 @@ def render_status(report: dict[str, Any]) -> Group:
             "-" if c["lease_node"] is None else str(c["lease_node"]),
             _cell(c["checkpoint_offset"]),
             _cell(c["head_offset"]),
-            _cell(c["lag_rows"]),
-            _cell(c["lag_seconds"]),
+            _lag_cell(c, "lag_rows"),
+            _lag_cell(c, "lag_seconds"),
         )
 
     segments = Table(title="segments by state", title_justify="left")

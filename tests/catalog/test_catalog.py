@@ -5,13 +5,15 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 
+import pandas as pd
 import pytest
+from rich.console import Console
 
 from vchan_assets.catalog import Catalog, SegmentNotFoundError, apply_deletes_to
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
-from vchan_assets.wal.producer import generate_rows
+from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import SCHEMA, Known, produce_known, sync_all
 
@@ -150,6 +152,48 @@ def test_a_corrupt_log_file_is_reported_on_its_channel_and_the_others_still_show
 
     warnings = collect_status(catalog)["warnings"]
     assert [w["vchannel"] for w in warnings if w["kind"] == "log_error"] == [broken]
+
+
+def test_a_damaged_file_the_sync_needs_makes_the_lag_unknown_not_zero(
+    catalog: Catalog, known: Known, settings: Settings, store: MetaStore
+) -> None:
+    producer = Producer(store, catalog.storage, settings)
+    producer.insert(known.info.name, generate_rows(SCHEMA, 30, start_pk=5000, seed=9))
+    broken = known.info.vchannels[0]
+    waiting = catalog.reader(known.info, broken).files()[-1]  # after the checkpoint
+    catalog.storage.write_atomic(waiting.key, b"damaged")
+
+    row = (
+        Catalog(store, catalog.storage, settings).vchannels(known.info.name).set_index("vchannel").loc[broken]
+    )
+
+    assert waiting.key in row["log_error"]
+    assert pd.isna(row["lag_rows"]) and pd.isna(row["end_offset"])
+    from vchan_assets.status import collect_status, render_status
+
+    report = collect_status(Catalog(store, catalog.storage, settings), orphans=False)
+    channel = next(c for c in report["channels"] if c["vchannel"] == broken)
+    assert channel["lag_rows"] is None
+    console = Console(width=200, record=True)
+    console.print(render_status(report))
+    line = next(line for line in console.export_text().splitlines() if broken in line)
+    assert [cell.strip() for cell in line.split("│")[-3:-1]] == ["?", "?"]  # lag msgs, lag s
+
+
+def test_a_damaged_file_below_the_checkpoint_is_a_warning_and_the_lag_is_known(
+    catalog: Catalog, known: Known, settings: Settings, store: MetaStore
+) -> None:
+    vchannel = known.info.vchannels[0]
+    synced = catalog.reader(known.info, vchannel).files()[1]
+    catalog.storage.write_atomic(synced.key, b"damaged")
+    from vchan_assets.status import collect_status
+
+    report = collect_status(Catalog(store, catalog.storage, settings), orphans=False)
+
+    channel = next(c for c in report["channels"] if c["vchannel"] == vchannel)
+    assert channel["log_error"] == "" and channel["lag_rows"] == 0
+    damage = [w for w in report["warnings"] if w["kind"] == "log_damaged_below_checkpoint"]
+    assert [w["vchannel"] for w in damage] == [vchannel] and synced.key in damage[0]["message"]
 
 
 def test_segment_table_reads_the_dagster_assets_table_or_says_how_to_get_it(

@@ -304,6 +304,23 @@ def test_truncated_log_file_gives_corrupt_log_error_and_checkpoint_unchanged(
     assert checkpoint(store, vchannel) is None
 
 
+def test_a_damaged_file_below_the_checkpoint_does_not_stop_the_channel(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 100, start_pk=0)
+    vchannel = collection.vchannels[0]
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+    synced = WalReader(storage, vchannel, collection).files()[1].key  # the insert batch
+    Path(storage.path(synced)).write_bytes(b"damaged after it was synced")
+    produce(producer, collection.name, Produced(), 100, start_pk=100)
+
+    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+
+    assert result.synced and result.rows > 0
+    assert checkpoint(store, vchannel) == result.end
+
+
 def _append_raw(storage: Storage, collection: CollectionInfo, vchannel: str, table: pa.Table) -> None:
     """Write a log file by hand (as a buggy or foreign producer would)."""
     reader = WalReader(storage, vchannel, collection)

@@ -9,7 +9,6 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-import pyarrow.fs as pafs
 import pytest
 
 from vchan_assets.config import Settings
@@ -95,8 +94,8 @@ class RetentionDuringListing(Storage):
 
     doomed: list[str] = field(default_factory=list)
 
-    def list_files(self, prefix: str) -> list[pafs.FileInfo]:
-        found = super().list_files(prefix)
+    def list_keys(self, prefix: str, start_after: str | None = None) -> list[str]:
+        found = super().list_keys(prefix, start_after)
         while self.doomed:
             self.delete(self.doomed.pop())
         return found

@@ -252,6 +252,64 @@ def test_ranges_select_overlapping_files_and_exact_offsets(storage: Storage) -> 
     assert reader.size_between(4, 10) == sum(f.size_bytes for f in reader.files()[1:])
 
 
+def _damage(storage: Storage, first_offset: int) -> Path:
+    path = Path(storage.path(wal_key(CHANNEL, first_offset)))
+    path.write_bytes(b"not parquet")
+    return path
+
+
+def test_files_after_a_checkpoint_are_found_without_opening_older_files(storage: Storage) -> None:
+    writer = WalWriter(storage, CHANNEL, COLLECTION)
+    for i in range(4):  # files [0..4], [5..9], [10..14], [15..19]
+        writer.append(batch(user_rows(4, start=4 * i), ts=1000 + 10 * i))
+    damaged = _damage(storage, 5)  # already synced: a checkpoint at 9 or later never needs it
+    reader = WalReader(storage, CHANNEL, COLLECTION)
+
+    assert [f.first_offset for f in reader.files_between(9)] == [10, 15]
+    assert [f.first_offset for f in reader.files_after(12)] == [10, 15]  # a checkpoint inside a file
+    assert reader.files_after(19) == []
+    assert reader.backlog(9).messages == 10 and reader.backlog(9).head == MsgPosition(CHANNEL, 19, 1031)
+    assert [e.path for e in reader.damaged_before(10)] == [str(damaged)]
+    with pytest.raises(CorruptLogError, match=str(damaged)):
+        reader.files()  # the whole log (garbage collection, checks) still sees it
+
+
+def test_a_damaged_file_after_the_checkpoint_is_an_error_naming_it(storage: Storage) -> None:
+    writer = WalWriter(storage, CHANNEL, COLLECTION)
+    for i in range(3):
+        writer.append(batch(user_rows(4, start=4 * i), ts=1000 + 10 * i))
+    damaged = _damage(storage, 10)
+
+    with pytest.raises(CorruptLogError, match=str(damaged)):
+        WalReader(storage, CHANNEL, COLLECTION).files_after(4)
+    with pytest.raises(CorruptLogError, match=str(damaged)):
+        WalReader(storage, CHANNEL, COLLECTION).files_after(12)  # inside the damaged file
+
+
+def test_a_missing_file_after_the_checkpoint_is_found_by_the_end_check(storage: Storage) -> None:
+    writer = WalWriter(storage, CHANNEL, COLLECTION)
+    for i in range(4):
+        writer.append(batch(user_rows(2), ts=1000 + 10 * i))
+    hole = Path(storage.path(wal_key(CHANNEL, 6)))
+    hole.unlink()
+    reader = WalReader(storage, CHANNEL, COLLECTION)
+
+    before_hole = reader.files_after(2)  # followed by name up to the hole
+    assert [f.first_offset for f in before_hole] == [3]
+    with pytest.raises(CorruptLogError, match="gap: no file starts at offset 6"):
+        reader.check_end(before_hole[-1].end_offset)  # what `vchan status` checks
+
+
+def test_storage_lists_keys_after_a_start_key_without_temporary_files(storage: Storage) -> None:
+    for name in ("b", "a", "c", ".tmp-x"):
+        storage.write_atomic(f"dir/{name}", b"1")
+    storage.write_atomic("dir/sub/d", b"1")
+
+    assert storage.list_keys("dir/") == ["dir/a", "dir/b", "dir/c"]
+    assert storage.list_keys("dir/", start_after="dir/a") == ["dir/b", "dir/c"]
+    assert storage.list_keys("missing/") == []
+
+
 def test_backlog_after_a_checkpoint_counts_messages_bytes_and_age(storage: Storage) -> None:
     writer = WalWriter(storage, CHANNEL, COLLECTION)
     writer.append(batch(user_rows(4), ts=1000))

@@ -74,3 +74,28 @@ def test_a_truncated_object_on_s3_is_corrupt(s3_storage: Storage) -> None:
 
     with pytest.raises(CorruptLogError, match=s3_storage.path(key)):
         WalReader(s3_storage, CHANNEL, COLLECTION).files()
+
+
+def test_s3_lists_keys_from_a_start_key_and_a_sync_reads_only_what_follows(s3_storage: Storage) -> None:
+    writer = WalWriter(s3_storage, CHANNEL, COLLECTION)
+    for i in range(3):  # objects [0..10], [11..21], [22..32]
+        writer.append(insert_batch(generate_rows(SCHEMA, 10, 10 * i), ts=1000 * (i + 1)))
+    s3_storage.write_atomic(wal_key(CHANNEL, 0), b"damaged")  # below a checkpoint at 21
+    prefix = f"wal/{CHANNEL}/"
+
+    assert s3_storage.list_keys(prefix) == [wal_key(CHANNEL, o) for o in (0, 11, 22)]
+    assert s3_storage.list_keys(prefix, start_after=wal_key(CHANNEL, 11)) == [wal_key(CHANNEL, 22)]
+    reader = WalReader(s3_storage, CHANNEL, COLLECTION)
+    assert [f.first_offset for f in reader.files_after(21)] == [22]
+    assert reader.backlog(21).head == MsgPosition(CHANNEL, 32, 3001)
+    assert [e.path for e in reader.damaged_before(22)] == [s3_storage.path(wal_key(CHANNEL, 0))]
+
+
+def test_a_hole_after_the_checkpoint_on_s3_stops_the_reader_with_a_gap(s3_storage: Storage) -> None:
+    writer = WalWriter(s3_storage, CHANNEL, COLLECTION)
+    for i in range(4):  # objects [0..10], [11..21], [22..32], [33..43]
+        writer.append(insert_batch(generate_rows(SCHEMA, 10, 10 * i), ts=1000 * (i + 1)))
+    s3_storage.delete(wal_key(CHANNEL, 22))
+
+    with pytest.raises(CorruptLogError, match="gap: no file starts at offset 22"):
+        WalReader(s3_storage, CHANNEL, COLLECTION).files_after(10)

@@ -4,8 +4,9 @@
 
 - the channel checkpoint from etcd, with its version (before the first sync: the
   collection's start position for the vchannel);
-- the log: its files, the head (latest time tick), and after the checkpoint the unsynced
-  bytes and the oldest unsynced timestamp (`WalReader.backlog`);
+- the log after the checkpoint: its files (found by name, no older file is opened:
+  `WalReader.files_after`), the unsynced bytes, the oldest unsynced timestamp and the
+  head (the latest time tick; the checkpoint itself when none follows it);
 - the channel's segments with their versions;
 
 and derives what a sync would do now: the sealed segments it would flush (those whose
@@ -34,13 +35,23 @@ class ChannelState:
     vchannel: str
     checkpoint: MsgPosition  # committed, or the start position before the first sync
     committed: Decoded[MsgPosition] | None  # the checkpoint key as read; None: never synced
-    log_files: tuple[WalFile, ...]  # every file of the channel's log, in offset order
-    backlog: Backlog  # the log after the checkpoint (its head: the latest time tick)
+    unsynced_files: tuple[WalFile, ...]  # the log files holding offsets after the checkpoint
+    backlog: Backlog  # the log after the checkpoint (its head: the latest time tick there)
     segments: tuple[Decoded[SegmentInfo], ...]  # this vchannel's, with their etcd versions
 
     @property
     def head(self) -> MsgPosition | None:
-        return self.backlog.head
+        """The latest time tick: after the checkpoint, else the committed checkpoint (a
+        time tick itself); None before the first sync if no tick follows the start."""
+        if self.backlog.head is not None:
+            return self.backlog.head
+        return self.committed.model if self.committed else None
+
+    @property
+    def end_offset(self) -> int:
+        """Offset after the last message of the log (its files after the checkpoint end there)."""
+        files = self.unsynced_files
+        return files[-1].end_offset if files else max(self.checkpoint.offset + 1, 0)
 
     @property
     def has_unsynced(self) -> bool:
@@ -77,7 +88,7 @@ def read_channel_state(store: MetaStore, reader: WalReader) -> ChannelState:
     collection, vchannel = reader.collection, reader.vchannel
     committed = channel_checkpoint(store, vchannel)
     checkpoint = committed.model if committed else start_position(collection, vchannel)
-    files = reader.files()
+    files = reader.files_after(checkpoint.offset)
     return ChannelState(
         collection,
         vchannel,

@@ -54,7 +54,7 @@ from vchan_assets.model import (
 )
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
-from vchan_assets.wal.reader import WalReader
+from vchan_assets.wal.reader import WalFile, WalReader
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class SyncTask:
         if end.timestamp < start.timestamp:
             raise CheckpointRegressionError(self.vchannel, start, end)
 
-        written = self._write_binlogs(start, end, segments)
+        files = [f for f in state.unsynced_files if f.overlaps(start.offset, end.offset)]
+        written = self._write_binlogs(files, start, end, segments)
         failpoint("after_binlogs")
         updates = self._updates(written)
         flushed = self._commit_segments(updates, segments, end)
@@ -194,9 +195,12 @@ class SyncTask:
     # --- step 1: files --------------------------------------------------------------
 
     def _write_binlogs(
-        self, start: MsgPosition, end: MsgPosition, segments: dict[int, Decoded[SegmentInfo]]
+        self,
+        files: list[WalFile],
+        start: MsgPosition,
+        end: MsgPosition,
+        segments: dict[int, Decoded[SegmentInfo]],
     ) -> list[WrittenFile]:
-        files = self.reader.files_between(start.offset, end.offset)
         keys = [f.key for f in files]
         n_tasks = max(1, min(self.settings.spark_partitions, len(keys)))
         chunks = [keys[i * len(keys) // n_tasks : (i + 1) * len(keys) // n_tasks] for i in range(n_tasks)]

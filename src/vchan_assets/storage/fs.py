@@ -165,6 +165,54 @@ class Storage:
             key=lambda i: i.path,
         )
 
+    @property
+    def lists_from_key(self) -> bool:
+        """True if `list_keys(start_after=...)` costs the keys returned, not the whole
+        prefix (S3); a local directory is read whole."""
+        return self.is_s3
+
+    def list_keys(self, prefix: str, start_after: str | None = None) -> list[str]:
+        """Sorted keys of the files directly under a relative prefix (a "directory"),
+        skipping temporary files; only keys after `start_after` if given.
+
+        Names only: nothing is opened or stat'ed. Locally the directory is read once and
+        the names after `start_after` are kept; on S3 the listing starts after the key
+        (ListObjectsV2's StartAfter), so its cost follows the keys returned, not the ones
+        skipped."""
+        if self.is_s3:
+            return self._s3_keys(prefix, start_after)
+        path = self.path(prefix)
+        try:
+            with os.scandir(path) as entries:
+                names = [e.name for e in entries if not e.name.startswith(".tmp-") and e.is_file()]
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(path, str(exc)) from exc
+        keys = (prefix.rstrip("/") + "/" + name for name in names)
+        return sorted(k for k in keys if start_after is None or k > start_after)
+
+    def _s3_keys(self, prefix: str, start_after: str | None) -> list[str]:
+        bucket, _, root = self.base.partition("/")
+        full_prefix = f"{root}/{prefix}" if root else prefix
+        strip = len(root) + 1 if root else 0
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": full_prefix, "Delimiter": "/"}
+        if start_after is not None:
+            kwargs["StartAfter"] = f"{root}/{start_after}" if root else start_after
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = _s3_client(os.getpid(), self.s3_endpoint, self.s3_region)
+        keys = []
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
+                for item in page.get("Contents", ()):
+                    key = item["Key"][strip:]
+                    if not key.rsplit("/", 1)[-1].startswith(".tmp-"):
+                        keys.append(key)
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(self.path(prefix), str(exc)) from exc
+        return sorted(keys)
+
     def read_bytes(self, key: str) -> bytes:
         path = self.path(key)
         try:
@@ -200,3 +248,12 @@ def _filesystem(pid: int, s3: bool, endpoint: str | None, region: str) -> pafs.F
             kwargs["scheme"] = scheme if host else "https"
         return pafs.S3FileSystem(**kwargs)  # credentials from the AWS_* environment
     return pafs.LocalFileSystem()
+
+
+@functools.cache
+def _s3_client(pid: int, endpoint: str | None, region: str) -> Any:
+    """A boto3 S3 client (pyarrow's S3 filesystem cannot list from a key); credentials
+    from the AWS_* environment, as pyarrow's."""
+    import boto3  # only S3 roots pay its import
+
+    return boto3.client("s3", endpoint_url=endpoint or None, region_name=region)

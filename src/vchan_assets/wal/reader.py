@@ -1,7 +1,9 @@
-"""Reading a vchannel's write-ahead log: file listing from footers, head, validated ranges.
+"""Reading a vchannel's write-ahead log: files found by name, head, validated ranges.
 
 Log files are immutable once visible, so their footers (first offset, count, last
-timestamp) are read once per reader and cached. Everything read is validated against
+timestamp) are read once per reader and cached. A sync's files are found from the
+checkpoint by name (`WalReader.files_after`), so its cost does not grow with the files
+below the checkpoint. Everything read is validated against
 what the file name and the collection promise; a file that cannot be read, or whose
 offsets are not the ones its name says, raises `CorruptLogError` naming its path.
 `read_log_file` is the same validated read for one key, usable on Spark workers.
@@ -9,13 +11,14 @@ offsets are not the ones its name says, raises `CorruptLogError` naming its path
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
@@ -33,6 +36,7 @@ from vchan_assets.wal.format import (
     UnknownMessageTypeError,
     first_offset_of,
     log_schema,
+    wal_key,
     wal_prefix,
 )
 
@@ -181,7 +185,13 @@ def read_log_file(
 
 
 class WalReader:
-    """Read side of one vchannel's log. Cheap to create; caches the immutable footers."""
+    """Read side of one vchannel's log. Cheap to create; caches the immutable footers.
+
+    A sync only needs the files after its checkpoint, and a channel's log may hold
+    thousands of older ones: `files_after` finds the files it needs by their names (which
+    carry their first offsets) without opening any older file, and lists only the names
+    after the checkpoint where the storage can list from a key. `files` describes the
+    whole log, for those who need all of it (garbage collection, checks)."""
 
     def __init__(self, storage: Storage, vchannel: str, collection: CollectionInfo) -> None:
         self.storage = storage
@@ -193,48 +203,56 @@ class WalReader:
 
     # --- listing ---------------------------------------------------------------------
 
-    def _listing(self) -> list[pafs.FileInfo]:
-        out = []
-        for info in self.storage.list_files(wal_prefix(self.vchannel)):
-            key = self.storage.key_of(info.path)
+    def _keys(self, start_after: str | None = None) -> list[str]:
+        """Sorted keys of the channel's log files (after `start_after`, if given)."""
+        keys = []
+        for key in self.storage.list_keys(wal_prefix(self.vchannel), start_after):
             try:
                 first_offset_of(key)
             except ValueError:
-                log.warning("ignoring %s: not a log file name", info.path)
+                log.warning("ignoring %s: not a log file name", self.storage.path(key))
                 continue
-            if _channel_of(key) != self.vchannel:
-                continue  # a nested directory is not part of the channel
-            out.append(info)
-        return out
+            keys.append(key)
+        return keys
 
-    def _describe(self, info: pafs.FileInfo) -> WalFile | None:
-        """The file's footer; None if it disappeared since the listing (log retention)."""
-        key = self.storage.key_of(info.path)
+    def _holder_on(self, offset: int) -> list[str]:
+        """Keys of the file holding `offset` and of every later file (every file if the
+        log starts after `offset`), bisected from the listing of every name."""
+        keys = self._keys()
+        firsts = [first_offset_of(k) for k in keys]
+        return keys[max(bisect.bisect_right(firsts, offset) - 1, 0) :]
+
+    def _describe(self, key: str) -> WalFile | None:
+        """The file's footer; None if there is no such file (not written yet, or deleted
+        by log retention since the listing)."""
         cached = self._footers.get(key)
-        if cached is not None and cached.size_bytes == info.size:
+        if cached is not None:
             return cached
+        path = self.storage.path(key)
         try:
             with self.storage.open_input_file(key) as f:
+                size = f.size()
                 md = pq.ParquetFile(f).metadata
         except FileNotFoundError:
             return None
         except (pa.ArrowException, OSError) as exc:
-            raise CorruptLogError(info.path, f"unreadable footer: {exc}") from None
-        first, count, last_ts = _check_footer(md, info.path, key, self.vchannel, self.collection.id)
-        described = WalFile(key, first, count, last_ts, int(info.size or 0), _first_timestamp(md))
+            raise CorruptLogError(path, f"unreadable footer: {exc}") from None
+        first, count, last_ts = _check_footer(md, path, key, self.vchannel, self.collection.id)
+        described = WalFile(key, first, count, last_ts, size, _first_timestamp(md))
         self._footers[key] = described
         return described
 
-    def files(self) -> list[WalFile]:
-        """Every log file of the channel in offset order, checked to be contiguous.
+    def _described(self, listing: Callable[[], list[str]]) -> list[WalFile]:
+        """The files of a `listing` of keys, described, checked to follow each other
+        without a gap.
 
         Log retention deletes the oldest files, in offset order, while readers list: when
         a listed file is gone by the time its footer is read, the listing is stale (files
         before it, whose footers were cached, may be gone too) and is taken again."""
         for _ in range(5):
-            described = [self._describe(info) for info in self._listing()]
-            files = [f for f in described if f is not None]
-            if len(files) == len(described):
+            keys = listing()
+            files = [f for f in map(self._describe, keys) if f is not None]
+            if len(files) == len(keys):
                 break
         else:
             raise CorruptLogError(
@@ -249,19 +267,78 @@ class WalReader:
                 )
         return files
 
-    def last_file(self) -> WalFile | None:
-        """The newest log file (only its footer is read)."""
-        listing = self._listing()
-        if not listing:
-            return None
-        last = self._describe(listing[-1])
-        if last is None:  # retention never deletes the newest file
-            raise CorruptLogError(listing[-1].path, "the newest log file disappeared while listing")
-        return last
+    def _chain_from(self, offset: int) -> list[WalFile]:
+        """The files from the one named after `offset` on, each found by the end offset
+        of the one before (no listing); empty if no file starts at `offset`."""
+        files: list[WalFile] = []
+        while (f := self._describe(wal_key(self.vchannel, offset))) is not None:
+            files.append(f)
+            offset = f.end_offset
+        return files
+
+    def check_end(self, end_offset: int) -> None:
+        """CorruptLogError if a file starts after `end_offset` while none starts at it:
+        a hole in the log (a file removed by hand; writers never leave one)."""
+        later = self._keys(start_after=wal_key(self.vchannel, end_offset - 1) if end_offset > 0 else None)
+        if later and first_offset_of(later[0]) != end_offset:
+            raise CorruptLogError(
+                self.storage.path(later[0]),
+                f"the log has a gap: no file starts at offset {end_offset}, this one starts later",
+            )
+
+    def files(self) -> list[WalFile]:
+        """Every log file of the channel in offset order, checked to be contiguous
+        (one footer read per file: for garbage collection and checks, not for syncs)."""
+        return self._described(self._keys)
+
+    def files_after(self, after_offset: int) -> list[WalFile]:
+        """The files holding an offset after `after_offset` (a checkpoint), in offset
+        order, checked to be contiguous; no older file is opened.
+
+        Normally a file starts right after the checkpoint (a checkpoint is a batch's
+        closing time tick): from it, each next file is named by the end offset of the one
+        before, so nothing is listed. Where the storage lists from a key (S3), the end
+        is checked for a hole too; locally that listing would read the whole directory,
+        so `vchan status` checks it (`check_end`). Otherwise (a checkpoint inside a file,
+        or nothing after it) the names are listed and the checkpoint's file bisected."""
+        offset = after_offset + 1
+        if offset > 0:
+            chain = self._chain_from(offset)
+            if chain:
+                if self.storage.lists_from_key:
+                    self.check_end(chain[-1].end_offset)
+                return chain
+        files = self._described(lambda: self._holder_on(offset))
+        return [f for f in files if f.last_offset > after_offset]
 
     def files_between(self, after_offset: int, up_to_offset: int | None = None) -> list[WalFile]:
         """Files holding an offset in (after_offset, up_to_offset] (up to the end if None)."""
-        return [f for f in self.files() if f.overlaps(after_offset, up_to_offset)]
+        return [f for f in self.files_after(after_offset) if f.overlaps(after_offset, up_to_offset)]
+
+    def damaged_before(self, offset: int) -> list[CorruptLogError]:
+        """The errors of the files that start before `offset` and cannot be described
+        (a footer at least): damage a sync from `offset` on does not need, for reports."""
+        found = []
+        for key in self._keys():
+            if first_offset_of(key) >= offset:
+                break
+            try:
+                self._describe(key)
+            except CorruptLogError as exc:
+                found.append(exc)
+        return found
+
+    def last_file(self) -> WalFile | None:
+        """The newest log file (only its footer is read)."""
+        keys = self._keys()
+        if not keys:
+            return None
+        last = self._describe(keys[-1])
+        if last is None:  # retention never deletes the newest file
+            raise CorruptLogError(
+                self.storage.path(keys[-1]), "the newest log file disappeared while listing"
+            )
+        return last
 
     # --- positions ---------------------------------------------------------------------
 
@@ -269,8 +346,15 @@ class WalReader:
         """Position of the latest time tick (None if the channel has none yet).
 
         The producer ends every batch with a time tick, so normally this is the last
-        message of the last file; files are searched backwards otherwise."""
-        return self._head_of(self.files())
+        message of the last file; files are searched backwards otherwise (only the
+        footers of the files searched are read)."""
+        keys = self._keys()
+        for key in reversed(keys):
+            f = self._describe(key)
+            tick = None if f is None else self._last_tick(f)
+            if tick is not None:
+                return tick
+        return None
 
     def _head_of(self, files: list[WalFile]) -> MsgPosition | None:
         for f in reversed(files):
@@ -320,16 +404,16 @@ class WalReader:
         a sync of that range would read."""
         return sum(f.size_bytes for f in self.files_between(after_offset, up_to_offset))
 
-    def backlog(self, after_offset: int = -1, every: list[WalFile] | None = None) -> Backlog:
+    def backlog(self, after_offset: int = -1, files: list[WalFile] | None = None) -> Backlog:
         """Messages, bytes and age of what follows `after_offset` (a channel checkpoint),
-        from `every` file of the channel when the caller has listed them already."""
-        every = self.files() if every is None else every
-        files = [f for f in every if f.overlaps(after_offset, None)]
+        from the `files` after it when the caller has found them already (`files_after`).
+        Its head is the latest time tick after `after_offset` (None if there is none)."""
+        files = self.files_after(after_offset) if files is None else files
         stamps = [f.first_timestamp for f in files if f.first_timestamp is not None]
         return Backlog(
             messages=sum(f.end_offset - max(f.first_offset, after_offset + 1) for f in files),
             size_bytes=sum(f.size_bytes for f in files),
             files=len(files),
             oldest_timestamp=min(stamps) if stamps else None,
-            head=self._head_of(every),
+            head=self._head_of(files),
         )
