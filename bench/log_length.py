@@ -3,12 +3,13 @@
     .venv/bin/python -m bench.log_length [--files 1000,10000,100000] [--s3-files 1000,10000]
                                           [--repeat 5]
 
-One vchannel's log gets N small files below its checkpoint (the history a busy channel
-leaves), then one row is inserted through the producer and synced, `--repeat` times:
+For each length N, one vchannel's log gets N small files below its checkpoint (the history
+a busy channel leaves); then, in rounds over every channel (so the machine's load falls on
+every length alike), one row is inserted through the producer and synced:
   - sync (local): the real SyncTask in-process, without Spark (the log-reading share shows);
   - sync (spark): the same task on a warm local Spark session;
   - whole log: `WalReader.files()`, one footer read per file: what every sync paid before
-    it found its files by name.
+    it found its files by name (up to `--whole-log-max` files: 100k take minutes).
 The history files are real log files encoded by the project's writer (a time tick each),
 written without fsync to build 100k of them quickly; the checkpoint is put after them.
 Then the same on the moto S3 server (`--s3-files`, local engine). Figures: median seconds;
@@ -72,21 +73,19 @@ def grow_history(storage: Storage, store: MetaStore, info: CollectionInfo, files
     store.put(store.keys.channel_checkpoint(vchannel), MsgPosition(vchannel, writer.next_offset - 1, ts))
 
 
-def one_row_syncs(
+def one_row_sync(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, info: CollectionInfo,
-    engine: Engine, repeat: int, pk: list[int],
-) -> list[float]:  # fmt: skip
+    engine: Engine, pk: int,
+) -> float:  # fmt: skip
+    """Insert one row through the producer, then time its sync."""
     vchannel = info.vchannels[0]
-    seconds = []
-    for _ in range(repeat):
-        WalWriter(storage, vchannel, info).refresh()
-        producer.insert(info.name, generate_rows(SCHEMA, 1, start_pk=pk[0], seed=pk[0]))
-        pk[0] += 1
-        lease = store.read_lease(vchannel) or grant_channel_lease(store, IdAllocator(store), vchannel, 1)
-        started = time.perf_counter()
-        result = SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()
-        seconds.append(time.perf_counter() - started)
-        assert result.rows == 1, result
+    WalWriter(storage, vchannel, info).refresh()
+    producer.insert(info.name, generate_rows(SCHEMA, 1, start_pk=pk, seed=pk))
+    lease = store.read_lease(vchannel) or grant_channel_lease(store, IdAllocator(store), vchannel, 1)
+    started = time.perf_counter()
+    result = SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()
+    seconds = time.perf_counter() - started
+    assert result.rows == 1, result
     return seconds
 
 
@@ -98,25 +97,38 @@ def whole_log(storage: Storage, info: CollectionInfo) -> float:
 
 def measure(
     store: MetaStore, storage: Storage, settings: Settings, lengths: list[int], engines: list[Engine],
-    repeat: int, label: str,
+    repeat: int, label: str, whole_log_max: int,
 ) -> dict[str, Any]:  # fmt: skip
+    """One channel per log length; then rounds of 1-row syncs over every channel and
+    engine in turn, so that the machine's load falls on every length alike."""
     producer = Producer(store, storage, settings)
-    info = producer.create_collection(f"len{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-    pk = [0]
+    channels = {}
     out: dict[str, Any] = {}
     for files in lengths:
+        info = producer.create_collection(f"len{files}_{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
         started = time.perf_counter()
         grow_history(storage, store, info, files)
-        built = time.perf_counter() - started
-        row: dict[str, Any] = {"build_s": round(built, 1)}
+        channels[files] = info
+        out[str(files)] = {"build_s": round(time.perf_counter() - started, 1)}
+        print(f"{label}: built a log of {files:,} files in {out[str(files)]['build_s']}s", flush=True)
+    runs: dict[tuple[int, str], list[float]] = {(n, e): [] for n in lengths for e in engines}
+    pk = 0
+    for _ in range(repeat):
+        for files, info in channels.items():
+            for engine in engines:
+                pk += 1
+                runs[(files, engine)].append(
+                    one_row_sync(store, storage, settings, producer, info, engine, pk)
+                )
+    for files, info in channels.items():
+        row = out[str(files)]
         for engine in engines:
-            runs = one_row_syncs(store, storage, settings, producer, info, engine, repeat, pk)
-            row[engine] = {"median_s": statistics.median(runs), "runs_s": [round(r, 3) for r in runs]}
-        row["whole_log_s"] = whole_log(storage, info)
-        out[str(files)] = row
+            measured = runs[(files, engine)]
+            row[engine] = {"median_s": statistics.median(measured), "runs_s": [round(r, 3) for r in measured]}
+        row["whole_log_s"] = whole_log(storage, info) if files <= whole_log_max else None
         figures = "  ".join(f"{e} {row[e]['median_s']:.3f}s" for e in engines)
-        print(f"{label} {files:>7,} files: 1-row sync {figures}  whole-log describe {row['whole_log_s']:.2f}s"
-              f"  (built in {built:.0f}s)", flush=True)  # fmt: skip
+        whole = f"{row['whole_log_s']:.2f}s" if row["whole_log_s"] is not None else "not measured"
+        print(f"{label} {files:>7,} files: 1-row sync {figures}  whole-log describe {whole}", flush=True)
     for engine in engines:
         first, last = out[str(lengths[0])][engine]["median_s"], out[str(lengths[-1])][engine]["median_s"]
         out[f"flatness_{engine}"] = last / first
@@ -163,7 +175,10 @@ def main() -> None:
     )
     parser.add_argument("--files", default="1000,10000,100000")
     parser.add_argument("--s3-files", default="1000,10000", help="'' to skip the S3 server")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument(
+        "--whole-log-max", type=int, default=10_000, help="describe the whole log only up to this length"
+    )
     parser.add_argument("--out", default="bench/results/log_length.json")
     args = parser.parse_args()
 
@@ -175,14 +190,16 @@ def main() -> None:
     try:
         get_spark(settings)
         lengths = [int(n) for n in args.files.split(",")]
-        report["local"] = measure(store, storage, settings, lengths, ["local", "spark"], args.repeat, "local")
+        report["local"] = measure(
+            store, storage, settings, lengths, ["local", "spark"], args.repeat, "local", args.whole_log_max
+        )
         if args.s3_files:
             moto = MotoServer(work / "moto.log")
             try:
                 s3 = replace(settings, storage_uri="s3://bench/log", s3_endpoint=moto.endpoint)
                 s3_lengths = [int(n) for n in args.s3_files.split(",")]
                 report["s3"] = measure(
-                    store, Storage.from_settings(s3), s3, s3_lengths, ["local"], args.repeat, "s3"
+                    store, Storage.from_settings(s3), s3, s3_lengths, ["local"], args.repeat, "s3", 1000
                 )
             finally:
                 moto.stop()
