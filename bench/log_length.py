@@ -37,11 +37,12 @@ import pyarrow as pa
 from bench import bench_stack
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import Engine, SyncTask
+from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
+from vchan_assets.spark import Engine
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, wal_key
