@@ -212,6 +212,18 @@ class Settings:
         _positive_float,
         "seconds a node session lives without keep-alive (production: 30)",
     )
+    append_lock_ttl: float = setting(
+        "VCHAN_APPEND_LOCK_TTL",
+        10.0,
+        _positive_float,
+        "seconds a channel's append lock outlives a killed producer (etcd lease TTL)",
+    )
+    client_retry_timeout: float = setting(
+        "VCHAN_CLIENT_RETRY_TIMEOUT",
+        30.0,
+        _positive_float,
+        "seconds a producer call retries while etcd or storage is unavailable",
+    )
     watch_timeout: float = setting(
         "VCHAN_WATCH_TIMEOUT",
         300.0,

@@ -11,6 +11,10 @@ Names used by the sync task, in commit order:
 by bulk import (imports/executor.py): import_after_preimport, import_after_binlogs,
 import_before_commit; by the lifecycle: compaction_after_files, compaction_after_commit,
 compaction_before_cleanup, gc_after_files.
+
+Names used by the producer's append (wal.appender), holding the channel's append lock:
+  before_wal_publish   batch built, its log file not written
+  after_wal_publish    log file written, channel head not committed
 """
 
 from __future__ import annotations

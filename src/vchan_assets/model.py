@@ -358,6 +358,37 @@ class SegmentInfo(Record):
         return [b for g in self.binlogs for b in g.logs]
 
 
+@dataclass(frozen=True)
+class OpenSegment(Record):
+    """A growing segment open for inserts on one channel, as its channel head holds it."""
+
+    segment_id: int
+    collection_id: int
+    partition_id: int
+    max_rows: int
+    allocated: int = 0  # rows handed out (some may never have been appended: a failed batch)
+    created_at: float = 0.0
+    last_insert_at: float = 0.0
+    last_ts: int = 0  # largest timestamp of a row handed out
+    vchannel: str = ""
+    binlog_files: int = 0  # most binlog files of one column group, as last read from etcd
+
+    @property
+    def free(self) -> int:
+        return max(self.max_rows - self.allocated, 0)
+
+
+@dataclass(frozen=True)
+class ChannelHead(Record):
+    """`wal-head/{vchannel}`: the tail of a channel's log and its open segments, changed
+    only by the holder of the channel's append lock (`meta.channel_head`)."""
+
+    vchannel: str
+    next_offset: int = 0  # offset of the next message (the first of the next file)
+    last_ts: int = 0  # no later message or seal on the channel gets a timestamp <= this
+    open_segments: tuple[OpenSegment, ...] = ()
+
+
 # --- sessions, leases and watch infos ----------------------------------------------------
 
 

@@ -224,19 +224,52 @@ def test_flush_state_turns_true_once_checkpoints_pass_and_segments_are_flushed(
     assert manager.flush_state(collection.id, flush_ts) is True
 
 
-def test_a_restarted_manager_rebuilds_allocations_from_etcd_with_num_rows_as_floor(
+def test_two_managers_share_one_allocation_in_etcd_exactly(
     manager: SegmentManager, store: MetaStore, dc_settings: Settings, collection: CollectionInfo
 ) -> None:
     part, ch = collection.partitions[0], collection.vchannels[0]
     [(a, _)] = manager.assign(collection.id, part, ch, 30, manager.tso.now(), now=T0)
-    node_writes(store, segments(store, collection)[a], num_rows=20)  # 20 of 30 rows synced
+    other = SegmentManager(store, dc_settings, clock=lambda: T0)  # another process, say
 
-    restarted = SegmentManager(store, dc_settings, clock=lambda: T0)
+    [allocation] = other.growing()
+    assert (allocation.segment_id, allocation.allocated, allocation.max_rows) == (a, 30, 100)
+    spilled = other.assign(collection.id, part, ch, 90, other.tso.now(), now=T0)
+    assert spilled[0] == (a, 70) and spilled[1][1] == 20
+    assert segments(store, collection)[a].state is SegmentState.SEALED  # full: sealed by `other`
+    assert [s.segment_id for s in manager.growing()] == [spilled[1][0]]
 
-    [allocation] = restarted.growing()
-    assert (allocation.segment_id, allocation.allocated, allocation.max_rows) == (a, 20, 100)
-    spilled = restarted.assign(collection.id, part, ch, 90, restarted.tso.now(), now=T0)
-    assert spilled[0] == (a, 80) and spilled[1][1] == 10
+
+def test_a_segment_sealed_by_one_manager_gets_no_rows_from_another(
+    manager: SegmentManager, store: MetaStore, dc_settings: Settings, collection: CollectionInfo
+) -> None:
+    part, ch = collection.partitions[0], collection.vchannels[0]
+    ts = manager.tso.now()
+    [(a, _)] = manager.assign(collection.id, part, ch, 5, ts, now=T0)
+    other = SegmentManager(store, dc_settings, clock=lambda: T0)
+
+    flush_ts = other.flush(collection.id)
+    [(b, _)] = manager.assign(collection.id, part, ch, 5, manager.tso.now(), now=T0)
+
+    assert b != a
+    sealed = segments(store, collection)[a]
+    assert sealed.state is SegmentState.FLUSHING and ts < sealed.seal_ts <= flush_ts
+    assert other.heads.read(ch) is not None and other.heads.read(ch).last_ts >= sealed.seal_ts  # type: ignore[union-attr]
+
+
+def test_a_growing_segment_on_no_channel_head_is_sealed_as_an_orphan(
+    manager: SegmentManager, store: MetaStore, collection: CollectionInfo
+) -> None:
+    part, ch = collection.partitions[0], collection.vchannels[0]
+    ts = manager.tso.now()
+    [(a, _)] = manager.assign(collection.id, part, ch, 5, ts, now=T0)
+    # What a sealer killed between taking it off the head and sealing it leaves behind.
+    with manager.heads.hold(ch) as held:
+        held.commit(replace(held.head, open_segments=()))
+
+    [sealed] = manager.seal_orphans()
+
+    assert sealed.segment_id == a and sealed.seal_ts > ts
+    assert segments(store, collection)[a].state is SegmentState.SEALED
 
 
 def test_sealing_keeps_everything_the_datanode_wrote(

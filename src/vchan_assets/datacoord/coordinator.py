@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class MetaReloader:
     """Lease MEP, "DataCoord reloads from metastore periodically": channel checkpoints
-    first, then segment meta only if its revision moved past the one in memory."""
+    first, then segment meta only if its revision moved past the one seen last (the
+    open segments live in the channel heads in etcd; what is reloaded here are Growing
+    segments on no head, which get sealed)."""
 
     store: MetaStore
     segments: SegmentManager
@@ -51,7 +53,7 @@ class MetaReloader:
         revision = max((kv.mod_revision for kv in snap.items), default=0)
         if revision <= self.segment_revision:
             return False
-        self.segments.reload()
+        self.segments.seal_orphans()
         self.segment_revision = revision
         return True
 

@@ -6,11 +6,15 @@ Lifecycle of an L1 segment and who moves it:
        |                               +--(DataNode sync)--> Flushed   (or Dropped if empty)
        +------flush()------> Flushing -+
 
-- The producer asks `assign` for segment IDs before appending insert rows; new
-  segments are created in etcd as Growing, allocations are counted in memory.
-- Sealing (by a policy, or by `flush`) stamps `seal_ts`: a timestamp taken under the
-  manager's lock and greater than every `ts` passed to `assign` before, so every row
-  of the segment has a smaller timestamp. No row is assigned to it afterwards.
+- The producer asks for segment IDs inside its append, holding the channel's append
+  lock (`meta.channel_head`): the open segments of a channel and their allocated rows
+  are part of the channel's head in etcd, so every producer process, the coordinator
+  and every flushing client see and change the same allocation (one authority).
+  New segments are created Growing in etcd in the transaction that opens them on the head.
+- Sealing (by a policy, by `flush`, or full at allocation) takes the segment off the
+  head under the same lock and stamps `seal_ts` above the head's last timestamp, then
+  moves the head's last timestamp to `seal_ts`: every row of the segment has a smaller
+  timestamp, every later message of the channel a larger one.
 - The DataNode sync moves Sealed/Flushing to Flushed when it commits a log range whose
   end time tick has `timestamp >= seal_ts` (then every row of the segment is in
   binlogs), or to Dropped if it has no rows.
@@ -23,18 +27,14 @@ Segment meta is also written by the DataNode (binlogs, rows, positions, state) i
 lease-guarded transactions that compare versions, so every write here is a
 read-modify-write of the whole SegmentInfo with compare-and-swap on the version read,
 retried after a conflict: nothing the node wrote is lost.
-
-One active manager per cluster is assumed (DataCoord is active-standby); allocations
-live in its memory and are rebuilt from etcd at start with `num_rows` as the floor.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -43,16 +43,18 @@ from vchan_assets.datacoord import segment_ops
 from vchan_assets.datacoord.collections import CollectionNotFoundError
 from vchan_assets.datacoord.segment_ops import SEALABLE
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
+from vchan_assets.meta.channel_head import ChannelHeads, HeldChannel
 from vchan_assets.meta.errors import CasConflictError, SegmentNotFoundError
 from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
+    ChannelHead,
     CollectionInfo,
     MsgPosition,
+    OpenSegment,
     SegmentInfo,
     SegmentLevel,
     SegmentState,
-    physical_ms,
 )
 
 log = logging.getLogger(__name__)
@@ -61,25 +63,8 @@ MiB = 1 << 20
 FINAL = (SegmentState.FLUSHED, SegmentState.DROPPED)
 
 
-@dataclass
-class SegmentAllocation:
-    """In-memory state of a growing segment: how many rows were handed out."""
-
-    segment_id: int
-    collection_id: int
-    partition_id: int
-    vchannel: str
-    max_rows: int
-    allocated: int
-    created_at: float
-    last_insert_at: float
-    last_ts: int = 0  # largest timestamp passed to assign for it
-    binlog_files: int = 0  # most binlog files of one column group, as last read from etcd
-
-    @property
-    def free(self) -> int:
-        return max(self.max_rows - self.allocated, 0)
-
+# What the seal policies look at: an open segment as its channel head holds it.
+SegmentAllocation = OpenSegment
 
 # A seal policy returns why the segment should be sealed now, or None.
 SealPolicy = Callable[[SegmentAllocation, float], str | None]
@@ -147,6 +132,14 @@ def max_rows_of(collection: CollectionInfo, settings: Settings) -> int:
     return max(1, int(settings.segment_max_size_mb * MiB // collection.schema.row_bytes()))
 
 
+def _ids_in(ids: set[int]) -> Callable[[OpenSegment], bool]:
+    return lambda seg: seg.segment_id in ids
+
+
+def _of(seg: OpenSegment, collection_id: int, partition_id: int) -> bool:
+    return seg.collection_id == collection_id and seg.partition_id == partition_id
+
+
 @dataclass(frozen=True)
 class SealedSegment:
     segment_id: int
@@ -188,9 +181,12 @@ class FlushRecovery:
 class SegmentManager:
     """Allocates growing segments per (collection, partition, vchannel), seals, flushes.
 
-    `assign`'s `ts` must come from this manager's oracle (`manager.tso`); the producer
-    shares it. Seal timestamps are also kept above every `ts` assign has seen, so the
-    rule holds even with another oracle instance."""
+    The open segments of a channel live in its head in etcd (`meta.channel_head`), and
+    every change of them holds the channel's append lock, as the appends do: so any
+    number of producers, the coordinator and flushing clients share one allocation
+    authority, and a seal is ordered with the appends around it. `seal_ts` is above the
+    head's last timestamp, and the head's last timestamp becomes `seal_ts`, so every row
+    of a sealed segment has a smaller timestamp and every later message a larger one."""
 
     def __init__(
         self,
@@ -200,21 +196,133 @@ class SegmentManager:
         tso: TimestampOracle | None = None,
         policies: Sequence[SealPolicy] | None = None,
         clock: Callable[[], float] = time.time,
+        heads: ChannelHeads | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.ids = ids or IdAllocator(store)
         self.tso = tso or TimestampOracle(store)
+        self.heads = heads or ChannelHeads(
+            store, settings.append_lock_ttl, settings.append_lock_ttl + settings.client_retry_timeout
+        )
         self.policies = tuple(default_seal_policies(settings) if policies is None else policies)
         self.clock = clock
         self.cas_retries = 0  # writes retried after a concurrent change (each is logged)
-        self._lock = threading.Lock()
-        self._growing: dict[tuple[int, int, str], list[SegmentAllocation]] = {}
         self._max_rows: dict[int, int] = {}
-        self._max_assigned_ts = 0
-        self.reload()
 
-    # --- allocation ----------------------------------------------------------------------
+    # --- allocation on a held channel --------------------------------------------------------
+
+    def open_for(
+        self, held: HeldChannel, collection_id: int, partition_id: int, count: int, now: float
+    ) -> None:
+        """Make sure the open segments of (collection, partition) on the held channel have
+        room for `count` rows: new segments are created Growing in etcd together with the
+        head that lists them (one transaction), so no row ever names a segment etcd lacks."""
+        head = held.head
+        free = sum(s.free for s in head.open_segments if _of(s, collection_id, partition_id))
+        if free >= count:
+            return
+        max_rows = self.max_rows(collection_id)
+        opened: list[OpenSegment] = []
+        puts: dict[str, SegmentInfo] = {}
+        while free < count:
+            segment_id = self.ids.alloc()
+            info = SegmentInfo(
+                id=segment_id,
+                collection_id=collection_id,
+                partition_id=partition_id,
+                vchannel=head.vchannel,
+                state=SegmentState.GROWING,
+                level=SegmentLevel.L1,
+                max_rows=max_rows,
+                created_at=now,
+                last_insert_at=now,
+            )
+            puts[self.store.keys.segment(collection_id, partition_id, segment_id)] = info
+            opened.append(
+                OpenSegment(segment_id, collection_id, partition_id, max_rows, 0, now, now, 0, head.vchannel)
+            )
+            free += max_rows
+        held.commit(replace(head, open_segments=head.open_segments + tuple(opened)), puts)
+        for seg in opened:
+            log.info(
+                "opened segment %d on %s (partition %d, max %d rows)",
+                seg.segment_id,
+                head.vchannel,
+                partition_id,
+                max_rows,
+            )
+
+    def allocate(
+        self,
+        head: ChannelHead,
+        collection_id: int,
+        partition_id: int,
+        count: int,
+        ts: int,
+        now: float,
+        apply_policies: bool = False,
+    ) -> tuple[ChannelHead, list[tuple[int, int]], list[tuple[OpenSegment, str]]]:
+        """Hand out `count` rows stamped `ts` from the open segments (`open_for` first):
+        (the head after it, [(segment_id, rows)], segments to seal now with why). A full
+        segment, or with `apply_policies` one the seal policies pick, leaves the open
+        list here."""
+        out: list[tuple[int, int]] = []
+        remaining = count
+        segments: list[OpenSegment] = []
+        for seg in head.open_segments:
+            if remaining and _of(seg, collection_id, partition_id) and seg.free:
+                n = min(seg.free, remaining)
+                seg = replace(
+                    seg, allocated=seg.allocated + n, last_insert_at=now, last_ts=max(seg.last_ts, ts)
+                )
+                out.append((seg.segment_id, n))
+                remaining -= n
+            segments.append(seg)
+        if remaining:
+            raise ValueError(f"{head.vchannel}: no room for {remaining} rows (open_for was not called)")
+        touched = {s for s, _ in out}
+        chosen = []
+        for seg in segments:
+            if seg.segment_id in touched:
+                reasons = [r for r in (p(seg, now) for p in self.policies) if r] if apply_policies else []
+                if seg.free == 0:
+                    reasons.append("full: max_rows reached")
+                if reasons:
+                    chosen.append((seg, "; ".join(dict.fromkeys(reasons))))
+        gone = {s.segment_id for s, _ in chosen}
+        kept = tuple(s for s in segments if s.segment_id not in gone)
+        return replace(head, open_segments=kept, last_ts=max(head.last_ts, ts)), out, chosen
+
+    def seal_left(
+        self,
+        chosen: Sequence[tuple[OpenSegment, str]],
+        seal_ts: int,
+        state: SegmentState = SegmentState.SEALED,
+    ) -> list[SealedSegment]:
+        """Seal segments that already left their channel's open list at `seal_ts` (above
+        every timestamp they were handed out with)."""
+        sealed = []
+        for seg, reason in chosen:
+            key = self.store.keys.segment(seg.collection_id, seg.partition_id, seg.segment_id)
+            self.update_segment(key, partial(segment_ops.seal, seal_ts=seal_ts, state=state))
+            sealed.append(
+                SealedSegment(
+                    seg.segment_id, seg.collection_id, seg.partition_id, seg.vchannel, seal_ts, reason
+                )
+            )
+            log.info("sealed segment %d on %s at ts %d: %s", seg.segment_id, seg.vchannel, seal_ts, reason)
+        return sealed
+
+    def next_ts(self, head: ChannelHead, count: int = 1, at_least: int = 0) -> int:
+        """The last of `count` timestamps for the held channel: from this client's oracle
+        (or from `at_least` on), but above the channel's last (another client's oracle may
+        be ahead of ours)."""
+        if at_least:  # a timestamp the caller took from an oracle already (a flush's)
+            return max(at_least + count - 1, head.last_ts + count)
+        return max(self.tso.alloc(count), head.last_ts + count)
+
+    # --- allocation as one call ----------------------------------------------------------------
 
     def assign(
         self,
@@ -227,57 +335,18 @@ class SegmentManager:
     ) -> list[tuple[int, int]]:
         """Hand out `count` rows: [(segment_id, rows)], filling the open segment of
         (collection, partition, vchannel) and spilling into new ones at max_rows.
-        A segment that becomes full is sealed at once."""
+        A segment that becomes full is sealed at once. (The producer does the same
+        steps inside its append, under the same lock.)"""
         if count <= 0:
             raise ValueError(f"count must be positive, got {count}")
         now = self.clock() if now is None else now
-        with self._lock:
-            key = (collection_id, partition_id, vchannel)
-            segments = self._growing.setdefault(key, [])
-            out: list[tuple[int, int]] = []
-            remaining = count
-            while remaining:
-                seg = next((s for s in segments if s.free > 0), None)
-                if seg is None:
-                    seg = self._open_segment(collection_id, partition_id, vchannel, now)
-                    segments.append(seg)
-                n = min(seg.free, remaining)
-                seg.allocated += n
-                seg.last_insert_at = now
-                seg.last_ts = max(seg.last_ts, ts)
-                out.append((seg.segment_id, n))
-                remaining -= n
-            self._max_assigned_ts = max(self._max_assigned_ts, ts)
-            full = [s for s in segments if s.free == 0]
-            if full:
-                self._seal_locked([(s, "full: max_rows reached") for s in full], SegmentState.SEALED)
-            return out
-
-    def _open_segment(
-        self, collection_id: int, partition_id: int, vchannel: str, now: float
-    ) -> SegmentAllocation:
-        max_rows = self.max_rows(collection_id)
-        segment_id = self.ids.alloc()
-        info = SegmentInfo(
-            id=segment_id,
-            collection_id=collection_id,
-            partition_id=partition_id,
-            vchannel=vchannel,
-            state=SegmentState.GROWING,
-            level=SegmentLevel.L1,
-            max_rows=max_rows,
-            created_at=now,
-            last_insert_at=now,
-        )
-        self.store.cas(self.store.keys.segment(collection_id, partition_id, segment_id), 0, info)
-        log.info(
-            "opened segment %d on %s (partition %d, max %d rows)",
-            segment_id,
-            vchannel,
-            partition_id,
-            max_rows,
-        )
-        return SegmentAllocation(segment_id, collection_id, partition_id, vchannel, max_rows, 0, now, now)
+        with self.heads.hold(vchannel) as held:
+            self.open_for(held, collection_id, partition_id, count, now)
+            head, out, chosen = self.allocate(held.head, collection_id, partition_id, count, ts, now)
+            seal_ts = self.next_ts(head) if chosen else head.last_ts
+            held.commit(replace(head, last_ts=seal_ts), release=True)
+        self.seal_left(chosen, seal_ts)
+        return out
 
     def max_rows(self, collection_id: int) -> int:
         if collection_id not in self._max_rows:
@@ -287,32 +356,36 @@ class SegmentManager:
             self._max_rows[collection_id] = max_rows_of(found.model, self.settings)
         return self._max_rows[collection_id]
 
-    def growing(self, collection_id: int | None = None) -> list[SegmentAllocation]:
-        """Copies of the growing allocations (of one collection, or all)."""
-        with self._lock:
-            return [
-                replace(s)
-                for key, segments in self._growing.items()
-                if collection_id is None or key[0] == collection_id
-                for s in segments
-            ]
+    def growing(self, collection_id: int | None = None) -> list[OpenSegment]:
+        """The open segments of every channel head (of one collection, or all)."""
+        return [
+            seg
+            for head in self.heads.all()
+            for seg in head.open_segments
+            if collection_id is None or seg.collection_id == collection_id
+        ]
 
     # --- sealing -------------------------------------------------------------------------
 
-    def seal_by_policy(self, now: float | None = None) -> list[SealedSegment]:
-        """Apply the seal policies to every growing segment; seal those that qualify."""
+    def seal_by_policy(
+        self, now: float | None = None, vchannels: Iterable[str] | None = None
+    ) -> list[SealedSegment]:
+        """Apply the seal policies to the open segments (of `vchannels`, or every channel)
+        and seal those that qualify."""
         now = self.clock() if now is None else now
-        with self._lock:
-            chosen = []
-            for segments in self._growing.values():
-                for seg in segments:
-                    seg.binlog_files = self._binlog_files(seg)
-                    reasons = [r for r in (p(seg, now) for p in self.policies) if r]
-                    if reasons:
-                        chosen.append((seg, "; ".join(reasons)))
-            return self._seal_locked(chosen, SegmentState.SEALED) if chosen else []
+        heads = self.heads.all() if vchannels is None else [h for h in map(self.heads.read, vchannels) if h]
+        sealed = []
+        for head in heads:
+            found = {
+                s.segment_id: self._reasons(replace(s, binlog_files=self._binlog_files(s)), now)
+                for s in head.open_segments
+            }
+            wanted = {segment_id: reason for segment_id, reason in found.items() if reason}
+            if wanted:
+                sealed += self._seal_open(head.vchannel, _ids_in(set(wanted)), wanted, SegmentState.SEALED)
+        return sealed
 
-    def _binlog_files(self, seg: SegmentAllocation) -> int:
+    def _binlog_files(self, seg: OpenSegment) -> int:
         """The segment's binlog count per column group, from etcd (the DataNode writes it)."""
         key = self.store.keys.segment(seg.collection_id, seg.partition_id, seg.segment_id)
         found = self.store.get_model(key, SegmentInfo)
@@ -320,50 +393,85 @@ class SegmentManager:
             return seg.binlog_files
         return max((len(g.logs) for g in found.model.binlogs), default=0)
 
+    def _reasons(self, seg: OpenSegment, now: float) -> str:
+        return "; ".join(r for r in (p(seg, now) for p in self.policies) if r)
+
+    def _seal_open(
+        self,
+        vchannel: str,
+        pick: Callable[[OpenSegment], bool],
+        reasons: Mapping[int, str] | str,
+        state: SegmentState,
+        at_least: int = 0,
+    ) -> list[SealedSegment]:
+        """Under the channel's lock: take the picked open segments off the head, move the
+        head's last timestamp to the seal timestamp, then seal them in etcd."""
+        with self.heads.hold(vchannel) as held:
+            head = held.head
+            chosen = [
+                (s, reasons if isinstance(reasons, str) else reasons[s.segment_id])
+                for s in head.open_segments
+                if pick(s)
+            ]
+            if not chosen:
+                return []
+            seal_ts = self.next_ts(head, 1, at_least)
+            gone = {s.segment_id for s, _ in chosen}
+            kept = tuple(s for s in head.open_segments if s.segment_id not in gone)
+            held.commit(replace(head, open_segments=kept, last_ts=seal_ts))
+            return self.seal_left(chosen, seal_ts, state)
+
+    def seal_orphans(self) -> list[SealedSegment]:
+        """Seal Growing L1 segments that no channel head lists (their sealer died between
+        taking them off the head and sealing them): they can receive no more rows, and
+        the head's last timestamp is above all of theirs."""
+        open_ids = {s.segment_id for h in self.heads.all() for s in h.open_segments}
+        found, _ = self.store.list_models(self.store.keys.segments(), SegmentInfo, skip_malformed=True)
+        sealed = []
+        for decoded in found:
+            seg = decoded.model
+            if seg.state is not SegmentState.GROWING or seg.level is SegmentLevel.L0 or seg.id in open_ids:
+                continue
+            head = self.heads.read(seg.vchannel)
+            if head is not None and any(s.segment_id == seg.id for s in head.open_segments):
+                continue  # opened since the listing
+            seal_ts = self.next_ts(head or ChannelHead(seg.vchannel))
+            orphan = OpenSegment(
+                seg.id, seg.collection_id, seg.partition_id, seg.max_rows, vchannel=seg.vchannel
+            )
+            sealed += self.seal_left([(orphan, "orphan: on no channel head")], seal_ts)
+        return sealed
+
     def flush(self, collection_id: int) -> int:
         """Seal every growing segment of the collection (state Flushing) and return the
-        flush timestamp: greater than the timestamp of every row assigned before."""
-        with self._lock:
-            flush_ts = self._next_seal_ts()
-            for key in [k for k in self._growing if k[0] == collection_id]:
-                del self._growing[key]
-            # From etcd, not memory: also seals segments another manager opened, and
-            # moves segments sealed by policy to Flushing (the sync should run now).
-            found, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo)
-            for decoded in found:
-                seg = decoded.model
-                if seg.level is SegmentLevel.L0 or seg.state not in (
-                    SegmentState.GROWING,
-                    SegmentState.SEALED,
-                ):
-                    continue
-                self.update_segment(decoded.kv.key, partial(segment_ops.mark_flushing, flush_ts=flush_ts))
-            log.info("flush of collection %d at ts %d", collection_id, flush_ts)
-            return flush_ts
-
-    def _next_seal_ts(self) -> int:
-        return max(self.tso.now(), self._max_assigned_ts + 1)
-
-    def _seal_locked(
-        self, chosen: Iterable[tuple[SegmentAllocation, str]], state: SegmentState
-    ) -> list[SealedSegment]:
-        chosen = list(chosen)
-        seal_ts = self._next_seal_ts()
-        sealed = []
-        for seg, reason in chosen:
-            key = (seg.collection_id, seg.partition_id, seg.vchannel)
-            self._growing[key] = [s for s in self._growing.get(key, []) if s.segment_id != seg.segment_id]
-            if not self._growing[key]:
-                del self._growing[key]
-            meta_key = self.store.keys.segment(*key[:2], seg.segment_id)
-            self.update_segment(meta_key, partial(segment_ops.seal, seal_ts=seal_ts, state=state))
-            sealed.append(
-                SealedSegment(
-                    seg.segment_id, seg.collection_id, seg.partition_id, seg.vchannel, seal_ts, reason
-                )
+        flush timestamp: above the timestamp of every row handed out before. The caller
+        then appends a time tick at or above it to every channel (`Producer.flush`)."""
+        found = self.store.get_model(self.store.keys.collection(collection_id), CollectionInfo)
+        if found is None:
+            raise CollectionNotFoundError(collection_id)
+        # One seal timestamp for every channel if it can be: above every channel's last
+        # (a channel that moved past it meanwhile gets a larger one, and flush_ts is the largest).
+        heads = [h for h in map(self.heads.read, found.model.vchannels) if h is not None]
+        flush_ts = max([self.tso.now(), *(h.last_ts + 1 for h in heads)])
+        for vchannel in found.model.vchannels:
+            sealed = self._seal_open(
+                vchannel,
+                lambda s: s.collection_id == collection_id,
+                "flush",
+                SegmentState.FLUSHING,
+                flush_ts,
             )
-            log.info("sealed segment %d on %s at ts %d: %s", seg.segment_id, seg.vchannel, seal_ts, reason)
-        return sealed
+            flush_ts = max([flush_ts, *(s.seal_ts for s in sealed)])
+        # From etcd as well: segments sealed by policy move to Flushing (the sync should
+        # run now), and Growing ones on no head (orphans) are sealed at flush_ts.
+        segments, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo)
+        for decoded in segments:
+            seg = decoded.model
+            if seg.level is SegmentLevel.L0 or seg.state not in (SegmentState.GROWING, SegmentState.SEALED):
+                continue
+            self.update_segment(decoded.kv.key, partial(segment_ops.mark_flushing, flush_ts=flush_ts))
+        log.info("flush of collection %d at ts %d", collection_id, flush_ts)
+        return flush_ts
 
     # --- flush state and recovery --------------------------------------------------------
 
@@ -418,7 +526,7 @@ class SegmentManager:
             out.append(FlushRecovery(seg.id, seg.vchannel, action, reason))
         return out
 
-    # --- drops and reload ----------------------------------------------------------------
+    # --- drops ------------------------------------------------------------------------------
 
     def drop_collection(self, collection_id: int) -> list[int]:
         """Mark every segment of a dropped collection Dropped (its files go to GC)."""
@@ -429,55 +537,27 @@ class SegmentManager:
         return self._drop(collection_id, partition_id)
 
     def _drop(self, collection_id: int, partition_id: int | None) -> list[int]:
-        with self._lock:
-            for key in [k for k in self._growing if k[0] == collection_id]:
-                if partition_id is None or key[1] == partition_id:
-                    del self._growing[key]
-            if partition_id is None:
-                self._max_rows.pop(collection_id, None)
-            found, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo)
-            dropped = []
-            for decoded in found:
-                seg = decoded.model
-                if seg.state is SegmentState.DROPPED or (
-                    partition_id is not None and seg.partition_id != partition_id
-                ):
-                    continue
-                self.update_segment(decoded.kv.key, segment_ops.drop)
-                dropped.append(seg.id)
-            return dropped
+        def doomed(seg: OpenSegment) -> bool:
+            return seg.collection_id == collection_id and partition_id in (None, seg.partition_id)
 
-    def reload(self) -> None:
-        """Rebuild the growing allocations from etcd (at start, or to pick up changes).
-        Rows handed out but not yet synced are unknown: `num_rows` is the floor."""
-        found, _ = self.store.list_models(self.store.keys.segments(), SegmentInfo, skip_malformed=True)
-        growing: dict[tuple[int, int, str], list[SegmentAllocation]] = {}
-        max_ts = 0
+        for head in self.heads.all():
+            if any(doomed(s) for s in head.open_segments):
+                with self.heads.hold(head.vchannel) as held:
+                    kept = tuple(s for s in held.head.open_segments if not doomed(s))
+                    held.commit(replace(held.head, open_segments=kept))
+        if partition_id is None:
+            self._max_rows.pop(collection_id, None)
+        found, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo)
+        dropped = []
         for decoded in found:
             seg = decoded.model
-            if seg.dml_position is not None:
-                max_ts = max(max_ts, seg.dml_position.timestamp)
-            if seg.state is not SegmentState.GROWING or seg.level is SegmentLevel.L0:
+            if seg.state is SegmentState.DROPPED or (
+                partition_id is not None and seg.partition_id != partition_id
+            ):
                 continue
-            last_insert = max(seg.last_insert_at, seg.created_at)
-            if seg.dml_position is not None:
-                last_insert = max(last_insert, physical_ms(seg.dml_position.timestamp) / 1000)
-            max_rows = seg.max_rows or self.max_rows(seg.collection_id)
-            allocation = SegmentAllocation(
-                seg.id,
-                seg.collection_id,
-                seg.partition_id,
-                seg.vchannel,
-                max_rows,
-                seg.num_rows,
-                seg.created_at,
-                last_insert,
-                seg.dml_position.timestamp if seg.dml_position else 0,
-            )
-            growing.setdefault((seg.collection_id, seg.partition_id, seg.vchannel), []).append(allocation)
-        with self._lock:
-            self._growing = growing
-            self._max_assigned_ts = max(self._max_assigned_ts, max_ts)
+            self.update_segment(decoded.kv.key, segment_ops.drop)
+            dropped.append(seg.id)
+        return dropped
 
     # --- compare-and-swap ----------------------------------------------------------------
 

@@ -62,6 +62,16 @@ class Keys:
     def channel_lease(self, vchannel: str) -> str:
         return self._k("meta", "channel-lease", vchannel)
 
+    # multi-writer log: per-channel head and append lock
+    def wal_heads(self) -> str:
+        return self._k("wal-head") + "/"
+
+    def wal_head(self, vchannel: str) -> str:
+        return self._k("wal-head", vchannel)
+
+    def wal_lock(self, vchannel: str) -> str:
+        return self._k("wal-lock", vchannel)
+
     def id_allocator(self) -> str:
         return self._k("meta", "id")
 

@@ -281,6 +281,41 @@ class MetaStore:
                 raise CasConflictError(key, version, found_version)
         raise MetaError(f"guarded commit on {channel} failed without a visible cause")
 
+    def try_lock(
+        self, key: str, value: bytes, lease: int, read: str
+    ) -> tuple[KeyValue | None, KeyValue | None]:
+        """One transaction: if `key` is absent, put `value` attached to `lease` and read
+        `read`. Returns (the lock key as created, `read`) on success, (the key as someone
+        else holds it, None) otherwise (None, None if it vanished meanwhile)."""
+        tx = self.client.transactions
+        with self._call(f"lock {key}"):
+            ok, responses = self.client.transaction(
+                compare=[tx.version(key) == 0],
+                success=[tx.put(key, value, lease=lease), tx.get(read), tx.get(key)],
+                failure=[tx.get(key)],
+            )
+        ranges = [_range_kv(r) for r in responses if isinstance(r, list)]
+        if not ok:
+            return ranges[0], None
+        return ranges[1], ranges[0]
+
+    def locked_txn(
+        self,
+        key: str,
+        create_revision: int,
+        puts: Mapping[str, bytes | Model | dict[str, Any]],
+        deletes: Sequence[str] = (),
+    ) -> bool:
+        """Every put and delete in one transaction, only if `key` is still the one created
+        at `create_revision` (a lock this client holds); False (nothing written) otherwise."""
+        tx = self.client.transactions
+        success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
+        with self._call(f"commit under {key}"):
+            ok, _ = self.client.transaction(
+                compare=[tx.create(key) == create_revision], success=success, failure=[]
+            )
+        return bool(ok)
+
     def read_lease(self, channel: str) -> ChannelLease | None:
         found = self.get_model(self.keys.channel_lease(channel), ChannelLease)
         return None if found is None else found.model
@@ -304,6 +339,16 @@ class MetaStore:
     def compact(self, revision: int) -> None:
         with self._call(f"compact to {revision}"):
             self.client.compact(revision, physical=True)
+
+
+def _range_kv(pairs: list[Any]) -> KeyValue | None:
+    """The one key of a transaction's range read ((value, KVMetadata) pairs), or None."""
+    if not pairs:
+        return None
+    value, meta = pairs[0]
+    return KeyValue(
+        meta.key.decode(), bytes(value), meta.version, meta.mod_revision, meta.create_revision, meta.lease_id
+    )
 
 
 def _txn_revision(responses: list[Any]) -> int:

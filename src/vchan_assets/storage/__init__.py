@@ -1,5 +1,5 @@
 """Object storage: one pyarrow filesystem for local paths and S3, and the file layouts."""
 
-from vchan_assets.storage.fs import Storage, StorageError
+from vchan_assets.storage.fs import ObjectExistsError, Storage, StorageError
 
-__all__ = ["Storage", "StorageError"]
+__all__ = ["ObjectExistsError", "Storage", "StorageError"]

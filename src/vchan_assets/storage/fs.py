@@ -36,6 +36,16 @@ class StorageError(OSError):
         return (type(self), (self.path, self.reason))
 
 
+class ObjectExistsError(StorageError):
+    """An exclusive write found the object already there; nothing was written."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, "already exists")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.path,))
+
+
 @dataclass(frozen=True)
 class Storage:
     """A storage root: `uri` is a local directory or s3://bucket/prefix."""
@@ -103,15 +113,21 @@ class Storage:
         except OSError as exc:
             raise StorageError(self.base, str(exc)) from exc
 
-    def write_atomic(self, key: str, data: bytes | pa.Buffer) -> str:
+    def write_atomic(self, key: str, data: bytes | pa.Buffer, exclusive: bool = False) -> str:
         """Write a whole object so readers never see half of it; returns the full path.
 
-        Locally: write a temporary name, then rename. On S3 a single PUT is atomic.
+        Locally: write a temporary name, then rename (or, `exclusive`, hard-link: the
+        link fails if the name exists, so of two writers of one name exactly one wins and
+        the other gets ObjectExistsError). On S3 a single PUT is atomic; `exclusive` is a
+        check before the PUT there (pyarrow has no conditional PUT), so two writers must
+        not race for one name (the append lock sees to that for log files).
         """
         fs = self.filesystem
         final = self.path(key)
         try:
             if self.is_s3:
+                if exclusive and self.exists(key):
+                    raise ObjectExistsError(final)
                 with fs.open_output_stream(final) as out:
                     out.write(data)
                 return final
@@ -122,8 +138,18 @@ class Storage:
                 out.write(memoryview(data) if isinstance(data, pa.Buffer) else data)
                 out.flush()
                 os.fsync(out.fileno())
-            os.rename(tmp, final)
+            if not exclusive:
+                os.rename(tmp, final)
+                return final
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                raise ObjectExistsError(final) from None
+            finally:
+                os.unlink(tmp)
             return final
+        except StorageError:
+            raise
         except OSError as exc:
             raise StorageError(final, str(exc)) from exc
 

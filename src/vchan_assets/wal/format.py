@@ -14,7 +14,8 @@ offsets dense and contiguous inside the file and across files. Columns, in order
                   fixed_size_binary(dim * 4), little-endian float32 (as Milvus stores them)
 
 File key-value metadata: `vchan.channel`, `vchan.collection_id`, `vchan.first_offset`,
-`vchan.count`, `vchan.last_timestamp`.
+`vchan.count`, `vchan.last_timestamp`, and (from the multi-writer producer) `vchan.batch`,
+the id its writer gave the batch, so a retried append recognises a file it already wrote.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ META_COLLECTION = b"vchan.collection_id"
 META_FIRST_OFFSET = b"vchan.first_offset"
 META_COUNT = b"vchan.count"
 META_LAST_TS = b"vchan.last_timestamp"
+META_BATCH = b"vchan.batch"  # optional: the appending client's batch id (a retry recognises its file)
 
 
 class LogError(RuntimeError):

@@ -1,17 +1,20 @@
 """The producer: Milvus' proxy role, writing inserts, deletes, time ticks and DDL to the log.
 
-Per channel, under the channel's lock, a batch is: a timestamp from the TSO, segment IDs
-from DataCoord's segment manager (inserts), the rows, then a time tick, all in ONE
-log file, so the tick is the batch's last message (docs/architecture.md, "The log") and the channel's
-head. Rows go to vchannels by primary key (`pk % K`; Milvus hashes the pk).
+Per channel, holding the channel's append lock in etcd (`wal.appender`), a batch is:
+timestamps above the channel's last, segment IDs from the open segments of the channel
+head (inserts), the rows, then a time tick, all in ONE log file, so the tick is the
+batch's last message (docs/architecture.md, "The log"). Rows go to vchannels by
+primary key (`pk % K`; Milvus hashes the pk).
 
-Ordering rule the flush relies on: the timestamp of a batch is taken after the channel
-lock and before `assign`, from the segment manager's own oracle; so a segment sealed at
-`seal_ts` only receives rows with smaller timestamps, and every such row is in the log
-before any time tick with a timestamp >= `seal_ts`.
+Any number of producer processes may write one collection (docs/multi-writer.md):
+offsets stay dense, timestamps increase with the offset, and a segment sealed at
+`seal_ts` (by a policy, the coordinator or any client's flush, all under the same
+lock) only holds rows with smaller timestamps, every one of them in the log before any
+time tick at or above `seal_ts`.
 
-One producer per channel is assumed (as one proxy per vchannel in Milvus): collection
-meta is cached here and refreshed on a miss.
+Every call retries while etcd or storage is unavailable, up to
+`VCHAN_CLIENT_RETRY_TIMEOUT`, then raises the last error; a retried append never
+writes its batch twice. Collection meta is cached here and refreshed on a miss.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -36,12 +39,18 @@ from vchan_assets.datacoord.collections import (
 )
 from vchan_assets.datacoord.segment_manager import SealedSegment, SegmentManager
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
+from vchan_assets.meta.channel_head import HeldChannel
+from vchan_assets.meta.errors import MetaUnavailableError
+from vchan_assets.meta.retry import retry_transient
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
-from vchan_assets.storage import Storage
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.wal.appender import Built, ChannelAppender
 from vchan_assets.wal.format import MsgType, arrow_type, log_schema
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,16 @@ class Producer:
         self.last_sealed: list[SealedSegment] = []
         self._collections: dict[str, CollectionInfo] = {}
         self._writers: dict[str, WalWriter] = {}
+        self._appenders: dict[str, ChannelAppender] = {}
+
+    def close(self) -> None:
+        """Give up this producer's append locks at once (else their lease expires)."""
+        self.segments.heads.close()
+
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        return retry_transient(
+            what, call, self.settings.client_retry_timeout, (MetaUnavailableError, StorageError)
+        )
 
     # --- collections ---------------------------------------------------------------------
 
@@ -97,7 +116,7 @@ class Producer:
         create_collection message (a crash during create) is completed here."""
         info = None if refresh else self._collections.get(name)
         if info is None:
-            info = self.catalog.get_by_name(name)
+            info = self._retry(f"read collection {name}", lambda: self.catalog.get_by_name(name))
             if len(info.start_positions) < len(info.vchannels):
                 info = self._start_channels(info)
             self._collections[name] = info
@@ -125,14 +144,14 @@ class Producer:
         for vchannel in info.vchannels:
             if vchannel in started:
                 continue
-            writer = self._writer(info, vchannel)
-            with writer.lock:
-                if writer.next_offset == 0:
-                    done = self._append_control(info, vchannel, MsgType.CREATE_COLLECTION, payload)
-                    positions.append(MsgPosition(vchannel, done.first_offset, done.timestamp - 1))
-                else:  # written before a crash: the channel's first message is the create
-                    first = WalReader(self.storage, vchannel, info).files()[0]
-                    positions.append(MsgPosition(vchannel, first.first_offset, first.first_timestamp or 0))
+            done = self._append_control(
+                info, vchannel, MsgType.CREATE_COLLECTION, payload, only_if_empty=True
+            )
+            if done is not None:
+                positions.append(MsgPosition(vchannel, done.first_offset, done.timestamp - 1))
+            else:  # written before a crash, or by another client: the first message is the create
+                first = WalReader(self.storage, vchannel, info).files()[0]
+                positions.append(MsgPosition(vchannel, first.first_offset, first.first_timestamp or 0))
         return self.catalog.set_start_positions(info.id, positions) if positions else info
 
     def drop_collection(self, collection_name: str) -> CollectionInfo:
@@ -148,6 +167,7 @@ class Producer:
         self._collections.pop(collection_name, None)
         for vchannel in info.vchannels:
             self._writers.pop(vchannel, None)
+            self._appenders.pop(vchannel, None)
         return dropped
 
     def create_partition(self, collection_name: str, partition: str) -> int:
@@ -187,11 +207,10 @@ class Producer:
         info = self.collection(collection_name)
         partition_id = self._partition_id(info, partition)
         table = to_insert_table(info.schema, rows)
+        self.last_sealed = []
         out = {}
         for vchannel, part in self._route(info, table, table.column(info.schema.primary.name)):
             out[vchannel] = self._append_inserts(info, vchannel, partition_id, part)
-        if self.seal_after_insert:
-            self.last_sealed = self.segments.seal_by_policy()
         return out
 
     def delete(
@@ -209,28 +228,35 @@ class Producer:
             out[vchannel] = self._append_deletes(info, vchannel, partition_ids, part.column("pk"))
         return out
 
-    def time_tick(self, collection_name: str) -> dict[str, MsgPosition]:
-        """Append a time tick to every channel (lets checkpoints pass a flush timestamp)."""
+    def time_tick(self, collection_name: str, at_least: int = 0) -> dict[str, MsgPosition]:
+        """Append a time tick (at or above `at_least`) to every channel: lets checkpoints
+        pass a flush timestamp."""
         info = self.collection(collection_name)
         out = {}
         for vchannel in info.vchannels:
-            writer = self._writer(info, vchannel)
-            with writer.lock:
-                ts = self.tso.now()
-                first, _ = writer.append(self._control_table(info, MsgType.TIME_TICK, ts))
-            out[vchannel] = MsgPosition(vchannel, first, ts)
+
+            def build(held: HeldChannel) -> Built[int]:
+                ts = self.segments.next_ts(held.head, 1, at_least)
+                table = self._control_table(info, MsgType.TIME_TICK, ts)
+                return Built(table, replace(held.head, last_ts=ts), ts)
+
+            done = self._appender(info, vchannel).append(build)
+            assert done is not None
+            out[vchannel] = MsgPosition(vchannel, done.first_offset, done.result)
         return out
 
     def flush(self, collection_name: str) -> int:
-        """Seal every growing segment of the collection and tick every channel; returns
-        the flush timestamp to poll `flush_state` with."""
+        """Seal every growing segment of the collection and tick every channel at or
+        above the flush timestamp; returns it, to poll `flush_state` with. Any client may
+        flush while others insert: the seals hold the same locks as their appends."""
         info = self.collection(collection_name)
-        flush_ts = self.segments.flush(info.id)
-        self.time_tick(collection_name)
+        flush_ts = self._retry(f"flush {info.name}", lambda: self.segments.flush(info.id))
+        self.time_tick(collection_name, at_least=flush_ts + 1)
         return flush_ts
 
     def flush_state(self, collection_name: str, flush_ts: int) -> bool:
-        return self.segments.flush_state(self.collection(collection_name).id, flush_ts)
+        info = self.collection(collection_name)
+        return self._retry("flush state", lambda: self.segments.flush_state(info.id, flush_ts))
 
     def wait_flushed(
         self, collection_name: str, flush_ts: int, timeout: float = 60.0, poll: float = 0.2
@@ -250,6 +276,15 @@ class Producer:
         if writer is None or writer.collection.id != info.id:
             writer = self._writers[vchannel] = WalWriter(self.storage, vchannel, info)
         return writer
+
+    def _appender(self, info: CollectionInfo, vchannel: str) -> ChannelAppender:
+        writer = self._writer(info, vchannel)
+        appender = self._appenders.get(vchannel)
+        if appender is None or appender.writer is not writer:
+            appender = self._appenders[vchannel] = ChannelAppender(
+                self.segments.heads, writer, self.settings.client_retry_timeout, writer.lock
+            )
+        return appender
 
     @contextlib.contextmanager
     def _all_channels(self, info: CollectionInfo) -> Iterator[None]:
@@ -288,37 +323,49 @@ class Producer:
     def _append_inserts(
         self, info: CollectionInfo, vchannel: str, partition_id: int, rows: pa.Table
     ) -> ChannelAppend:
-        writer = self._writer(info, vchannel)
         n = rows.num_rows
-        with writer.lock:
-            tick_ts = self.tso.alloc(2)
-            ts = tick_ts - 1
-            assigned = self.segments.assign(info.id, partition_id, vchannel, n, ts)
+
+        def build(held: HeldChannel) -> Built[tuple[int, tuple[tuple[int, int], ...]]]:
+            now = time.time()
+            self.segments.open_for(held, info.id, partition_id, n, now)
+            tick_ts = self.segments.next_ts(held.head, 2)
+            head, assigned, full = self.segments.allocate(
+                held.head, info.id, partition_id, n, tick_ts - 1, now, self.seal_after_insert
+            )
             segment_ids = np.repeat(
                 np.array([s for s, _ in assigned], dtype=np.int64), [c for _, c in assigned]
             )
             system = {
                 "msg_type": pa.repeat(pa.scalar(MsgType.INSERT.value), n),
-                "timestamp": pa.array(np.full(n, ts, dtype=np.int64)),
+                "timestamp": pa.array(np.full(n, tick_ts - 1, dtype=np.int64)),
                 "segment_id": pa.array(segment_ids),
                 "partition_id": pa.array(np.full(n, partition_id, dtype=np.int64)),
                 "payload": pa.nulls(n, pa.string()),
             }
             batch = pa.Table.from_arrays([*system.values(), *rows.columns], schema=_batch_schema(info))
-            first, last = writer.append(
-                pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
-            )
-        return ChannelAppend(vchannel, first, last, tick_ts, n, tuple(assigned))
+            table = pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
+
+            def seal_full() -> None:  # they left the head with this batch: seal them at its tick
+                sealed = self._retry("seal", lambda: self.segments.seal_left(full, tick_ts))
+                self.last_sealed += sealed
+
+            after = seal_full if full else None
+            return Built(table, replace(head, last_ts=tick_ts), (tick_ts, tuple(assigned)), after)
+
+        done = self._appender(info, vchannel).append(build)
+        assert done is not None
+        tick_ts, assigned = done.result
+        return ChannelAppend(vchannel, done.first_offset, done.last_offset, tick_ts, n, assigned)
 
     def _append_deletes(
         self, info: CollectionInfo, vchannel: str, partition_ids: list[int], pks: pa.ChunkedArray
     ) -> ChannelAppend:
-        writer = self._writer(info, vchannel)
         keys = np.tile(np.asarray(pks.to_numpy(), dtype=np.int64), len(partition_ids))
         parts = np.repeat(np.array(partition_ids, dtype=np.int64), len(pks))
         n = len(keys)
-        with writer.lock:
-            tick_ts = self.tso.alloc(2)
+
+        def build(held: HeldChannel) -> Built[int]:
+            tick_ts = self.segments.next_ts(held.head, 2)
             schema = _batch_schema(info)
             values = {
                 "msg_type": pa.repeat(pa.scalar(MsgType.DELETE.value), n),
@@ -329,10 +376,12 @@ class Producer:
             batch = pa.Table.from_arrays(
                 [values.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema
             )
-            first, last = writer.append(
-                pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
-            )
-        return ChannelAppend(vchannel, first, last, tick_ts, n)
+            table = pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
+            return Built(table, replace(held.head, last_ts=tick_ts), tick_ts)
+
+        done = self._appender(info, vchannel).append(build)
+        assert done is not None
+        return ChannelAppend(vchannel, done.first_offset, done.last_offset, done.result, n)
 
     def _append_control(
         self,
@@ -341,15 +390,21 @@ class Producer:
         kind: MsgType,
         payload: Mapping[str, Any],
         partition_id: int | None = None,
-    ) -> ChannelAppend:
-        """A DDL message followed by a time tick, as one batch."""
-        writer = self._writer(info, vchannel)
-        with writer.lock:
-            tick_ts = self.tso.alloc(2)
+        only_if_empty: bool = False,
+    ) -> ChannelAppend | None:
+        """A DDL message followed by a time tick, as one batch (None: `only_if_empty`
+        and the channel has messages)."""
+
+        def build(held: HeldChannel) -> Built[int]:
+            tick_ts = self.segments.next_ts(held.head, 2)
             message = self._control_table(info, kind, tick_ts - 1, payload, partition_id)
             tick = self._control_table(info, MsgType.TIME_TICK, tick_ts)
-            first, last = writer.append(pa.concat_tables([message, tick]))
-        return ChannelAppend(vchannel, first, last, tick_ts, 1)
+            return Built(pa.concat_tables([message, tick]), replace(held.head, last_ts=tick_ts), tick_ts)
+
+        done = self._appender(info, vchannel).append(build, only_if_empty)
+        if done is None:
+            return None
+        return ChannelAppend(vchannel, done.first_offset, done.last_offset, done.result, 1)
 
     @staticmethod
     def _control_table(

@@ -1,14 +1,15 @@
-"""Appending to a vchannel's write-ahead log (docs/architecture.md, "The log"; format in `wal.format`).
+"""Writing a vchannel's write-ahead log files (docs/architecture.md, "The log"; format in `wal.format`).
 
-One `append` = one Parquet file `wal/{vchannel}/{first_offset:020d}.parquet`, written
-with `Storage.write_atomic` (temporary name + rename locally, a single PUT on S3), so a
-reader sees a whole batch or nothing. Offsets are dense per channel: the next one comes
-from the last file (its name plus the `vchan.count` footer entry) and is then cached.
+One batch = one Parquet file `wal/{vchannel}/{first_offset:020d}.parquet`, published
+with an exclusive `Storage.write_atomic` (temporary name + hard link locally, a single
+PUT on S3), so a reader sees a whole batch or nothing and no file is ever overwritten:
+a writer that finds its file name taken gets `LogConflictError`.
 
-One producer per channel is assumed, as in Milvus where a vchannel has one proxy
-producer at a time: inside a process every writer of a channel shares one lock and one
-cached tail; across processes nothing is locked, but a writer that finds its next file
-already written by someone else refuses with `LogConflictError` instead of overwriting it.
+`write_at` writes a batch at an offset someone else decided: the multi-writer path
+(`wal.appender`), where the channel's head in etcd says where the log ends. `append`
+is the single-writer path (tests, tools): the next offset comes from the last file
+(its name plus the `vchan.count` footer entry) and is cached per process, behind one
+lock per channel.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.model import CollectionInfo
-from vchan_assets.storage import Storage
+from vchan_assets.storage import ObjectExistsError, Storage
 from vchan_assets.wal.format import (
+    META_BATCH,
     META_CHANNEL,
     META_COLLECTION,
     META_COUNT,
@@ -47,14 +49,14 @@ WRITE_PAGE_CHECKSUM = True
 
 
 class LogConflictError(LogError):
-    """Another producer appended to the channel: the file this writer was about to
-    write already exists (one producer per channel is assumed)."""
+    """Another writer appended to the channel: the file this writer was about to write
+    already exists, and stays as it is."""
 
     def __init__(self, path: str, vchannel: str) -> None:
         self._args = (path, vchannel)
         super().__init__(
-            f"log file {path} already exists: another producer is appending to {vchannel} "
-            "(one producer per channel is assumed); nothing was written"
+            f"log file {path} already exists: another writer appended to {vchannel} "
+            "at this offset; nothing was written"
         )
         self.path = path
         self.vchannel = vchannel
@@ -68,6 +70,17 @@ class InvalidBatchError(LogError):
         super().__init__(f"batch for {vchannel} rejected, nothing was written: {reason}")
         self.vchannel = vchannel
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class WrittenBatch:
+    """A log file as a writer sees it when its offset was taken."""
+
+    first_offset: int
+    count: int
+    last_timestamp: int
+    batch_id: str  # "" for files of the single-writer path
+    segment_rows: tuple[tuple[int, int], ...]  # (segment_id, insert rows)
 
 
 @dataclass
@@ -148,13 +161,59 @@ class WalWriter:
             batch = self._conform(table, path, first)
             last_ts = self._validate(batch, path, first)
             data = self._encode(batch, first, last_ts)
-            if self.storage.exists(key):
+            try:
+                self.storage.write_atomic(key, data, exclusive=True)
+            except ObjectExistsError:
                 self._state.next_offset = None  # re-read the tail next time
-                raise LogConflictError(path, self.vchannel)
-            self.storage.write_atomic(key, data)
+                raise LogConflictError(path, self.vchannel) from None
             self._state.next_offset = first + batch.num_rows
             self._state.last_timestamp = last_ts
             return first, first + batch.num_rows - 1
+
+    def write_at(self, table: pa.Table, first: int, after_ts: int, batch_id: str) -> tuple[int, int]:
+        """Write one batch as the file at offset `first` (its timestamps must be above
+        `after_ts`, the channel's last); returns (first_offset, last_timestamp).
+        LogConflictError if that file exists; nothing is overwritten."""
+        if table.num_rows == 0:
+            raise InvalidBatchError(self.vchannel, "the batch is empty")
+        key = wal_key(self.vchannel, first)
+        path = self.storage.path(key)
+        batch = self._conform(table, path, first)
+        last_ts = self._validate(batch, path, first, after_ts + 1)
+        data = self._encode(batch, first, last_ts, batch_id)
+        try:
+            self.storage.write_atomic(key, data, exclusive=True)
+        except ObjectExistsError:
+            raise LogConflictError(path, self.vchannel) from None
+        return first, last_ts
+
+    def written_at(self, first: int) -> WrittenBatch | None:
+        """What the file at offset `first` holds (None: no such file): for a writer that
+        finds its offset taken, and for a retry that looks for its own batch."""
+        from vchan_assets.wal.reader import read_log_file
+
+        key = wal_key(self.vchannel, first)
+        if not self.storage.exists(key):
+            return None
+        table = read_log_file(self.storage, key, self.collection.schema, columns=["segment_id"])
+        with self.storage.open_input_file(key) as f:
+            meta = pq.ParquetFile(f).metadata.metadata or {}
+        segments = table.column("segment_id").drop_null().to_numpy()
+        ids, counts = np.unique(segments, return_counts=True)
+        return WrittenBatch(
+            first,
+            table.num_rows,
+            int(table.column("timestamp")[-1].as_py()),
+            meta.get(META_BATCH, b"").decode(),
+            tuple(zip(ids.tolist(), counts.tolist(), strict=True)),
+        )
+
+    def tail(self) -> tuple[int, int]:
+        """(next offset, last timestamp) of the log as storage holds it (0, 0 if empty)."""
+        from vchan_assets.wal.reader import WalReader
+
+        last = WalReader(self.storage, self.vchannel, self.collection).last_file()
+        return (0, 0) if last is None else (last.end_offset, last.last_timestamp)
 
     def refresh(self) -> None:
         """Forget the cached tail: the next append reads it from storage again."""
@@ -204,7 +263,7 @@ class WalWriter:
             raise SchemaMismatchError(path, self.schema, found)
         return pa.Table.from_arrays(columns, schema=self.schema)
 
-    def _validate(self, batch: pa.Table, path: str, first: int) -> int:
+    def _validate(self, batch: pa.Table, path: str, first: int, floor: int | None = None) -> int:
         """Message types, required fields and timestamp order; returns the last timestamp."""
         for name in ("msg_type", "timestamp"):
             if batch.column(name).null_count:
@@ -215,11 +274,12 @@ class WalWriter:
             index = pc.index(known, False).as_py()
             raise UnknownMessageTypeError(path, first + index, kinds[index].as_py())
 
+        floor = self._state.last_timestamp if floor is None else floor
         ts = batch.column("timestamp").to_numpy()
-        if ts[0] < self._state.last_timestamp or (len(ts) > 1 and bool((np.diff(ts) < 0).any())):
+        if ts[0] < floor or (len(ts) > 1 and bool((np.diff(ts) < 0).any())):
             raise InvalidBatchError(
                 self.vchannel,
-                f"timestamps must not decrease (last in the channel {self._state.last_timestamp}, "
+                f"timestamps must not decrease (at least {floor} in the channel, "
                 f"batch from {int(ts.min())} to {int(ts.max())})",
             )
 
@@ -236,7 +296,7 @@ class WalWriter:
                     raise InvalidBatchError(self.vchannel, f"{kind} messages need {name!r}")
         return int(ts[-1])
 
-    def _encode(self, batch: pa.Table, first: int, last_ts: int) -> pa.Buffer:
+    def _encode(self, batch: pa.Table, first: int, last_ts: int, batch_id: str = "") -> pa.Buffer:
         metadata = {
             META_CHANNEL: self.vchannel.encode(),
             META_COLLECTION: str(self.collection.id).encode(),
@@ -244,6 +304,8 @@ class WalWriter:
             META_COUNT: str(batch.num_rows).encode(),
             META_LAST_TS: str(last_ts).encode(),
         }
+        if batch_id:
+            metadata[META_BATCH] = batch_id.encode()
         batch = batch.replace_schema_metadata(metadata)
         names = batch.column_names
         strings = [n for n in names if pa.types.is_string(batch.schema.field(n).type)]

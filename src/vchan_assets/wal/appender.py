@@ -1,0 +1,180 @@
+"""Appending to a vchannel from any number of processes (docs/multi-writer.md).
+
+One append, under the channel's append lock in etcd (`meta.channel_head`):
+
+1. acquire the lock and read the channel head (next offset, last timestamp, open segments);
+2. `build(held)` makes the batch: timestamps above the head's last, segment IDs from the
+   head's open segments (opening new ones commits them with the head first);
+3. publish the file at the head's next offset with an exclusive create;
+4. commit the new head and release the lock, in one transaction.
+
+What a killed writer leaves: before 3, nothing but a lock that its lease expiry frees
+(the next holder gets the same offset: no hole); after 3, a whole file the head does not
+count yet: the next holder's exclusive create fails at that offset, so it adopts the
+file (offsets, last timestamp, rows per segment) and appends after it. A file is never
+written twice: every attempt of one batch carries the same batch id in its footer, and a
+retry first looks for a file with its id where it tried before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
+
+import pyarrow as pa
+
+from vchan_assets.failpoints import failpoint
+from vchan_assets.meta.channel_head import AppendLockLostError, ChannelHeads, HeldChannel
+from vchan_assets.meta.errors import MetaError, MetaUnavailableError
+from vchan_assets.meta.retry import retry_transient
+from vchan_assets.model import ChannelHead
+from vchan_assets.storage import StorageError
+from vchan_assets.wal.writer import LogConflictError, WalWriter, WrittenBatch
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+# What a retry waits out: etcd or storage unavailable, or a lock lost to a long pause.
+TRANSIENT: tuple[type[BaseException], ...] = (MetaUnavailableError, StorageError, AppendLockLostError)
+
+
+@dataclass(frozen=True)
+class Built(Generic[R]):
+    """A batch ready to publish: the rows, the head after them (its offset is set by the
+    appender), what the caller reports, and work to do once the batch is in the log."""
+
+    table: pa.Table
+    head: ChannelHead
+    result: R
+    after: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Appended(Generic[R]):
+    first_offset: int
+    last_offset: int
+    result: R
+
+
+class ChannelAppender:
+    """Appends batches to one vchannel under its append lock; see the module docstring."""
+
+    def __init__(
+        self,
+        heads: ChannelHeads,
+        writer: WalWriter,
+        retry_timeout: float,
+        lock: threading.RLock | None = None,
+    ) -> None:
+        self.heads = heads
+        self.writer = writer
+        self.vchannel = writer.vchannel
+        self.retry_timeout = retry_timeout
+        self.lock = lock or threading.RLock()  # one append at a time per channel in this process
+        self.adopted = 0  # files of dead writers taken into the head (metric)
+
+    def append(
+        self, build: Callable[[HeldChannel], Built[R]], only_if_empty: bool = False
+    ) -> Appended[R] | None:
+        """Append the batch `build` makes; retried (same batch id) while etcd or storage is
+        unavailable, up to the retry timeout. None if `only_if_empty` and the log is not."""
+        batch_id = uuid.uuid4().hex
+        tried: dict[int, R] = {}  # offsets this batch was published at (maybe) -> its result
+
+        def attempt() -> Appended[R] | None:
+            mine = self._find_mine(batch_id, tried)
+            if mine is not None:
+                return mine
+            with self.lock, self.heads.hold(self.vchannel) as held:
+                self._load_offset(held)
+                while True:
+                    if only_if_empty and held.head.next_offset > 0:
+                        return None
+                    built = build(held)
+                    first = held.head.next_offset
+                    held.check()
+                    failpoint("before_wal_publish")
+                    tried[first] = built.result
+                    try:
+                        _, last_ts = self.writer.write_at(built.table, first, held.head.last_ts, batch_id)
+                    except LogConflictError:
+                        self._adopt(held)  # a file the head does not count: a dead writer's
+                        continue
+                    failpoint("after_wal_publish")
+                    last = first + built.table.num_rows - 1
+                    head = replace(built.head, next_offset=last + 1, last_ts=max(built.head.last_ts, last_ts))
+                    committed = self._commit(held, head)
+                    break
+            if built.after is not None and committed:
+                built.after()
+            return Appended(first, last, built.result)
+
+        return retry_transient(f"append to {self.vchannel}", attempt, self.retry_timeout, TRANSIENT)
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _commit(self, held: HeldChannel, head: ChannelHead) -> bool:
+        """The batch is in the log once its file is: a commit that fails leaves the head
+        behind (the next holder adopts the file), and `after` is skipped, since the head
+        still lists what the batch took off it."""
+        try:
+            held.commit(head, release=True)
+        except MetaError as exc:
+            log.warning(
+                "%s: batch published, head not advanced (%s); the next writer adopts it", self.vchannel, exc
+            )
+            return False
+        return True
+
+    def _find_mine(self, batch_id: str, tried: dict[int, R]) -> Appended[R] | None:
+        """After a failed attempt: the file this batch may have been published as."""
+        for first, result in tried.items():
+            found = self.writer.written_at(first)
+            if found is not None and found.batch_id == batch_id:
+                log.info(
+                    "%s: batch %s was published at %d before the failure", self.vchannel, batch_id, first
+                )
+                return Appended(first, first + found.count - 1, result)
+        return None
+
+    def _load_offset(self, held: HeldChannel) -> None:
+        """A head of unknown offset (a new channel, or one written before heads existed)
+        takes the end of the log in storage."""
+        if held.head.next_offset >= 0:
+            return
+        last = self.writer.tail()
+        held.head = replace(held.head, next_offset=last[0], last_ts=max(held.head.last_ts, last[1]))
+
+    def _adopt(self, held: HeldChannel) -> None:
+        """Count every file past the head's offset into the head: offsets, last timestamp,
+        and rows per open segment."""
+        head = held.head
+        while (found := self.writer.written_at(head.next_offset)) is not None:
+            head = _counted(head, found)
+            self.adopted += 1
+            log.warning(
+                "%s: adopted the file at offset %d (%d messages) that its writer did not commit",
+                self.vchannel,
+                found.first_offset,
+                found.count,
+            )
+        held.head = head
+
+
+def _counted(head: ChannelHead, found: WrittenBatch) -> ChannelHead:
+    rows = dict(found.segment_rows)
+    segments = tuple(
+        replace(s, allocated=s.allocated + rows[s.segment_id]) if s.segment_id in rows else s
+        for s in head.open_segments
+    )
+    return replace(
+        head,
+        next_offset=found.first_offset + found.count,
+        last_ts=max(head.last_ts, found.last_timestamp),
+        open_segments=segments,
+    )

@@ -1,0 +1,206 @@
+"""Many producer processes on one collection: dense offsets, monotonic timestamps, one
+allocation authority, crash and etcd-restart safety. Every producer here is its own OS
+process (tests/wal/producer_child.py); the sync runs in-process with the local engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from datanode.helpers import Produced, assert_exactly_once
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.embedded import EmbeddedEtcd
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer, generate_rows
+from vchan_assets.wal.reader import WalReader
+from wal.producer_child import SCHEMA
+
+CHILD = Path(__file__).parent / "producer_child.py"
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env.update(settings.to_env())
+    return env
+
+
+def start(settings: Settings, *args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), *map(str, args)],
+        env=child_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}): {err[-3000:]}"
+    return out
+
+
+def wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 60) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"child exited ({proc.returncode}) before {prefix!r}")
+    raise AssertionError(f"no {prefix!r} within {timeout}s")
+
+
+def expected_rows(start_pk: int, batches: int, rows: int) -> list[pa.Table]:
+    return [
+        generate_rows(SCHEMA, rows, start_pk=start_pk + i * rows, seed=start_pk + i * rows)
+        for i in range(batches)
+    ]
+
+
+def check_log(storage: Storage, info: CollectionInfo) -> dict[str, pa.Table]:
+    """Per channel: offsets dense from 0 (the reader refuses gaps), timestamps never
+    decreasing with the offset and strictly increasing from one batch to the next."""
+    logs = {}
+    for vchannel in info.vchannels:
+        reader = WalReader(storage, vchannel, info)
+        files = reader.files()
+        table = reader.read()
+        assert table["offset"].to_pylist() == list(range(table.num_rows))
+        ts = table["timestamp"].to_numpy()
+        assert bool((np.diff(ts) >= 0).all()), f"{vchannel}: a timestamp goes back"
+        for before, after in zip(files, files[1:], strict=False):
+            assert after.first_timestamp is not None and after.first_timestamp > before.last_timestamp
+        logs[vchannel] = table
+    return logs
+
+
+def inserted_pks(logs: dict[str, pa.Table]) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    for table in logs.values():
+        inserts = table.filter(pc.equal(table["msg_type"], "insert"))
+        counts.update(inserts["pk"].to_pylist())
+    return counts
+
+
+def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
+    ids = IdAllocator(store)
+    for vchannel in info.vchannels:
+        lease = store.read_lease(vchannel) or grant_channel_lease(store, ids, vchannel, node_id=1)
+        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+
+
+def segments(store: MetaStore, info: CollectionInfo) -> dict[int, SegmentInfo]:
+    found, _ = store.list_models(store.keys.segments(info.id), SegmentInfo)
+    return {d.model.id: d.model for d in found}
+
+
+@pytest.fixture
+def fast(settings: Settings) -> Settings:
+    """Small segments (sealed by size while the test runs) and a short lock TTL."""
+    return replace(settings, segment_max_size_mb=3000 * SCHEMA.row_bytes() / (1 << 20), append_lock_ttl=2.0)
+
+
+def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consistent(
+    store: MetaStore, storage: Storage, fast: Settings, tmp_path: Path
+) -> None:
+    producer = Producer(store, storage, fast)
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
+    batches, rows = 12, 400
+    stop = tmp_path / "stop"
+    flusher = start(fast, "flush", info.name, 1.0, stop)
+    children = [start(fast, "insert", info.name, 100_000 * (k + 1), batches, rows) for k in range(4)]
+    for child in children:
+        finish(child)
+    stop.touch()
+    flushes = finish(flusher).split()
+    assert flushes.count("flush") >= 2, "the flusher should have flushed while producers ran"
+
+    flush_ts = producer.flush(info.name)
+    logs = check_log(storage, info)
+    counts = inserted_pks(logs)
+    produced = pa.concat_tables(
+        [t for k in range(4) for t in expected_rows(100_000 * (k + 1), batches, rows)]
+    )
+    assert sorted(counts) == sorted(produced["pk"].to_pylist()) and max(counts.values()) == 1
+
+    # One allocation authority: no row is stamped at or after its segment's seal.
+    sealed = segments(store, info)
+    for table in logs.values():
+        inserts = table.filter(pc.equal(table["msg_type"], "insert"))
+        for segment_id, ts in zip(
+            inserts["segment_id"].to_pylist(), inserts["timestamp"].to_pylist(), strict=True
+        ):
+            seg = sealed[segment_id]
+            assert seg.seal_ts > 0 and ts < seg.seal_ts, (
+                f"row at ts {ts} in segment {segment_id} sealed at {seg.seal_ts}"
+            )
+    assert (
+        len([s for s in sealed.values() if s.level is SegmentLevel.L1]) > 2
+    )  # sealed by size and by flushes
+
+    sync_all(store, storage, fast, info)
+    assert producer.flush_state(info.name, flush_ts)
+    assert_exactly_once(store, storage, info, Produced(rows=[produced]))
+
+
+@pytest.mark.parametrize("failpoint", ["before_wal_publish", "after_wal_publish"])
+def test_a_producer_killed_mid_append_leaves_no_hole_and_no_half_batch(
+    store: MetaStore, storage: Storage, fast: Settings, failpoint: str
+) -> None:
+    producer = Producer(store, storage, fast)
+    info = producer.create_collection(f"k{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
+    batches, rows, kill_at = 8, 300, 3
+    victim = start(fast, "insert", info.name, 0, batches, rows, kill_at, failpoint)
+    others = [start(fast, "insert", info.name, 100_000 * (k + 1), batches, rows) for k in range(2)]
+    victim.communicate(timeout=120)
+    assert victim.returncode == -9, "the failpoint should have SIGKILLed the producer"
+    for child in others:
+        finish(child)  # they went on: past the dead writer's lock (lease expiry) or its file
+    producer.insert(info.name, generate_rows(SCHEMA, 10, start_pk=900_000))  # the log takes more
+
+    counts = inserted_pks(check_log(storage, info))
+    assert max(counts.values()) == 1
+    victim_batches = kill_at + (failpoint == "after_wal_publish")  # a published batch is in the log
+    expected = [t for k in range(2) for t in expected_rows(100_000 * (k + 1), batches, rows)]
+    expected += expected_rows(0, victim_batches, rows)
+    want = pa.concat_tables(expected)["pk"].to_pylist() + list(range(900_000, 900_010))
+    assert sorted(counts) == sorted(want)
+
+
+def test_producers_retry_through_an_etcd_restart_and_write_every_batch_once(
+    private_store: MetaStore, storage: Storage, private_settings: Settings, private_etcd: EmbeddedEtcd
+) -> None:
+    settings = replace(private_settings, client_retry_timeout=60.0, etcd_timeout=2.0, append_lock_ttl=2.0)
+    producer = Producer(private_store, storage, settings)
+    info = producer.create_collection(f"r{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
+    batches, rows = 40, 200
+    children = [start(settings, "insert", info.name, 100_000 * (k + 1), batches, rows) for k in range(2)]
+    for child in children:
+        wait_for_line(child, "batch 2")
+    private_etcd.restart()
+    for child in children:
+        finish(child)
+
+    counts = inserted_pks(check_log(storage, info))
+    produced = pa.concat_tables(
+        [t for k in range(2) for t in expected_rows(100_000 * (k + 1), batches, rows)]
+    )
+    assert sorted(counts) == sorted(produced["pk"].to_pylist()) and max(counts.values()) == 1
