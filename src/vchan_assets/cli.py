@@ -96,7 +96,11 @@ def opened(settings: Settings) -> Iterator[Stack]:
 @contextlib.contextmanager
 def open_producer(settings: Settings) -> Iterator[Producer]:
     with opened(settings) as stack:
-        yield Producer(stack.store, stack.storage, settings)
+        producer = Producer(stack.store, stack.storage, settings)
+        try:
+            yield producer
+        finally:
+            producer.close()  # its append locks go at once, not when their lease expires
 
 
 def _engine_arg(parser: argparse.ArgumentParser, tasks: str) -> None:

@@ -204,3 +204,20 @@ def test_producers_retry_through_an_etcd_restart_and_write_every_batch_once(
         [t for k in range(2) for t in expected_rows(100_000 * (k + 1), batches, rows)]
     )
     assert sorted(counts) == sorted(produced["pk"].to_pylist()) and max(counts.values()) == 1
+
+
+def test_a_segment_flushed_by_another_client_receives_no_more_rows(
+    store: MetaStore, storage: Storage, settings: Settings
+) -> None:
+    inserter, flusher = Producer(store, storage, settings), Producer(store, storage, settings)
+    info = inserter.create_collection(f"f{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
+    first = inserter.insert(info.name, generate_rows(SCHEMA, 10, start_pk=0))[info.vchannels[0]]
+
+    flusher.flush(info.name)  # another client: seals the segment the inserter is filling
+    second = inserter.insert(info.name, generate_rows(SCHEMA, 10, start_pk=10))[info.vchannels[0]]
+
+    [(old, _)] = first.segments
+    [(new, _)] = second.segments
+    assert new != old
+    sealed = segments(store, info)[old]
+    assert second.timestamp > sealed.seal_ts > first.timestamp
