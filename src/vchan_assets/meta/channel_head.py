@@ -73,10 +73,20 @@ class HeldChannel:
     store: MetaStore
     released: bool = False
     granted_at: float = field(default=0.0, repr=False)  # monotonic: last lease refresh
+    lease_id: int = 0
+    refresh: Callable[[], tuple[int, float, float]] | None = field(default=None, repr=False)
 
     def check(self, what: str = "publishing") -> None:
-        """Raise AppendLockLostError unless the lease surely lives long enough to publish."""
-        margin = min(PUBLISH_MARGIN, (self.valid_until - self.granted_at) / 4)
+        """Raise AppendLockLostError unless the lease surely lives long enough to publish.
+        A hold older than a third of the TTL (a big batch, a slow machine) refreshes the
+        lease first: if the lease is still the same, the lock key is still there."""
+        ttl = self.valid_until - self.granted_at
+        if self.refresh is not None and time.monotonic() - self.granted_at > ttl / 3:
+            lease_id, refreshed, ttl = self.refresh()
+            if lease_id != self.lease_id:
+                raise AppendLockLostError(self.vchannel, what)  # expired: the key went with it
+            self.granted_at, self.valid_until = refreshed, refreshed + ttl
+        margin = min(PUBLISH_MARGIN, ttl / 4)
         if time.monotonic() >= self.valid_until - margin:
             raise AppendLockLostError(self.vchannel, what)
 
@@ -176,7 +186,15 @@ class ChannelHeads:
         else:
             head = init() if init else ChannelHead(vchannel, next_offset=-1)
         return HeldChannel(
-            vchannel, head, lock_key, lock.create_revision, refreshed + ttl, self.store, granted_at=refreshed
+            vchannel,
+            head,
+            lock_key,
+            lock.create_revision,
+            refreshed + ttl,
+            self.store,
+            granted_at=refreshed,
+            lease_id=lease_id,
+            refresh=self._lease,
         )
 
     def release(self, held: HeldChannel) -> None:

@@ -1,0 +1,58 @@
+"""The append lock and head of a channel in etcd (meta.channel_head), with real etcd leases."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from vchan_assets.meta.channel_head import AppendLockLostError, AppendLockTimeoutError, ChannelHeads
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import ChannelHead
+
+CH = "ch-0"
+
+
+def test_a_channel_without_a_head_has_an_unknown_offset_until_committed(store: MetaStore) -> None:
+    heads = ChannelHeads(store, ttl=5, wait=5)
+    with heads.hold(CH) as held:
+        assert held.head == ChannelHead(CH, next_offset=-1)
+        held.commit(replace(held.head, next_offset=7, last_ts=70))
+    assert heads.read(CH) == ChannelHead(CH, 7, 70)
+    assert store.get(store.keys.wal_lock(CH)) is None  # released
+
+
+def test_a_second_client_waits_for_the_lock_and_times_out_naming_the_holder(store: MetaStore) -> None:
+    a, b = ChannelHeads(store, ttl=5, wait=5), ChannelHeads(store, ttl=5, wait=0.3)
+    with a.hold(CH), pytest.raises(AppendLockTimeoutError, match=a.client):
+        b.acquire(CH)
+    with b.hold(CH) as held:  # free again
+        assert held.head.vchannel == CH
+
+
+def test_a_dead_holders_lock_expires_with_its_lease(store: MetaStore) -> None:
+    dead, alive = ChannelHeads(store, ttl=1, wait=10), ChannelHeads(store, ttl=1, wait=10)
+    dead.acquire(CH)  # and never refreshes, nor releases: as a killed process
+    started = time.monotonic()
+
+    with alive.hold(CH) as held:
+        waited = time.monotonic() - started
+        held.commit(replace(held.head, next_offset=1))
+    assert 0.3 < waited < 8
+    assert alive.read(CH) == ChannelHead(CH, 1)
+
+
+def test_a_holder_whose_lock_was_lost_commits_nothing(store: MetaStore) -> None:
+    slow, other = ChannelHeads(store, ttl=1, wait=10), ChannelHeads(store, ttl=5, wait=10)
+    held = slow.acquire(CH)
+    slow.close()  # its lease is gone (as after a pause longer than the TTL)
+    with other.hold(CH) as theirs:
+        theirs.commit(replace(theirs.head, next_offset=5))
+
+    with pytest.raises(AppendLockLostError):
+        held.commit(replace(held.head, next_offset=99), release=True)
+    time.sleep(0.5)  # past a third of the TTL: check() asks etcd, and finds the lease gone
+    with pytest.raises(AppendLockLostError):
+        held.check()
+    assert other.read(CH) == ChannelHead(CH, 5)
