@@ -285,7 +285,10 @@ class SegmentManager:
         chosen = []
         for seg in segments:
             if seg.segment_id in touched:
-                reasons = [r for r in (p(seg, now) for p in self.policies) if r] if apply_policies else []
+                reasons = []
+                if apply_policies:  # (the binlog count is the DataNode's: read from etcd)
+                    counted = replace(seg, binlog_files=self._binlog_files(seg))
+                    reasons = [r for r in (p(counted, now) for p in self.policies) if r]
                 if seg.free == 0:
                     reasons.append("full: max_rows reached")
                 if reasons:
@@ -463,13 +466,21 @@ class SegmentManager:
             )
             flush_ts = max([flush_ts, *(s.seal_ts for s in sealed)])
         # From etcd as well: segments sealed by policy move to Flushing (the sync should
-        # run now), and Growing ones on no head (orphans) are sealed at flush_ts.
+        # run now), and Growing ones on no head (orphans) are sealed above their channel's
+        # last timestamp. A segment open on a head now was opened after this flush sealed
+        # its channel: its rows come after flush_ts, it is not part of this flush.
         segments, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo)
+        now_heads = {h.vchannel: h for h in map(self.heads.read, found.model.vchannels) if h is not None}
+        open_ids = {s.segment_id for h in now_heads.values() for s in h.open_segments}
         for decoded in segments:
             seg = decoded.model
-            if seg.level is SegmentLevel.L0 or seg.state not in (SegmentState.GROWING, SegmentState.SEALED):
+            if seg.level is SegmentLevel.L0 or seg.id in open_ids:
                 continue
-            self.update_segment(decoded.kv.key, partial(segment_ops.mark_flushing, flush_ts=flush_ts))
+            if seg.state is SegmentState.GROWING:
+                head = now_heads.get(seg.vchannel)
+                flush_ts = max(flush_ts, head.last_ts + 1 if head else 0)
+            if seg.state in (SegmentState.GROWING, SegmentState.SEALED):
+                self.update_segment(decoded.kv.key, partial(segment_ops.mark_flushing, flush_ts=flush_ts))
         log.info("flush of collection %d at ts %d", collection_id, flush_ts)
         return flush_ts
 
