@@ -12,6 +12,7 @@ vector and 2 vchannels, 10,000-row batches:
   - coordination cost per batch and channel: (1 producer - baseline) / appends;
   - end to end: `--e2e-rows` rows by 1 and by 2 producers, then flush, then the sync
     (local engine, one channel after the other) until `flush_state` is true.
+Each configuration runs `--repeat` times, interleaved with the others; medians are reported.
 Rows are generated once per process before the clock starts (pks are renumbered per batch).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -150,6 +152,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--producers", default="1,2,4")
     parser.add_argument("--e2e-rows", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -162,32 +165,40 @@ def main() -> None:
         storage = Storage.from_settings(settings)
         storage.ensure_root()
         producer = Producer(store, storage, settings)
-        results: dict[str, float] = {}
-        base = producer.create_collection("baseline", SCHEMA, num_channels=2)
-        results["baseline rows/s"] = run_baseline(settings, store, storage, base.name, args.rows)
-        print(
-            f"baseline (single-writer path, 1 process): {results['baseline rows/s']:,.0f} rows/s", flush=True
-        )
-        for n in [int(x) for x in args.producers.split(",")]:
-            info = producer.create_collection(f"p{n}", SCHEMA, num_channels=2)
-            rate = run_producers(settings, work, info.name, n, args.rows)
-            results[f"{n} producers rows/s"] = rate
+        counts = [int(x) for x in args.producers.split(",")]
+        runs: dict[str, list[float]] = {"baseline": [], **{f"{n} producers": [] for n in counts}}
+        for r in range(args.repeat):  # interleaved, so a change of load hits every configuration
+            base = producer.create_collection(f"baseline{r}", SCHEMA, num_channels=2)
+            runs["baseline"].append(run_baseline(settings, store, storage, base.name, args.rows))
+            for n in counts:
+                info = producer.create_collection(f"p{n}_{r}", SCHEMA, num_channels=2)
+                runs[f"{n} producers"].append(run_producers(settings, work, info.name, n, args.rows))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()), flush=True)
+        results = {f"{k} rows/s": statistics.median(v) for k, v in runs.items()}
+        base_rate = results["baseline rows/s"]
+        print(f"baseline (single-writer path, 1 process): {base_rate:,.0f} rows/s")
+        for n in counts:
+            rate = results[f"{n} producers rows/s"]
+            one_rate = results.get("1 producers rows/s", rate)
             print(
-                f"{n} producer process(es): {rate:,.0f} rows/s = {rate / results['baseline rows/s']:.2f}x baseline",
-                flush=True,
+                f"{n} producer process(es): {rate:,.0f} rows/s = {rate / base_rate:.2f}x baseline, "
+                f"{rate / one_rate:.2f}x one producer"
             )
-        appends = args.rows / BATCH * 2  # one append per channel per batch
         one = results.get("1 producers rows/s")
         if one:
-            cost_ms = (args.rows / one - args.rows / results["baseline rows/s"]) / appends * 1000
+            appends = args.rows / BATCH * 2  # one append per channel per batch
+            cost_ms = (args.rows / one - args.rows / base_rate) / appends * 1000
             results["coordination ms per append"] = cost_ms
             print(f"coordination cost: {cost_ms:.2f} ms per batch and channel (1 producer vs baseline)")
-        for n in (1, 2):
-            seconds = end_to_end(settings, work, store, storage, n, args.e2e_rows)
-            results[f"e2e {n} producers s"] = seconds
+        e2e: dict[int, list[float]] = {1: [], 2: []}
+        for _ in range(args.repeat):
+            for n in e2e:
+                e2e[n].append(end_to_end(settings, work, store, storage, n, args.e2e_rows))
+        for n, seconds in e2e.items():
+            results[f"e2e {n} producers s"] = statistics.median(seconds)
             print(
-                f"end to end, {args.e2e_rows:,} rows by {n} producer(s), flushed and synced: {seconds:.1f}s",
-                flush=True,
+                f"end to end, {args.e2e_rows:,} rows by {n} producer(s), flushed and synced: "
+                f"{statistics.median(seconds):.1f}s (median; runs {', '.join(f'{x:.1f}' for x in seconds)})"
             )
         print(json.dumps(results))
         store.close()

@@ -157,7 +157,9 @@ class ChannelHeads:
 
     # --- holds -----------------------------------------------------------------------------
 
-    def acquire(self, vchannel: str, init: Callable[[], ChannelHead] | None = None) -> HeldChannel:
+    def acquire(
+        self, vchannel: str, init: Callable[[], ChannelHead] | None = None, wait: float | None = None
+    ) -> HeldChannel:
         """Wait for the lock (up to `wait` seconds), take it and read the head. A channel
         without a head gets `init()` (default: an empty head of unknown offset, -1)."""
         keys = self.store.keys
@@ -174,7 +176,7 @@ class ChannelHeads:
                     head_kv = self.store.get(head_key)
                 break
             waited = time.monotonic() - started
-            if waited > self.wait:
+            if waited > (self.wait if wait is None else wait):
                 holder = lock.value.decode(errors="replace") if lock else None
                 raise AppendLockTimeoutError(vchannel, waited, holder)
             time.sleep(pause * (0.5 + random.random()))
@@ -219,8 +221,12 @@ class ChannelHeads:
             self.release(held)
 
     @contextlib.contextmanager
-    def hold(self, vchannel: str, init: Callable[[], ChannelHead] | None = None) -> Iterator[HeldChannel]:
-        held = self.acquire(vchannel, init)
+    def hold(
+        self, vchannel: str, init: Callable[[], ChannelHead] | None = None, wait: float | None = None
+    ) -> Iterator[HeldChannel]:
+        """The lock, held for the `with` block (AppendLockTimeoutError after `wait` seconds,
+        default the client's; 0: one try)."""
+        held = self.acquire(vchannel, init, wait)
         try:
             yield held
         finally:

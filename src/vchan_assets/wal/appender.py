@@ -28,7 +28,12 @@ from typing import Generic, TypeVar
 import pyarrow as pa
 
 from vchan_assets.failpoints import failpoint
-from vchan_assets.meta.channel_head import AppendLockLostError, ChannelHeads, HeldChannel
+from vchan_assets.meta.channel_head import (
+    AppendLockLostError,
+    AppendLockTimeoutError,
+    ChannelHeads,
+    HeldChannel,
+)
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
 from vchan_assets.meta.retry import retry_transient
 from vchan_assets.model import ChannelHead
@@ -79,10 +84,11 @@ class ChannelAppender:
         self.adopted = 0  # files of dead writers taken into the head (metric)
 
     def append(
-        self, build: Callable[[HeldChannel], Built[R]], only_if_empty: bool = False
+        self, build: Callable[[HeldChannel], Built[R]], only_if_empty: bool = False, block: bool = True
     ) -> Appended[R] | None:
         """Append the batch `build` makes; retried (same batch id) while etcd or storage is
-        unavailable, up to the retry timeout. None if `only_if_empty` and the log is not."""
+        unavailable, up to the retry timeout. None if `only_if_empty` and the log is not,
+        or if not `block` and another writer holds the lock (nothing was done)."""
         batch_id = uuid.uuid4().hex
         tried: dict[int, R] = {}  # offsets this batch was published at (maybe) -> its result
 
@@ -90,31 +96,55 @@ class ChannelAppender:
             mine = self._find_mine(batch_id, tried)
             if mine is not None:
                 return mine
-            with self.lock, self.heads.hold(self.vchannel) as held:
-                self._load_offset(held)
-                while True:
-                    if only_if_empty and held.head.next_offset > 0:
-                        return None
-                    built = build(held)
-                    first = held.head.next_offset
-                    held.check()
-                    failpoint("before_wal_publish")
-                    tried[first] = built.result
-                    try:
-                        _, last_ts = self.writer.write_at(built.table, first, held.head.last_ts, batch_id)
-                    except LogConflictError:
-                        self._adopt(held)  # a file the head does not count: a dead writer's
-                        continue
-                    failpoint("after_wal_publish")
-                    last = first + built.table.num_rows - 1
-                    head = replace(built.head, next_offset=last + 1, last_ts=max(built.head.last_ts, last_ts))
-                    committed = self._commit(held, head)
-                    break
-            if built.after is not None and committed:
-                built.after()
-            return Appended(first, last, built.result)
+            with self.lock:
+                try:
+                    held = self.heads.acquire(self.vchannel, wait=None if block else 0)
+                except AppendLockTimeoutError:
+                    if block:
+                        raise
+                    return None  # busy: the caller appends elsewhere first
+                try:
+                    done = self._append_held(held, build, only_if_empty, batch_id, tried)
+                finally:
+                    self.heads.release(held)
+            if done is None:
+                return None
+            appended, after = done
+            if after is not None:
+                after()
+            return appended
 
         return retry_transient(f"append to {self.vchannel}", attempt, self.retry_timeout, TRANSIENT)
+
+    def _append_held(
+        self,
+        held: HeldChannel,
+        build: Callable[[HeldChannel], Built[R]],
+        only_if_empty: bool,
+        batch_id: str,
+        tried: dict[int, R],
+    ) -> tuple[Appended[R], Callable[[], None] | None] | None:
+        """Steps 2-4 under the lock; returns what was appended and the batch's `after`
+        (None if its head commit failed: the head still lists what it took off)."""
+        self._load_offset(held)
+        while True:
+            if only_if_empty and held.head.next_offset > 0:
+                return None
+            built = build(held)
+            first = held.head.next_offset
+            held.check()
+            failpoint("before_wal_publish")
+            tried[first] = built.result
+            try:
+                _, last_ts = self.writer.write_at(built.table, first, held.head.last_ts, batch_id)
+            except LogConflictError:
+                self._adopt(held)  # a file the head does not count: a dead writer's
+                continue
+            failpoint("after_wal_publish")
+            last = first + built.table.num_rows - 1
+            head = replace(built.head, next_offset=last + 1, last_ts=max(built.head.last_ts, last_ts))
+            committed = self._commit(held, head)
+            return Appended(first, last, built.result), built.after if committed else None
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -208,10 +208,10 @@ class Producer:
         partition_id = self._partition_id(info, partition)
         table = to_insert_table(info.schema, rows)
         self.last_sealed = []
-        out = {}
-        for vchannel, part in self._route(info, table, table.column(info.schema.primary.name)):
-            out[vchannel] = self._append_inserts(info, vchannel, partition_id, part)
-        return out
+        parts = self._route(info, table, table.column(info.schema.primary.name))
+        return self._each_channel(
+            {v: functools.partial(self._append_inserts, info, v, partition_id, part) for v, part in parts}
+        )
 
     def delete(
         self, collection_name: str, pks: Sequence[int] | np.ndarray | pa.Array, partition: str | None = None
@@ -223,10 +223,13 @@ class Producer:
         keys = pa.array(np.asarray(pks, dtype=np.int64))
         if len(keys) == 0:
             raise ValueError("no primary keys to delete")
-        out = {}
-        for vchannel, part in self._route(info, pa.table({"pk": keys}), keys):
-            out[vchannel] = self._append_deletes(info, vchannel, partition_ids, part.column("pk"))
-        return out
+        parts = self._route(info, pa.table({"pk": keys}), keys)
+        return self._each_channel(
+            {
+                v: functools.partial(self._append_deletes, info, v, partition_ids, part.column("pk"))
+                for v, part in parts
+            }
+        )
 
     def time_tick(self, collection_name: str, at_least: int = 0) -> dict[str, MsgPosition]:
         """Append a time tick (at or above `at_least`) to every channel: lets checkpoints
@@ -295,6 +298,29 @@ class Producer:
                 stack.enter_context(self._writer(info, vchannel).lock)
             yield
 
+    @staticmethod
+    def _each_channel(
+        appends: Mapping[str, Callable[[bool], ChannelAppend | None]],
+    ) -> dict[str, ChannelAppend]:
+        """One append per channel, in the order the channels' locks come free: a pass that
+        skips busy channels, then a wait on the first one left, and again. Producers that
+        all start with channel 0 fall into step on different channels instead of queueing."""
+        out: dict[str, ChannelAppend] = {}
+        pending = list(appends)
+        while pending:
+            before = len(pending)
+            for vchannel in list(pending):
+                done = appends[vchannel](len(pending) == 1)  # the last one waits
+                if done is not None:
+                    out[vchannel] = done
+                    pending.remove(vchannel)
+            if len(pending) == before:  # every lock was busy: wait for the first
+                vchannel = pending.pop(0)
+                done = appends[vchannel](True)
+                assert done is not None
+                out[vchannel] = done
+        return {v: out[v] for v in appends}
+
     def _partition_id(self, info: CollectionInfo, partition: str) -> int:
         if partition not in info.partition_names:
             info = self.collection(info.name, refresh=True)  # created by someone else?
@@ -321,8 +347,8 @@ class Producer:
             start += count
 
     def _append_inserts(
-        self, info: CollectionInfo, vchannel: str, partition_id: int, rows: pa.Table
-    ) -> ChannelAppend:
+        self, info: CollectionInfo, vchannel: str, partition_id: int, rows: pa.Table, block: bool = True
+    ) -> ChannelAppend | None:
         n = rows.num_rows
 
         def build(held: HeldChannel) -> Built[tuple[int, tuple[tuple[int, int], ...]]]:
@@ -352,14 +378,20 @@ class Producer:
             after = seal_full if full else None
             return Built(table, replace(head, last_ts=tick_ts), (tick_ts, tuple(assigned)), after)
 
-        done = self._appender(info, vchannel).append(build)
-        assert done is not None
+        done = self._appender(info, vchannel).append(build, block=block)
+        if done is None:
+            return None  # the lock was busy and `block` was false: nothing was done
         tick_ts, assigned = done.result
         return ChannelAppend(vchannel, done.first_offset, done.last_offset, tick_ts, n, assigned)
 
     def _append_deletes(
-        self, info: CollectionInfo, vchannel: str, partition_ids: list[int], pks: pa.ChunkedArray
-    ) -> ChannelAppend:
+        self,
+        info: CollectionInfo,
+        vchannel: str,
+        partition_ids: list[int],
+        pks: pa.ChunkedArray,
+        block: bool = True,
+    ) -> ChannelAppend | None:
         keys = np.tile(np.asarray(pks.to_numpy(), dtype=np.int64), len(partition_ids))
         parts = np.repeat(np.array(partition_ids, dtype=np.int64), len(pks))
         n = len(keys)
@@ -379,8 +411,9 @@ class Producer:
             table = pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
             return Built(table, replace(held.head, last_ts=tick_ts), tick_ts)
 
-        done = self._appender(info, vchannel).append(build)
-        assert done is not None
+        done = self._appender(info, vchannel).append(build, block=block)
+        if done is None:
+            return None
         return ChannelAppend(vchannel, done.first_offset, done.last_offset, done.result, n)
 
     def _append_control(
