@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: demo test lint bench clean system-deps browser
+.PHONY: demo test lint bench clean system-deps browser lab
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 demo: $(STAMP)
 	$(VENV)/bin/vchan demo $(ARGS)
+
+# JupyterLab on the notebooks, with this .venv as the kernel (the `lab` extra, pinned).
+# Point the notebooks at your `vchan up` stack or cluster with their `MODE = "live"` cell.
+LAB_STAMP := $(VENV)/.lab-installed
+$(LAB_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,lab]'
+	touch $(LAB_STAMP)
+
+lab: $(LAB_STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ARGS)
 
 # tests/defs run Dagster in-process against a Spark Connect server; PySpark allows no
 # Connect session in a process that already has a classic one (the other tests'), so

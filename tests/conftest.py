@@ -143,3 +143,20 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One long-lived local Spark Connect server for the session (what `vchan up` runs)."""
+    from vchan_assets.spark.connect import LocalSparkConnect
+
+    server = LocalSparkConnect(tmp_path_factory.mktemp("spark-connect"))
+    url = server.start()
+    yield url
+    # Close the Connect clients first: a client left open keeps retrying its release calls
+    # against the stopped server from non-daemon threads, and the test process never exits.
+    from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
+
+    for session in {RemoteSparkSession.getActiveSession(), RemoteSparkSession._default_session} - {None}:
+        session.stop()
+    server.stop()

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import pyarrow as pa
@@ -511,11 +511,20 @@ class Catalog:
         return table if as_arrow else table.to_pandas()
 
     def read_collection(
-        self, name: str, apply_deletes: bool = True, as_arrow: bool = False, with_vectors: bool = True
-    ) -> pd.DataFrame | pa.Table:
+        self,
+        name: str,
+        apply_deletes: bool = True,
+        as_arrow: bool = False,
+        with_vectors: bool = True,
+        engine: Literal["pandas", "spark"] = "pandas",
+    ) -> Any:
         """Every persisted row of a collection (L1 and L2 segments, neither Dropped nor still
         Importing), with
-        `segment_id` and `partition_id` columns, deletes applied per partition."""
+        `segment_id` and `partition_id` columns, deletes applied per partition: a pandas
+        DataFrame (or an Arrow table with `as_arrow`), or with `engine="spark"` a Spark
+        DataFrame read by the `format("vchan")` data source (vectors as array<float>)."""
+        if engine == "spark":
+            return self.spark_collection(name, with_vectors=with_vectors, apply_deletes=apply_deletes)
         info = self.collection(name)
         tables = []
         deletes: dict[int, pa.Table] = {}
@@ -536,6 +545,29 @@ class Catalog:
         else:
             result = pa.table({info.schema.primary.name: pa.array([], pa.int64())})
         return result if as_arrow else result.to_pandas()
+
+    def spark_collection(
+        self,
+        name: str,
+        with_vectors: bool = True,
+        apply_deletes: bool = True,
+        spark: Any = None,
+        **options: str,
+    ) -> Any:
+        """The collection as a Spark DataFrame (`format("vchan")` on this catalog's etcd and
+        storage); `options` are the data source's (partition, segments, fields, vectors)."""
+        from vchan_assets.spark.datasource import read_options, register
+        from vchan_assets.spark.session import get_spark
+
+        if not apply_deletes:
+            raise ValueError("engine='spark' always applies deletes; read raw rows with engine='pandas'")
+        info = self.collection(name)  # fails here, naming the collection, if it is unknown
+        if not with_vectors and "fields" not in options:
+            options["fields"] = ",".join(f.name for f in info.schema.fields if not f.is_vector)
+        spark = spark or get_spark(self.settings)
+        register(spark)
+        reader = spark.read.format("vchan").options(**read_options(self.settings, self.store.endpoints))
+        return reader.options(collection=name, **options).load()
 
     def _segment_rows(self, seg: SegmentInfo, info: CollectionInfo, with_vectors: bool = True) -> pa.Table:
         return segment_rows(self.storage, seg, with_vectors)

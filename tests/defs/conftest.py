@@ -17,26 +17,10 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
-from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "s": "string"})
-
-
-@pytest.fixture(scope="session")
-def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One long-lived local Spark Connect server for the session (what `vchan up` runs)."""
-    server = LocalSparkConnect(tmp_path_factory.mktemp("spark-connect"))
-    url = server.start()
-    yield url
-    # Close the Connect clients first: a client left open keeps retrying its release calls
-    # against the stopped server from non-daemon threads, and the test process never exits.
-    from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
-
-    for session in {RemoteSparkSession.getActiveSession(), RemoteSparkSession._default_session} - {None}:
-        session.stop()
-    server.stop()
 
 
 @pytest.fixture

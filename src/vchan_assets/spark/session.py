@@ -20,6 +20,7 @@ from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import SparkSession
 
 from vchan_assets.config import Settings
+from vchan_assets.spark.datasource import register
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,6 +67,7 @@ def get_spark(settings: Settings) -> SparkSession:
     spark = _get_or_create(builder)
     if not settings.spark_remote:
         spark.sparkContext.setLogLevel("WARN")
+    register(spark)  # format("vchan")
     return spark
 
 

@@ -1,0 +1,302 @@
+"""`spark.read.format("vchan")`: a collection's live rows as a Spark DataFrame.
+
+    register(spark)                      # get_spark() does it for its sessions
+    df = (spark.read.format("vchan")
+          .option("collection", "books")
+          .option("partition", "_default")   # optional: partition names, comma-separated
+          .option("segments", "7,9")         # optional: segment ids
+          .option("fields", "pk,title")      # optional: the user fields to read
+          .option("vectors", "array")        # array<float> (default) or binary (float32 LE)
+          .load())
+
+The rows are what `Catalog.read_collection` returns: every L1/L2 segment that is not
+Dropped, with Milvus' delete rule applied per partition (a delete removes the rows of its
+pk in its partition that are older than it), plus `segment_id` and `partition_id`.
+
+Layout: planning (in a Spark Python worker) reads the segment meta from etcd once and
+makes **one Spark partition per segment**; each task reads only that segment's binlogs
+(the vector column group only when a vector field is asked for) and its partition's
+delta logs, then yields Arrow batches. Nothing goes through Python rows.
+
+Connection: options named like the environment variables (`VCHAN_ETCD_ENDPOINTS`,
+`VCHAN_STORAGE_URI`, ...; any case) override the worker's environment;
+`Catalog.read_collection(engine="spark")` passes its own. Spark redacts option values
+whose names contain "password" or "secret" from plans and logs.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    DoubleType,
+    FloatType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+from pyspark.sql.types import (
+    DataType as SparkType,
+)
+
+from vchan_assets.config import Settings
+from vchan_assets.lifecycle.rows import (
+    DELETE_COLUMNS,
+    apply_deletes_to,
+    delete_paths,
+    empty_deletes,
+    read_files,
+    segment_rows,
+)
+from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+
+SOURCE_NAME = "vchan"
+VECTOR_MODES = ("array", "binary")
+META_COLUMNS = ("row_id", "timestamp")
+LOCATION_COLUMNS = ("segment_id", "partition_id")
+BATCH_ROWS = 65_536
+
+_SCALARS: dict[DataType, SparkType] = {
+    DataType.INT64: LongType(),
+    DataType.FLOAT: FloatType(),
+    DataType.DOUBLE: DoubleType(),
+    DataType.STRING: StringType(),
+    DataType.BOOL: BooleanType(),
+}
+
+
+class ReadOptionError(ValueError):
+    """A `format("vchan")` option is missing or wrong; the message names it."""
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """The options of one read, checked."""
+
+    collection: str
+    partitions: tuple[str, ...] = ()
+    segments: tuple[int, ...] = ()
+    fields: tuple[str, ...] = ()
+    vectors: str = "array"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> ReadRequest:
+        opts = {k.lower(): v for k, v in options.items()}
+        collection = opts.get("collection", "").strip()
+        if not collection:
+            raise ReadOptionError('format("vchan") needs .option("collection", NAME)')
+        vectors = opts.get("vectors", "array").strip().lower()
+        if vectors not in VECTOR_MODES:
+            raise ReadOptionError(f"option vectors={vectors!r}: expected one of {', '.join(VECTOR_MODES)}")
+        try:
+            segments = tuple(int(s) for s in _names(opts.get("segments", "")))
+        except ValueError as exc:
+            raise ReadOptionError(f"option segments={opts['segments']!r}: expected segment ids") from exc
+        return cls(
+            collection, _names(opts.get("partition", "")), segments, _names(opts.get("fields", "")), vectors
+        )
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def settings_from_options(options: Mapping[str, str]) -> Settings:
+    """The worker's environment, overridden by options named like VCHAN_* variables."""
+    overrides = {k.upper(): v for k, v in options.items() if k.upper().startswith("VCHAN_")}
+    return Settings.from_env({**os.environ, **overrides})
+
+
+def spark_type(field: FieldSchema, vectors: str) -> SparkType:
+    if field.is_vector:
+        return ArrayType(FloatType(), containsNull=False) if vectors == "array" else BinaryType()
+    return _SCALARS[field.dtype]
+
+
+def selected_fields(info: CollectionInfo, request: ReadRequest) -> list[FieldSchema]:
+    """The user fields to read in the binlogs' order: primary key (always read: deletes
+    need it), the scalars, then the vectors (their column groups follow the scalar one)."""
+    rest = [f for f in info.schema.fields if not f.is_primary]
+    ordered = [info.schema.primary] + [f for f in rest if not f.is_vector] + [f for f in rest if f.is_vector]
+    if not request.fields:
+        return ordered
+    known = {f.name for f in ordered}
+    unknown = [name for name in request.fields if name not in known]
+    if unknown:
+        raise ReadOptionError(
+            f"collection {info.name!r} has no field {', '.join(map(repr, unknown))}; fields: {sorted(known)}"
+        )
+    return [f for f in ordered if f.is_primary or f.name in request.fields]
+
+
+def collection_schema(info: CollectionInfo, request: ReadRequest) -> StructType:
+    fields = [StructField(name, LongType()) for name in META_COLUMNS]
+    fields += [StructField(f.name, spark_type(f, request.vectors)) for f in selected_fields(info, request)]
+    fields += [StructField(name, LongType()) for name in LOCATION_COLUMNS]
+    return StructType(fields)
+
+
+class SegmentPartition(InputPartition):
+    """One Spark partition: one segment and the delta logs of its partition."""
+
+    def __init__(self, segment: SegmentInfo, delete_paths: Sequence[str]) -> None:
+        super().__init__(segment.id)
+        self.segment = segment
+        self.delete_paths = tuple(delete_paths)
+
+
+def readable(seg: SegmentInfo) -> bool:
+    """Segments whose rows a collection read returns (as `Catalog.read_collection`)."""
+    return seg.level is not SegmentLevel.L0 and seg.state is not SegmentState.DROPPED and bool(seg.binlogs)
+
+
+def plan_partitions(
+    info: CollectionInfo, segments: Sequence[SegmentInfo], request: ReadRequest
+) -> list[SegmentPartition]:
+    partition_ids = _partition_ids(info, request.partitions)
+    chosen = [
+        s
+        for s in segments
+        if readable(s)
+        and (not partition_ids or s.partition_id in partition_ids)
+        and (not request.segments or s.id in request.segments)
+    ]
+    missing = sorted(set(request.segments) - {s.id for s in chosen})
+    if missing:
+        raise ReadOptionError(
+            f"collection {info.name!r} has no readable segment {missing} "
+            f"(in the partitions asked for, not L0, not Dropped, with binlogs)"
+        )
+    return [
+        SegmentPartition(s, delete_paths(segments, s.partition_id))
+        for s in sorted(chosen, key=lambda s: s.id)
+    ]
+
+
+def _partition_ids(info: CollectionInfo, names: Sequence[str]) -> set[int]:
+    by_name = dict(zip(info.partition_names, info.partitions, strict=False))
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ReadOptionError(
+            f"collection {info.name!r} has no partition {unknown}; partitions: {sorted(by_name)}"
+        )
+    return {by_name[n] for n in names}
+
+
+def vectors_as_lists(column: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
+    """fixed_size_binary(dim*4) little-endian float32 -> list<float32>, without Python rows."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    data = arr.buffers()[1]
+    start = arr.offset * dim
+    floats = (
+        np.frombuffer(data, dtype="<f4", count=start + len(arr) * dim)[start:] if data else np.empty(0, "<f4")
+    )
+    mask = arr.is_null() if arr.null_count else None
+    lists = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), dim, mask=mask)
+    return lists.cast(pa.list_(pa.field("element", pa.float32(), nullable=False)))
+
+
+def read_segment_partition(
+    storage: Storage, part: SegmentPartition, fields: Sequence[FieldSchema], pk: str, vectors: str
+) -> pa.Table:
+    """The live rows of one segment as the Spark schema expects them."""
+    seg = part.segment
+    wants_vectors = any(f.is_vector for f in fields)
+    table = segment_rows(storage, seg, with_vectors=wants_vectors)
+    deletes = read_files(storage, part.delete_paths, columns=DELETE_COLUMNS) or empty_deletes()
+    table = apply_deletes_to(table, deletes, pk)
+    n = table.num_rows
+    columns: dict[str, pa.Array | pa.ChunkedArray] = {name: table[name] for name in META_COLUMNS}
+    for f in fields:
+        if f.name not in table.column_names:
+            raise SegmentColumnError(seg, f.name, table.column_names)
+        col = table[f.name]
+        if f.is_vector:
+            assert f.dim is not None
+            col = vectors_as_lists(col, f.dim) if vectors == "array" else col.cast(pa.binary())
+        columns[f.name] = col
+    columns["segment_id"] = pa.array(np.full(n, seg.id, np.int64))
+    columns["partition_id"] = pa.array(np.full(n, seg.partition_id, np.int64))
+    return pa.table(columns)
+
+
+class SegmentColumnError(LookupError):
+    """A segment's binlogs lack a field of the collection schema (a schema change)."""
+
+    def __init__(self, seg: SegmentInfo, field: str, found: Sequence[str]) -> None:
+        paths = [b.path for g in seg.binlogs for b in g.logs][:3]
+        super().__init__(
+            f"segment {seg.id} of collection {seg.collection_id}: its binlogs ({', '.join(paths)}) "
+            f"have no column {field!r}; found {list(found)}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (LookupError, (str(self),))
+
+
+class VchanReader(DataSourceReader):
+    def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
+        from vchan_assets.catalog import Catalog
+
+        self.request = ReadRequest.from_options(options)
+        settings = settings_from_options(options)
+        with Catalog.open(settings) as catalog:
+            info = catalog.collection(self.request.collection)
+            self.parts = plan_partitions(info, catalog.segment_infos(info.id), self.request)
+        asked = set(schema.fieldNames())
+        self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
+        self.pk = info.schema.primary.name
+        self.storage = Storage.from_settings(settings)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return self.parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SegmentPartition)
+        table = read_segment_partition(self.storage, partition, self.fields, self.pk, self.request.vectors)
+        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+
+
+class VchanDataSource(DataSource):
+    """`format("vchan")`: see the module docstring."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> StructType:
+        from vchan_assets.catalog import Catalog
+
+        request = ReadRequest.from_options(self.options)
+        with Catalog.open(settings_from_options(self.options)) as catalog:
+            return collection_schema(catalog.collection(request.collection), request)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return VchanReader(self.options, schema)
+
+
+_registered: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register(spark: Any) -> None:
+    """Make `format("vchan")` known to this session (local or Spark Connect), once."""
+    if spark not in _registered:
+        spark.dataSource.register(VchanDataSource)
+        _registered.add(spark)
+
+
+def read_options(settings: Settings, endpoints: Sequence[str]) -> dict[str, str]:
+    """Options that point a read at the same etcd and storage as `settings`."""
+    return {**settings.to_env(), "VCHAN_ETCD_ENDPOINTS": ",".join(endpoints)}

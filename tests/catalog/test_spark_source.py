@@ -1,0 +1,137 @@
+"""`spark.read.format("vchan")` against `Catalog.read_collection` on the same data: real
+etcd, real binlogs, a real local Spark (and a Spark Connect server)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from vchan_assets.catalog import Catalog
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.spark.datasource import ReadOptionError, ReadRequest, vectors_as_lists
+from vchan_assets.spark.session import get_spark
+from vchan_assets.storage import Storage
+
+from .helpers import Known, produce_known
+
+
+@pytest.fixture
+def spark(settings: Settings) -> object:
+    return get_spark(settings)
+
+
+@pytest.fixture
+def known(settings: Settings, store: MetaStore) -> Known:
+    storage = Storage.from_settings(settings)
+    storage.ensure_root()
+    return produce_known(store, storage, settings, f"books_{uuid.uuid4().hex[:6]}")[1]
+
+
+@pytest.fixture
+def catalog(settings: Settings, store: MetaStore) -> Catalog:
+    return Catalog(store, Storage.from_settings(settings), settings)
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    return df.sort_values(["partition_id", "pk"]).reset_index(drop=True)
+
+
+def _as_pandas_vectors(df: pd.DataFrame, column: str) -> pd.Series:
+    """Spark's array<float> vectors as the float32 bytes the pandas reader returns."""
+    return df[column].map(lambda v: np.asarray(v, dtype="<f4").tobytes())
+
+
+def test_the_spark_source_returns_what_read_collection_returns(
+    catalog: Catalog, known: Known, spark: object
+) -> None:
+    expected = _sorted(catalog.read_collection(known.info.name))
+    got = _sorted(catalog.read_collection(known.info.name, engine="spark").toPandas())
+    assert set(got["pk"]) == known.visible  # deletes applied per partition, re-inserts kept
+    assert list(got.columns) == list(expected.columns)
+    got["vec"] = _as_pandas_vectors(got, "vec")
+    pd.testing.assert_frame_equal(got, expected, check_dtype=False)
+
+
+def test_one_spark_partition_per_segment(catalog: Catalog, known: Known, spark: object) -> None:
+    df = catalog.read_collection(known.info.name, engine="spark")
+    segments = catalog.segments(known.info.name)
+    readable = segments[
+        (segments["level"] != "L0") & (segments["state"] != "Dropped") & (segments["num_rows"] > 0)
+    ]
+    assert df.rdd.getNumPartitions() == len(readable)
+    counts = df.groupBy("segment_id").count().toPandas()
+    assert set(counts["segment_id"]) <= set(readable["segment_id"])
+
+
+def test_partition_and_field_options_prune_what_is_read(
+    catalog: Catalog, known: Known, spark: object
+) -> None:
+    df = catalog.spark_collection(known.info.name, partition="p1", fields="n", vectors="binary")
+    assert df.columns == ["row_id", "timestamp", "pk", "n", "segment_id", "partition_id"]
+    rows = df.toPandas()
+    assert set(rows["pk"]) == set(range(1000, 1200)) - set(known.deleted["p1"])
+    binary = catalog.spark_collection(known.info.name, fields="vec", vectors="binary").toPandas()
+    expected = catalog.read_collection(known.info.name).set_index("pk")["vec"]
+    assert all(bytes(v) == expected[pk] for pk, v in zip(binary["pk"], binary["vec"], strict=True))
+    no_vectors = catalog.read_collection(known.info.name, engine="spark", with_vectors=False)
+    assert "vec" not in no_vectors.columns
+
+
+def test_bad_reads_fail_naming_the_collection_field_or_file(
+    catalog: Catalog, known: Known, spark: object, settings: Settings, store: MetaStore
+) -> None:
+    with pytest.raises(LookupError, match="no_such_books"):
+        catalog.read_collection("no_such_books", engine="spark")
+    with pytest.raises(Exception, match="no_such_books"):  # straight through Spark's planner
+        spark.read.format("vchan").option("collection", "no_such_books").options(  # type: ignore[attr-defined]
+            VCHAN_ETCD_ENDPOINTS=",".join(store.endpoints), VCHAN_ROOT=settings.root
+        ).load()
+    with pytest.raises(Exception, match="no field 'nope'"):
+        catalog.spark_collection(known.info.name, fields="nope").collect()
+    with pytest.raises(Exception, match="no partition"):
+        catalog.spark_collection(known.info.name, partition="p9").collect()
+
+    seg = next(s for s in catalog.segment_infos(known.info.id) if s.binlogs)
+    lost = seg.binlogs[0].logs[0].path
+    Path(catalog.storage.path(lost)).unlink()
+    with pytest.raises(Exception, match=lost.rsplit("/", 1)[-1]):
+        catalog.spark_collection(known.info.name, segments=str(seg.id)).collect()
+
+
+def test_a_collection_dropped_between_load_and_action_is_named(
+    catalog: Catalog, known: Known, spark: object, store: MetaStore
+) -> None:
+    df = catalog.read_collection(known.info.name, engine="spark")  # loaded while it exists
+    CollectionRegistry(store).drop(known.info.name)
+    with pytest.raises(Exception, match=f"no collection with name '{known.info.name}'"):
+        df.count()  # planned at the action: the collection is gone
+    with pytest.raises(LookupError, match=known.info.name):
+        catalog.read_collection(known.info.name, engine="spark")
+    with pytest.raises(LookupError, match=known.info.name):
+        catalog.read_collection(known.info.name)  # pandas says the same
+
+
+def test_read_options_are_checked() -> None:
+    with pytest.raises(ReadOptionError, match="collection"):
+        ReadRequest.from_options({})
+    with pytest.raises(ReadOptionError, match="vectors"):
+        ReadRequest.from_options({"collection": "c", "vectors": "list"})
+    with pytest.raises(ReadOptionError, match="segments"):
+        ReadRequest.from_options({"collection": "c", "segments": "7,x"})
+    assert ReadRequest.from_options({"Collection": "c", "PARTITION": "a, b"}).partitions == ("a", "b")
+
+
+def test_vectors_become_float_lists_without_copying_rows() -> None:
+    floats = np.arange(12, dtype="<f4")
+    binary = pa.array([floats[i * 4 : i * 4 + 4].tobytes() for i in range(3)], pa.binary(16))
+    lists = vectors_as_lists(binary.slice(1), 4)
+    assert lists.to_pylist() == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
+    with_null = pa.array([floats[:4].tobytes(), None], pa.binary(16))
+    assert vectors_as_lists(with_null, 4).to_pylist() == [[0.0, 1.0, 2.0, 3.0], None]
