@@ -18,18 +18,6 @@ from vchan_assets.wal.producer import Producer, generate_rows
 from .helpers import SCHEMA, Known, produce_known, sync_all
 
 
-@pytest.fixture
-def known(settings: Settings, store: MetaStore) -> Known:
-    storage = Storage.from_settings(settings)
-    storage.ensure_root()
-    return produce_known(store, storage, settings, f"books_{uuid.uuid4().hex[:6]}")[1]
-
-
-@pytest.fixture
-def catalog(settings: Settings, store: MetaStore) -> Catalog:
-    return Catalog(store, Storage.from_settings(settings), settings)
-
-
 def test_collections_list_the_collection_with_its_rows_and_deletes(catalog: Catalog, known: Known) -> None:
     df = catalog.collections()
     row = df[df["name"] == known.info.name].iloc[0]

@@ -3,7 +3,6 @@ etcd, real binlogs, a real local Spark (and a Spark Connect server)."""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -17,26 +16,13 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark.datasource import ReadOptionError, ReadRequest, vectors_as_lists
 from vchan_assets.spark.session import get_spark
-from vchan_assets.storage import Storage
 
-from .helpers import Known, produce_known
+from .helpers import Known
 
 
 @pytest.fixture
 def spark(settings: Settings) -> object:
     return get_spark(settings)
-
-
-@pytest.fixture
-def known(settings: Settings, store: MetaStore) -> Known:
-    storage = Storage.from_settings(settings)
-    storage.ensure_root()
-    return produce_known(store, storage, settings, f"books_{uuid.uuid4().hex[:6]}")[1]
-
-
-@pytest.fixture
-def catalog(settings: Settings, store: MetaStore) -> Catalog:
-    return Catalog(store, Storage.from_settings(settings), settings)
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:

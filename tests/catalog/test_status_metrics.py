@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from vchan_assets.metrics import parse
 from vchan_assets.model import ChannelWatchInfo, NodeSession, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
 
-from .helpers import VCHAN, Known, cli_env, produce_known
+from .helpers import VCHAN, Known, cli_env
 
 NODE_CHILD = """
 import sys, time, threading
@@ -60,13 +59,6 @@ def status_json(settings: Settings) -> dict:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
-
-
-@pytest.fixture
-def known(settings: Settings, store: MetaStore) -> Known:
-    storage = Storage.from_settings(settings)
-    storage.ensure_root()
-    return produce_known(store, storage, settings, f"status_{uuid.uuid4().hex[:6]}")[1]
 
 
 @pytest.fixture
