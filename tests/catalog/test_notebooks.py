@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,8 +18,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-NAMES = ["01_quickstart", "02_channel_health", "03_segments_and_binlogs"]
-TIMEOUT = {"01_quickstart": 120, "02_channel_health": 180, "03_segments_and_binlogs": 120}
+NAMES = ["01_quickstart", "02_channel_health", "03_segments_and_binlogs", "04_operate"]
+TIMEOUT = {"01_quickstart": 120, "02_channel_health": 180, "03_segments_and_binlogs": 120, "04_operate": 180}
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +65,7 @@ def test_notebook_is_stored_without_outputs(name: str) -> None:
             assert cell.outputs == [] and cell.execution_count is None, f"{name}: outputs not stripped"
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_top_to_bottom(name: str, kernel_name: str, tmp_path: Path) -> None:
-    book = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+def _run(book: nbformat.NotebookNode, name: str, kernel_name: str, tmp_path: Path) -> None:
     client = NotebookClient(
         book,
         kernel_name=kernel_name,
@@ -92,3 +91,60 @@ def test_notebook_runs_top_to_bottom(name: str, kernel_name: str, tmp_path: Path
     assert not leftovers, f"{name} left processes running: {leftovers}"
     errors = [o for c in book.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_top_to_bottom(name: str, kernel_name: str, tmp_path: Path) -> None:
+    _run(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), name, kernel_name, tmp_path)
+
+
+def _set_parameter(book: nbformat.NotebookNode, line: str) -> None:
+    """Papermill's convention: the cell tagged `parameters` holds the defaults; an injected
+    assignment after it overrides them."""
+    index = next(i for i, c in enumerate(book.cells) if "parameters" in c.metadata.get("tags", []))
+    book.cells.insert(index + 1, nbformat.v4.new_code_cell(line, metadata={"tags": ["injected-parameters"]}))
+
+
+def _texts(book: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in book.cells:
+        for out in cell.get("outputs", []):
+            parts.append(out.get("text", ""))
+            parts.extend(str(v) for k, v in out.get("data", {}).items() if k.startswith("text/"))
+    return "\n".join(parts)
+
+
+def test_the_operate_notebook_reads_a_live_vchan_up_stack(kernel_name: str, tmp_path: Path) -> None:
+    """`vchan up` in a fresh VCHAN_HOME, rows produced and flushed with `vchan produce`, then
+    04_operate in MODE = "live" shows that stack's collection, channels and segments."""
+    home = tmp_path / "live"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env.update(VCHAN_HOME=str(home), VCHAN_SYNC_MAX_AGE="1")
+    vchan = str(Path(sys.executable).parent / "vchan")
+
+    def run(*args: str, timeout: float = 240) -> str:
+        done = subprocess.run([vchan, *args], env=env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, f"vchan {' '.join(args)}: {done.stdout[-1500:]}{done.stderr[-1500:]}"
+        return done.stdout
+
+    try:
+        run("up")
+        run("create-collection", "--collection", "live_ops", "--dim", "8", "--shards", "2")
+        run("produce", "--collection", "live_ops", "--rows", "2000", "--deletes", "100", "--flush")
+        book = nbformat.read(NOTEBOOKS / "04_operate.ipynb", as_version=4)
+        _set_parameter(book, 'MODE = "live"')
+        saved = {k: os.environ.get(k) for k in ("VCHAN_HOME", "VCHAN_SYNC_MAX_AGE")}
+        os.environ.update(VCHAN_HOME=str(home))
+        try:
+            (tmp_path / "kernel").mkdir()
+            _run(book, "04_operate", kernel_name, tmp_path / "kernel")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    finally:
+        run("down")
+    text = _texts(book)
+    assert "live: etcd 127.0.0.1:" in text and "live_ops" in text
