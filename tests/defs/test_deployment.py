@@ -189,3 +189,34 @@ def test_headless_chromium_renders_the_three_assets_on_the_lineage_page(deployme
         assert asset in dom, f"{asset} not rendered on {page}"
     assert screenshot.stat().st_size > 10_000
     assert Path(screenshot).exists()
+
+
+MATERIALIZATION_METADATA = """
+{
+  assetOrError(assetKey: {path: ["binlogs"]}) {
+    ... on Asset {
+      assetMaterializations(limit: 20) {
+        partition
+        metadataEntries { label __typename }
+      }
+    }
+  }
+}
+"""
+
+
+def test_numeric_sync_metadata_is_typed_so_the_ui_plots_it(deployment: Deployment) -> None:
+    """The asset page's Plots tab draws IntMetadataEntry/FloatMetadataEntry values over time
+    per partition: rows, bytes and seconds of every sync must arrive typed that way."""
+    wait_until(
+        lambda: graphql(deployment.url, MATERIALIZATION_METADATA)["assetOrError"]["assetMaterializations"],
+        150,
+        "a binlogs materialization",
+    )
+    mats = graphql(deployment.url, MATERIALIZATION_METADATA)["assetOrError"]["assetMaterializations"]
+    assert {m["partition"] for m in mats} <= set(deployment.collection.vchannels)
+    for mat in mats:
+        kinds = {e["label"]: e["__typename"] for e in mat["metadataEntries"]}
+        assert kinds["rows"] == kinds["bytes"] == kinds["end_offset"] == "IntMetadataEntry", kinds
+        assert kinds["seconds"] == "FloatMetadataEntry", kinds
+        assert kinds["reason"] == "TextMetadataEntry", kinds

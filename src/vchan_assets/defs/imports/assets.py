@@ -8,7 +8,7 @@ import time
 
 import dagster as dg
 
-from vchan_assets.defs.checks import check_result
+from vchan_assets.defs.checks import check_result, typed
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.imports.checks import check_no_existing_pks, check_rows_match_files
 from vchan_assets.imports.executor import ImportExecutor
@@ -56,15 +56,17 @@ def imported_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -
         rows = check_rows_match_files(store, storage, source, job)
         pks = check_no_existing_pks(store, storage, job)
     yield dg.MaterializeResult(
-        metadata={
-            "collection": job.collection,
-            "partition": job.partition,
-            "files": len(job.files),
-            "rows": job.imported_rows,
-            "bytes_in": job.bytes,
-            "segments": dg.MetadataValue.json(list(job.segment_ids)),
-            "rows_per_second": round(job.imported_rows / seconds, 1) if seconds > 0 else 0.0,
-        }
+        metadata=typed(
+            {
+                "collection": job.collection,
+                "partition": job.partition,
+                "files": len(job.files),
+                "rows": job.imported_rows,
+                "bytes_in": job.bytes,
+                "segments": dg.MetadataValue.json(list(job.segment_ids)),
+                "rows_per_second": round(job.imported_rows / seconds, 1) if seconds > 0 else 0.0,
+            }
+        )
     )
     yield check_result(CHECK_ROWS, IMPORTED_SEGMENTS, rows)
     yield check_result(CHECK_PKS, IMPORTED_SEGMENTS, pks)

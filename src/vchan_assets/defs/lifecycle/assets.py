@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import dagster as dg
 
-from vchan_assets.defs.checks import check_result
+from vchan_assets.defs.checks import check_result, typed
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import SEGMENTS
@@ -98,13 +98,15 @@ def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> 
         "%s: %d segments sorted, %d failed", vchannel, len(completed), len(outcomes) - len(completed)
     )
     yield dg.MaterializeResult(
-        metadata={
-            "sorted": len(completed),
-            "failed": len(outcomes) - len(completed),
-            "rows": sum(p.rows_out for p in plans),
-            "flush_to_sorted_s_median": round(statistics.median(waited), 2) if waited else 0.0,
-            "flush_to_sorted_s_max": round(max(waited), 2) if waited else 0.0,
-        }
+        metadata=typed(
+            {
+                "sorted": len(completed),
+                "failed": len(outcomes) - len(completed),
+                "rows": sum(p.rows_out for p in plans),
+                "flush_to_sorted_s_median": round(statistics.median(waited), 2) if waited else 0.0,
+                "flush_to_sorted_s_max": round(max(waited), 2) if waited else 0.0,
+            }
+        )
     )
     yield check_result(CHECK_SORTED_ROWS, SORTED_SEGMENTS, rows)
 
@@ -180,27 +182,31 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
     yield from [
         dg.MaterializeResult(
             asset_key=COMPACTED_SEGMENTS,
-            metadata={
-                "planned": len(report.planned),
-                "completed": len(completed),
-                "failed": len(report.outcomes) - len(completed),
-                "timed_out": len(report.timed_out),
-                "rows_in": sum(p.rows_in for p in plans),
-                "rows_out": sum(p.rows_out for p in plans),
-                **figures,
-            },
+            metadata=typed(
+                {
+                    "planned": len(report.planned),
+                    "completed": len(completed),
+                    "failed": len(report.outcomes) - len(completed),
+                    "timed_out": len(report.timed_out),
+                    "rows_in": sum(p.rows_in for p in plans),
+                    "rows_out": sum(p.rows_out for p in plans),
+                    **figures,
+                }
+            ),
         ),
         dg.MaterializeResult(
             asset_key=GARBAGE_COLLECTION,
-            metadata={
-                "ran": gc is not None and not gc.paused_until,
-                "orphans_deleted": len(gc.orphans) if gc else 0,
-                "dropped_segments_deleted": len(gc.dropped_segments) if gc else 0,
-                "wal_files_deleted": len(gc.wal_files) if gc else 0,
-                "bytes_freed": gc.bytes if gc else 0,
-                "binlog_files": figures["binlog_files"],
-                "wal_bytes": figures["wal_bytes"],
-            },
+            metadata=typed(
+                {
+                    "ran": gc is not None and not gc.paused_until,
+                    "orphans_deleted": len(gc.orphans) if gc else 0,
+                    "dropped_segments_deleted": len(gc.dropped_segments) if gc else 0,
+                    "wal_files_deleted": len(gc.wal_files) if gc else 0,
+                    "bytes_freed": gc.bytes if gc else 0,
+                    "binlog_files": figures["binlog_files"],
+                    "wal_bytes": figures["wal_bytes"],
+                }
+            ),
         ),
         check_result(CHECK_ROWS, COMPACTED_SEGMENTS, rows),
         check_result(CHECK_UNIQUE, COMPACTED_SEGMENTS, unique),

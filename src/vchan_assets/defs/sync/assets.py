@@ -19,7 +19,7 @@ from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
-from vchan_assets.defs.checks import check_result
+from vchan_assets.defs.checks import check_result, typed
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
@@ -130,7 +130,7 @@ def _materializations(
         "checkpoint_lag_seconds": round(lag_seconds, 3),
     }
     return [
-        dg.MaterializeResult(asset_key=key, metadata={**common, **metadata})
+        dg.MaterializeResult(asset_key=key, metadata=typed({**common, **metadata}))
         for key, metadata in ((BINLOGS, binlogs), (SEGMENTS, segments), (CHANNEL_CHECKPOINTS, checkpoint))
     ]
 
@@ -243,13 +243,15 @@ def segment_table(vchan: VchanResource) -> dg.MaterializeResult:
         path, table = runtime.catalog().write_segment_table()
     states = table.column("state").to_pylist()
     return dg.MaterializeResult(
-        metadata={
-            "path": path,
-            "segments": table.num_rows,
-            "rows": sum(table.column("num_rows").to_pylist()),
-            "binlog_bytes": sum(table.column("size_bytes").to_pylist()),
-            "flushed": states.count("Flushed"),
-            "growing": states.count("Growing"),
-            "dagster/row_count": table.num_rows,
-        }
+        metadata=typed(
+            {
+                "path": path,
+                "segments": table.num_rows,
+                "rows": sum(table.column("num_rows").to_pylist()),
+                "binlog_bytes": sum(table.column("size_bytes").to_pylist()),
+                "flushed": states.count("Flushed"),
+                "growing": states.count("Growing"),
+                "dagster/row_count": table.num_rows,
+            }
+        )
     )
