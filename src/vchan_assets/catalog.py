@@ -43,6 +43,7 @@ from vchan_assets.lifecycle.rows import (
     delete_paths,
     empty_deletes,
     read_files,
+    readable,
     segment_rows,
 )
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
@@ -65,10 +66,9 @@ from vchan_assets.wal.reader import WalReader
 log = logging.getLogger(__name__)
 
 SEGMENT_TABLE_KEY = "catalog/segments.parquet"  # written by the Dagster segment_table asset
+
+
 # Segments whose rows a query does not see: replaced, or written by an import job not committed yet.
-_INVISIBLE = (SegmentState.DROPPED, SegmentState.IMPORTING)
-
-
 @dataclass(frozen=True)
 class _Owner:
     """Who a `channelwatch/` key says holds a vchannel, and in which state."""
@@ -529,7 +529,7 @@ class Catalog:
         tables = []
         deletes: dict[int, pa.Table] = {}
         for seg in self.segment_infos(info.id):
-            if seg.level is SegmentLevel.L0 or seg.state in _INVISIBLE or not seg.binlogs:
+            if not readable(seg):
                 continue
             table = self._segment_rows(seg, info, with_vectors)
             if apply_deletes:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.model import SegmentInfo
+from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 
 DELETE_COLUMNS = ["pk", "timestamp"]
@@ -38,6 +38,16 @@ def segment_rows(storage: Storage, seg: SegmentInfo, with_vectors: bool = True) 
             if name != "row_id":
                 scalar = scalar.append_column(name, vectors[name])
     return scalar
+
+
+def readable(seg: SegmentInfo) -> bool:
+    """A segment whose rows a collection read returns: L1/L2 with binlogs, neither Dropped
+    nor still Importing (an import's segments appear together when its job commits)."""
+    return (
+        seg.level is not SegmentLevel.L0
+        and seg.state not in (SegmentState.DROPPED, SegmentState.IMPORTING)
+        and bool(seg.binlogs)
+    )
 
 
 def delete_paths(segments: Sequence[SegmentInfo], partition_id: int) -> list[str]:

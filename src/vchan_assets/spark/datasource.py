@@ -57,9 +57,10 @@ from vchan_assets.lifecycle.rows import (
     delete_paths,
     empty_deletes,
     read_files,
+    readable,
     segment_rows,
 )
-from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
 from vchan_assets.storage import Storage
 
 SOURCE_NAME = "vchan"
@@ -155,11 +156,6 @@ class SegmentPartition(InputPartition):
         super().__init__(segment.id)
         self.segment = segment
         self.delete_paths = tuple(delete_paths)
-
-
-def readable(seg: SegmentInfo) -> bool:
-    """Segments whose rows a collection read returns (as `Catalog.read_collection`)."""
-    return seg.level is not SegmentLevel.L0 and seg.state is not SegmentState.DROPPED and bool(seg.binlogs)
 
 
 def plan_partitions(
