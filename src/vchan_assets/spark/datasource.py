@@ -26,6 +26,7 @@ whose names contain "password" or "secret" from plans and logs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +52,7 @@ from pyspark.sql.types import (
 )
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.lifecycle.rows import (
     DELETE_COLUMNS,
     apply_deletes_to,
@@ -61,6 +63,7 @@ from vchan_assets.lifecycle.rows import (
     segment_rows,
 )
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
+from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
 
 SOURCE_NAME = "vchan"
@@ -242,15 +245,25 @@ class SegmentColumnError(LookupError):
         return (LookupError, (str(self),))
 
 
+@contextlib.contextmanager
+def _meta(settings: Settings) -> Iterator[Stack]:
+    """etcd and storage for planning, without the pandas-based catalog (planning runs in
+    fresh Python workers: every import counts)."""
+    stack = Stack.open(settings)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
 class VchanReader(DataSourceReader):
     def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
-        from vchan_assets.catalog import Catalog
-
         self.request = ReadRequest.from_options(options)
         settings = settings_from_options(options)
-        with Catalog.open(settings) as catalog:
-            info = catalog.collection(self.request.collection)
-            self.parts = plan_partitions(info, catalog.segment_infos(info.id), self.request)
+        with _meta(settings) as stack:
+            info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
+            found, _ = stack.store.list_models(stack.store.keys.segments(info.id), SegmentInfo, True)
+            self.parts = plan_partitions(info, [d.model for d in found], self.request)
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
         self.pk = info.schema.primary.name
@@ -273,11 +286,9 @@ class VchanDataSource(DataSource):
         return SOURCE_NAME
 
     def schema(self) -> StructType:
-        from vchan_assets.catalog import Catalog
-
         request = ReadRequest.from_options(self.options)
-        with Catalog.open(settings_from_options(self.options)) as catalog:
-            return collection_schema(catalog.collection(request.collection), request)
+        with _meta(settings_from_options(self.options)) as stack:
+            return collection_schema(CollectionRegistry(stack.store).get_by_name(request.collection), request)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return VchanReader(self.options, schema)
