@@ -119,8 +119,11 @@ def check_log_rows(
     deletes = _messages(retained.table, MsgType.DELETE, pk)
     segs = _segments(store, collection, vchannel)
     # Insert binlogs carry the log offset as row_id, delta logs as offset.
-    rows = _read(storage, _insert_binlogs(segs), ["row_id", pk, "timestamp"])
-    deltas = _read(storage, [b for s in segs for b in s.deltalogs], ["offset", "pk", "timestamp"])
+    try:
+        rows = _read(storage, _insert_binlogs(segs), ["row_id", pk, "timestamp"])
+        deltas = _read(storage, [b for s in segs for b in s.deltalogs], ["offset", "pk", "timestamp"])
+    except StorageError as exc:  # a committed binlog that cannot be read: the check fails, naming it
+        return CheckOutcome(False, f"committed binlogs unreadable: {exc}", {"unreadable": 1})
     row_ids = [r for r in rows["row_id"] if r >= floor]
     delta_offsets = {o for o in deltas["offset"] if o >= floor}
     # The latest delete of each pk (the log's and the live delta logs'), and the oldest live row.
