@@ -18,7 +18,7 @@ from vchan_assets.datanode.node import release_channel, watch_channel
 from vchan_assets.meta.errors import CasConflictError, LeaseLostError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import ChannelWatchInfo, MsgPosition, NodeSession, WatchState
+from vchan_assets.model import ChannelWatchInfo, MsgPosition, NodeSession, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
 
 from .helpers import create_collections, fast_settings
@@ -427,3 +427,62 @@ def test_a_holder_fenced_by_a_newer_lease_is_noticed_and_the_channel_reassigned(
     lease = store.read_lease(vchannel)
     assert found is not None and found[0].state is WatchState.TO_WATCH
     assert lease is not None and lease.lease_id == found[0].lease_id != fencer.lease_id
+
+
+def test_the_no_lease_fallback_never_revokes_a_channel_reassigned_meanwhile(
+    store: MetaStore, settings: Settings
+) -> None:
+    """`lease_for_watcher` (a node watching without a lease id asks DataCoord for one) must
+    check "still the watcher" and grant in one transaction: read-then-put can replace the
+    lease of the node the channel was just reassigned to. Two threads hammer it while the
+    channel moves from node X to node Y and back; after each move to Y, Y's lease stands."""
+    import contextlib
+    import threading
+
+    from vchan_assets.datacoord.leases import new_channel_lease
+    from vchan_assets.meta.allocator import IdAllocator
+
+    _, infos = create_collections(store, fast_settings(settings), count=1, shards=1)
+    vchannel = infos[0].vchannels[0]
+    x, y = 8101, 8102
+    ids = IdAllocator(store)
+    x_key, y_key, lease_key = (
+        store.keys.channel_watch(x, vchannel),
+        store.keys.channel_watch(y, vchannel),
+        store.keys.channel_lease(vchannel),
+    )
+    x_info = ChannelWatchInfo(
+        vchan=VchannelInfo(infos[0].id, vchannel),
+        state=WatchState.WATCH_SUCCESS,
+        start_ts=time.time(),
+        timeout_ts=time.time() + 300,
+        lease_id=None,
+    )
+    halt = threading.Event()
+
+    def hammer() -> None:
+        while not halt.is_set():
+            with contextlib.suppress(NotWatcherError):
+                lease_for_watcher(store, vchannel, x, ids)
+
+    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    revoked = 0
+    try:
+        for _ in range(60):
+            store.delete(y_key)
+            store.put(x_key, x_info)  # X watches again (older coordinator: no lease id)
+            time.sleep(0.01)
+            # The move to Y, as the channel manager writes it.
+            store.delete(x_key)
+            y_lease = new_channel_lease(ids, y)
+            store.txn({}, {lease_key: y_lease, y_key: replace(x_info, lease_id=y_lease.lease_id)})
+            time.sleep(0.02)
+            if store.read_lease(vchannel) != y_lease:
+                revoked += 1
+    finally:
+        halt.set()
+        for t in threads:
+            t.join()
+    assert revoked == 0, f"Y's lease was replaced after {revoked} of 60 moves"

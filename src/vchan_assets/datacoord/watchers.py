@@ -3,13 +3,17 @@
 id, so before each commit it asks DataCoord, which checks that the node really is the
 channel's watcher (`channelwatch/{node}/{vchannel}` is WatchSuccess (or ToWatch), as Milvus'
 SaveBinlogPaths checks the watcher id) and then hands out the lease to commit under.
+
+The check and the grant are one transaction comparing the watch info and the lease key
+with the versions read: a channel reassigned between the two keeps its new owner's lease.
 """
 
 from __future__ import annotations
 
-from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datacoord.leases import new_channel_lease
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.errors import MalformedValueError, MetaError
+from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError
+from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, ChannelWatchInfo, WatchState
 
@@ -32,7 +36,16 @@ def lease_for_watcher(
     Refuses (NotWatcherError) unless `channelwatch/{node_id}/{vchannel}` is WatchSuccess
     (or ToWatch: the node is carrying the watch out).
     Reuses the lease already held by this node; otherwise grants a new one for it (which
-    fences off whoever wrote before)."""
+    fences off whoever wrote before), unless the watch info or the lease changed since
+    they were read (then both are read again)."""
+    allocator = ids or IdAllocator(store)
+    return retry_on_conflict(
+        f"lease of {vchannel} for node {node_id}",
+        lambda: _grant_to_watcher(store, vchannel, node_id, allocator),
+    )
+
+
+def _grant_to_watcher(store: MetaStore, vchannel: str, node_id: int, ids: IdAllocator) -> ChannelLease:
     key = store.keys.channel_watch(node_id, vchannel)
     try:
         found = store.get_model(key, ChannelWatchInfo)
@@ -42,7 +55,12 @@ def lease_for_watcher(
         raise NotWatcherError(vchannel, node_id, "no watch info")
     if found.model.state not in (WatchState.WATCH_SUCCESS, WatchState.TO_WATCH):
         raise NotWatcherError(vchannel, node_id, f"state {found.model.state.value}")
-    current = store.read_lease(vchannel)
-    if current is not None and current.node_id == node_id:
-        return current
-    return grant_channel_lease(store, ids or IdAllocator(store), vchannel, node_id)
+    lease_key = store.keys.channel_lease(vchannel)
+    current = store.get_model(lease_key, ChannelLease)
+    if current is not None and current.model.node_id == node_id:
+        return current.model
+    lease = new_channel_lease(ids, node_id)
+    lease_version = current.kv.version if current else 0
+    if store.txn({key: found.kv.version, lease_key: lease_version}, {lease_key: lease}) is None:
+        raise CasConflictError(lease_key, lease_version, -1)
+    return lease
