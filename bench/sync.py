@@ -1,16 +1,24 @@
-"""Benchmark of the sync path: log -> binlogs with Spark, against a pyarrow baseline.
+"""Benchmark of the sync path: log -> binlogs with Spark, against plain pyarrow programs.
 
-    .venv/bin/python -m bench.sync [--sizes 1000000,3000000] [--repeat 3]
+    .venv/bin/python -m bench.sync [--sizes 1000000,3000000] [--repeat 3] [--with-10m]
+
+`--with-10m` adds a 10,000,000-row log (about 5 GB of log, 5 GB written per run: needs
+about 12 GB free in the temporary directory and a few minutes).
 
 For each size it generates a log of N rows (int64 pk, int64 ts, a 128-d float32
-vector, three scalars) in one vchannel, then measures in the same run:
-  - baseline: plain pyarrow in one process reads the same log files and writes the same
-    binlogs (column groups, split by segment, same writer settings, same atomic writes);
+vector, three scalars) in one vchannel, then measures in the same run, interleaved:
+  - baseline (1 thread): plain pyarrow reads the log files one after the other and
+    writes the same binlogs (column groups, split by segment, same writer settings, same
+    atomic fsynced writes);
+  - baseline (all cores): the same program over a thread pool of one thread per core,
+    one log file per job: the strongest simple program for the job;
   - sync (spark): the real SyncTask on a warm local Spark session, commit included;
-  - sync (local): the same task code in-process, without Spark (to show Spark's share).
-Each sync runs on a fresh copy of the channel's meta (new collection, same rows).
-Reports seconds (median), rows/s, MB/s of log read, the ratio baseline/sync
-(>= 1 means the sync is faster) and peak RSS of the process tree during the sync.
+  - sync (local): the same task code in-process, without Spark (to show Spark's share);
+  - the disk's own sequential write speed (a 1 GiB file written and fdatasync'ed): the
+    physical limit of what any of them can write.
+Each sync starts from a forgotten channel (meta and binlogs removed, same log).
+Reports seconds (median), rows/s, MB/s of log read and of binlogs written, the ratios
+baseline/sync (>= 1 means the sync is faster) and peak RSS of the process tree.
 Also the fixed cost of a 1,000-row sync on a warm session.
 """
 
@@ -18,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -83,23 +93,50 @@ class PeakRss:
         self._thread.join()
 
 
-def baseline(storage: Storage, info: CollectionInfo, vchannel: str, out_prefix: str) -> int:
-    """The simplest pyarrow program doing the same work: returns rows written."""
-    groups = column_groups(info.schema)
-    rows = 0
-    log_id = 0
-    for f in WalReader(storage, vchannel, info).files():
-        table = pq.read_table(storage.path(f.key))
-        is_insert = pc.equal(table["msg_type"], MsgType.INSERT.value).to_numpy(zero_copy_only=False)
-        segment_ids = table["segment_id"].fill_null(-1).to_numpy()
-        for seg in np.unique(segment_ids[is_insert]).tolist():
-            part = take_rows(table, is_insert & (segment_ids == seg))
-            for group, columns in groups:
-                log_id += 1
-                key = f"{out_prefix}/{seg}/{group}/{log_id}.parquet"
-                write_parquet(storage, key, part.select(columns), vector=group != 0)
-            rows += part.num_rows
-    return rows
+def baseline_file(storage: Storage, schema: CollectionSchema, key: str, out_prefix: str) -> tuple[int, int]:
+    """What a plain pyarrow program does with one log file: read it, keep the inserts,
+    split them by segment, write each column group (fsynced). Returns (rows, bytes written)."""
+    table = pq.read_table(storage.path(key))
+    is_insert = pc.equal(table["msg_type"], MsgType.INSERT.value).to_numpy(zero_copy_only=False)
+    segment_ids = table["segment_id"].fill_null(-1).to_numpy()
+    rows = written = 0
+    name = key.rsplit("/", 1)[-1]
+    for seg in np.unique(segment_ids[is_insert]).tolist():
+        part = take_rows(table, is_insert & (segment_ids == seg))
+        for group, columns in column_groups(schema):
+            out = f"{out_prefix}/{seg}/{group}/{name}"
+            written += write_parquet(storage, out, part.select(columns), vector=group != 0)
+        rows += part.num_rows
+    return rows, written
+
+
+def baseline(
+    storage: Storage, info: CollectionInfo, vchannel: str, out_prefix: str, threads: int = 1
+) -> tuple[int, int]:
+    """The simplest pyarrow program doing the same work, over `threads` threads (one log
+    file per job); returns (rows, bytes written)."""
+    keys = [f.key for f in WalReader(storage, vchannel, info).files()]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        done = list(pool.map(lambda key: baseline_file(storage, info.schema, key, out_prefix), keys))
+    return sum(r for r, _ in done), sum(w for _, w in done)
+
+
+def disk_write_speed(directory: Path, size: int = 2**30, chunk: int = 8 * 2**20) -> float:
+    """Sequential write speed of the disk under `directory`, in MB/s: `size` bytes written
+    in `chunk`s then fdatasync'ed (as dd conv=fdatasync), the file removed after."""
+    path = directory / f"disk-speed-{uuid.uuid4().hex}"
+    data = np.random.default_rng(0).bytes(chunk)
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for _ in range(size // chunk):
+            os.write(fd, data)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return size / 2**20 / seconds
 
 
 def make_log(producer: Producer, rows: int) -> CollectionInfo:
@@ -131,9 +168,82 @@ def timed_sync(
     return {
         "seconds": seconds,
         "rows": result.rows,
+        "written_bytes": result.bytes,
         "peak_rss_mb": rss.peak / 2**20,
         "workers_rss_mb": rss.peak_workers / 2**20,
     }
+
+
+def timed_baseline(storage: Storage, info: CollectionInfo, out_prefix: str, threads: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    with PeakRss() as rss:
+        rows, written = baseline(storage, info, info.vchannels[0], out_prefix, threads)
+    seconds = time.perf_counter() - started
+    storage.filesystem.delete_dir_contents(storage.path(out_prefix), missing_dir_ok=True)
+    return {"seconds": seconds, "rows": rows, "written_bytes": written, "peak_rss_mb": rss.peak / 2**20}
+
+
+RUNS = ("baseline_1", "baseline_all", "spark", "local")
+
+
+def measure_size(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, size: int, repeat: int
+) -> dict[str, Any]:
+    info = make_log(producer, size)
+    log_bytes = sum(f.size_bytes for f in WalReader(storage, info.vchannels[0], info).files())
+    cores = os.cpu_count() or 1
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
+    disk = []
+    for i in range(repeat):
+        disk.append(disk_write_speed(Path(storage.base)))
+        runs["baseline_1"].append(timed_baseline(storage, info, f"baseline/{size}/{i}", 1))
+        runs["baseline_all"].append(timed_baseline(storage, info, f"baseline/{size}/{i}", cores))
+        for engine in ("spark", "local"):
+            reset_channel(store, storage, info)
+            runs[engine].append(timed_sync(store, storage, settings, info, engine))
+    reset_channel(store, storage, info)
+    summary: dict[str, Any] = {"log_mb": log_bytes / 2**20, "disk_write_mb_per_s": statistics.median(disk)}
+    for name, measured in runs.items():
+        assert all(m["rows"] == size for m in measured), f"{name} persisted a different row count"
+        secs = statistics.median(m["seconds"] for m in measured)
+        written = statistics.median(m["written_bytes"] for m in measured)
+        summary[name] = {
+            "median_s": secs,
+            "runs_s": [round(m["seconds"], 3) for m in measured],
+            "rows_per_s": size / secs,
+            "read_mb_per_s": log_bytes / 2**20 / secs,
+            "written_mb": written / 2**20,
+            "written_mb_per_s": written / 2**20 / secs,
+            "peak_rss_mb": max(m["peak_rss_mb"] for m in measured),
+        }
+    for name in ("spark", "local"):
+        for base in ("baseline_1", "baseline_all"):
+            summary[f"ratio_{name}_vs_{base}"] = summary[base]["median_s"] / summary[name]["median_s"]
+        summary[f"{name}_written_vs_disk"] = (
+            summary[name]["written_mb_per_s"] / summary["disk_write_mb_per_s"]
+        )
+    store.delete_prefix(store.keys.segments(info.id))
+    storage.filesystem.delete_dir_contents(storage.path(f"wal/{info.vchannels[0]}"), missing_dir_ok=True)
+    return summary
+
+
+def print_size(size: int, summary: dict[str, Any]) -> None:
+    print(
+        f"\n{size:,} rows, log {summary['log_mb']:.0f} MB, disk writes {summary['disk_write_mb_per_s']:.0f} MB/s"
+    )
+    for name in RUNS:
+        s = summary[name]
+        print(
+            f"  {name:12s} {s['median_s']:6.2f}s  {s['rows_per_s'] / 1e6:5.2f}M rows/s  "
+            f"read {s['read_mb_per_s']:5.0f} MB/s  written {s['written_mb_per_s']:5.0f} MB/s  "
+            f"peak RSS {s['peak_rss_mb']:5.0f} MB  runs {s['runs_s']}"
+        )
+    print(
+        f"  ratio sync(spark) vs baseline: 1 thread {summary['ratio_spark_vs_baseline_1']:.2f}, "
+        f"all cores {summary['ratio_spark_vs_baseline_all']:.2f}; "
+        f"sync written / disk speed {summary['spark_written_vs_disk']:.2f}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -141,17 +251,24 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", default="1000000,3000000")
+    parser.add_argument("--with-10m", action="store_true", help="add 10,000,000 rows to --sizes")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default="bench/results/sync.json")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.with_10m:
+        sizes.append(10_000_000)
 
     work, etcd, settings = bench_stack()
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()
     producer = Producer(store, storage, settings)
-    report: dict[str, Any] = {"sizes": {}, "spark_partitions": settings.spark_partitions}
+    report: dict[str, Any] = {
+        "sizes": {},
+        "spark_partitions": settings.spark_partitions,
+        "cores": os.cpu_count(),
+    }
     try:
         spark = get_spark(settings)
         report["spark"] = spark.version
@@ -166,50 +283,11 @@ def main() -> None:
         print(
             f"1,000-row sync, warm Spark: median {statistics.median(fixed):.3f}s of {[round(x, 3) for x in fixed]}"
         )
-
         for size in sizes:
-            info = make_log(producer, size)
-            log_bytes = sum(f.size_bytes for f in WalReader(storage, info.vchannels[0], info).files())
-            runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "spark": [], "local": []}
-            for i in range(args.repeat):
-                started = time.perf_counter()
-                with PeakRss() as rss:
-                    rows = baseline(storage, info, info.vchannels[0], f"baseline/{size}/{i}")
-                runs["baseline"].append(
-                    {"seconds": time.perf_counter() - started, "rows": rows, "peak_rss_mb": rss.peak / 2**20}
-                )
-                for engine in ("spark", "local"):
-                    reset_channel(store, storage, info)
-                    runs[engine].append(timed_sync(store, storage, settings, info, engine))
-            summary = {}
-            for name, measured in runs.items():
-                secs = statistics.median(m["seconds"] for m in measured)
-                summary[name] = {
-                    "median_s": secs,
-                    "runs_s": [round(m["seconds"], 3) for m in measured],
-                    "rows_per_s": size / secs,
-                    "log_mb_per_s": log_bytes / 2**20 / secs,
-                    "peak_rss_mb": max(m["peak_rss_mb"] for m in measured),
-                }
-                assert all(m["rows"] == size for m in measured), f"{name} persisted a different row count"
-            summary["ratio_spark_vs_baseline"] = (
-                summary["baseline"]["median_s"] / summary["spark"]["median_s"]
+            report["sizes"][size] = summary = measure_size(
+                store, storage, settings, producer, size, args.repeat
             )
-            summary["ratio_local_vs_baseline"] = (
-                summary["baseline"]["median_s"] / summary["local"]["median_s"]
-            )
-            summary["log_mb"] = log_bytes / 2**20
-            report["sizes"][size] = summary
-            print(f"\n{size:,} rows, log {log_bytes / 2**20:.0f} MB")
-            for name in ("baseline", "spark", "local"):
-                s = summary[name]
-                print(
-                    f"  {name:9s} {s['median_s']:6.2f}s  {s['rows_per_s'] / 1e6:5.2f}M rows/s  "
-                    f"{s['log_mb_per_s']:6.0f} MB/s  peak RSS {s['peak_rss_mb']:6.0f} MB  runs {s['runs_s']}"
-                )
-            print(f"  ratio sync(spark)/baseline throughput: {summary['ratio_spark_vs_baseline']:.2f}")
-            # Files of earlier sizes are not needed any more.
-            storage.filesystem.delete_dir_contents(storage.path("baseline"), missing_dir_ok=True)
+            print_size(size, summary)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(f"\nwritten {args.out}")
