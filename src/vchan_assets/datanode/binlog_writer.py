@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -278,6 +278,27 @@ def _span(rows: pa.Table) -> tuple[int, int, int, int, int, int]:
 
 def run_task(spec: TaskSpec) -> list[WrittenFile]:
     return TaskWriter(spec).run()
+
+
+def run_tasks(
+    specs: list[TaskSpec], indices: Iterable[int]
+) -> Iterator[WrittenFile | LogError | StorageError]:
+    """RDD body: the files each task wrote, or its typed error (a corrupt log file, a
+    schema mismatch, unreadable storage), which the driver raises with its path
+    (`written_or_raise`) instead of a generic Spark task failure."""
+    for index in indices:
+        try:
+            yield from run_task(specs[index])
+        except (LogError, StorageError) as exc:
+            yield exc
+
+
+def written_or_raise(outcomes: list[WrittenFile | LogError | StorageError]) -> list[WrittenFile]:
+    """The files of `run_tasks`, or its first task's typed error raised."""
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
+    return [o for o in outcomes if isinstance(o, WrittenFile)]
 
 
 def run_tasks_arrow(specs: list[TaskSpec], batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
