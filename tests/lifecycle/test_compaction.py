@@ -253,10 +253,11 @@ def test_l0_compaction_under_continuous_writes_takes_the_deletes_older_than_ever
     flushed_batches(store, storage, settings, producer, collection, batches=2)
     older = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0}
     time.sleep(1.2)  # the next round's segment is created more than the 1 s margin later
-    flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=2)
-    newest = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0} - older
     producer.insert(collection.name, generate_rows(SCHEMA, 50, start_pk=99_000))  # a round in flight
-    sync_all(store, storage, settings, collection)  # its rows sit in a Growing segment
+    producer.delete(collection.name, [0, 1], partition="_default")  # deletes newer than its segment
+    sync_all(store, storage, settings, collection)  # the rows sit in a Growing segment, the deletes in L0
+    newest = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0} - older
+    assert newest and any(s.state is SegmentState.GROWING for s in segments(store, collection))
     [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0)
     assert older <= set(plan.input_ids) and not newest & set(plan.input_ids)
 

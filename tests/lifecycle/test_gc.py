@@ -30,9 +30,14 @@ def collection(producer: Producer) -> CollectionInfo:
     return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
 
 
-def collector(store: MetaStore, storage: Storage, settings: Settings, ahead: float = 0.0) -> GarbageCollector:
+def collector(
+    store: MetaStore, storage: Storage, settings: Settings, ahead: float = 0.0, at: float | None = None
+) -> GarbageCollector:
+    """A collector with 5 s tolerances whose clock runs `ahead` of now, or stands still
+    `at` a moment (taken before the files were written: they are younger whatever the load)."""
     tolerant = replace(settings, gc_missing_tolerance=5.0, gc_drop_tolerance=5.0, wal_retention=5.0)
-    return GarbageCollector(store, storage, tolerant, clock=lambda: time.time() + ahead)
+    clock = (lambda: at) if at is not None else (lambda: time.time() + ahead)
+    return GarbageCollector(store, storage, tolerant, clock=clock)
 
 
 def compact_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
@@ -48,8 +53,9 @@ def test_orphan_is_deleted_only_once_older_than_the_missing_tolerance(
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=1)
     orphan = f"insert_log/{collection.id}/1/424242/0/1.parquet"
+    written = time.time()
     storage.write_atomic(orphan, b"left by a crashed sync")
-    assert collector(store, storage, settings).run().orphans == []  # younger than the tolerance
+    assert collector(store, storage, settings, at=written).run().orphans == []  # younger than the tolerance
     report = collector(store, storage, settings, ahead=LATER).run()
     assert report.orphans == [orphan] and not storage.exists(orphan)
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
@@ -59,10 +65,11 @@ def test_dropped_segments_files_then_meta_go_after_the_drop_tolerance_and_the_ch
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    compacted = time.time()
     compact_all(store, storage, settings, collection)
     dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
     assert dropped
-    assert collector(store, storage, settings).run().dropped_segments == []  # dropped just now
+    assert collector(store, storage, settings, at=compacted).run().dropped_segments == []  # dropped just now
     report = collector(store, storage, settings, ahead=LATER).run()
     assert {s.id for s in dropped} <= set(report.dropped_segments)
     assert all(not storage.exists(p) for s in dropped for p in segment_paths(s))
@@ -122,11 +129,12 @@ def test_paused_gc_does_nothing_until_resumed_and_dry_run_deletes_nothing(
 def test_log_files_wholly_below_the_checkpoint_are_retained_then_deleted(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
+    started = time.time()
     produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
     [vchannel] = collection.vchannels
     files = WalReader(storage, vchannel, collection).files()
     assert len(files) > 2
-    assert collector(store, storage, settings).run().wal_files == []  # younger than the retention
+    assert collector(store, storage, settings, at=started).run().wal_files == []  # younger than the retention
     report = collector(store, storage, settings, ahead=LATER).run()
     assert report.wal_files
     left = WalReader(storage, vchannel, collection).files()
