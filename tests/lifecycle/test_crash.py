@@ -37,11 +37,14 @@ def recover(store: MetaStore, storage: Storage, settings: Settings) -> None:
     GarbageCollector(store, storage, quick, clock=lambda: time.time() + 5).run()
 
 
-@pytest.mark.parametrize(
-    "step", ["compaction_after_files", "compaction_after_commit", "compaction_before_cleanup"]
-)
+STEPS = ["compaction_after_files", "compaction_after_commit", "compaction_before_cleanup"]
+
+
+@pytest.mark.parametrize("kind", ["sort", "mix"])
+@pytest.mark.parametrize("step", STEPS)
 def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_both(
     step: str,
+    kind: str,
     store: MetaStore,
     storage: Storage,
     settings: Settings,
@@ -55,6 +58,8 @@ def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_
         "compact",
         "--collection",
         collection.name,
+        "--type",
+        kind,
         "--wait",
         "--engine",
         "local",
@@ -62,7 +67,11 @@ def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     after = {s.id for s in live_l1(store, collection)}
-    assert after == before if step == "compaction_after_files" else not after & before
+    plans = [d.model for d in list_plans(store) if d.model.collection_id == collection.id]
+    assert len(plans) == (2 if kind == "sort" else 1)  # a sort plan per segment, one merge
+    for p in plans:  # each plan's inputs or its outputs are live, never both, never neither
+        assert bool(after & set(p.input_ids)) != bool(after & set(p.output_ids)), (p, after)
+    assert after == before if step == "compaction_after_files" else after != before
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
     recover(store, storage, settings)
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
