@@ -11,8 +11,9 @@ import pytest
 from datanode.helpers import VCHAN, cli_env
 
 from vchan_assets.config import Settings
-from vchan_assets.lifecycle.plans import PlanState, list_plans
-from vchan_assets.lifecycle.step import lifecycle_step, sort_step, unsorted_segments
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
+from vchan_assets.lifecycle.step import LifecycleReport, lifecycle_step, sort_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
@@ -112,4 +113,32 @@ def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifec
         proc.terminate()
         proc.wait(30)
     assert len(live_l1(store, collection)) == 2, "sorted one by one, not merged (no lifecycle step ran)"
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_retention(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    inputs = {s.id for s in live_l1(store, collection)}
+    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    [pending] = list_plans(store)
+    assert isinstance(CompactionExecutor(store, storage, settings, "local").start(pending), tuple)
+    started = time.time()  # the plan is Executing now; its executor never finishes it
+    timing = replace(settings, compaction_timeout=60.0, compaction_plan_retention=600.0)
+
+    def step(now: float) -> LifecycleReport:
+        return lifecycle_step(store, storage, timing, engine="local", now=now, compact=False, collect=False)
+
+    assert step(started + 30).timed_out == []
+    [running] = list_plans(store)
+    assert running.model.state is PlanState.EXECUTING
+    report = step(started + 61)
+    assert report.timed_out == [plan.plan_id] and report.cleaned == [plan.plan_id]
+    [cleaned] = list_plans(store)
+    assert cleaned.model.state is PlanState.CLEANED and cleaned.model.reason == "timed out"
+    assert {s.id for s in live_l1(store, collection)} == inputs, "the inputs stay live"
+    assert step(started + 61 + 599).deleted_plans == []  # still listed by status for a while
+    assert step(started + 61 + 601).deleted_plans == [plan.plan_id]
+    assert list_plans(store) == []
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
