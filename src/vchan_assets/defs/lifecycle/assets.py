@@ -113,8 +113,7 @@ def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> 
 
 sort_job = dg.define_asset_job(
     "sort",
-    selection=dg.AssetSelection.assets(SORTED_SEGMENTS),
-    partitions_def=vchannels,
+    selection=dg.AssetSelection.assets(SORTED_SEGMENTS),  # partitioned by vchannel like the asset
     executor_def=dg.in_process_executor,
     description="The stats task of one vchannel: sort its newly flushed segments by pk.",
 )
