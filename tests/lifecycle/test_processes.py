@@ -33,7 +33,7 @@ LIFECYCLE = {
     "VCHAN_LIFECYCLE_INTERVAL": "1",
     "VCHAN_GC_INTERVAL": "1",
     "VCHAN_GC_DROP_TOLERANCE": "1",
-    "VCHAN_GC_MISSING_TOLERANCE": "10",  # above any sync's files-to-meta time here
+    "VCHAN_GC_MISSING_TOLERANCE": "120",  # far above any sync's files-to-meta time, even under load
     "VCHAN_WAL_RETENTION": "1",
     "VCHAN_COMPACTION_TIMEOUT": "5",  # a plan whose executor was killed fails after 5 s
 }
