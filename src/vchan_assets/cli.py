@@ -628,17 +628,19 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_lifecycle(
-    settings: Settings, store: MetaStore, active: threading.Event, stop: threading.Event, engine: str
+    settings: Settings, writer: Callable[[], MetaStore | None], stop: threading.Event, engine: str
 ) -> None:
-    """The segment lifecycle beside the coordinator while this DataCoord is the active one:
-    newly flushed segments sorted every VCHAN_SORT_POLL_INTERVAL (the stats task after
-    flush), the whole step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL."""
+    """The segment lifecycle beside the coordinator while this DataCoord is the active one
+    (`writer()`: the store fenced by its term, None while standing by): newly flushed
+    segments sorted every VCHAN_SORT_POLL_INTERVAL (the stats task after flush), the whole
+    step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL."""
     from vchan_assets.lifecycle.step import lifecycle_step, sort_step
 
     storage = Storage.from_settings(settings)
     next_step = time.monotonic() + settings.lifecycle_interval
     while not stop.wait(min(settings.sort_poll_interval, settings.lifecycle_interval)):
-        if not active.is_set():
+        store = writer()
+        if store is None:
             continue
         try:
             if time.monotonic() >= next_step:
@@ -654,15 +656,16 @@ def _run_lifecycle(
 
 
 def _run_imports(
-    settings: Settings, store: MetaStore, active: threading.Event, stop: threading.Event, engine: str
+    settings: Settings, writer: Callable[[], MetaStore | None], stop: threading.Event, engine: str
 ) -> None:
     """Bulk import beside the coordinator: start Pending jobs and take over stuck ones every
-    VCHAN_IMPORT_INTERVAL while this DataCoord is the active one."""
+    VCHAN_IMPORT_INTERVAL while this DataCoord is the active one (writes fenced by its term)."""
     from vchan_assets.imports.step import import_step
 
     storage = Storage.from_settings(settings)
     while not stop.wait(settings.import_interval):
-        if not active.is_set():
+        store = writer()
+        if store is None:
             continue
         try:
             report = import_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
@@ -684,11 +687,11 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
         runner = threading.Thread(target=coord.run, args=(stop,), name="datacoord", daemon=True)
         runner.start()
         lifecycle = threading.Thread(
-            target=_run_lifecycle, args=(settings, store, coord.active, stop, args.engine), daemon=True
+            target=_run_lifecycle, args=(settings, lambda: coord.writer, stop, args.engine), daemon=True
         )
         lifecycle.start()
         importer = threading.Thread(
-            target=_run_imports, args=(settings, store, coord.active, stop, args.engine), daemon=True
+            target=_run_imports, args=(settings, lambda: coord.writer, stop, args.engine), daemon=True
         )
         importer.start()
         print(f"datacoord {coord.server_id} started", flush=True)

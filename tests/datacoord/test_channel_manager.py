@@ -300,13 +300,17 @@ def test_the_coordinator_reloads_segment_meta_only_when_its_revision_moved(
     settings = fast_settings(settings)
     producer, infos = create_collections(store, settings, count=1, shards=1)
     coord = DataCoordinator(settings, store, reload_interval=0)
-    coord.activate()
-    assert coord.reloader is not None and coord.segments is not None
-    assert not coord.reloader.reload()
-    produce(producer, infos[0].name, Produced(), 10, 1)  # opens a segment
-    assert coord.reloader.reload()
-    assert [s.vchannel for s in coord.segments.growing()] == [infos[0].vchannels[0]]
-    assert not coord.reloader.reload()
+    assert coord.election.campaign(timeout=10)
+    try:
+        coord.activate()
+        assert coord.reloader is not None and coord.segments is not None
+        assert not coord.reloader.reload()
+        produce(producer, infos[0].name, Produced(), 10, 1)  # opens a segment
+        assert coord.reloader.reload()
+        assert [s.vchannel for s in coord.segments.growing()] == [infos[0].vchannels[0]]
+        assert not coord.reloader.reload()
+    finally:
+        coord.election.resign()
 
 
 def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from vchan_assets.defs.cluster.datacoord import datacoord_sensor
 from vchan_assets.defs.cluster.datanodes import datanode_sensor
 from vchan_assets.defs.resources import VchanResource
 
@@ -19,3 +20,22 @@ def evaluate(
     result = sensor(context)
     assert isinstance(result, dg.SensorResult)
     return result
+
+
+class CoordinatorTicks:
+    """The DataCoord sensor evaluated tick after tick, its cursor (the term it holds in
+    the election) carried from one tick to the next as the daemon does."""
+
+    def __init__(self, instance: dg.DagsterInstance, vchan: VchanResource) -> None:
+        self.instance = instance
+        self.vchan = vchan
+        self.cursor: str | None = None
+
+    def tick(self) -> dg.SensorResult:
+        result = evaluate(datacoord_sensor, self.instance, self.vchan, self.cursor)
+        self.cursor = result.cursor
+        return result
+
+
+def skip_message(result: dg.SensorResult) -> str:
+    return result.skip_reason.skip_message or "" if result.skip_reason else ""

@@ -7,7 +7,6 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.cluster.datacoord import datacoord_sensor
 from vchan_assets.defs.cluster.datanodes import NodeCursor
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.runtime import VchanRuntime
@@ -23,14 +22,14 @@ from vchan_assets.model import ChannelWatchInfo, CollectionInfo, WatchState
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
-from .helpers import NODE1, evaluate
+from .helpers import NODE1, CoordinatorTicks, evaluate
 
 
 def watched_by_a_dagster_node(
     instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore
 ) -> tuple[NodeCursor, dict[str, ChannelWatchInfo]]:
     node = NodeCursor.parse(evaluate(NODE1, instance, vchan).cursor)
-    evaluate(datacoord_sensor, instance, vchan)
+    CoordinatorTicks(instance, vchan).tick()
     evaluate(NODE1, instance, vchan, node.dump())
     found, _ = store.list_models(store.keys.channel_watch_prefix(node.node_id), ChannelWatchInfo)
     return node, {d.model.vchan.channel_name: d.model for d in found}

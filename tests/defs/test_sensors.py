@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from typing import Any
@@ -10,7 +9,6 @@ from typing import Any
 import dagster as dg
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.cluster.datacoord import datacoord_sensor
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, NodeCursor
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG
@@ -22,7 +20,7 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
-from .helpers import NODE1, NODE2, evaluate
+from .helpers import NODE1, NODE2, CoordinatorTicks, evaluate, skip_message
 
 
 # Sensor-hosted nodes with the test's 2 s session TTL (no 20 s floor): expiry is quick.
@@ -70,7 +68,7 @@ def test_to_watch_adds_the_partition_and_requests_the_first_sync_once(
     instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, collection: CollectionInfo
 ) -> None:
     node = start_node(instance, vchan)
-    evaluate(datacoord_sensor, instance, vchan)  # assigns both channels (ToWatch) to the only node
+    CoordinatorTicks(instance, vchan).tick()  # assigns both channels (ToWatch) to the only node
     result = evaluate(NODE1, instance, vchan, node.dump())
 
     infos = watch_infos(store, node.node_id)
@@ -99,7 +97,7 @@ def test_to_release_and_delete_request_release_runs_with_stable_keys(
     instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, collection: CollectionInfo
 ) -> None:
     node = start_node(instance, vchan)
-    evaluate(datacoord_sensor, instance, vchan)
+    CoordinatorTicks(instance, vchan).tick()
     watched = evaluate(NODE1, instance, vchan, node.dump())
     assert watched.cursor is not None
     first, second = collection.vchannels
@@ -133,7 +131,7 @@ def test_compacted_cursor_relists_the_watch_prefix(
     producer = Producer(store, Storage.from_settings(private), private)
     collection = producer.create_collection("compacted", SCHEMA, [], num_channels=2)
     node = start_node(instance, vchan)
-    evaluate(datacoord_sensor, instance, vchan)
+    CoordinatorTicks(instance, vchan).tick()
     watched = evaluate(NODE1, instance, vchan, node.dump())
     stale = NodeCursor.parse(watched.cursor)
     # Move the store on and compact past the cursor (as etcd's auto-compaction would).
@@ -158,7 +156,7 @@ def test_sync_sensor_requests_a_sync_per_channel_once_per_backlog(
     collection: CollectionInfo,
 ) -> None:
     node = start_node(instance, vchan)
-    evaluate(datacoord_sensor, instance, vchan)
+    CoordinatorTicks(instance, vchan).tick()
     watched = evaluate(NODE1, instance, vchan, node.dump())
     instance.add_dynamic_partitions("vchannels", list(collection.vchannels))
     assert not evaluate(sync_sensor, instance, vchan).run_requests  # nothing in the log yet
@@ -185,7 +183,8 @@ def test_datacoord_moves_the_channels_of_a_node_whose_sensor_stopped(
 ) -> None:
     one = start_node(instance, vchan, "1")
     two = start_node(instance, vchan, "2")
-    evaluate(datacoord_sensor, instance, vchan)
+    coordinator = CoordinatorTicks(instance, vchan)
+    coordinator.tick()
     one_cursor = evaluate(NODE1, instance, vchan, one.dump()).cursor
     two_cursor = evaluate(NODE2, instance, vchan, two.dump()).cursor
     assert len(watch_infos(store, one.node_id)) == 1 and len(watch_infos(store, two.node_id)) == 1
@@ -196,8 +195,8 @@ def test_datacoord_moves_the_channels_of_a_node_whose_sensor_stopped(
         assert time.monotonic() < deadline, "node 1's session did not expire"
         two_cursor = evaluate(NODE2, instance, vchan, two_cursor).cursor
         time.sleep(0.5)
-    coord = evaluate(datacoord_sensor, instance, vchan)
-    assert json.loads(coord.cursor or "{}")["live_nodes"] == [two.node_id]
+    coord = coordinator.tick()
+    assert f"live nodes [{two.node_id}]" in skip_message(coord)
     result = evaluate(NODE2, instance, vchan, two_cursor)
     assert {v: i.state for v, i in watch_infos(store, two.node_id).items()} == dict.fromkeys(
         collection.vchannels, WatchState.WATCH_SUCCESS

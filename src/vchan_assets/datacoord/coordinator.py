@@ -6,8 +6,9 @@ Everything the active coordinator decides is in etcd, so a standby that wins the
 election continues where the dead one stopped (a pending move: the ToRelease/ReleaseSuccess
 it finds is finished by `ChannelManager.reconcile`).
 
-For a Dagster sensor: `DataCoordinator.activate()` once, then `tick(now)` per sensor tick;
-a long-running process calls `run(stop_event)`.
+Every write of the active coordinator is fenced by its election term (`MetaStore.fenced`):
+a coordinator deposed in the middle of a tick (paused past its TTL, partitioned) cannot
+grant a lease or move a channel after a newer leader was elected.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager, ReconcileReport
 from vchan_assets.datacoord.segment_manager import FlushRecovery, SealedSegment, SegmentManager
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.errors import MetaError
+from vchan_assets.meta.errors import MetaError, NotLeaderError
 from vchan_assets.meta.session import Election
-from vchan_assets.meta.store import MetaStore
+from vchan_assets.meta.store import Fence, MetaStore
 from vchan_assets.model import MsgPosition, NodeSession, SessionState
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class MetaReloader:
     """Lease MEP, "DataCoord reloads from metastore periodically": channel checkpoints
-    first, then segment meta only if its revision moved past the one seen last (the
-    open segments live in the channel heads in etcd; what is reloaded here are Growing
-    segments on no head, which get sealed)."""
+    first, then segment meta only if it changed since it was seen last (the open segments
+    live in the channel heads in etcd; what is reloaded here are Growing segments on no
+    head, which get sealed). A change is a higher mod revision or a different count of
+    segment keys: a deletion moves no remaining key's revision."""
 
     store: MetaStore
     segments: SegmentManager
     checkpoints: dict[str, MsgPosition] = field(default_factory=dict)
-    segment_revision: int = 0
+    seen: tuple[int, int] = (0, 0)  # (highest mod revision, count) of segment keys
     reloads: int = 0  # metric
 
     def reload(self) -> bool:
@@ -50,11 +52,12 @@ class MetaReloader:
         )
         self.checkpoints = {d.kv.key.rsplit("/", 1)[-1]: d.model for d in found}
         snap = self.store.list_prefix(self.store.keys.segments())
-        revision = max((kv.mod_revision for kv in snap.items), default=0)
-        if revision <= self.segment_revision:
+        seen = (max((kv.mod_revision for kv in snap.items), default=0), len(snap.items))
+        if seen == self.seen:
             return False
         self.segments.seal_orphans()
-        self.segment_revision = revision
+        self.seen = seen
+        self.reloads += 1
         return True
 
 
@@ -63,10 +66,17 @@ class CoordinatorTick:
     channels: ReconcileReport
     sealed: tuple[SealedSegment, ...] = ()
     reloaded: bool = False
+    recovered: tuple[FlushRecovery, ...] = ()  # on the first tick of a term
 
 
 class DataCoordinator:
-    """One DataCoord contender; the active one (election winner) runs `tick` in a loop."""
+    """One DataCoord contender. The active one (election winner) runs `tick` in a loop;
+    every write of a term goes through `writer`, the store fenced by that term's election
+    key, so a deposed leader still mid-tick writes nothing (NotLeaderError).
+
+    Two hosts run the same steps: `run(stop)` (the `vchan datacoord` process, leadership
+    kept by the election's keep-alive thread) and a Dagster sensor (`begin_term` with the
+    fence of a term held by its ticks, then `tick` per sensor tick)."""
 
     def __init__(
         self,
@@ -75,36 +85,54 @@ class DataCoordinator:
         interval: float = 0.5,
         reload_interval: float = 5.0,
         address: str = "",
+        server_id: int | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.interval = interval
         self.reload_interval = reload_interval
         self.ids = IdAllocator(store, batch=100)
-        self.server_id = self.ids.alloc()
+        self.server_id = server_id or self.ids.alloc()
         self.election = Election(
             store,
-            NodeSession(self.server_id, address, __version__, time.time(), SessionState.HEALTHY),
+            self.session_record(address),
             settings.session_ttl,
             on_lost=self._lost,
         )
-        self.channels = ChannelManager(store, settings, self.ids)
+        self.writer: MetaStore | None = None  # the store fenced by the current term
+        self.channels: ChannelManager | None = None
         self.segments: SegmentManager | None = None
         self.reloader: MetaReloader | None = None
         self.recovered: list[FlushRecovery] = []
         self.active = threading.Event()
-        self._last_reload = 0.0
+        self.last_reload = 0.0  # wall clock: a sensor host carries it from tick to tick
+
+    def session_record(self, address: str) -> NodeSession:
+        """What the election key holds while this contender leads."""
+        return NodeSession(self.server_id, address, __version__, time.time(), SessionState.HEALTHY)
 
     # --- step functions (also for a sensor) ------------------------------------------------
 
-    def activate(self) -> list[FlushRecovery]:
+    def begin_term(self, fence: Fence) -> None:
+        """Every write from now on is fenced by `fence` (this contender's term)."""
+        self.writer = self.store.fenced(fence)
+        self.channels = ChannelManager(self.writer, self.settings, self.ids)
+        self.segments = SegmentManager(self.writer, self.settings, self.ids)
+        self.reloader = MetaReloader(self.writer, self.segments)
+
+    def activate(self, fence: Fence | None = None) -> list[FlushRecovery]:
         """What the new active coordinator does first: load segment meta, complete
-        Flushing segments whose checkpoint passed (recover_flushing)."""
-        self.segments = SegmentManager(self.store, self.settings, self.ids)
-        self.reloader = MetaReloader(self.store, self.segments)
+        Flushing segments whose checkpoint passed (recover_flushing). `fence`: the term
+        (default: the term this contender's election won; NotLeaderError if none)."""
+        fence = fence or self.election.fence()
+        if fence is None:
+            held = self.election.leader()
+            raise NotLeaderError(self.election.key, 0, held.create_revision if held else None)
+        self.begin_term(fence)
+        assert self.segments is not None and self.reloader is not None
         self.recovered = self.segments.recover_flushing()
         self.reloader.reload()
-        self._last_reload = time.monotonic()
+        self.last_reload = time.time()
         self.active.set()
         log.info(
             "datacoord %s is active (%d flushing segments recovered)", self.server_id, len(self.recovered)
@@ -113,16 +141,16 @@ class DataCoordinator:
 
     def tick(self, now: float | None = None) -> CoordinatorTick:
         """One round: channel reconcile, seal policies, and the meta reload when due."""
-        if self.segments is None or self.reloader is None:
+        if self.channels is None or self.segments is None or self.reloader is None:
             self.activate()
-        assert self.segments is not None and self.reloader is not None
+        assert self.channels is not None and self.segments is not None and self.reloader is not None
         now = time.time() if now is None else now
         report = self.channels.reconcile(now)
         sealed = tuple(self.segments.seal_by_policy(now))
         reloaded = False
-        if time.monotonic() - self._last_reload >= self.reload_interval:
+        if time.time() - self.last_reload >= self.reload_interval:
             reloaded = self.reloader.reload()
-            self._last_reload = time.monotonic()
+            self.last_reload = time.time()
         return CoordinatorTick(report, sealed, reloaded)
 
     # --- long-running ------------------------------------------------------------------------
@@ -140,18 +168,24 @@ class DataCoordinator:
                     while not stop.is_set() and self.election.is_leader:
                         try:
                             self.tick()
+                        except NotLeaderError as exc:
+                            log.error("datacoord %s was deposed mid-tick: %s", self.server_id, exc)
+                            break
                         except MetaError as exc:
                             log.warning("datacoord tick failed (%s); retrying", exc)
                         stop.wait(self.interval)
                 except MetaError as exc:
                     log.warning("datacoord activation failed (%s); campaigning again", exc)
-                    self.election.resign()
-                self.active.clear()
-                self.segments = None
+                self.election.resign()
+                self._stand_by()
         finally:
-            self.active.clear()
+            self._stand_by()
             self.election.resign()
             log.info("datacoord %s stopped", self.server_id)
+
+    def _stand_by(self) -> None:
+        self.active.clear()
+        self.writer = self.channels = self.segments = self.reloader = None
 
     def _lost(self) -> None:
         self.active.clear()

@@ -82,3 +82,18 @@ class CheckpointRegressionError(MetaError):
     def __init__(self, channel: str, checkpoint: object, end: object) -> None:
         super().__init__(f"{channel}: refusing to move the checkpoint back from {checkpoint} to {end}")
         self.channel = channel
+
+
+class NotLeaderError(MetaError):
+    """A coordinator write was refused: the writer no longer holds the election it won
+    (its term's election key is gone or belongs to a newer leader). Nothing was written."""
+
+    def __init__(self, key: str, create_revision: int, found: int | None) -> None:
+        holder = "nobody holds it" if found is None else f"the leader elected at revision {found} holds it"
+        super().__init__(
+            f"not the leader any more: {key} was created at revision {create_revision} for this "
+            f"writer's term, now {holder}; the write was rejected and nothing was committed"
+        )
+        self.key = key
+        self.create_revision = create_revision
+        self.found = found

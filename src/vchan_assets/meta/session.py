@@ -14,11 +14,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vchan_assets.meta.codec import Model
 from vchan_assets.meta.errors import CasConflictError, MetaError, MetaUnavailableError
-from vchan_assets.meta.store import KeyValue, MetaStore
+from vchan_assets.meta.store import Fence, KeyValue, MetaStore
 from vchan_assets.model import NodeSession
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Session:
         self.local_ttl = min(ttl, max(1, round(ttl)))
         self.on_expired = on_expired
         self.lease_id: int | None = None
+        self.create_revision = 0  # of the key, when registered: the term of an election
         self.expiry_reason: str | None = None
         self.keepalive_failures = 0  # metric
         self._last_ok = 0.0  # monotonic time at which the last successful keep-alive was sent
@@ -107,7 +109,7 @@ class Session:
         sent = time.monotonic()
         lease_id = self.store.grant(self.ttl)
         try:
-            self.store.cas(self.key, 0, self.value, lease=lease_id)
+            self.create_revision = self.store.cas(self.key, 0, self.value, lease=lease_id)
         except CasConflictError:
             holder = self.store.get(self.key)
             self._revoke_quietly(lease_id)
@@ -274,6 +276,13 @@ class Election:
     def session(self) -> Session | None:
         return self._session
 
+    def fence(self) -> Fence | None:
+        """This leader's term, to fence its writes with (None while not leading)."""
+        session = self._session
+        if session is None or not session.alive:
+            return None
+        return Fence(self.key, session.create_revision)
+
     def leader(self) -> KeyValue | None:
         """The current leader's key and value, or None if there is none."""
         return self.store.get(self.key)
@@ -324,3 +333,42 @@ class Election:
         log.error("%s: leadership lost", self.key)
         if self.on_lost is not None:
             self.on_lost()
+
+
+@dataclass(frozen=True)
+class Term:
+    """A leader's term held by ticks rather than a keep-alive thread (a Dagster sensor):
+    the etcd lease its election key lives on, and the fence of its writes."""
+
+    lease_id: int
+    fence: Fence
+
+
+def hold_term(
+    store: MetaStore, key: str, value: Value, ttl: float, term: Term | None
+) -> tuple[Term | None, bool]:
+    """One tick of a tick-hosted contender in the election on `key`: refresh `term`'s lease
+    and keep leading while the key is still the one created for it; otherwise try to win
+    (create the key on a fresh lease, CAS on version 0), exactly as `Election.try_acquire`.
+    Returns (the term, or None while another contender leads; whether it is a new term).
+    Liveness is the ticks: stop ticking and the lease expires after `ttl`."""
+    if term is not None:
+        try:
+            alive = store.keepalive(term.lease_id) > 0
+        except MetaUnavailableError:
+            raise
+        except MetaError:  # etcd no longer knows the lease
+            alive = False
+        held = store.get(key)
+        if alive and held is not None and held.create_revision == term.fence.create_revision:
+            return term, False
+    if store.get(key) is not None:
+        return None, False
+    lease_id = store.grant(ttl)
+    try:
+        revision = store.cas(key, 0, value, lease=lease_id)
+    except CasConflictError:
+        store.revoke(lease_id)
+        return None, False
+    log.info("%s: became the leader on lease %s (tick-hosted)", key, lease_id)
+    return Term(lease_id, Fence(key, revision)), True

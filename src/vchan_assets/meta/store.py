@@ -10,6 +10,7 @@ Every call has the settings' timeout, so an etcd that is down gives a
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from vchan_assets.meta.errors import (
     MalformedValueError,
     MetaError,
     MetaUnavailableError,
+    NotLeaderError,
 )
 from vchan_assets.meta.keys import Keys
 from vchan_assets.model import ChannelLease
@@ -87,14 +89,60 @@ def _as_bytes(value: bytes | Model | dict[str, Any]) -> bytes:
     return value if isinstance(value, bytes) else encode(value)
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A leader's term: its election key as created when it won (`create_revision`). A
+    write fenced by it commits only while that key still exists with that create revision,
+    so a deposed leader still in the middle of a step writes nothing."""
+
+    key: str
+    create_revision: int
+
+
 class MetaStore:
-    """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions."""
+    """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions.
+
+    `fenced(fence)` gives a view of the same connection whose every write is also
+    conditional on the leader's term (coordinator writes: watch infos, leases, segments)."""
 
     def __init__(self, client: etcd3.MultiEndpointEtcd3Client, endpoints: Sequence[str], keys: Keys):
         self.client = client
         self.endpoints = tuple(endpoints)
         self.keys = keys
         self.malformed_skipped = 0  # values skipped because they did not decode (each is logged)
+        self.fence: Fence | None = None
+
+    def fenced(self, fence: Fence) -> MetaStore:
+        """This store (same connection) with every write fenced by `fence`; a refused write
+        raises NotLeaderError."""
+        view = copy.copy(self)
+        view.fence = fence
+        return view
+
+    def _fence_compare(self) -> list[Any]:
+        if self.fence is None:
+            return []
+        return [self.client.transactions.create(self.fence.key) == self.fence.create_revision]
+
+    def _check_fence(self) -> None:
+        """After a refused transaction: NotLeaderError if the fence is what refused it."""
+        if self.fence is None:
+            return
+        held = self.get(self.fence.key)
+        found = None if held is None else held.create_revision
+        if found != self.fence.create_revision:
+            raise NotLeaderError(self.fence.key, self.fence.create_revision, found)
+
+    def _fenced_ops(self, operation: str, success: list[Any]) -> int:
+        """`success` in one transaction under the fence (NotLeaderError if refused)."""
+        with self._call(operation):
+            ok, responses = self.client.transaction(
+                compare=self._fence_compare(), success=success, failure=[]
+            )
+        if not ok:
+            self._check_fence()
+            raise MetaError(f"{operation} was refused without a visible cause")
+        return _txn_revision(responses)
 
     # --- construction ----------------------------------------------------------------
 
@@ -187,15 +235,26 @@ class MetaStore:
     # --- writes ---------------------------------------------------------------------
 
     def put(self, key: str, value: bytes | Model | dict[str, Any], lease: int | None = None) -> int:
+        if self.fence is not None:
+            tx = self.client.transactions
+            return self._fenced_ops(f"put {key}", [tx.put(key, _as_bytes(value), lease=lease)])
         with self._call(f"put {key}"):
             resp = self.client.put(key, _as_bytes(value), lease=lease)
         return int(resp.header.revision)
 
     def delete(self, key: str) -> bool:
+        if self.fence is not None:
+            found = self.get(key) is not None
+            self._fenced_ops(f"delete {key}", [self.client.transactions.delete(key)])
+            return found
         with self._call(f"delete {key}"):
             return bool(self.client.delete(key))
 
     def delete_prefix(self, prefix: str) -> None:
+        if self.fence is not None:
+            end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+            self._fenced_ops(f"delete {prefix}", [self.client.transactions.delete(prefix, range_end=end)])
+            return
         with self._call(f"delete {prefix}"):
             self.client.delete_prefix(prefix)
 
@@ -213,9 +272,12 @@ class MetaStore:
         op = tx.delete(key) if value is None else tx.put(key, _as_bytes(value), lease=lease)
         with self._call(f"compare-and-swap {key}"):
             ok, responses = self.client.transaction(
-                compare=[tx.version(key) == expected_version], success=[op], failure=[tx.get(key)]
+                compare=[tx.version(key) == expected_version, *self._fence_compare()],
+                success=[op],
+                failure=[tx.get(key)],
             )
         if not ok:
+            self._check_fence()
             found = responses[0][0][1].version if responses and responses[0] else 0
             # (responses hold (value, KVMetadata) pairs for the failure branch's get)
             raise CasConflictError(key, expected_version, found)
@@ -235,8 +297,12 @@ class MetaStore:
         keys = ", ".join([*puts, *deletes])
         with self._call(f"transaction on {keys}"):
             ok, responses = self.client.transaction(
-                compare=[tx.version(k) == v for k, v in expect_versions.items()], success=success, failure=[]
+                compare=[tx.version(k) == v for k, v in expect_versions.items()] + self._fence_compare(),
+                success=success,
+                failure=[],
             )
+        if not ok:
+            self._check_fence()
         return _txn_revision(responses) if ok else None
 
     def guarded_txn(
@@ -260,12 +326,13 @@ class MetaStore:
         success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()]
         success += [tx.delete(k) for k in deletes]
         compare = [tx.value(lease_key) == encode(lease)]
-        compare += [tx.version(k) == v for k, v in expect.items()]
+        compare += [tx.version(k) == v for k, v in expect.items()] + self._fence_compare()
         failure = [tx.get(lease_key)] + [tx.get(k) for k in expect]
         with self._call(f"guarded commit on {channel}"):
             ok, responses = self.client.transaction(compare=compare, success=success, failure=failure)
         if ok:
             return _txn_revision(responses)
+        self._check_fence()
         current = responses[0][0][0] if responses and responses[0] else None
         if current != encode(lease):
             found = None
@@ -290,10 +357,12 @@ class MetaStore:
         tx = self.client.transactions
         with self._call(f"lock {key}"):
             ok, responses = self.client.transaction(
-                compare=[tx.version(key) == 0],
+                compare=[tx.version(key) == 0, *self._fence_compare()],
                 success=[tx.put(key, value, lease=lease), tx.get(read), tx.get(key)],
                 failure=[tx.get(key)],
             )
+        if not ok:
+            self._check_fence()
         ranges = [_range_kv(r) for r in responses if isinstance(r, list)]
         if not ok:
             return ranges[0], None
@@ -312,8 +381,12 @@ class MetaStore:
         success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
         with self._call(f"commit under {key}"):
             ok, _ = self.client.transaction(
-                compare=[tx.create(key) == create_revision], success=success, failure=[]
+                compare=[tx.create(key) == create_revision, *self._fence_compare()],
+                success=success,
+                failure=[],
             )
+        if not ok:
+            self._check_fence()
         return bool(ok)
 
     def read_lease(self, channel: str) -> ChannelLease | None:

@@ -1,0 +1,89 @@
+"""The DataCoord sensor is the coordinator: it campaigns in the election `vchan datacoord`
+uses and runs the same tick (recovery of Flushing segments, seal policies, reconcile)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import dagster as dg
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.coordinator import DataCoordinator
+from vchan_assets.datacoord.segment_manager import SegmentManager
+from vchan_assets.defs.resources import VchanResource
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState
+from vchan_assets.wal.producer import Producer, generate_rows
+
+from .conftest import SCHEMA
+from .helpers import NODE1, CoordinatorTicks, evaluate, skip_message
+
+
+def segment_states(store: MetaStore, collection: CollectionInfo) -> dict[int, SegmentState]:
+    found, _ = store.list_models(store.keys.segments(collection.id), SegmentInfo)
+    return {d.model.id: d.model.state for d in found}
+
+
+def test_the_sensor_recovers_flushing_segments_and_seals_by_policy(
+    instance: dg.DagsterInstance,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    first, second = collection.vchannels
+    producer.insert(collection.name, generate_rows(SCHEMA, 40, start_pk=1, seed=1))
+    flush_ts = SegmentManager(store, dsettings).flush(collection.id)
+    flushing = segment_states(store, collection)
+    assert set(flushing.values()) == {SegmentState.FLUSHING}
+    # The first channel's checkpoint passed the flush: its segments are complete.
+    store.put(store.keys.channel_checkpoint(first), MsgPosition(first, 10_000, flush_ts + 1))
+    producer.insert(collection.name, generate_rows(SCHEMA, 40, start_pk=100, seed=2))
+    growing = set(segment_states(store, collection)) - set(flushing)
+    assert growing
+    short_life = VchanResource.from_settings(replace(dsettings, segment_max_life=1e-6))
+
+    result = CoordinatorTicks(instance, short_life).tick()
+
+    states = segment_states(store, collection)
+    found, _ = store.list_models(store.keys.segments(collection.id), SegmentInfo)
+    channel_of = {d.model.id: d.model.vchannel for d in found}
+    done = {SegmentState.FLUSHED, SegmentState.DROPPED}  # Dropped: a segment with no rows
+    for seg in flushing:
+        assert states[seg] in (done if channel_of[seg] == first else {SegmentState.FLUSHING})
+    assert {states[seg] for seg in growing} == {SegmentState.SEALED}, result.skip_reason
+    assert "recovered" in skip_message(result) and "sealed" in skip_message(result)
+
+
+def test_the_sensor_stands_by_while_a_datacoord_process_leads_and_takes_over_after(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    collection: CollectionInfo,
+) -> None:
+    evaluate(NODE1, instance, vchan)  # a live DataNode to assign channels to
+    process = DataCoordinator(dsettings, store)
+    assert process.election.campaign(timeout=10)
+    sensor = CoordinatorTicks(instance, vchan)
+    watch_root = store.keys.channel_watch_root()
+    try:
+        idle = sensor.tick()
+        assert "standby" in skip_message(idle)
+        assert store.list_prefix(watch_root).items == []  # the process leads: the sensor writes nothing
+
+        process.election.resign()
+        sensor.tick()
+        assert len(store.list_prefix(watch_root).items) == len(collection.vchannels)
+
+        # The sensor holds the term now: the process cannot win it until the sensor's
+        # lease is gone (its ticks stopped past the TTL; here revoked at once).
+        assert not process.election.try_acquire()
+        from vchan_assets.defs.cluster.datacoord import CoordinatorCursor
+
+        term = CoordinatorCursor.parse(sensor.cursor)
+        store.revoke(term.lease_id)
+        assert process.election.try_acquire()
+        assert "standby" in skip_message(sensor.tick())
+    finally:
+        process.election.resign()
