@@ -6,8 +6,12 @@ python producer_child.py insert COLLECTION START_PK BATCHES ROWS [KILL_AT_BATCH 
     inserts BATCHES batches of ROWS generated rows (pks from START_PK, `generate_rows` with
     seed = first pk of the batch), printing "batch I" after each. With KILL_AT_BATCH, the
     failpoint FAILPOINT is armed before that batch: the process SIGKILLs itself there.
-python producer_child.py flush COLLECTION INTERVAL STOP_FILE
-    flushes every INTERVAL seconds until STOP_FILE exists, printing "flush TS" each time.
+    With FLUSH_COUNT_FILE=PATH set, after half the batches it waits until the flusher's
+    count in PATH has grown: a flush then falls between this producer's batches, whatever
+    the speed of either process.
+python producer_child.py flush COLLECTION INTERVAL STOP_FILE [COUNT_FILE]
+    flushes every INTERVAL seconds until STOP_FILE exists, printing "flush TS" each time and
+    writing the number of flushes done so far to COUNT_FILE.
 """
 
 from __future__ import annotations
@@ -25,6 +29,53 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "f": "float", "s": "string", "b": "bool"})
+FLUSH_COUNT_ENV = "FLUSH_COUNT_FILE"
+HANDSHAKE_TIMEOUT = 300.0  # a hang guard only: the handshake itself does not depend on speed
+
+
+def flush_count(path: Path) -> int:
+    return int(path.read_text()) if path.exists() else 0
+
+
+def write_flush_count(path: Path, count: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(count))
+    os.replace(tmp, path)  # atomic: a reader sees the old count or the new one
+
+
+def wait_for_a_flush(path: Path) -> None:
+    seen = flush_count(path)
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    while flush_count(path) <= seen:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no flush recorded in {path} within {HANDSHAKE_TIMEOUT}s")
+        time.sleep(0.05)
+
+
+def insert(producer: Producer, collection: str, args: list[str]) -> None:
+    start, batches, rows = int(args[0]), int(args[1]), int(args[2])
+    kill_at = int(args[3]) if len(args) > 3 else -1
+    gate = os.environ.get(FLUSH_COUNT_ENV)
+    for i in range(batches):
+        if i == kill_at:
+            os.environ[ENV] = args[4]
+        if gate and i == batches // 2:
+            wait_for_a_flush(Path(gate))
+        first = start + i * rows
+        producer.insert(collection, generate_rows(SCHEMA, rows, start_pk=first, seed=first))
+        print("batch", i, flush=True)
+
+
+def flush(producer: Producer, collection: str, args: list[str]) -> None:
+    interval, stop = float(args[0]), Path(args[1])
+    count_file = Path(args[2]) if len(args) > 2 else None
+    done = 0
+    while not stop.exists():
+        print("flush", producer.flush(collection), flush=True)
+        done += 1
+        if count_file is not None:
+            write_flush_count(count_file, done)
+        time.sleep(interval)
 
 
 def main(mode: str, collection: str, *args: str) -> int:
@@ -32,19 +83,9 @@ def main(mode: str, collection: str, *args: str) -> int:
     store = MetaStore.connect(settings)
     producer = Producer(store, Storage.from_settings(settings), settings)
     if mode == "insert":
-        start, batches, rows = int(args[0]), int(args[1]), int(args[2])
-        kill_at = int(args[3]) if len(args) > 3 else -1
-        for i in range(batches):
-            if i == kill_at:
-                os.environ[ENV] = args[4]
-            first = start + i * rows
-            producer.insert(collection, generate_rows(SCHEMA, rows, start_pk=first, seed=first))
-            print("batch", i, flush=True)
+        insert(producer, collection, list(args))
     else:
-        interval, stop = float(args[0]), Path(args[1])
-        while not stop.exists():
-            print("flush", producer.flush(collection), flush=True)
-            time.sleep(interval)
+        flush(producer, collection, list(args))
     producer.close()
     store.close()
     return 0

@@ -29,7 +29,7 @@ from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
-from wal.producer_child import SCHEMA
+from wal.producer_child import FLUSH_COUNT_ENV, SCHEMA
 
 CHILD = Path(__file__).parent / "producer_child.py"
 
@@ -40,10 +40,10 @@ def child_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def start(settings: Settings, *args: object) -> subprocess.Popen[str]:
+def start(settings: Settings, *args: object, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(CHILD), *map(str, args)],
-        env=child_env(settings),
+        env={**child_env(settings), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -124,18 +124,26 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
     producer = Producer(store, storage, fast)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
     batches, rows = 12, 400
-    stop = tmp_path / "stop"
-    flusher = start(fast, "flush", info.name, 1.0, stop)
-    children = [start(fast, "insert", info.name, 100_000 * (k + 1), batches, rows) for k in range(4)]
+    stop, flush_count = tmp_path / "stop", tmp_path / "flushes"
+    flusher = start(fast, "flush", info.name, 0.5, stop, flush_count)
+    # Each producer, halfway through, waits for the flusher's count to grow: at least one
+    # flush falls between every producer's batches, however fast either side runs.
+    gate = {FLUSH_COUNT_ENV: str(flush_count)}
+    children = [
+        start(fast, "insert", info.name, 100_000 * (k + 1), batches, rows, env=gate) for k in range(4)
+    ]
     for child in children:
         finish(child)
     stop.touch()
-    flushes = finish(flusher).split()
-    assert flushes.count("flush") >= 2, "the flusher should have flushed while producers ran"
+    flush_stamps = [int(line.split()[1]) for line in finish(flusher).splitlines()]
 
     flush_ts = producer.flush(info.name)
     logs = check_log(storage, info)
     counts = inserted_pks(logs)
+    insert_ts = [t for table in logs.values() for t in table["timestamp"].to_pylist()]
+    assert any(min(insert_ts) < ts < max(insert_ts) for ts in flush_stamps), (
+        "a flush should fall between the producers' inserts"
+    )
     produced = pa.concat_tables(
         [t for k in range(4) for t in expected_rows(100_000 * (k + 1), batches, rows)]
     )
