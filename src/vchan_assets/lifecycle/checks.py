@@ -2,7 +2,8 @@
 report after every step), usable without Dagster:
 
 - `check_rows_conserved`: for each completed compaction, rows in = rows out + the rows of
-  its inputs that a delete removes (recomputed from the input files, kept until GC);
+  its inputs that the deletes it applied remove (recomputed from the input files and the
+  delta logs the plan recorded, kept until GC);
 - `check_unique_live_pks`: no primary key in two live segments of a vchannel;
 - `check_live_files_exist`: every file named by the meta of a live segment exists;
 - `storage_figures`: storage bytes and file counts (binlogs, log), for metadata over time.
@@ -44,31 +45,48 @@ def _live_l1(segments: Sequence[SegmentInfo]) -> list[SegmentInfo]:
 def check_rows_conserved(store: MetaStore, storage: Storage, plans: Sequence[CompactionPlan]) -> CheckOutcome:
     segments = {s.id: s for s in _segments(store)}
     bad = []
+    gone = 0
     plans = [p for p in plans if p.type is not CompactionType.L0]  # L0: no rows in or out
     for p in plans:
-        inputs = [segments[i] for i in p.input_ids if i in segments]
-        if len(inputs) != len(p.inputs):
-            continue  # garbage-collected since: nothing left to recompute from
-        pk = CollectionRegistry(store).get(p.collection_id, include_dropped=True).schema.primary.name
-        rows = read_files(
-            storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
-        )
-        # The deletes the compaction applied: the live ones of the partition and its inputs' own.
-        paths = {
-            *delete_paths(list(segments.values()), p.partition_id),
-            *(b.path for s in inputs for b in s.deltalogs),
-        }
-        deletes = read_files(storage, sorted(paths), DELETE_COLUMNS)
-        rows = rows if rows is not None else pa.table({pk: pa.array([], pa.int64())})
-        kept = apply_deletes_to(rows, deletes or empty_deletes(), pk).num_rows
-        if p.rows_in != rows.num_rows or p.rows_out != kept:
-            bad.append(f"plan {p.plan_id}: in {p.rows_in}/{rows.num_rows}, out {p.rows_out}/{kept}")
+        counted = _recount(store, storage, p, segments)
+        if counted is None:
+            gone += 1
+        elif counted != (p.rows_in, p.rows_out):
+            bad.append(f"plan {p.plan_id}: in {p.rows_in}/{counted[0]}, out {p.rows_out}/{counted[1]}")
     return CheckOutcome(
         not bad,
         f"{len(plans)} compactions: rows in = rows out + deleted rows"
+        + (f" ({gone} no longer checkable: files garbage-collected)" if gone else "")
         + (f"; wrong: {bad[:3]}" if bad else ""),
-        {"compactions": len(plans), "wrong": len(bad)},
+        {"compactions": len(plans), "wrong": len(bad), "garbage_collected": gone},
     )
+
+
+def _recount(
+    store: MetaStore, storage: Storage, p: CompactionPlan, segments: dict[int, SegmentInfo]
+) -> tuple[int, int] | None:
+    """(rows in, rows left after the deletes the plan applied), from the input files; None
+    once GC removed what it would read."""
+    inputs = [segments[i] for i in p.input_ids if i in segments]
+    # The deletes the compaction applied (recorded at commit), not those a sync added since;
+    # for plans written before that record: the live ones of the partition and the inputs'.
+    paths = (
+        set(p.deletes_applied)
+        if p.deletes_applied is not None
+        else {
+            *delete_paths(list(segments.values()), p.partition_id),
+            *(b.path for s in inputs for b in s.deltalogs),
+        }
+    )
+    if len(inputs) != len(p.inputs) or not all(storage.exists(path) for path in paths):
+        return None
+    pk = CollectionRegistry(store).get(p.collection_id, include_dropped=True).schema.primary.name
+    rows = read_files(
+        storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
+    )
+    rows = rows if rows is not None else pa.table({pk: pa.array([], pa.int64())})
+    deletes = read_files(storage, sorted(paths), DELETE_COLUMNS)
+    return rows.num_rows, apply_deletes_to(rows, deletes or empty_deletes(), pk).num_rows
 
 
 def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:

@@ -397,6 +397,7 @@ class CompactionExecutor:
                 rows_out=rows_out,
                 bytes_in=result.bytes_in,
                 bytes_out=sum(b.size_bytes for s in result.segments for b in s.binlog_files),
+                deletes_applied=result.deletes_applied,
             )
         except CompactionConflictError as exc:
             log.warning("%s", exc)

@@ -20,7 +20,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.meta.errors import CasConflictError, MetaError
@@ -70,6 +70,11 @@ class CompactionPlan(Record):
     rows_out: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    # The delta logs the compaction applied (set at commit; None on plans written before):
+    # what the rows check recomputes with, not deletes synced since.
+    deletes_applied: tuple[str, ...] | None = None
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deletes_applied"})
 
     @property
     def input_ids(self) -> tuple[int, ...]:

@@ -74,6 +74,7 @@ class CompactionOutput:
     rows_in: int
     bytes_in: int
     changed: tuple[SegmentInfo, ...] = ()  # L0 compaction: targets with their new delta logs
+    deletes_applied: tuple[str, ...] = ()  # the delta logs whose deletes removed input rows
 
 
 LOG_IDS_PER_PLAN = 10_000
@@ -95,7 +96,9 @@ def run_compaction(spec: CompactionSpec) -> CompactionOutput:
         if chunk.num_rows:
             outputs.append(_write_output(spec, seg_id, chunk, log_ids))
     bytes_in = sum(b.size_bytes for s in spec.inputs for b in s.binlog_files)
-    return CompactionOutput(spec.plan_id, tuple(outputs), rows_in, bytes_in)
+    return CompactionOutput(
+        spec.plan_id, tuple(outputs), rows_in, bytes_in, deletes_applied=spec.delete_paths
+    )
 
 
 def run_l0_compaction(spec: CompactionSpec) -> CompactionOutput:
