@@ -7,8 +7,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.checks import (
     check_live_files_exist,
@@ -17,10 +20,11 @@ from vchan_assets.lifecycle.checks import (
 )
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType, PlanState
+from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
-from vchan_assets.wal.producer import Producer
+from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import SCHEMA, Produced, flushed_batches, live_l1, sync_all
 
@@ -92,3 +96,32 @@ def test_files_check_fails_naming_a_file_live_meta_names_and_storage_lost(
     storage.delete(victim)
     outcome = check_live_files_exist(store, storage)
     assert not outcome.passed and victim in outcome.description
+
+
+def test_a_pk_deleted_then_inserted_again_is_one_live_row_for_the_pk_check_and_after_compaction(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=1)  # 0..9 deleted
+    again = generate_rows(SCHEMA, 5, start_pk=0, seed=777)  # pks 0..4 inserted again, newer than the delete
+    producer.insert(collection.name, again)
+    producer.flush(collection.name)
+    sync_all(store, storage, settings, collection)
+    # The old rows of 0..4 are still in the first segment's files, deleted: not a duplicate.
+    outcome = check_unique_live_pks(store, storage)
+    assert outcome.passed, outcome.description
+    report = lifecycle_step(store, storage, settings, engine="local", collect=False)  # L0, then merge
+    assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
+    assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
+    assert check_unique_live_pks(store, storage).passed
+    rows = Catalog(store, storage, settings).read_collection(collection.name, as_arrow=True)
+    assert isinstance(rows, pa.Table)
+    visible = sorted(rows["pk"].to_pylist())
+    first = sorted(set(produced.table["pk"].to_pylist()) - set(produced.deleted))
+    assert visible == sorted([*first, *range(5)])  # each once: the deletes kept their timestamps
+    newer = rows.filter(pc.less(rows["pk"], 5)).sort_by("pk")
+    assert newer["n"].equals(again.sort_by("pk")["n"]), "the row inserted after the delete is the one kept"
+
+
+def list_plans_of(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
+    found = [store.get_model(store.keys.compaction_plan(p), CompactionPlan) for p in plan_ids]
+    return [d.model for d in found if d is not None]

@@ -226,6 +226,7 @@ def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_dro
     # each batch deleted its own first pks: exactly the segment of that batch got them
     targets = [s for s in live_l1(store, collection) if s.deltalogs]
     assert len(targets) == 3 and all(s.state is SegmentState.FLUSHED for s in targets)
+    assert all(len(s.deltalogs) == 1 for s in targets), "one delta log per target"
     moved = sorted(
         pk for s in targets for b in s.deltalogs for pk in storage.read_parquet(b.path)["pk"].to_pylist()
     )

@@ -4,7 +4,7 @@ report after every step), usable without Dagster:
 - `check_rows_conserved`: for each completed compaction, rows in = rows out + the rows of
   its inputs that the deletes it applied remove (recomputed from the input files and the
   delta logs the plan recorded, kept until GC);
-- `check_unique_live_pks`: no primary key in two live segments of a vchannel;
+- `check_unique_live_pks`: no primary key visible (not deleted) in two live segments of a vchannel;
 - `check_live_files_exist`: every file named by the meta of a live segment exists;
 - `storage_figures`: storage bytes and file counts (binlogs, log), for metadata over time.
 """
@@ -90,23 +90,34 @@ def _recount(
 
 
 def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
+    """No pk visible in two live segments of a vchannel: deleted rows (a delete newer than
+    the row, in its partition) do not count, so a pk deleted then inserted again is one row."""
+    segments = _segments(store)
     by_channel: dict[tuple[int, str], list[SegmentInfo]] = defaultdict(list)
-    for s in _live_l1(_segments(store)):
+    for s in _live_l1(segments):
         by_channel[(s.collection_id, s.vchannel)].append(s)
     duplicates = 0
     rows = 0
     catalog = CollectionRegistry(store)
     for (collection_id, _), segs in by_channel.items():
         pk = catalog.get(collection_id, include_dropped=True).schema.primary.name
-        pks = read_files(storage, [b.path for s in segs for g in s.binlogs[:1] for b in g.logs], [pk])
-        if pks is None:
-            continue
-        counts = Counter(pks[pk].to_pylist())
-        rows += pks.num_rows
+        counts: Counter[object] = Counter()
+        for partition in {s.partition_id for s in segs}:
+            paths = [
+                b.path for s in segs if s.partition_id == partition for g in s.binlogs[:1] for b in g.logs
+            ]
+            found = read_files(storage, paths, [pk, "timestamp"])
+            if found is None:
+                continue
+            deletes = read_files(storage, delete_paths(segments, partition), DELETE_COLUMNS)
+            visible = apply_deletes_to(found, deletes or empty_deletes(), pk)
+            counts.update(visible[pk].to_pylist())
+            rows += visible.num_rows
         duplicates += sum(c - 1 for c in counts.values() if c > 1)
     return CheckOutcome(
         duplicates == 0,
-        f"{rows} rows in live segments of {len(by_channel)} vchannels, {duplicates} duplicated primary keys",
+        f"{rows} visible rows in live segments of {len(by_channel)} vchannels, "
+        f"{duplicates} duplicated primary keys",
         {"rows": rows, "duplicates": duplicates},
     )
 

@@ -48,7 +48,7 @@ LIFECYCLE_CHECKS = [
     dg.AssetCheckSpec(
         CHECK_UNIQUE,
         asset=COMPACTED_SEGMENTS,
-        description="No primary key in two live segments of a vchannel.",
+        description="No primary key visible in two live segments of a vchannel (rows a newer delete removes do not count).",
     ),
     dg.AssetCheckSpec(
         CHECK_FILES,
