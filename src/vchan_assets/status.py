@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 import pandas as pd
@@ -93,16 +93,24 @@ def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> l
 
 
 def _segment_rows(segments: pd.DataFrame) -> list[dict[str, Any]]:
-    by_state: Counter[tuple[str, str, str]] = Counter()
-    rows_by_state: Counter[tuple[str, str, str]] = Counter()
+    """Per (collection, state, level): segments, rows, how many are sorted by pk and how many
+    a compaction wrote (their `compaction_from` names the segments they replaced)."""
+    counts: dict[tuple[str, str, str], Counter[str]] = defaultdict(Counter)
     for _, seg in segments.iterrows():
         key = (str(seg["collection"]), str(seg["state"]), str(seg["level"]))
-        by_state[key] += 1
-        rows_by_state[key] += int(seg["num_rows"])
+        counts[key].update(
+            segments=1,
+            rows=int(seg["num_rows"]),
+            sorted=int(bool(seg["is_sorted"])),
+            compacted=int(len(seg["compaction_from"]) > 0),
+        )
     return [
-        {"collection": c, "state": s, "level": lvl, "segments": n, "rows": rows_by_state[(c, s, lvl)]}
-        for (c, s, lvl), n in sorted(by_state.items())
+        {"collection": c, "state": s, "level": lvl, **{k: n[k] for k in SEGMENT_COUNTS}}
+        for (c, s, lvl), n in sorted(counts.items())
     ]
+
+
+SEGMENT_COUNTS = ("segments", "rows", "sorted", "compacted")
 
 
 def _channel_warnings(
@@ -287,10 +295,10 @@ def render_status(report: dict[str, Any]) -> Group:
         )
 
     segments = Table(title="segments by state", title_justify="left")
-    for column in ("collection", "state", "level", "segments", "rows"):
-        segments.add_column(column, justify="right" if column in ("segments", "rows") else "left")
+    for column in ("collection", "state", "level", *SEGMENT_COUNTS):
+        segments.add_column(column, justify="right" if column in SEGMENT_COUNTS else "left")
     for s in report["segments"]:
-        segments.add_row(s["collection"], s["state"], s["level"], _cell(s["segments"]), _cell(s["rows"]))
+        segments.add_row(s["collection"], s["state"], s["level"], *(_cell(s[k]) for k in SEGMENT_COUNTS))
 
     plans = _recent(
         "compaction plans", report.get("compactions", []), COMPACTION_COLUMNS, "no compaction plan"

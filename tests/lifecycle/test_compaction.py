@@ -279,3 +279,12 @@ def test_status_lists_the_compaction_plans(
     console.print(render_status(report))
     text = console.export_text()
     assert "compaction plans" in text and f"{plan['plan_id']:,}" in text
+    # once run: the merged segment counts as sorted and compacted, its inputs as Dropped
+    assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
+    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    by_state = {(s["state"], s["level"]): s for s in report["segments"] if s["collection"] == collection.name}
+    assert by_state[("Flushed", "L1")]["segments"] == by_state[("Flushed", "L1")]["sorted"] == 1
+    assert by_state[("Flushed", "L1")]["compacted"] == 1 and by_state[("Dropped", "L1")]["segments"] == 2
+    console = Console(width=200, record=True)
+    console.print(render_status(report))
+    assert "compacted" in console.export_text()
