@@ -1,12 +1,17 @@
 """Named failpoints, the way etcd's gofail works: a test sets VCHAN_FAILPOINT to
 `name` (or `name=kill`) and the process SIGKILLs itself exactly at that step, or to
-`name=stop` and the process SIGSTOPs itself there (after touching
-`$VCHAN_FAILPOINT_MARKER` if set) until the test sends SIGCONT.
+`name=stop` and the process SIGSTOPs itself there (after writing the failpoint's name and
+the pid to `$VCHAN_FAILPOINT_MARKER` if set) until the test sends SIGCONT. `kill-once` and
+`stop-once` fire in the first process that gets there only (the one that creates the
+marker, which they require): for Spark tasks, where every executor's Python workers
+have the same environment and a retried task must run through.
 
 Names used by the sync task, in commit order:
   after_binlogs        binlog files written, no meta yet
   after_segment_meta   the first segment-meta transaction committed, maybe not all
   before_checkpoint    all segment meta committed, channel checkpoint not yet
+and inside each sync task (a Spark Python worker, or the local engine's process):
+  task_written         the task wrote its files, their paths not yet returned
 
 by bulk import (imports/executor.py): import_after_preimport, import_after_binlogs,
 import_before_commit; by the lifecycle: compaction_after_files, compaction_after_commit,
@@ -35,11 +40,26 @@ def failpoint(name: str) -> None:
     if point != name:
         return
     marker = os.environ.get(MARKER_ENV)
-    if marker:
-        Path(marker).write_text(name)
+    if action.endswith("-once"):
+        action = action.removesuffix("-once")
+        if not marker or not _first_to_mark(marker, name):
+            return
+    elif marker:
+        Path(marker).write_text(f"{name} {os.getpid()}")
     if action in ("", "kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
-        raise ValueError(f"{ENV}={spec!r}: action must be kill or stop")
+        raise ValueError(f"{ENV}={spec!r}: action must be kill, stop, kill-once or stop-once")
+
+
+def _first_to_mark(marker: str, name: str) -> bool:
+    """Create the marker atomically; False if another process already did."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{name} {os.getpid()}")
+    return True

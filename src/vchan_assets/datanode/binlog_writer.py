@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.datanode.stats import PkStats
+from vchan_assets.failpoints import failpoint
 from vchan_assets.model import CollectionSchema
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log_key
@@ -277,7 +278,9 @@ def _span(rows: pa.Table) -> tuple[int, int, int, int, int, int]:
 
 
 def run_task(spec: TaskSpec) -> list[WrittenFile]:
-    return TaskWriter(spec).run()
+    written = TaskWriter(spec).run()
+    failpoint("task_written")
+    return written
 
 
 def run_tasks(

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import pid_alive
-from vchan_assets.spark.session import spark_conf
+from vchan_assets.spark.session import cluster_conf, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ class LocalSparkConnect:
             return url
         self.home.mkdir(parents=True, exist_ok=True)
         port = _free_port()
-        conf = {**spark_conf(Settings(spark_partitions=self.partitions)), "spark.app.name": "vchan-connect"}
+        settings = Settings(spark_partitions=self.partitions, spark_master=self.master)
+        conf = {**spark_conf(settings), **cluster_conf(settings), "spark.app.name": "vchan-connect"}
         conf["spark.connect.grpc.binding.port"] = str(port)
         conf["spark.connect.grpc.binding.address"] = "127.0.0.1"
         args = [str(_pyspark_home() / "bin" / "spark-submit"), "--master", self.master]

@@ -20,6 +20,8 @@ from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import SparkSession
 
 from vchan_assets.config import Settings
+from vchan_assets.failpoints import ENV as FAILPOINT_ENV
+from vchan_assets.failpoints import MARKER_ENV as FAILPOINT_MARKER_ENV
 from vchan_assets.spark.datasource import register
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,23 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     }
 
 
+def cluster_conf(settings: Settings) -> dict[str, str]:
+    """Extra settings when the master is a cluster (the driver runs no tasks itself)."""
+    if settings.spark_master.startswith("local"):
+        return {}
+    conf = {
+        # A sync job is a few long tasks: let every executor register before the first job,
+        # or they all queue on the first executor that did.
+        "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+        "spark.scheduler.maxRegisteredResourcesWaitingTime": "30s",
+    }
+    # Failpoints (crash tests) reach the tasks' Python workers on the executors.
+    for name in (FAILPOINT_ENV, FAILPOINT_MARKER_ENV):
+        if os.environ.get(name):
+            conf[f"spark.executorEnv.{name}"] = os.environ[name]
+    return conf
+
+
 def get_spark(settings: Settings) -> SparkSession:
     """The process's SparkSession (created on first use)."""
     # Python workers must run this interpreter (the venv that has vchan_assets), not `python3`.
@@ -62,7 +81,7 @@ def get_spark(settings: Settings) -> SparkSession:
         builder = builder.remote(settings.spark_remote)
     else:
         builder = builder.master(settings.spark_master)
-        for key, value in spark_conf(settings).items():
+        for key, value in {**spark_conf(settings), **cluster_conf(settings)}.items():
             builder = builder.config(key, value)
     spark = _get_or_create(builder)
     if not settings.spark_remote:

@@ -1,0 +1,30 @@
+"""Clusters on loopback, started once per module: a Spark standalone master with two
+workers. Every process is stopped at teardown (and dies with the test run if it crashes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from coord.helpers import Cluster, fast_settings
+
+from vchan_assets.config import Settings
+from vchan_assets.deploy.spark_standalone import SparkStandalone
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkStandalone]:
+    """A master and two workers of 1 core / 1 GB each."""
+    cluster = SparkStandalone(tmp_path_factory.mktemp("spark-standalone"), workers=2, cores=1, memory="1g")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
+    """`vchan datanode` / `vchan datacoord` processes of one test (killed at teardown)."""
+    c = Cluster(fast_settings(settings), tmp_path)
+    yield c
+    c.cleanup()
