@@ -1,5 +1,5 @@
 """Clusters on loopback, started once per module: a Spark standalone master with two
-workers. Every process is stopped at teardown (and dies with the test run if it crashes)."""
+workers, a 3-member etcd. Every process is stopped at teardown (and dies with the test run if it crashes)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from coord.helpers import Cluster, fast_settings
 
 from vchan_assets.config import Settings
+from vchan_assets.deploy.etcd_cluster import EtcdCluster
 from vchan_assets.deploy.spark_standalone import SparkStandalone
 
 
@@ -28,3 +29,11 @@ def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(fast_settings(settings), tmp_path)
     yield c
     c.cleanup()
+
+
+@pytest.fixture(scope="module")
+def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """Three etcd members on loopback."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd3"), size=3).start()
+    yield cluster
+    cluster.stop()
