@@ -3,12 +3,21 @@ directly and through a Spark Connect server that runs on that cluster."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from coord.helpers import Cluster, all_synced, create_collections, owners, wait_until
-from datanode.helpers import Produced, assert_exactly_once, produce, read_deleted, read_inserted, segments
+from coord.helpers import Cluster, all_synced, owners, wait_until
+from datanode.helpers import (
+    SCHEMA,
+    Produced,
+    assert_exactly_once,
+    produce,
+    read_deleted,
+    read_inserted,
+    segments,
+)
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
@@ -20,19 +29,23 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo
 from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
 
 from .spark_events import event_log_conf, python_workers_under, read_event_logs
 
 COLUMNS = ("pk", "n", "f", "s", "b", "vec")
 
 
-def _fill(store: MetaStore, settings: Settings, shards: int) -> tuple[CollectionInfo, Produced]:
-    producer, infos = create_collections(store, settings, count=1, shards=shards)
+def _fill(
+    store: MetaStore, settings: Settings, shards: int, name: str = "c0"
+) -> tuple[CollectionInfo, Produced]:
+    producer = Producer(store, Storage.from_settings(settings), settings)
+    info = producer.create_collection(name, SCHEMA, num_channels=shards)
     produced = Produced()
-    produce(producer, infos[0].name, produced, 600, 1, deletes=7)
-    produce(producer, infos[0].name, produced, 400, 601, deletes=3)
-    producer.time_tick(infos[0].name)
-    return infos[0], produced
+    produce(producer, info.name, produced, 600, 1, deletes=7)
+    produce(producer, info.name, produced, 400, 601, deletes=3)
+    producer.time_tick(info.name)
+    return info, produced
 
 
 def _cluster_env(tmp: Path, spark: dict[str, str]) -> dict[str, str]:
@@ -86,27 +99,26 @@ def _local_reference(settings: Settings, store: MetaStore, tmp: Path, info: Coll
         ref_store.close()
 
 
-def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python_and_writes_what_a_local_run_writes(
+def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python_writes_what_a_local_run_writes_and_commits_once_when_a_worker_dies(
     spark_cluster: SparkStandalone, cluster: Cluster, store: MetaStore, tmp_path: Path
 ) -> None:
+    """One DataNode application (a driver and an executor per worker take most of the
+    time) serves two rounds: a plain sync, then a sync whose worker is killed mid-task."""
     info, produced = _fill(store, cluster.settings, shards=2)
-    _sync_on_cluster(cluster, store, info, _cluster_env(tmp_path, {"VCHAN_SPARK_MASTER": spark_cluster.url}))
+    marker = tmp_path / "task-stopped"
+    marker.write_text("disarmed")  # a *-once failpoint fires only where the marker is created
+    env = _cluster_env(tmp_path, {"VCHAN_SPARK_MASTER": spark_cluster.url})
+    env.update(VCHAN_FAILPOINT="task_written=stop-once", VCHAN_FAILPOINT_MARKER=str(marker))
+    _sync_on_cluster(cluster, store, info, env)
+    node, coordinator = cluster.roles
     # While the node's application runs, each worker JVM has an executor JVM with Python workers.
     for worker in spark_cluster.started:
         assert python_workers_under(worker.pid), f"no Python worker under Spark worker {worker.index}"
-    node_pid = cluster.roles[0].pid
     assert not [
-        p for p in descendants(node_pid) if "pyspark.daemon" in Path(f"/proc/{p}/cmdline").read_text()
+        p for p in descendants(node.pid) if "pyspark.daemon" in Path(f"/proc/{p}/cmdline").read_text()
     ]
-    assert cluster.roles[0].terminate() == 0
-
     storage = Storage.from_settings(cluster.settings)
     assert_exactly_once(store, storage, info, produced)
-    (app,) = read_event_logs(tmp_path / "events")
-    ran_on = app.executors_of_jobs("sync ")
-    assert ran_on and "driver" not in ran_on
-    assert app.worker_ports(ran_on) == {w.ui_port for w in spark_cluster.started}
-
     ref_rows, ref_deletes, ref_shape = _local_reference(cluster.settings, store, tmp_path, info)
     rows = read_inserted(store, storage, info).sort_by("pk")
     ref_rows = ref_rows.sort_by("pk")
@@ -114,6 +126,38 @@ def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python
         assert rows[column].equals(ref_rows[column]), f"column {column} differs from the local run's"
     assert sorted(read_deleted(store, storage, info)) == ref_deletes
     assert _shape(segments(store, info)) == ref_shape
+
+    # Round two: a new channel, filled while the coordinator is paused so that it is
+    # synced in one job; the first task to finish writing its files stops there, in its
+    # worker's Python worker, and that worker dies.
+    coordinator.signal(signal.SIGSTOP)
+    try:
+        info2, produced2 = _fill(store, cluster.settings, shards=1, name="killed")
+        marker.unlink()  # armed
+    finally:
+        coordinator.signal(signal.SIGCONT)
+    wait_until(marker.exists, 120, "a sync task stopped after writing its files")
+    wait_until(lambda: len(marker.read_text().split()) == 2, 5, "the stopped task wrote its pid")
+    stopped_pid = int(marker.read_text().split()[1])
+    (victim,) = [w for w in spark_cluster.started if stopped_pid in descendants(w.pid)]
+    spark_cluster.kill_worker(victim.index)  # the worker, its executor and Python workers
+
+    wait_until(lambda: all_synced(store, storage, [info2]), 120, "the retried sync committed")
+    log = node.log()
+    assert "Lost executor" in log, log[-3000:]  # the driver saw the worker's executor die
+    # Spark re-ran the lost task on the other worker (a lost worker is not the task's
+    # failure), or the job failed and the node's next sync retried it: one commit either way.
+    (vchannel,) = info2.vchannels
+    assert log.count(f"synced {vchannel} ") == 1, log[-3000:]
+    assert_exactly_once(store, storage, info2, produced2)
+    checkpoint = store.get(store.keys.channel_checkpoint(vchannel))
+    assert checkpoint is not None and checkpoint.version == 1, "the checkpoint was committed once"
+    assert node.terminate() == 0
+
+    (app,) = read_event_logs(tmp_path / "events")
+    ran_on = app.executors_of_jobs("sync ")
+    assert ran_on and "driver" not in ran_on
+    assert app.worker_ports(ran_on) == {w.ui_port for w in spark_cluster.started}
 
 
 def test_a_datanode_through_a_spark_connect_server_on_the_standalone_master_syncs_on_the_workers(
@@ -139,33 +183,3 @@ def test_a_datanode_through_a_spark_connect_server_on_the_standalone_master_sync
     ran_on = {executor for _, executor in app.task_executor}
     assert ran_on and "driver" not in ran_on
     assert app.worker_ports(ran_on) <= {w.ui_port for w in spark_cluster.started}
-
-
-def test_a_worker_killed_mid_sync_fails_the_job_and_the_retry_commits_once(
-    spark_cluster: SparkStandalone, cluster: Cluster, store: MetaStore, tmp_path: Path
-) -> None:
-    info, produced = _fill(store, cluster.settings, shards=1)
-    marker = tmp_path / "task-stopped"
-    env = _cluster_env(tmp_path, {"VCHAN_SPARK_MASTER": spark_cluster.url})
-    # The first task to finish writing its files stops there, in its worker's Python worker.
-    env.update(VCHAN_FAILPOINT="task_written=stop-once", VCHAN_FAILPOINT_MARKER=str(marker))
-    cluster.env_extra.update(env)
-    node = cluster.node(engine="spark", poll=0.5)
-    cluster.coordinator()
-    wait_until(marker.exists, 120, "a sync task stopped after writing its files")
-    stopped_pid = int(marker.read_text().split()[1])
-    (victim,) = [w for w in spark_cluster.started if stopped_pid in descendants(w.pid)]
-    spark_cluster.kill_worker(victim.index)  # the worker, its executor and Python workers
-
-    storage = Storage.from_settings(cluster.settings)
-    wait_until(lambda: all_synced(store, storage, [info]), 120, "the retried sync committed")
-    log = node.log()
-    assert "Lost executor" in log, log[-3000:]  # the driver saw the worker's executor die
-    # Spark re-ran the lost task on the other worker (a lost worker is not the task's
-    # failure), or the job failed and the node's next sync retried it: one commit either way.
-    (vchannel,) = info.vchannels
-    assert log.count(f"synced {vchannel} ") == 1, log[-3000:]
-    assert_exactly_once(store, storage, info, produced)
-    checkpoint = store.get(store.keys.channel_checkpoint(vchannel))
-    assert checkpoint is not None and checkpoint.version == 1, "the checkpoint was committed once"
-    assert node.terminate() == 0
