@@ -154,6 +154,8 @@ def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python
     assert checkpoint is not None and checkpoint.version == 1, "the checkpoint was committed once"
     assert node.terminate() == 0
 
+    # The driver JVM renames its event log when it stops, which can outlast the node.
+    wait_until(lambda: read_event_logs(tmp_path / "events"), 30, "the driver's event log closed")
     (app,) = read_event_logs(tmp_path / "events")
     ran_on = app.executors_of_jobs("sync ")
     assert ran_on and "driver" not in ran_on
@@ -178,6 +180,7 @@ def test_a_datanode_through_a_spark_connect_server_on_the_standalone_master_sync
     finally:
         server.stop()
     assert_exactly_once(store, Storage.from_settings(cluster.settings), info, produced)
+    wait_until(lambda: read_event_logs(tmp_path / "events"), 30, "the server's event log closed")
     (app,) = read_event_logs(tmp_path / "events")
     assert app.app_name == "vchan Spark Connect server"
     ran_on = {executor for _, executor in app.task_executor}
