@@ -145,10 +145,16 @@ def _as_text(value: Any) -> str | None:
 
 
 def setting(
-    name: str, default: Any, parse: Callable[[str, str], Any], doc: str, shown: str | None = None
+    name: str,
+    default: Any,
+    parse: Callable[[str, str], Any],
+    doc: str,
+    shown: str | None = None,
+    secret: bool = False,
 ) -> Any:
-    """A `Settings` field read from environment variable `name` (see `VARIABLES`)."""
-    return dataclass_field(default=default, metadata={"variable": (name, parse, doc, shown)})
+    """A `Settings` field read from environment variable `name` (see `VARIABLES`). A
+    `secret` one is left out of the settings' repr, so no log or error message holds it."""
+    return dataclass_field(default=default, repr=not secret, metadata={"variable": (name, parse, doc, shown)})
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,7 @@ class Settings:
     etcd_user: str | None = setting(
         "VCHAN_ETCD_USER", None, _text, "etcd user (set together with `VCHAN_ETCD_PASSWORD`)"
     )
-    etcd_password: str | None = setting("VCHAN_ETCD_PASSWORD", None, _text, "etcd password")
+    etcd_password: str | None = setting("VCHAN_ETCD_PASSWORD", None, _text, "etcd password", secret=True)
     etcd_ca_cert: str | None = setting(
         "VCHAN_ETCD_CA_CERT", None, _existing_file, "CA certificate file: enables TLS to etcd"
     )

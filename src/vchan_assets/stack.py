@@ -34,6 +34,13 @@ class Stack:
             etcd = EmbeddedEtcd(settings.etcd_dir).start(detach=detach)
             endpoints = (etcd.endpoint,)
         store = MetaStore.connect(settings, endpoints)
+        try:
+            store.check_access(settings)
+        except Exception:
+            store.close()
+            if etcd is not None and etcd.owned:
+                etcd.stop()
+            raise
         storage = Storage.from_settings(settings)
         storage.ensure_root()
         return cls(settings, store, storage, etcd)

@@ -105,9 +105,8 @@ class EtcdCluster:
             f"--initial-cluster-token=vchan-{self.home.name}",
             "--log-level=warn",
         ]
-        if self.tls:
+        if self.tls:  # server TLS; clients authenticate with a user and password
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
-            args += [f"--trusted-ca-file={self.tls.ca}"]
         member.process = spawn(args, self.home / f"{member.name}.log", detach=self.detach)
 
     # --- state -----------------------------------------------------------------------
@@ -211,7 +210,7 @@ class EtcdCluster:
             command.append(f"--cacert={self.tls.ca}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCDCTL_")}
         if user:
-            env["ETCDCTL_USER"] = user
+            env["ETCDCTL_USER"] = user  # `name:password`
         result = subprocess.run(
             [*command, *args], input=stdin, capture_output=True, text=True, timeout=30, env=env
         )
@@ -219,8 +218,10 @@ class EtcdCluster:
             raise EmbeddedEtcdError(f"etcdctl {' '.join(args[:2])}: {result.stderr.strip()}")
         return result.stdout
 
-    def add_user(self, user: str, password: str, root: str | None = None) -> None:
-        """A user without any role: it may authenticate, and touch no key."""
+    def add_user(self, user: str, password: str, root_password: str | None = None) -> None:
+        """A user without any role: it may authenticate, and touch no key. Once
+        authentication is on, only root may add users (`root_password`)."""
+        root = f"root:{root_password}" if root_password else None
         self.etcdctl("user", "add", user, "--interactive=false", stdin=password + "\n", user=root)
 
     def enable_auth(self, root_password: str, user: str, password: str, prefix: str) -> None:

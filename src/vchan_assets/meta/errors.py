@@ -20,6 +20,18 @@ class MetaUnavailableError(MetaError):
         self.reason = reason
 
 
+class MetaAccessError(MetaError):
+    """etcd answered but will not let this process in: its credentials were rejected,
+    its TLS handshake failed, or its user may not read and write the root prefix. The
+    message names the user and what to check; it never holds the password."""
+
+    def __init__(self, endpoints: tuple[str, ...] | list[str], problem: str, check: str) -> None:
+        super().__init__(f"etcd at {','.join(endpoints)}: {problem} ({check})")
+        self.endpoints = tuple(endpoints)
+        self.problem = problem
+        self.check = check
+
+
 class MalformedValueError(MetaError):
     """A value in etcd is not what its key should hold."""
 

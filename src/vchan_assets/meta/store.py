@@ -26,6 +26,7 @@ from vchan_assets.meta.errors import (
     CasConflictError,
     LeaseLostError,
     MalformedValueError,
+    MetaAccessError,
     MetaError,
     MetaUnavailableError,
     NotLeaderError,
@@ -174,8 +175,27 @@ class MetaStore:
                 failover=True,
             )
         except (etcd3.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
-            raise MetaUnavailableError(endpoints, store_ops, error_reason(exc)) from exc
+            refused = access_error(exc, settings, endpoints)
+            raise refused or MetaUnavailableError(endpoints, store_ops, error_reason(exc)) from exc
         return cls(client, endpoints, Keys(settings.root))
+
+    def check_access(self, settings: Settings) -> None:
+        """Fail now, with what to fix, if this process cannot use its root prefix: a TLS
+        handshake that fails, or a user whose role may not read and write `{root}/`.
+
+        One transaction whose compare is never true: etcd checks the permission of every
+        operation in both branches, so its put is checked but never applied."""
+        key = self.keys.root + "/"
+        tx = self.client.transactions
+        try:
+            self.client.transaction(
+                compare=[tx.version(key) < 0], success=[tx.put(key, b"")], failure=[tx.get(key)]
+            )
+        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
+            refused = access_error(exc, settings, self.endpoints)
+            if refused is not None:
+                raise refused from exc
+            raise MetaUnavailableError(self.endpoints, f"access check of {key}", error_reason(exc)) from exc
 
     def close(self) -> None:
         self.client.close()
@@ -431,6 +451,35 @@ def _txn_revision(responses: list[Any]) -> int:
             if response.HasField(kind):
                 return int(getattr(response, kind).header.revision)
     return 0
+
+
+def access_error(
+    exc: BaseException, settings: Settings, endpoints: tuple[str, ...]
+) -> MetaAccessError | None:
+    """The access problem an etcd error shows (None: it is not one). The multi-endpoint
+    client wraps a failed connection in its own error: the gRPC one is its cause."""
+    chain = [exc, exc.__cause__, exc.__context__]
+    reason = " / ".join(error_reason(e) for e in chain if e is not None)
+    user = f"user {settings.etcd_user!r}" if settings.etcd_user else "no user (VCHAN_ETCD_USER unset)"
+    if "authentication failed" in reason or "UNAUTHENTICATED" in reason or "user name is empty" in reason:
+        return MetaAccessError(
+            endpoints,
+            f"authentication of {user} failed: {reason}",
+            "check VCHAN_ETCD_USER and VCHAN_ETCD_PASSWORD",
+        )
+    if "PERMISSION_DENIED" in reason:
+        return MetaAccessError(
+            endpoints,
+            f"{user} may not read and write keys under {settings.root}/: {reason}",
+            f"grant its role readwrite on the prefix {settings.root}/, or set VCHAN_ROOT to a prefix it may use",
+        )
+    if "CERTIFICATE_VERIFY_FAILED" in reason or "handshake" in reason.lower():
+        return MetaAccessError(
+            endpoints,
+            f"TLS handshake failed, the server's certificate is not trusted: {reason}",
+            f"check that VCHAN_ETCD_CA_CERT ({settings.etcd_ca_cert or 'unset'}) is the CA that signed it",
+        )
+    return None
 
 
 def error_reason(exc: BaseException) -> str:
