@@ -7,7 +7,7 @@ Each one can also run alone: `python -m bench.sync`, `python -m bench.failover`,
 import importlib
 import sys
 
-BENCHMARKS = ("sync", "failover", "latency", "compaction", "lifecycle_soak", "import")
+BENCHMARKS = ("sync", "failover", "latency", "compaction", "lifecycle_soak", "import", "scale")
 
 if __name__ == "__main__":
     for name in BENCHMARKS:

@@ -461,6 +461,12 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--direct", action="store_true", help="sync in this process, without Dagster (the pre-Dagster demo)"
     )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run the direct demo on a cluster started here and torn down after: "
+        "3-member etcd, Spark master + 2 workers, S3 server",
+    )
 
 
 @command("demo", "run the whole pipeline on generated data on the embedded stack", _demo_args)
@@ -468,6 +474,10 @@ def demo(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.demo import DemoOptions, run_demo
 
     options = DemoOptions(rows=args.rows, deletes=args.deletes, channels=args.channels, keep=args.keep)
+    if args.cluster:
+        from vchan_assets.deploy.cluster_demo import run_cluster_demo
+
+        return run_cluster_demo(settings, options)
     if not args.direct:
         from vchan_assets.deploy.dagster_demo import run_dagster_demo
 
