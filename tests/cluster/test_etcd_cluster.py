@@ -24,6 +24,8 @@ from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
+from .helpers import advanced, checkpoints
+
 
 def retrying(call: Callable[[], object], attempts: int = 100) -> object:
     """A client call retried while etcd elects a leader (the client moves to another member)."""
@@ -110,19 +112,8 @@ def cluster3(settings3: Settings, tmp_path: Path) -> Iterator[Cluster]:
     c.cleanup()
 
 
-def _checkpoints(store: MetaStore, channels: list[str]) -> dict[str, MsgPosition | None]:
-    return {v: checkpoint_of(store, v) for v in channels}
-
-
 def _advanced(store: MetaStore, before: dict[str, MsgPosition | None]) -> Callable[[], object]:
-    def check() -> bool:
-        for vchannel, old in before.items():
-            now = checkpoint_of(store, vchannel)
-            if now is None or (old is not None and now.offset <= old.offset):
-                return False
-        return True
-
-    return tolerant(check)
+    return tolerant(advanced(store, before))
 
 
 def _member_used_by(etcd: EtcdCluster, role: Role) -> int:
@@ -156,7 +147,7 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     # leadership is first moved to the member a DataNode talks to, so that one must fail over.
     first = _member_used_by(etcd3, nodes[0])
     etcd3.move_leader(first)
-    before = _checkpoints(store3, channels)
+    before = checkpoints(store3, channels)
     etcd3.kill(first)
     etcd3.wait_healthy()  # the two others elect a leader
     wait_until(_advanced(store3, before), 30, "every channel synced again after the leader died")
@@ -171,7 +162,7 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     time.sleep(settings.session_ttl / 2)  # its election key is still there: the standby waits
     etcd3.kill(second)
     wait_until(lambda: "won the election" in standby.log(), 30, "the standby won the election")
-    before = retrying(lambda: _checkpoints(store3, channels))
+    before = retrying(lambda: checkpoints(store3, channels))
     assert isinstance(before, dict)
     wait_until(_advanced(store3, before), 30, "every channel synced under the new coordinator")
     etcd3.restart(second)

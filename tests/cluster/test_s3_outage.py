@@ -26,6 +26,8 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
+from .helpers import advanced, checkpoints
+
 PROXY = Path(__file__).with_name("tcp_proxy.py")
 
 
@@ -93,17 +95,9 @@ def test_the_s3_endpoint_down_mid_sync_and_back_loses_and_duplicates_nothing(
         time.sleep(3)
         failed = node.log()[outage_started:]
         assert "sync of" in failed and "failed" in failed, failed[-3000:]
-        before = {v: checkpoint_of(store, v) for v in channels}
+        before = checkpoints(store, channels)
         endpoint.start()
-
-        def advanced() -> bool:
-            for vchannel, old in before.items():
-                new = checkpoint_of(store, vchannel)
-                if new is None or (old is not None and new.offset <= old.offset):
-                    return False
-            return True
-
-        wait_until(advanced, 30, "every channel synced again through the restarted endpoint")
+        wait_until(advanced(store, before), 30, "every channel synced again through the restarted endpoint")
         load.stop()
         producer.time_tick(infos[0].name)
         wait_until(lambda: all_synced(store, storage, infos), 60, "every channel caught up")
