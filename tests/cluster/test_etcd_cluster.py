@@ -117,15 +117,18 @@ def _advanced(store: MetaStore, before: dict[str, MsgPosition | None]) -> Callab
 
 
 def _member_used_by(etcd: EtcdCluster, role: Role) -> int:
-    """The etcd member the process's client is connected to (its TCP connections)."""
+    """An etcd member the process's client is connected to (its TCP connections). After a
+    failover it may hold two: the gRPC channel to the member it left reconnects when that
+    member comes back, though the client keeps using the new one; either will do here,
+    where the point is that the member killed is the leader and one the process talks to."""
     ports = {m.client_port: i for i, m in enumerate(etcd.members)}
     used = {
         ports[c.raddr.port]
         for c in psutil.Process(role.pid).net_connections(kind="tcp")
         if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
     }
-    assert len(used) == 1, f"process {role.pid} is connected to members {used}"
-    return used.pop()
+    assert used, f"process {role.pid} is connected to no etcd member"
+    return min(used)
 
 
 def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_loses_and_duplicates_nothing(
