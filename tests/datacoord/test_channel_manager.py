@@ -292,6 +292,29 @@ def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
         node.stop()
 
 
+def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_that_channel(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    """The relist and the watch stream race: a snapshot read before a ToWatch was written,
+    handled after the ToWatch's event, must not release the channel it does not list."""
+    from vchan_assets.datanode.node import DataNode
+
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=2)
+    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    try:
+        stale = store.list_prefix(store.keys.channel_watch_prefix(node.node_id))  # nothing yet
+        ChannelManager(store, settings).reconcile()
+        deadline = time.monotonic() + 10
+        while node.channels != sorted(infos[0].vchannels) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node.channels == sorted(infos[0].vchannels)
+        node._on_relist(stale)
+        assert node.channels == sorted(infos[0].vchannels)
+    finally:
+        node.stop()
+
+
 def test_the_coordinator_reloads_segment_meta_only_when_its_revision_moved(
     store: MetaStore, settings: Settings
 ) -> None:

@@ -331,8 +331,15 @@ class DataNode:
             for kv in snapshot.items:
                 present.add(vchannel_of(kv.key))
                 self._handle_put(kv.key, kv.version, kv.value, kv.mod_revision)
+            # A channel whose watch info this node handled at a later revision than the
+            # snapshot's (its event overtook this relist) is not gone: the snapshot is stale.
+            key = self.store.keys.channel_watch
             with self._lock:
-                gone = [v for v in self.workers if v not in present]
+                gone = [
+                    v
+                    for v in self.workers
+                    if v not in present and self._handled.get(key(self.node_id, v), 0) <= snapshot.revision
+                ]
             for vchannel in gone:
                 log.info("node %s: %s is no longer assigned (relist): releasing", self.node_id, vchannel)
                 self._stop_channel(vchannel)
