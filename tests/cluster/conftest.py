@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from coord.helpers import Cluster, fast_settings
+from datacoord.helpers import Cluster, fast_settings
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.etcd_cluster import EtcdCluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coord.helpers import checkpoint_of
+from datacoord.helpers import checkpoint_of
 
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import MsgPosition

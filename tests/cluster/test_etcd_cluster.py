@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from coord.helpers import Cluster, Role, all_synced, checkpoint_of, fast_settings, owners, wait_until
+from datacoord.helpers import Cluster, Role, all_synced, checkpoint_of, fast_settings, owners, wait_until
 from datanode.helpers import SCHEMA, Produced, assert_exactly_once
 
 from vchan_assets.config import Settings

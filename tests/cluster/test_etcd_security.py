@@ -16,7 +16,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from coord.helpers import Cluster, all_synced, fast_settings, owners, wait_until
+from datacoord.helpers import Cluster, all_synced, fast_settings, owners, wait_until
 from datanode.helpers import SCHEMA, VCHAN, Produced, assert_exactly_once, cli_env, produce
 
 from vchan_assets.config import Settings

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from coord.helpers import Cluster, Load, all_synced, checkpoint_of, fast_settings, owners, wait_until
+from datacoord.helpers import Cluster, Load, all_synced, checkpoint_of, fast_settings, owners, wait_until
 from datanode.helpers import SCHEMA, assert_exactly_once
 
 from vchan_assets.catalog import Catalog

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from coord.helpers import Cluster, all_synced, owners, wait_until
+from datacoord.helpers import Cluster, all_synced, owners, wait_until
 from datanode.helpers import (
     SCHEMA,
     Produced,
