@@ -21,7 +21,7 @@ from datanode.helpers import SCHEMA, VCHAN, Produced, assert_exactly_once, cli_e
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.defs.sync.assets import segment_catalog
+from vchan_assets.defs.sync.assets import segment_table
 from vchan_assets.deploy.etcd_cluster import EtcdCluster, EtcdTls
 from vchan_assets.meta.errors import MetaAccessError
 from vchan_assets.stack import Stack
@@ -131,9 +131,9 @@ def test_the_pipeline_runs_on_etcd_with_tls_and_a_user_limited_to_the_root_prefi
 
         with dg.DagsterInstance.ephemeral() as instance:
             vchan = VchanResource.from_settings(secure)
-            result = dg.materialize([segment_catalog], instance=instance, resources={"vchan": vchan})
+            result = dg.materialize([segment_table], instance=instance, resources={"vchan": vchan})
             assert result.success
-            (mat,) = result.asset_materializations_for_node("segment_catalog")
+            (mat,) = result.asset_materializations_for_node("segment_table")
             assert mat.metadata["segments"].value >= 2
             run = instance.get_run_by_id(result.run_id)
             dagster_records = "\n".join(
