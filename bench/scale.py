@@ -41,7 +41,7 @@ from typing import Any
 from bench import bench_stack
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager, ReconcileReport
-from vchan_assets.datacoord.collections import CollectionCatalog
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import list_watches
 from vchan_assets.meta.errors import CasConflictError
@@ -220,7 +220,7 @@ def main() -> None:
     store = MetaStore.connect(settings)
     sessions: dict[int, Session] = {}
     try:
-        catalog = CollectionCatalog(store, IdAllocator(store))
+        catalog = CollectionRegistry(store, IdAllocator(store))
         per = 4
         for i in range(args.channels // per):
             catalog.create(f"c{i}", SCHEMA, num_channels=per)
