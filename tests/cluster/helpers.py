@@ -9,6 +9,11 @@ from datacoord.helpers import checkpoint_of
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import MsgPosition
 
+# How long a cluster condition may take to hold on a loaded 2-core machine (JVMs, three etcd
+# members and the processes under test share it). wait_until returns as soon as it holds,
+# so a generous bound costs nothing when things go well.
+PATIENCE = 180
+
 
 def checkpoints(store: MetaStore, channels: list[str]) -> dict[str, MsgPosition | None]:
     return {v: checkpoint_of(store, v) for v in channels}

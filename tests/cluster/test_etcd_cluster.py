@@ -24,7 +24,7 @@ from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .helpers import advanced, checkpoints
+from .helpers import PATIENCE, advanced, checkpoints
 
 
 def retrying(call: Callable[[], object], attempts: int = 100) -> object:
@@ -141,10 +141,10 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     channels = [v for info in infos for v in info.vchannels]
     nodes = [cluster3.node() for _ in range(2)]
     coordinators = [cluster3.coordinator() for _ in range(2)]
-    wait_until(lambda: owners(store3, channels), 30, "every channel watched")
+    wait_until(lambda: owners(store3, channels), PATIENCE, "every channel watched")
     load = FailoverLoad(producer, infos)
     load.start()
-    wait_until(lambda: all(checkpoint_of(store3, v) for v in channels), 30, "every channel synced once")
+    wait_until(lambda: all(checkpoint_of(store3, v) for v in channels), PATIENCE, "every channel synced once")
 
     # 1. The etcd leader dies while the nodes sync (every 0.5 s under this load). The
     # leadership is first moved to the member a DataNode talks to, so that one must fail over.
@@ -153,7 +153,7 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     before = checkpoints(store3, channels)
     etcd3.kill(first)
     etcd3.wait_healthy()  # the two others elect a leader
-    wait_until(_advanced(store3, before), 30, "every channel synced again after the leader died")
+    wait_until(_advanced(store3, before), PATIENCE, "every channel synced again after the leader died")
     etcd3.restart(first)
 
     # 2. The active coordinator dies, and the etcd leader dies while the standby campaigns.
@@ -164,16 +164,16 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     etcd3.move_leader(second)
     time.sleep(settings.session_ttl / 2)  # its election key is still there: the standby waits
     etcd3.kill(second)
-    wait_until(lambda: "won the election" in standby.log(), 30, "the standby won the election")
+    wait_until(lambda: "won the election" in standby.log(), PATIENCE, "the standby won the election")
     before = retrying(lambda: checkpoints(store3, channels))
     assert isinstance(before, dict)
-    wait_until(_advanced(store3, before), 30, "every channel synced under the new coordinator")
+    wait_until(_advanced(store3, before), PATIENCE, "every channel synced under the new coordinator")
     etcd3.restart(second)
 
     load.stop()
     for info in infos:
         retrying(lambda info=info: producer.time_tick(info.name))
-    wait_until(tolerant(lambda: all_synced(store3, storage, infos)), 40, "every channel caught up")
+    wait_until(tolerant(lambda: all_synced(store3, storage, infos)), PATIENCE, "every channel caught up")
     for info in infos:
         assert_exactly_once(store3, storage, info, load.produced[info.name])
     assert all(role.process.poll() is None for role in [*nodes, standby]), "a process died on the way"

@@ -28,6 +28,7 @@ from vchan_assets.stack import Stack
 from vchan_assets.wal.producer import Producer
 
 from .certs import make_ca, make_server_tls
+from .helpers import PATIENCE
 
 ROOT = "vchan-secure"
 USER = "vchan"
@@ -117,9 +118,9 @@ def test_the_pipeline_runs_on_etcd_with_tls_and_a_user_limited_to_the_root_prefi
     try:
         cluster.node()
         cluster.coordinator()
-        wait_until(lambda: owners(stack.store, list(info.vchannels)), 30, "the channels watched")
+        wait_until(lambda: owners(stack.store, list(info.vchannels)), PATIENCE, "the channels watched")
         producer.time_tick(info.name)
-        wait_until(lambda: all_synced(stack.store, stack.storage, [info]), 60, "every channel synced")
+        wait_until(lambda: all_synced(stack.store, stack.storage, [info]), PATIENCE, "every channel synced")
         assert_exactly_once(stack.store, stack.storage, info, produced)
         status, status_json, metrics = (
             _vchan(secure, *args) for args in (["status"], ["status", "--json"], ["metrics"])

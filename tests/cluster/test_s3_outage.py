@@ -26,7 +26,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
-from .helpers import advanced, checkpoints
+from .helpers import PATIENCE, advanced, checkpoints
 
 PROXY = Path(__file__).with_name("tcp_proxy.py")
 
@@ -85,10 +85,12 @@ def test_the_s3_endpoint_down_mid_sync_and_back_loses_and_duplicates_nothing(
     try:
         node = cluster.node()
         cluster.coordinator()
-        wait_until(lambda: owners(store, channels), 30, "the channels watched")
+        wait_until(lambda: owners(store, channels), PATIENCE, "the channels watched")
         load.start()
-        wait_until(lambda: all(checkpoint_of(store, v) for v in channels), 30, "every channel synced once")
-        wait_until(lambda: "synced " in node.log(), 30, "a sync committed")
+        wait_until(
+            lambda: all(checkpoint_of(store, v) for v in channels), PATIENCE, "every channel synced once"
+        )
+        wait_until(lambda: "synced " in node.log(), PATIENCE, "a sync committed")
 
         endpoint.kill()  # the node is syncing every 0.5 s under the load
         outage_started = len(node.log())
@@ -97,10 +99,12 @@ def test_the_s3_endpoint_down_mid_sync_and_back_loses_and_duplicates_nothing(
         assert "sync of" in failed and "failed" in failed, failed[-3000:]
         before = checkpoints(store, channels)
         endpoint.start()
-        wait_until(advanced(store, before), 30, "every channel synced again through the restarted endpoint")
+        wait_until(
+            advanced(store, before), PATIENCE, "every channel synced again through the restarted endpoint"
+        )
         load.stop()
         producer.time_tick(infos[0].name)
-        wait_until(lambda: all_synced(store, storage, infos), 60, "every channel caught up")
+        wait_until(lambda: all_synced(store, storage, infos), PATIENCE, "every channel caught up")
         assert node.process.poll() is None, "the node died during the outage"
         produced = load.produced[infos[0].name]
         assert_exactly_once(store, storage, infos[0], produced)

@@ -31,6 +31,7 @@ from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
+from .helpers import PATIENCE
 from .spark_events import event_log_conf, python_workers_under, read_event_logs
 
 COLUMNS = ("pk", "n", "f", "s", "b", "vec")
@@ -63,9 +64,11 @@ def _sync_on_cluster(
     cluster.env_extra.update(engine_env)
     node = cluster.node(engine="spark", poll=0.5)
     cluster.coordinator()
-    wait_until(lambda: owners(store, list(info.vchannels)), 30, "the channels watched")
+    wait_until(lambda: owners(store, list(info.vchannels)), PATIENCE, "the channels watched")
     storage = Storage.from_settings(cluster.settings)
-    wait_until(lambda: all_synced(store, storage, [info]), 150, "the cluster DataNode synced every channel")
+    wait_until(
+        lambda: all_synced(store, storage, [info]), PATIENCE, "the cluster DataNode synced every channel"
+    )
     assert node.process.poll() is None, node.log()[-3000:]
     return cluster
 
@@ -114,9 +117,8 @@ def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python
     # While the node's application runs, each worker JVM has an executor JVM with Python workers.
     for worker in spark_cluster.started:
         assert python_workers_under(worker.pid), f"no Python worker under Spark worker {worker.index}"
-    assert not [
-        p for p in descendants(node.pid) if "pyspark.daemon" in Path(f"/proc/{p}/cmdline").read_text()
-    ]
+    # (The driver may start Python workers of its own, to plan the registered format("vchan")
+    # data source: the event log at the end shows the sync jobs' tasks ran on the executors.)
     storage = Storage.from_settings(cluster.settings)
     assert_exactly_once(store, storage, info, produced)
     ref_rows, ref_deletes, ref_shape = _local_reference(cluster.settings, store, tmp_path, info)
@@ -136,13 +138,13 @@ def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python
         marker.unlink()  # armed
     finally:
         coordinator.signal(signal.SIGCONT)
-    wait_until(marker.exists, 120, "a sync task stopped after writing its files")
-    wait_until(lambda: len(marker.read_text().split()) == 2, 5, "the stopped task wrote its pid")
+    wait_until(marker.exists, PATIENCE, "a sync task stopped after writing its files")
+    wait_until(lambda: len(marker.read_text().split()) == 2, PATIENCE, "the stopped task wrote its pid")
     stopped_pid = int(marker.read_text().split()[1])
     (victim,) = [w for w in spark_cluster.started if stopped_pid in descendants(w.pid)]
     spark_cluster.kill_worker(victim.index)  # the worker, its executor and Python workers
 
-    wait_until(lambda: all_synced(store, storage, [info2]), 120, "the retried sync committed")
+    wait_until(lambda: all_synced(store, storage, [info2]), PATIENCE, "the retried sync committed")
     log = node.log()
     assert "Lost executor" in log, log[-3000:]  # the driver saw the worker's executor die
     # Spark re-ran the lost task on the other worker (a lost worker is not the task's
@@ -155,7 +157,7 @@ def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python
     assert node.terminate() == 0
 
     # The driver JVM renames its event log when it stops, which can outlast the node.
-    wait_until(lambda: read_event_logs(tmp_path / "events"), 30, "the driver's event log closed")
+    wait_until(lambda: read_event_logs(tmp_path / "events"), PATIENCE, "the driver's event log closed")
     (app,) = read_event_logs(tmp_path / "events")
     ran_on = app.executors_of_jobs("sync ")
     assert ran_on and "driver" not in ran_on
@@ -180,7 +182,7 @@ def test_a_datanode_through_a_spark_connect_server_on_the_standalone_master_sync
     finally:
         server.stop()
     assert_exactly_once(store, Storage.from_settings(cluster.settings), info, produced)
-    wait_until(lambda: read_event_logs(tmp_path / "events"), 30, "the server's event log closed")
+    wait_until(lambda: read_event_logs(tmp_path / "events"), PATIENCE, "the server's event log closed")
     (app,) = read_event_logs(tmp_path / "events")
     assert app.app_name == "vchan Spark Connect server"
     ran_on = {executor for _, executor in app.task_executor}
