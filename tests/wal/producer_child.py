@@ -8,7 +8,8 @@ python producer_child.py insert COLLECTION START_PK BATCHES ROWS [KILL_AT_BATCH 
     failpoint FAILPOINT is armed before that batch: the process SIGKILLs itself there.
     With FLUSH_COUNT_FILE=PATH set, after half the batches it waits until the flusher's
     count in PATH has grown: a flush then falls between this producer's batches, whatever
-    the speed of either process.
+    the speed of either process. With GATE_FILE=PATH:I set, before batch I it waits until
+    PATH exists. Warnings (a retry, say) are printed to stdout.
 python producer_child.py flush COLLECTION INTERVAL STOP_FILE [COUNT_FILE]
     flushes every INTERVAL seconds until STOP_FILE exists, printing "flush TS" each time and
     writing the number of flushes done so far to COUNT_FILE.
@@ -16,9 +17,11 @@ python producer_child.py flush COLLECTION INTERVAL STOP_FILE [COUNT_FILE]
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from vchan_assets.config import Settings
@@ -30,6 +33,7 @@ from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "f": "float", "s": "string", "b": "bool"})
 FLUSH_COUNT_ENV = "FLUSH_COUNT_FILE"
+GATE_ENV = "GATE_FILE"
 HANDSHAKE_TIMEOUT = 300.0  # a hang guard only: the handshake itself does not depend on speed
 
 
@@ -43,24 +47,39 @@ def write_flush_count(path: Path, count: int) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old count or the new one
 
 
+def wait_until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {HANDSHAKE_TIMEOUT}s")
+        time.sleep(0.05)
+
+
 def wait_for_a_flush(path: Path) -> None:
     seen = flush_count(path)
-    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-    while flush_count(path) <= seen:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no flush recorded in {path} within {HANDSHAKE_TIMEOUT}s")
-        time.sleep(0.05)
+    wait_until(lambda: flush_count(path) > seen, f"no flush recorded in {path}")
+
+
+def gate() -> tuple[Path, int] | None:
+    spec = os.environ.get(GATE_ENV)
+    if not spec:
+        return None
+    path, _, at = spec.rpartition(":")
+    return Path(path), int(at)
 
 
 def insert(producer: Producer, collection: str, args: list[str]) -> None:
     start, batches, rows = int(args[0]), int(args[1]), int(args[2])
     kill_at = int(args[3]) if len(args) > 3 else -1
-    gate = os.environ.get(FLUSH_COUNT_ENV)
+    flushes, wait_file = os.environ.get(FLUSH_COUNT_ENV), gate()
     for i in range(batches):
         if i == kill_at:
             os.environ[ENV] = args[4]
-        if gate and i == batches // 2:
-            wait_for_a_flush(Path(gate))
+        if flushes and i == batches // 2:
+            wait_for_a_flush(Path(flushes))
+        if wait_file and i == wait_file[1]:
+            path = wait_file[0]
+            wait_until(path.exists, f"no {path}")
         first = start + i * rows
         producer.insert(collection, generate_rows(SCHEMA, rows, start_pk=first, seed=first))
         print("batch", i, flush=True)
@@ -79,6 +98,7 @@ def flush(producer: Producer, collection: str, args: list[str]) -> None:
 
 
 def main(mode: str, collection: str, *args: str) -> int:
+    logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(levelname)s %(message)s")
     settings = Settings.from_env()
     store = MetaStore.connect(settings)
     producer = Producer(store, Storage.from_settings(settings), settings)

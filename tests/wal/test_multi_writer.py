@@ -29,7 +29,7 @@ from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
-from wal.producer_child import FLUSH_COUNT_ENV, SCHEMA
+from wal.producer_child import FLUSH_COUNT_ENV, GATE_ENV, SCHEMA
 
 CHILD = Path(__file__).parent / "producer_child.py"
 
@@ -56,12 +56,14 @@ def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
     return out
 
 
-def wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 60) -> None:
+def wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 60, contains: str = "") -> None:
+    """Read the child's output up to a line starting with `prefix` (and holding `contains`).
+    The timeout only keeps a broken child from hanging the test."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
-        if line.startswith(prefix):
+        if line.startswith(prefix) and contains in line:
             return
         if not line and proc.poll() is not None:
             raise AssertionError(f"child exited ({proc.returncode}) before {prefix!r}")
@@ -194,16 +196,30 @@ def test_a_producer_killed_mid_append_leaves_no_hole_and_no_half_batch(
 
 
 def test_producers_retry_through_an_etcd_restart_and_write_every_batch_once(
-    private_store: MetaStore, storage: Storage, private_settings: Settings, private_etcd: EmbeddedEtcd
+    private_store: MetaStore,
+    storage: Storage,
+    private_settings: Settings,
+    private_etcd: EmbeddedEtcd,
+    tmp_path: Path,
 ) -> None:
     settings = replace(private_settings, client_retry_timeout=60.0, etcd_timeout=2.0, append_lock_ttl=2.0)
     producer = Producer(private_store, storage, settings)
     info = producer.create_collection(f"r{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
-    batches, rows = 40, 200
-    children = [start(settings, "insert", info.name, 100_000 * (k + 1), batches, rows) for k in range(2)]
+    batches, rows = 10, 200
+    # Each producer writes 3 batches, then waits for `down` before its 4th: etcd is down
+    # by then, so every producer's 4th batch meets the outage, whatever their speed.
+    down = tmp_path / "etcd-down"
+    gate = {GATE_ENV: f"{down}:3"}
+    children = [
+        start(settings, "insert", info.name, 100_000 * (k + 1), batches, rows, env=gate) for k in range(2)
+    ]
     for child in children:
         wait_for_line(child, "batch 2")
-    private_etcd.restart()
+    private_etcd.stop()
+    down.touch()
+    for child in children:
+        wait_for_line(child, "WARNING", contains="retrying")  # the outage reached it
+    private_etcd.restart()  # same ports and data
     for child in children:
         finish(child)
 
