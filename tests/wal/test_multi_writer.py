@@ -5,6 +5,7 @@ process (tests/wal/producer_child.py); the sync runs in-process with the local e
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -114,6 +115,21 @@ def segments(store: MetaStore, info: CollectionInfo) -> dict[int, SegmentInfo]:
     return {d.model.id: d.model for d in found}
 
 
+def assert_no_row_at_or_after_its_seal(
+    logs: dict[str, pa.Table], sealed: dict[int, SegmentInfo], all_sealed: bool
+) -> None:
+    """One allocation authority: every insert is stamped below its segment's seal_ts
+    (with `all_sealed`, every segment that holds rows must be sealed)."""
+    for table in logs.values():
+        inserts = table.filter(pc.equal(table["msg_type"], "insert"))
+        for segment_id, ts in zip(
+            inserts["segment_id"].to_pylist(), inserts["timestamp"].to_pylist(), strict=True
+        ):
+            seal_ts = sealed[segment_id].seal_ts
+            assert seal_ts > 0 or not all_sealed, f"segment {segment_id} is not sealed"
+            assert seal_ts == 0 or ts < seal_ts, f"row at ts {ts} in segment {segment_id} sealed at {seal_ts}"
+
+
 @pytest.fixture
 def fast(settings: Settings) -> Settings:
     """Small segments (sealed by size while the test runs) and a short lock TTL."""
@@ -153,15 +169,7 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
 
     # One allocation authority: no row is stamped at or after its segment's seal.
     sealed = segments(store, info)
-    for table in logs.values():
-        inserts = table.filter(pc.equal(table["msg_type"], "insert"))
-        for segment_id, ts in zip(
-            inserts["segment_id"].to_pylist(), inserts["timestamp"].to_pylist(), strict=True
-        ):
-            seg = sealed[segment_id]
-            assert seg.seal_ts > 0 and ts < seg.seal_ts, (
-                f"row at ts {ts} in segment {segment_id} sealed at {seg.seal_ts}"
-            )
+    assert_no_row_at_or_after_its_seal(logs, sealed, all_sealed=True)
     assert (
         len([s for s in sealed.values() if s.level is SegmentLevel.L1]) > 2
     )  # sealed by size and by flushes
@@ -245,3 +253,47 @@ def test_a_segment_flushed_by_another_client_receives_no_more_rows(
     assert new != old
     sealed = segments(store, info)[old]
     assert second.timestamp > sealed.seal_ts > first.timestamp
+
+
+def test_vchan_produce_and_a_flush_from_a_second_vchan_produce_both_succeed(
+    store: MetaStore, storage: Storage, fast: Settings
+) -> None:
+    """`vchan produce` loading rows while another `vchan produce --rows 1 --flush` runs:
+    the second client flushes in the middle of the first one's batches (the first is
+    stopped with SIGSTOP once its log holds rows, resumed after the flush), and every
+    row is in the log once, none after its segment's seal."""
+    info = Producer(store, storage, fast).create_collection(f"v{uuid.uuid4().hex[:6]}", SCHEMA)
+    env = child_env(fast)
+    command = [sys.executable, "-m", "vchan_assets.cli", "produce", "--collection", info.name]
+    loader = subprocess.Popen(
+        [*command, "--rows", "20000", "--batch", "200", "--start-pk", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120  # a hang guard: waits for the loader's first batch
+    while len(WalReader(storage, info.vchannels[0], info).files()) < 2:
+        assert loader.poll() is None and time.monotonic() < deadline, "the loader wrote no batch"
+        time.sleep(0.02)
+    loader.send_signal(signal.SIGSTOP)  # it may hold a lock: its lease expires, the flush goes on
+    try:
+        flusher = subprocess.run(
+            [*command, "--rows", "1", "--start-pk", "900000", "--flush"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        loader.send_signal(signal.SIGCONT)
+    assert flusher.returncode == 0, flusher.stderr
+    assert finish(loader).startswith("inserted 20000 rows")
+    flush_ts = int(flusher.stdout.split("flush_ts ")[1].split()[0])
+
+    logs = check_log(storage, info)
+    counts = inserted_pks(logs)
+    assert sorted(counts) == [*range(20000), 900000] and max(counts.values()) == 1
+    insert_ts = [t for table in logs.values() for t in table["timestamp"].to_pylist()]
+    assert min(insert_ts) < flush_ts < max(insert_ts), "the flush fell between the loader's batches"
+    assert_no_row_at_or_after_its_seal(logs, segments(store, info), all_sealed=False)
