@@ -9,9 +9,11 @@ import dagster as dg
 from lifecycle.helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.defs.lifecycle.assets import (
     COMPACTED_SEGMENTS,
     GARBAGE_COLLECTION,
+    lifecycle_sensor,
     segment_lifecycle,
     sort_sensor,
     sorted_segments,
@@ -21,7 +23,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
-from .helpers import evaluate
+from .helpers import evaluate, skip_message
 
 
 def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_checks(
@@ -85,3 +87,28 @@ def test_sort_sensor_requests_a_sorted_segments_run_per_vchannel_with_newly_flus
     ]
     assert [r.partition_key for r in again] == [info.vchannels[1]]
     assert_lifecycle_invariants(store, storage, dsettings, info, produced)
+
+
+def test_lifecycle_sensors_stand_by_while_a_datacoord_process_leads_the_election(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+) -> None:
+    storage = Storage.from_settings(dsettings)
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    flushed_batches(store, storage, dsettings, producer, info, batches=1)  # a segment waits for its sort
+    process = DataCoordinator(dsettings, store)  # what `vchan datacoord` runs: it sorts and compacts
+    assert process.election.campaign(timeout=10)
+    try:
+        for sensor in (sort_sensor, lifecycle_sensor):
+            idle = evaluate(sensor, instance, vchan)
+            assert not idle.run_requests and "runs the lifecycle" in skip_message(idle)
+    finally:
+        process.election.resign()
+    # Nobody leads (or Dagster's DataCoord does): Dagster runs the lifecycle.
+    sort = evaluate(sort_sensor, instance, vchan).run_requests or []
+    assert [r.partition_key for r in sort if r.partition_key in info.vchannels] == list(info.vchannels)
+    assert evaluate(lifecycle_sensor, instance, vchan).run_requests

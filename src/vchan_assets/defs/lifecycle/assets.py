@@ -6,7 +6,8 @@
   and `garbage_collection` (orphans, dropped segments, old log files), materialized
   together by one step every VCHAN_LIFECYCLE_INTERVAL (`lifecycle_sensor`);
 
-with checks. The steps are the ones the `vchan datacoord` process runs (lifecycle/step.py)."""
+with checks. The steps are the ones the `vchan datacoord` process runs (lifecycle/step.py);
+while such a process leads the DataCoord election both sensors stand by (one lifecycle)."""
 
 import statistics
 import time
@@ -15,6 +16,7 @@ from collections import defaultdict
 import dagster as dg
 
 from vchan_assets.defs.checks import check_result, typed
+from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import SEGMENTS
@@ -27,7 +29,7 @@ from vchan_assets.lifecycle.checks import (
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
 from vchan_assets.lifecycle.step import lifecycle_step, sort_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import physical_ms
+from vchan_assets.model import NodeSession, physical_ms
 
 SORTED_SEGMENTS = dg.AssetKey("sorted_segments")
 COMPACTED_SEGMENTS = dg.AssetKey("compacted_segments")
@@ -111,6 +113,15 @@ def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> 
     yield check_result(CHECK_SORTED_ROWS, SORTED_SEGMENTS, rows)
 
 
+def lifecycle_elsewhere(store: MetaStore) -> str:
+    """Why the lifecycle sensors stand by: a `vchan datacoord` process leads the DataCoord
+    election and runs the lifecycle itself. "" while Dagster's DataCoord leads, or nobody."""
+    found = store.get_model(store.keys.datacoord_session(), NodeSession)
+    if found is None or found.model.address.startswith(DAGSTER_ADDRESS):
+        return ""
+    return f"the DataCoord process {found.model.node_id} ({found.model.address}) runs the lifecycle"
+
+
 sort_job = dg.define_asset_job(
     "sort",
     selection=dg.AssetSelection.assets(SORTED_SEGMENTS),  # partitioned by vchannel like the asset
@@ -124,8 +135,11 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
     """Sort right after flush: a `sorted_segments` run for each vchannel with newly flushed
     unsorted segments, once per newest such segment (the run key)."""
     with vchan.open() as runtime:
-        waiting = unsorted_segments(runtime.store)
+        elsewhere = lifecycle_elsewhere(runtime.store)
+        waiting = [] if elsewhere else unsorted_segments(runtime.store)
         known = set(context.instance.get_dynamic_partitions(VCHANNELS))
+    if elsewhere:
+        return dg.SensorResult(skip_reason=elsewhere)
     newest: dict[str, int] = defaultdict(int)
     for s in waiting:
         newest[s.vchannel] = max(newest[s.vchannel], s.id)
@@ -223,7 +237,12 @@ lifecycle_job = dg.define_asset_job(
 
 @dg.sensor(job=lifecycle_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
 def lifecycle_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
-    """DataCoord automation: a lifecycle run every VCHAN_LIFECYCLE_INTERVAL (one at a time)."""
+    """DataCoord automation: a lifecycle run every VCHAN_LIFECYCLE_INTERVAL (one at a time),
+    unless a `vchan datacoord` process leads the election (it runs the same step)."""
+    with vchan.open() as runtime:
+        elsewhere = lifecycle_elsewhere(runtime.store)
+    if elsewhere:
+        return dg.SensorResult(skip_reason=elsewhere)
     interval = vchan.settings().lifecycle_interval
     last = float(context.cursor or 0)
     now = time.time()
