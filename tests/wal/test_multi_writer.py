@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from cluster.test_s3_outage import Endpoint
 from datanode.helpers import Produced, assert_exactly_once
 
 from vchan_assets.config import Settings
@@ -230,6 +231,52 @@ def test_producers_retry_through_an_etcd_restart_and_write_every_batch_once(
     private_etcd.restart()  # same ports and data
     for child in children:
         finish(child)
+
+    counts = inserted_pks(check_log(storage, info))
+    produced = pa.concat_tables(
+        [t for k in range(2) for t in expected_rows(100_000 * (k + 1), batches, rows)]
+    )
+    assert sorted(counts) == sorted(produced["pk"].to_pylist()) and max(counts.values()) == 1
+
+
+def test_producers_retry_through_an_s3_outage_and_write_every_batch_once(
+    store: MetaStore, settings: Settings, s3_server: dict[str, str], tmp_path: Path
+) -> None:
+    """Storage unavailable: the producers reach S3 through a proxy process that is killed
+    (every connection reset, new ones refused) while each waits at a gate before its 4th
+    batch, and started again once every producer has reported a retry."""
+    direct = replace(
+        settings,
+        storage_uri=f"s3://{s3_server['bucket']}/{uuid.uuid4().hex[:8]}",
+        s3_endpoint=s3_server["endpoint"],
+        client_retry_timeout=60.0,
+        append_lock_ttl=2.0,
+    )
+    proxy = Endpoint(s3_server["endpoint"], tmp_path / "proxy.log")
+    proxy.start()
+    storage = Storage.from_settings(direct)  # the checks reach the server directly
+    info = Producer(store, storage, direct).create_collection(f"s{uuid.uuid4().hex[:6]}", SCHEMA)
+    batches, rows = 8, 200
+    down = tmp_path / "s3-down"
+    through_proxy = replace(direct, s3_endpoint=proxy.url)
+    gate = {GATE_ENV: f"{down}:3"}
+    children = [
+        start(through_proxy, "insert", info.name, 100_000 * (k + 1), batches, rows, env=gate)
+        for k in range(2)
+    ]
+    try:
+        for child in children:
+            wait_for_line(child, "batch 2")
+        proxy.kill()
+        down.touch()
+        for child in children:
+            wait_for_line(child, "WARNING", contains="retrying")  # the outage reached it
+        proxy.start()  # same port
+        for child in children:
+            finish(child)
+    finally:
+        if proxy.process is not None and proxy.process.poll() is None:
+            proxy.kill()
 
     counts = inserted_pks(check_log(storage, info))
     produced = pa.concat_tables(
