@@ -9,7 +9,8 @@ python producer_child.py insert COLLECTION START_PK BATCHES ROWS [KILL_AT_BATCH 
     With FLUSH_COUNT_FILE=PATH set, after half the batches it waits until the flusher's
     count in PATH has grown: a flush then falls between this producer's batches, whatever
     the speed of either process. With GATE_FILE=PATH:I set, before batch I it waits until
-    PATH exists. Warnings (a retry, say) are printed to stdout.
+    PATH exists. With DELETE_ROWS=N set, it then deletes its first N pks in one call and
+    prints "deleted N". Warnings (a retry, say) are printed to stdout.
 python producer_child.py flush COLLECTION INTERVAL STOP_FILE [COUNT_FILE]
     flushes every INTERVAL seconds until STOP_FILE exists, printing "flush TS" each time and
     writing the number of flushes done so far to COUNT_FILE.
@@ -34,6 +35,7 @@ from vchan_assets.wal.producer import Producer, generate_rows
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "f": "float", "s": "string", "b": "bool"})
 FLUSH_COUNT_ENV = "FLUSH_COUNT_FILE"
 GATE_ENV = "GATE_FILE"
+DELETE_ENV = "DELETE_ROWS"
 HANDSHAKE_TIMEOUT = 300.0  # a hang guard only: the handshake itself does not depend on speed
 
 
@@ -83,6 +85,10 @@ def insert(producer: Producer, collection: str, args: list[str]) -> None:
         first = start + i * rows
         producer.insert(collection, generate_rows(SCHEMA, rows, start_pk=first, seed=first))
         print("batch", i, flush=True)
+    deletes = int(os.environ.get(DELETE_ENV, "0"))
+    if deletes:
+        producer.delete(collection, list(range(start, start + deletes)))
+        print("deleted", deletes, flush=True)
 
 
 def flush(producer: Producer, collection: str, args: list[str]) -> None:

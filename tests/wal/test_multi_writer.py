@@ -31,7 +31,7 @@ from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
-from wal.producer_child import FLUSH_COUNT_ENV, GATE_ENV, SCHEMA
+from wal.producer_child import DELETE_ENV, FLUSH_COUNT_ENV, GATE_ENV, SCHEMA
 
 CHILD = Path(__file__).parent / "producer_child.py"
 
@@ -104,6 +104,14 @@ def inserted_pks(logs: dict[str, pa.Table]) -> Counter[int]:
     return counts
 
 
+def deleted_pks(logs: dict[str, pa.Table]) -> list[int]:
+    return [
+        pk
+        for table in logs.values()
+        for pk in table.filter(pc.equal(table["msg_type"], "delete"))["pk"].to_pylist()
+    ]
+
+
 def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
     ids = IdAllocator(store)
     for vchannel in info.vchannels:
@@ -146,15 +154,19 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
     stop, flush_count = tmp_path / "stop", tmp_path / "flushes"
     flusher = start(fast, "flush", info.name, 0.5, stop, flush_count)
     # Each producer, halfway through, waits for the flusher's count to grow: at least one
-    # flush falls between every producer's batches, however fast either side runs.
-    gate = {FLUSH_COUNT_ENV: str(flush_count)}
+    # flush falls between every producer's batches, however fast either side runs. Then
+    # it deletes its first `deletes` pks (while the others may still insert).
+    deletes = 50
+    gate = {FLUSH_COUNT_ENV: str(flush_count), DELETE_ENV: str(deletes)}
     children = [
         start(fast, "insert", info.name, 100_000 * (k + 1), batches, rows, env=gate) for k in range(4)
     ]
     for child in children:
         finish(child)
     stop.touch()
-    flush_stamps = [int(line.split()[1]) for line in finish(flusher).splitlines()]
+    flush_stamps = [
+        int(line.split()[1]) for line in finish(flusher).splitlines() if line.startswith("flush ")
+    ]
 
     flush_ts = producer.flush(info.name)
     logs = check_log(storage, info)
@@ -167,6 +179,8 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
         [t for k in range(4) for t in expected_rows(100_000 * (k + 1), batches, rows)]
     )
     assert sorted(counts) == sorted(produced["pk"].to_pylist()) and max(counts.values()) == 1
+    deleted = [pk for k in range(4) for pk in range(100_000 * (k + 1), 100_000 * (k + 1) + deletes)]
+    assert sorted(deleted_pks(logs)) == deleted
 
     # One allocation authority: no row is stamped at or after its segment's seal.
     sealed = segments(store, info)
@@ -177,7 +191,7 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
 
     sync_all(store, storage, fast, info)
     assert producer.flush_state(info.name, flush_ts)
-    assert_exactly_once(store, storage, info, Produced(rows=[produced]))
+    assert_exactly_once(store, storage, info, Produced(rows=[produced], deleted=deleted))
 
 
 @pytest.mark.parametrize("failpoint", ["before_wal_publish", "after_wal_publish"])
