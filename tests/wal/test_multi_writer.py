@@ -26,6 +26,7 @@ from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
+from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
@@ -358,3 +359,24 @@ def test_vchan_produce_and_a_flush_from_a_second_vchan_produce_both_succeed(
     insert_ts = [t for table in logs.values() for t in table["timestamp"].to_pylist()]
     assert min(insert_ts) < flush_ts < max(insert_ts), "the flush fell between the loader's batches"
     assert_no_row_at_or_after_its_seal(logs, segments(store, info), all_sealed=False)
+
+
+def test_a_producer_gives_up_after_its_retry_timeout_with_the_etcd_message_and_writes_nothing(
+    private_store: MetaStore,
+    storage: Storage,
+    private_settings: Settings,
+    private_etcd: EmbeddedEtcd,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = replace(private_settings, client_retry_timeout=1.0, etcd_timeout=0.5)
+    producer = Producer(private_store, storage, settings)
+    info = producer.create_collection(f"g{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
+    files_before = WalReader(storage, info.vchannels[0], info).files()
+    private_etcd.stop()
+
+    with caplog.at_level("WARNING"), pytest.raises(MetaUnavailableError) as down:
+        producer.insert(info.name, generate_rows(SCHEMA, 10, start_pk=0))
+
+    assert private_etcd.endpoint in str(down.value) and "VCHAN_ETCD_ENDPOINTS" in str(down.value)
+    assert "retrying" in caplog.text  # it retried before giving up
+    assert WalReader(storage, info.vchannels[0], info).files() == files_before
