@@ -1,6 +1,8 @@
 """Many producer processes on one collection: dense offsets, monotonic timestamps, one
-allocation authority, crash and etcd-restart safety. Every producer here is its own OS
-process (tests/wal/producer_child.py); the sync runs in-process with the local engine."""
+allocation authority, inserts and deletes with a concurrent flush (Python API and
+`vchan produce`), crash safety, retries through etcd and S3 outages. Every producer here
+is its own OS process (tests/wal/producer_child.py); the sync runs in-process with the
+local engine. Concurrency is arranged by handshakes (files, SIGSTOP), never by timing."""
 
 from __future__ import annotations
 
