@@ -5,6 +5,7 @@ It keeps objects in memory: what it holds is gone once it stops.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -26,7 +27,14 @@ class S3ServerError(RuntimeError):
 
 def _moto_command() -> list[str]:
     binary = Path(sys.executable).parent / "moto_server"
-    return [str(binary)] if binary.exists() else [sys.executable, "-m", "moto.server"]
+    if binary.exists():
+        return [str(binary)]
+    if importlib.util.find_spec("moto") is None:
+        # moto is a test dependency, not the package's: say what to install.
+        raise S3ServerError(
+            "the loopback S3 server is moto's: pip install 'moto[server]' (the [test] extra has it)"
+        )
+    return [sys.executable, "-m", "moto.server"]
 
 
 @dataclass
