@@ -19,14 +19,14 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datacoord.recovery import list_orphans, recovery_info
+from vchan_assets.datacoord.recovery import RecoverySnapshot, list_orphans, recovery_info
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.errors import LeaseLostError
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
+from vchan_assets.model import CollectionInfo, RecoveryInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import (
     CorruptLogError,
@@ -157,6 +157,30 @@ def test_recovery_info_lists_seek_position_and_segments_by_state(
     assert after.seek_position == checkpoint(store, vchannel)
     assert set(before.unflushed_segment_ids) <= set(after.flushed_segment_ids)
     assert not after.unflushed_segment_ids
+
+
+def test_a_recovery_snapshot_gives_every_channel_what_recovery_info_reads_for_it(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    """The coordinator's per-step snapshot (one read of the checkpoints, one of each
+    collection's segments) gives each channel its own seek position and segments."""
+
+    def both() -> tuple[list[RecoveryInfo], list[RecoveryInfo]]:
+        snapshot = RecoverySnapshot(store)
+        channels = collection.vchannels
+        return [snapshot.recovery_info(collection, v) for v in channels], [
+            recovery_info(store, collection, v) for v in channels
+        ]
+
+    produce(producer, collection.name, Produced(), 600, start_pk=0)
+    from_snapshot, read = both()
+    assert from_snapshot == read and all(r.unflushed_segment_ids for r in read)
+    producer.flush(collection.name)
+    sync_all(store, storage, settings, collection)
+    from_snapshot, read = both()
+    assert from_snapshot == read
+    assert [r.seek_position for r in read] == [checkpoint(store, v) for v in collection.vchannels]
+    assert len({r.seek_position for r in read}) == len(read) > 1  # per channel, not one for all
 
 
 # --- segment meta size ------------------------------------------------------------------

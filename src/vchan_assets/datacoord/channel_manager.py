@@ -15,7 +15,9 @@ Rules of one step, per vchannel of every non-dropped collection:
   longer `channel-lease/{vchannel}` (its node was fenced and stopped) -> deleted, and the
   channel reassigned;
 - an unassigned channel goes to the live node with the fewest channels (ToWatch with a
-  fresh lease id, written in the same transaction), or, with no live node, waits in `channelwatch/remaining/{vchannel}`;
+  fresh lease id, written in the same transaction; a step's assignments share
+  transactions, `ASSIGN_BATCH` channels each), or, with no live node, waits in
+  `channelwatch/remaining/{vchannel}`;
 - when nothing is moving, a node with 2+ channels more than another gives one up:
   ToRelease on the old node first; only after its ReleaseSuccess (or its death or
   timeout) is the channel written as ToWatch for another node. Never two watchers;
@@ -28,15 +30,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.leases import new_channel_lease
-from vchan_assets.datacoord.recovery import recovery_info
+from vchan_assets.datacoord.recovery import RecoverySnapshot
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import WatchEntry, list_watches
+from vchan_assets.meta.codec import encode
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import KeyValue, MetaStore
 from vchan_assets.model import (
@@ -90,6 +93,41 @@ def _fenced(e: WatchEntry, current: ChannelLease | None) -> str:
     if e.info.lease_id is None or current is None or current.lease_id == e.info.lease_id:
         return ""  # no lease named (older coordinator), or still the current one
     return f"lease {e.info.lease_id} replaced by {current.lease_id} (node {current.node_id})"
+
+
+# Channels per assignment transaction: etcd refuses more than 128 operations in one
+# (--max-txn-ops; a channel takes two puts and perhaps a delete), and a request over
+# --max-request-bytes (a watch info lists the channel's segment ids).
+ASSIGN_BATCH = 40
+ASSIGN_BATCH_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    """One channel's lease and ToWatch, encoded, not yet written."""
+
+    vchannel: str
+    node_id: int
+    watch_key: str
+    puts: dict[str, bytes]
+    deletes: tuple[str, ...]  # its channelwatch/remaining entry, if it waited there
+
+    @property
+    def size(self) -> int:
+        return sum(len(v) for v in self.puts.values())
+
+
+def _batches(pending: list[_Assignment]) -> Iterator[list[_Assignment]]:
+    batch: list[_Assignment] = []
+    size = 0
+    for a in pending:
+        if batch and (len(batch) == ASSIGN_BATCH or size + a.size > ASSIGN_BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(a)
+        size += a.size
+    if batch:
+        yield batch
 
 
 class ChannelManager:
@@ -166,6 +204,8 @@ class ChannelManager:
                 if e.node_id in load and e.info.state in HOLDING:
                     load[e.node_id] += 1
         moving = False
+        recovery = RecoverySnapshot(self.store)  # read once, if anything is assigned
+        pending: list[_Assignment] = []
         for vchannel in sorted(set(view.channels) | set(view.entries) | set(view.remaining)):
             collection = view.channels.get(vchannel)
             entries = view.entries.get(vchannel, [])
@@ -188,11 +228,12 @@ class ChannelManager:
                 continue
             candidates = [n for n in load if n not in exclude] or list(load)
             target = min(candidates, key=lambda n: (load[n], n))
-            if self._assign(collection, vchannel, target, now, report):
-                load[target] += 1
-                moving = True
-                if vchannel in view.remaining:
-                    self.store.delete(view.remaining[vchannel].key)
+            parked = view.remaining.get(vchannel)
+            pending.append(self._assignment(collection, vchannel, target, now, recovery, parked))
+            load[target] += 1
+        for lost in self._write_assignments(pending, report):
+            load[lost.node_id] -= 1
+        moving |= bool(report.assigned)
         if not moving:
             self._balance(view, load, report)
         if report.changed:
@@ -271,11 +312,18 @@ class ChannelManager:
         if vchannel in view.remaining:
             self.store.delete(view.remaining[vchannel].key)
 
-    def _assign(
-        self, collection: CollectionInfo, vchannel: str, node_id: int, now: float, report: ReconcileReport
-    ) -> bool:
-        """ToWatch on `node_id` with a fresh lease (which fences off any earlier writer)."""
-        recovery = recovery_info(self.store, collection, vchannel)
+    def _assignment(
+        self,
+        collection: CollectionInfo,
+        vchannel: str,
+        node_id: int,
+        now: float,
+        snapshot: RecoverySnapshot,
+        parked: KeyValue | None,
+    ) -> _Assignment:
+        """ToWatch on `node_id` with a fresh lease (which fences off any earlier writer),
+        to be written by `_write_assignments`."""
+        recovery = snapshot.recovery_info(collection, vchannel)
         lease = new_channel_lease(self.ids, node_id)
         info = ChannelWatchInfo(
             vchan=VchannelInfo(
@@ -292,17 +340,38 @@ class ChannelManager:
             op_id=lease.lease_id,
             lease_id=lease.lease_id,
         )
-        # One transaction: a ToWatch that cannot be written grants no lease (else the
-        # current holder would be fenced off for nothing).
         watch_key = self.store.keys.channel_watch(node_id, vchannel)
-        written = self.store.txn(
-            {watch_key: 0}, {self.store.keys.channel_lease(vchannel): lease, watch_key: info}
+        return _Assignment(
+            vchannel,
+            node_id,
+            watch_key,
+            {self.store.keys.channel_lease(vchannel): encode(lease), watch_key: encode(info)},
+            () if parked is None else (parked.key,),
         )
-        if written is None:
-            report.conflicts += 1
-            return False
-        report.assigned.append((vchannel, node_id))
-        return True
+
+    def _write_assignments(self, pending: list[_Assignment], report: ReconcileReport) -> list[_Assignment]:
+        """Write the step's assignments, many channels per etcd transaction (a cold start
+        assigns every channel in one step: one round trip each took seconds at 1,000
+        channels, BENCHMARKS.md "Scale"). A channel's lease and its ToWatch are written
+        together or not at all (a ToWatch that cannot be written grants no lease, else the
+        current holder would be fenced off for nothing). A batch that loses a compare is
+        written again one channel at a time; returns the channels that lost theirs."""
+        lost: list[_Assignment] = []
+        for batch in _batches(pending):
+            if self._write(batch):
+                written = batch
+            else:
+                written = [a for a in batch if len(batch) > 1 and self._write([a])]
+            report.assigned.extend((a.vchannel, a.node_id) for a in written)
+            lost.extend(a for a in batch if a not in written)
+        report.conflicts += len(lost)
+        return lost
+
+    def _write(self, batch: list[_Assignment]) -> bool:
+        expect = {a.watch_key: 0 for a in batch}
+        puts = {k: v for a in batch for k, v in a.puts.items()}
+        deletes = [k for a in batch for k in a.deletes]
+        return self.store.txn(expect, puts, deletes) is not None
 
     def _to_release(self, e: WatchEntry, why: str, report: ReconcileReport) -> bool:
         info = replace(

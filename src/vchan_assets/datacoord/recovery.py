@@ -8,6 +8,7 @@ are unflushed, flushed or dropped, with their meta.
 from __future__ import annotations
 
 from vchan_assets.datacoord.collections import VchannelNotFoundError
+from vchan_assets.meta.codec import decode
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -41,8 +42,14 @@ def recovery_info(store: MetaStore, collection: CollectionInfo, vchannel: str) -
     if vchannel not in collection.vchannels:
         raise VchannelNotFoundError(vchannel, collection.name)
     checkpoint = channel_checkpoint(store, vchannel)
-    seek = checkpoint.model if checkpoint else start_position(collection, vchannel)
     segments = [d.model for d in channel_segments(store, collection.id, vchannel)]
+    return _recovery(collection, vchannel, checkpoint.model if checkpoint else None, segments)
+
+
+def _recovery(
+    collection: CollectionInfo, vchannel: str, checkpoint: MsgPosition | None, segments: list[SegmentInfo]
+) -> RecoveryInfo:
+    seek = checkpoint or start_position(collection, vchannel)
     by_state: dict[str, list[int]] = {"unflushed": [], "flushed": [], "dropped": []}
     for seg in segments:
         if seg.state is SegmentState.FLUSHED:
@@ -60,6 +67,33 @@ def recovery_info(store: MetaStore, collection: CollectionInfo, vchannel: str) -
         dropped_segment_ids=tuple(sorted(by_state["dropped"])),
         segments=tuple(segments),
     )
+
+
+class RecoverySnapshot:
+    """Recovery info of many channels from one read of every checkpoint and one of each
+    collection's segments, made on first use: a coordinator step assigning hundreds of
+    channels reads etcd a few times instead of twice per channel. What it gives a ToWatch
+    is informative: the DataNode reads its own recovery info once it holds the lease."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+        self._checkpoints: dict[str, bytes] | None = None
+        self._segments: dict[int, list[SegmentInfo]] = {}
+
+    def recovery_info(self, collection: CollectionInfo, vchannel: str) -> RecoveryInfo:
+        if vchannel not in collection.vchannels:
+            raise VchannelNotFoundError(vchannel, collection.name)
+        if self._checkpoints is None:
+            snap = self.store.list_prefix(self.store.keys.channel_checkpoints())
+            self._checkpoints = {kv.key: kv.value for kv in snap.items}
+        key = self.store.keys.channel_checkpoint(vchannel)
+        raw = self._checkpoints.get(key)
+        checkpoint = None if raw is None else decode(key, raw, MsgPosition)  # only this channel's
+        if collection.id not in self._segments:
+            found, _ = self.store.list_models(self.store.keys.segments(collection.id), SegmentInfo)
+            self._segments[collection.id] = [d.model for d in found]
+        segments = [s for s in self._segments[collection.id] if s.vchannel == vchannel]
+        return _recovery(collection, vchannel, checkpoint, segments)
 
 
 def referenced_paths(store: MetaStore) -> set[str]:
