@@ -102,7 +102,7 @@ def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
 
 
-@pytest.mark.parametrize("step", ["compaction_after_files", "compaction_after_commit"])
+@pytest.mark.parametrize("step", STEPS)
 def test_l0_compaction_killed_at_a_commit_step_keeps_every_delete_applied(
     step: str,
     store: MetaStore,
