@@ -287,6 +287,7 @@ def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
         assert node.watcher is not None
         node.watcher.stop()
         node._on_relist(store.list_prefix(store.keys.channel_watch_prefix(node.node_id)))
+        assert node.lanes.wait_idle(30)
         assert node.channels == [v0]
     finally:
         node.stop()
@@ -310,6 +311,7 @@ def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_tha
             time.sleep(0.05)
         assert node.channels == sorted(infos[0].vchannels)
         node._on_relist(stale)
+        assert node.lanes.wait_idle(30)
         assert node.channels == sorted(infos[0].vchannels)
     finally:
         node.stop()
@@ -513,3 +515,41 @@ def test_the_no_lease_fallback_never_revokes_a_channel_reassigned_meanwhile(
         for t in threads:
             t.join()
     assert revoked == 0, f"Y's lease was replaced after {revoked} of 60 moves"
+
+
+def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
+    store: MetaStore, settings: Settings
+) -> None:
+    """Events are handled per channel (seed: one event manager per vchannel): while one
+    channel's release is still running (its final sync can take up to minutes), another
+    channel's ToWatch is answered. The slow release is a job on the first channel's lane
+    that ends only when the test says so."""
+    import threading
+
+    from vchan_assets.datanode.node import DataNode
+
+    settings = fast_settings(settings)
+    _, infos = create_collections(store, settings, count=1, shards=2)
+    v0, v1 = infos[0].vchannels
+    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    releasing, finish = threading.Event(), threading.Event()
+    try:
+        node.lanes.submit(v0, lambda: (releasing.set(), finish.wait(60)))
+        assert releasing.wait(10)
+        ChannelManager(store, settings).reconcile()  # ToWatch for both channels on the node
+
+        def state(vchannel: str) -> WatchState | None:
+            found = _watch(store, node.node_id, vchannel)
+            return found[0].state if found else None
+
+        deadline = time.monotonic() + 20
+        while state(v1) is not WatchState.WATCH_SUCCESS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state(v1) is WatchState.WATCH_SUCCESS
+        assert state(v0) is WatchState.TO_WATCH  # its lane is still busy with the release
+        finish.set()
+        assert node.lanes.wait_idle(20)
+        assert state(v0) is WatchState.WATCH_SUCCESS
+    finally:
+        finish.set()
+        node.stop()

@@ -11,7 +11,9 @@ Per-event logic lives in plain functions so a Dagster sensor or run can call it 
   watch_channel(ctx, key, version, info, start=...)  -> ChannelWatchInfo written (WatchSuccess/Failure)
   release_channel(ctx, key, version, info, stop=...) -> ChannelWatchInfo written (ReleaseSuccess)
   sync_once(ctx, collection, vchannel, lease)        -> SyncResult | None   (datanode.channel)
-`DataNode` wires them to a watcher thread and one `ChannelWorker` thread per channel.
+`DataNode` wires them to a watcher thread, one event lane per channel (`ChannelLanes`: a
+slow release or re-watch of one channel never delays another's events) and one
+`ChannelWorker` thread per channel.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import replace
+from functools import partial
 
 from vchan_assets import __version__
 from vchan_assets.config import Settings
@@ -52,6 +56,7 @@ from vchan_assets.storage import Storage
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ChannelLanes",
     "DataNode",
     "NodeContext",
     "Tickler",
@@ -211,8 +216,68 @@ def release_channel(
     return result
 
 
+class ChannelLanes:
+    """One event lane per vchannel (seed: one channel event manager per vchannel): a
+    channel's events are handled in order on a thread of its own, so a slow release (its
+    final sync) or a re-watch waiting for the old worker never delays another channel's
+    ToWatch or ToRelease. A lane's thread ends when its queue is empty."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._queues: dict[str, deque[tuple[Hashable, Callable[[], None]]]] = {}
+        self._closed = False
+
+    def submit(self, vchannel: str, job: Callable[[], None], token: Hashable = None) -> None:
+        """Queue `job` on `vchannel`'s lane (dropped if a job with the same non-None `token`
+        is still queued there: a resync repeating a change not handled yet)."""
+        with self._lock:
+            if self._closed:
+                return
+            queue = self._queues.get(vchannel)
+            if queue is not None:
+                if token is None or all(t != token for t, _ in queue):
+                    queue.append((token, job))
+                return
+            self._queues[vchannel] = deque([(token, job)])
+        lane = threading.Thread(
+            target=self._drain, args=(vchannel,), name=f"{self.name} {vchannel}", daemon=True
+        )
+        lane.start()
+
+    def busy(self, vchannel: str) -> bool:
+        with self._lock:
+            return vchannel in self._queues
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every lane has run its queue; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._queues, timeout)
+
+    def close(self) -> None:
+        """Accept no more jobs (the node is stopping); queued ones still run."""
+        with self._lock:
+            self._closed = True
+
+    def _drain(self, vchannel: str) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[vchannel]
+                if not queue:
+                    del self._queues[vchannel]
+                    self._idle.notify_all()
+                    return
+                _, job = queue.popleft()
+            try:
+                job()
+            except Exception:
+                log.exception("%s: event of %s failed", self.name, vchannel)
+
+
 class DataNode:
-    """A DataNode: session, watch of its channelwatch prefix, one worker per channel."""
+    """A DataNode: session, watch of its channelwatch prefix, one event lane and one worker
+    per channel."""
 
     def __init__(
         self,
@@ -242,9 +307,10 @@ class DataNode:
         self.session_lost = threading.Event()
         self.stopped = threading.Event()
         self._lock = threading.RLock()
-        # Events and relists are handled one at a time; a key's change is handled once,
-        # whichever path (watch event, relist, resync) brings it first.
-        self._handling = threading.Lock()
+        # Each channel's events run in order on its own lane; a key's change is handled
+        # once, whichever path (watch event, relist, resync) brings it first. A key belongs
+        # to one channel, so only its own lane reads or writes its entry.
+        self.lanes = ChannelLanes("datanode events")
         self._handled: dict[str, int] = {}  # key -> mod_revision handled
         self._resync: threading.Thread | None = None
 
@@ -290,6 +356,7 @@ class DataNode:
         if self.stopped.is_set():
             return
         self.stopped.set()
+        self.lanes.close()
         if self.watcher is not None:
             self.watcher.stop()
         if self._resync is not None:
@@ -309,6 +376,7 @@ class DataNode:
     def _lost_session(self) -> None:
         """Liveness lost: every channel stops now, without a final sync (no zombie writer)."""
         self.session_lost.set()
+        self.lanes.close()
         log.error("datanode %s lost its session: stopping all channel work", self.node_id)
         if self.watcher is not None:
             self.watcher.stop(timeout=0)
@@ -325,35 +393,41 @@ class DataNode:
     def _on_relist(self, snapshot: Snapshot) -> None:
         """The whole prefix (at start, after a compaction, and every `resync_interval` as a
         retry of changes whose handling failed): watch/release what it says, and release
-        channels it no longer lists."""
-        with self._handling:
-            present = set()
-            for kv in snapshot.items:
-                present.add(vchannel_of(kv.key))
-                self._handle_put(kv.key, kv.version, kv.value, kv.mod_revision)
-            # A channel whose watch info this node handled at a later revision than the
-            # snapshot's (its event overtook this relist) is not gone: the snapshot is stale.
-            key = self.store.keys.channel_watch
-            with self._lock:
-                gone = [
-                    v
-                    for v in self.workers
-                    if v not in present and self._handled.get(key(self.node_id, v), 0) <= snapshot.revision
-                ]
-            for vchannel in gone:
-                log.info("node %s: %s is no longer assigned (relist): releasing", self.node_id, vchannel)
-                self._stop_channel(vchannel)
+        channels it no longer lists. Each channel's part runs on its lane."""
+        present = set()
+        for kv in snapshot.items:
+            vchannel = vchannel_of(kv.key)
+            present.add(vchannel)
+            job = partial(self._handle_put, kv.key, kv.version, kv.value, kv.mod_revision)
+            self.lanes.submit(vchannel, job, token=(kv.key, kv.mod_revision))
+        with self._lock:
+            gone = [v for v in self.workers if v not in present]
+        for vchannel in gone:
+            job = partial(self._release_unlisted, vchannel, snapshot.revision)
+            self.lanes.submit(vchannel, job, token=("unlisted", vchannel))
 
     def _on_event(self, event: WatchEvent) -> None:
-        with self._handling:
-            if event.mod_revision <= self._handled.get(event.key, 0):
-                return  # a relist already handled this change or a later one
-            if event.kind is EventKind.DELETE:
-                self._handled[event.key] = event.mod_revision
-                log.info("node %s: %s deleted: releasing", self.node_id, event.key)
-                self._stop_channel(vchannel_of(event.key))
-                return
-            self._handle_put(event.key, event.version, event.value, event.mod_revision)
+        vchannel = vchannel_of(event.key)
+        if event.kind is EventKind.DELETE:
+            self.lanes.submit(vchannel, partial(self._handle_delete, event.key, event.mod_revision))
+            return
+        job = partial(self._handle_put, event.key, event.version, event.value, event.mod_revision)
+        self.lanes.submit(vchannel, job, token=(event.key, event.mod_revision))
+
+    def _handle_delete(self, key: str, mod_revision: int) -> None:
+        if mod_revision <= self._handled.get(key, 0):
+            return  # a relist already handled this change or a later one
+        self._handled[key] = mod_revision
+        log.info("node %s: %s deleted: releasing", self.node_id, key)
+        self._stop_channel(vchannel_of(key))
+
+    def _release_unlisted(self, vchannel: str, revision: int) -> None:
+        if self._handled.get(self.store.keys.channel_watch(self.node_id, vchannel), 0) > revision:
+            # Its watch info was handled at a later revision than the snapshot's (an event
+            # overtook this relist): the snapshot is stale, the channel is not gone.
+            return
+        log.info("node %s: %s is no longer assigned (relist): releasing", self.node_id, vchannel)
+        self._stop_channel(vchannel)
 
     def _resync_loop(self) -> None:
         prefix = self.store.keys.channel_watch_prefix(self.node_id)
