@@ -431,3 +431,27 @@ def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(
     assert result.rows == 0 and result.files == 0
     assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
     assert not list_orphans(store, storage) and read_inserted(store, storage, collection).num_rows == 0
+
+
+def test_replay_leaves_out_the_rows_of_dropped_segments(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    """Replay filters by segment state, not only by offset (seed: the flowgraph drops the
+    inserts of flushed and dropped segments): rows of a segment the coordinator dropped
+    while they were still unsynced in the log are not written, and the Dropped segment's
+    meta gains no binlogs."""
+    from vchan_assets.datacoord.segment_manager import SegmentManager
+
+    produce(producer, collection.name, Produced(), 200, start_pk=0)
+    dropped = SegmentManager(store, settings).drop_partition(collection.id, collection.partitions[0])
+    assert dropped
+
+    sync_all(store, storage, settings, collection, engine="local")
+
+    by_id = {s.id: s for s in segments(store, collection)}
+    for sid in dropped:
+        assert by_id[sid].state is SegmentState.DROPPED
+        assert by_id[sid].binlog_files == [] and by_id[sid].num_rows == 0, f"segment {sid} got rows"
+    assert not [k for k in storage.list_keys("insert_log/") if f"/{dropped[0]}/" in k]
+    for vchannel in collection.vchannels:
+        assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()

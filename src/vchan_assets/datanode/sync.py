@@ -207,9 +207,7 @@ class SyncTask:
         n_tasks = max(1, min(self.settings.spark_partitions, len(keys)))
         chunks = [keys[i * len(keys) // n_tasks : (i + 1) * len(keys) // n_tasks] for i in range(n_tasks)]
         insert_floor = {
-            sid: d.model.dml_position.offset
-            for sid, d in segments.items()
-            if d.model.dml_position and d.model.level is not SegmentLevel.L0
+            sid: floor for sid, d in segments.items() if (floor := _insert_floor(d.model, end)) >= 0
         }
         delete_floor: dict[int, int] = {}
         for d in segments.values():
@@ -349,6 +347,18 @@ class SyncTask:
         self.store.guarded_txn(
             self.vchannel, self.lease, {key: end}, expect_versions={key: before.kv.version if before else 0}
         )
+
+
+def _insert_floor(seg: SegmentInfo, end: MsgPosition) -> int:
+    """The offset at or below which replay leaves out the segment's inserts (-1: none).
+    Replay filters by segment state, not only by offset (seed: the flowgraph drops the
+    inserts of flushed and dropped segments): a Flushed segment holds all its rows, a
+    Dropped one (its partition dropped, or compacted away) must get none."""
+    if seg.level is SegmentLevel.L0:
+        return -1
+    if seg.state in (SegmentState.FLUSHED, SegmentState.DROPPED):
+        return end.offset
+    return seg.dml_position.offset if seg.dml_position else -1
 
 
 def _run_on_spark(
