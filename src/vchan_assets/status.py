@@ -5,8 +5,11 @@
   - time-tick lag: a channel with unsynced messages whose checkpoint is older than
     `timetick_lag_warn` seconds (DataCoord's time-tick lag warning);
   - stuck watches: ToWatch / ToRelease past their timeout (`watch_timeout`);
-  - channels on a node without a live session (the node died; the coordinator
-    should move them) and channels waiting as "remaining" (no live node);
+  - channels on a node without a live session (the node died; the active coordinator
+    moves them, and if there is none the warning says so and how to start one) and
+    channels waiting as "remaining" (no live node);
+  - services: the active DataCoord (who holds the election), and the Dagster daemon and
+    webserver `vchan up` started (a dead one: "run `vchan up`");
   - orphan binlogs: files no segment meta points to (left by a crash; GC removes them);
   - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
     and damaged files wholly below the checkpoint (already synced; nothing stops).
@@ -15,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter, defaultdict
@@ -28,7 +32,16 @@ from rich.text import Text
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
+from vchan_assets.meta.embedded import pid_alive
+from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.model import NodeSession
+
+# The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
+DAGSTER_COORDINATOR = "dagster:datacoord"
+NO_COORDINATOR = (
+    "no DataCoord is active to move it: the Dagster daemon is down (run `vchan up`) "
+    "or no `vchan datacoord` runs"
+)
 
 STUCK_STATES = ("ToWatch", "ToRelease")
 CHANNEL_COLUMNS = (
@@ -114,7 +127,7 @@ SEGMENT_COUNTS = ("segments", "rows", "sorted", "compacted")
 
 
 def _channel_warnings(
-    channel_rows: list[dict[str, Any]], live: set[str], settings: Settings
+    channel_rows: list[dict[str, Any]], live: set[str], settings: Settings, coordinator: str | None
 ) -> list[dict[str, Any]]:
     warnings: list[dict[str, Any]] = []
     for row in channel_rows:
@@ -162,7 +175,7 @@ def _channel_warnings(
                     "vchannel": row["vchannel"],
                     "node": owner,
                     "message": f"{row['vchannel']}: watched by node {owner}, which has no live session; "
-                    "the coordinator should move it",
+                    + (f"the active DataCoord ({coordinator}) moves it" if coordinator else NO_COORDINATOR),
                 }
             )
     return warnings
@@ -188,6 +201,45 @@ def _watch_warnings(watches: WatchListing, now: float) -> list[dict[str, Any]]:
     return warnings
 
 
+def active_coordinator(catalog: Catalog) -> str | None:
+    """Who holds the DataCoord election ("node 12 (dagster:datacoord)"), or None."""
+    key = catalog.store.keys.datacoord_session()
+    try:
+        found = catalog.store.get_model(key, NodeSession)
+    except MalformedValueError:
+        return f"a malformed value at {key}"
+    if found is None:
+        return None
+    host = "the Dagster sensor" if found.model.address == DAGSTER_COORDINATOR else found.model.address
+    return f"node {found.model.node_id} ({host or 'vchan datacoord'})"
+
+
+def dagster_services(settings: Settings) -> dict[str, str]:
+    """The Dagster daemon and webserver `vchan up` recorded: "up (pid N)", "down (pid N
+    died)", or nothing if `vchan up` never ran here."""
+    try:
+        state = json.loads((settings.home / "dagster" / "service.json").read_text())
+        pids = [int(p) for p in state.get("pids", [])]
+    except (OSError, ValueError, TypeError):
+        return {}
+    out = {}
+    for name, pid in zip(("dagster_daemon", "dagster_webserver"), pids, strict=False):
+        out[name] = f"up (pid {pid})" if pid_alive(pid) else f"down (pid {pid} died)"
+    return out
+
+
+def _service_warnings(services: dict[str, str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": "service_down",
+            "service": name,
+            "message": f"the {name.replace('_', ' ')} is {state}: run `vchan up` to start it again",
+        }
+        for name, state in services.items()
+        if state.startswith("down")
+    ]
+
+
 def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = True) -> dict[str, Any]:
     """The whole report as plain JSON values."""
     now = time.time() if now is None else now
@@ -198,7 +250,13 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     live = {str(s.node_id) for s in sessions}
     nodes = _nodes(sessions, channels, now)
     segment_rows = _segment_rows(catalog.segments(include_dropped=True))
-    warnings = [*_channel_warnings(channel_rows, live, settings), *_watch_warnings(catalog.watches(), now)]
+    coordinator = active_coordinator(catalog)
+    services = dagster_services(settings)
+    warnings = [
+        *_service_warnings(services),
+        *_channel_warnings(channel_rows, live, settings, coordinator),
+        *_watch_warnings(catalog.watches(), now),
+    ]
     orphan_count = None
     if orphans:
         found = catalog.orphans()
@@ -218,6 +276,8 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "etcd": ",".join(catalog.store.endpoints),
         "root": settings.root,
         "storage": catalog.storage.uri,
+        "datacoord": coordinator,
+        "services": services,
         "nodes": nodes,
         "channels": channel_rows,
         "segments": segment_rows,
@@ -262,7 +322,9 @@ def render_status(report: dict[str, Any]) -> Group:
     """The report as rich tables: nodes, channels, segments, warnings."""
     header = Text.assemble(
         ("vchan status ", "bold"),
-        f"{report['time']}  etcd {report['etcd']}  root {report['root']}  storage {report['storage']}",
+        f"{report['time']}  etcd {report['etcd']}  root {report['root']}  storage {report['storage']}\n",
+        f"DataCoord: {report['datacoord'] or 'none active'}",
+        *(f"  {name.replace('_', ' ')}: {state}" for name, state in report["services"].items()),
     )
     nodes = Table(title="DataNodes (live sessions)", title_justify="left")
     for column in ("node", "address", "version", "state", "uptime s", "channels"):
