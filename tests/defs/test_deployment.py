@@ -5,7 +5,10 @@ API and a real headless Chromium look at what it did."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -20,6 +23,7 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, REPO, DagsterService, graphql
+from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
@@ -40,6 +44,8 @@ class Deployment:
     instance: dg.DagsterInstance
     collection: CollectionInfo
     heads: dict[str, MsgPosition]
+    service: DagsterService
+    producer: Producer
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -77,7 +83,7 @@ def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory
             v: a.position for v, a in producer.delete(collection.name, list(range(1, DELETES + 1))).items()
         }
         with dg.DagsterInstance.from_config(str(home)) as instance:
-            yield Deployment(url, settings, store, instance, collection, heads)
+            yield Deployment(url, settings, store, instance, collection, heads, service, producer)
     finally:
         store.close()
         service.stop(stop_spark=False)
@@ -220,3 +226,33 @@ def test_numeric_sync_metadata_is_typed_so_the_ui_plots_it(deployment: Deploymen
         assert kinds["rows"] == kinds["bytes"] == kinds["end_offset"] == "IntMetadataEntry", kinds
         assert kinds["seconds"] == "FloatMetadataEntry", kinds
         assert kinds["reason"] == "TextMetadataEntry", kinds
+
+
+def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
+    deployment: Deployment,
+) -> None:
+    """`vchan up` after the daemon was killed -9: only the daemon is started again (the
+    webserver keeps its pid and URL), and its sensors sync what was produced meanwhile.
+    Last in this module: it replaces the deployment's daemon."""
+    service = deployment.service
+    daemon, web = json.loads(service.state_file.read_text())["pids"]
+    os.killpg(daemon, signal.SIGKILL)  # the daemon's process group: its code server too
+    wait_until(lambda: not pid_alive(daemon), 30, "the daemon to die")
+    produced = deployment.producer.insert(
+        deployment.collection.name, generate_rows(SCHEMA, 500, start_pk=ROWS + 1, seed=2)
+    )
+    heads = {v: a.position for v, a in produced.items()}
+
+    url = DagsterService(deployment.settings, dagster_home=service.dagster_home).start()
+
+    new_daemon, new_web = json.loads(service.state_file.read_text())["pids"]
+    assert url == deployment.url and new_web == web and pid_alive(web)
+    assert new_daemon != daemon and pid_alive(new_daemon)
+
+    def synced() -> bool:
+        return all(
+            (cp := channel_checkpoint(deployment.store, v)) is not None and cp.model.offset >= head.offset
+            for v, head in heads.items()
+        )
+
+    wait_until(synced, 150, "the restarted daemon's sensors to sync the new rows")

@@ -7,7 +7,8 @@ server they run syncs on), as child processes we own by pid.
   - `dagster-webserver` on a free loopback port,
 with DAGSTER_HOME and the VCHAN_* settings in their environment, waits until the
 webserver answers GraphQL, and records the pids in `$VCHAN_HOME/dagster/service.json`
-so `vchan down` (another process) can stop them.
+so `vchan down` (another process) can stop them. Started again, it starts only what is
+missing or dead and leaves the healthy ones alone (`vchan up` heals).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,21 +77,17 @@ class DagsterService:
         return state if any(pid_alive(int(p)) for p in state.get("pids", [])) else None
 
     def start(self, timeout: float = 120.0) -> str:
-        """Start (or find running) Spark Connect, daemon and webserver; the UI URL."""
-        state = self.recorded()
-        if state is not None:
-            self.url = str(state["url"])
-            return self.url
-        settings = self.settings
-        spark_pid = None
-        if not settings.spark_remote:
-            spark = LocalSparkConnect.for_settings(settings)
-            remote = spark.start()
-            spark_state = spark.recorded()
-            spark_pid = spark_state["pid"] if spark_state else None
-            from dataclasses import replace
-
-            settings = replace(settings, spark_remote=remote)
+        """Start whatever of Spark Connect, daemon and webserver is not running, leaving the
+        running ones alone, and return the UI URL once the webserver answers. Run again, it
+        heals: a daemon or webserver that died since (kill -9, OOM) is started again."""
+        settings, spark_pid = self._spark()
+        state = self._state()
+        if state and state.get("spark_remote") != settings.spark_remote:
+            # They would run syncs on a Spark Connect server that is gone: restart both.
+            self._stop_pids([int(p) for p in state.get("pids", [])], timeout=30.0)
+            state = {}
+        daemon_pid, web_pid = ([int(p) for p in state.get("pids", [])] + [0, 0])[:2]
+        port = int(state.get("port") or 0)
         self.dagster_home.mkdir(parents=True, exist_ok=True)
         logs = settings.home / "dagster"
         logs.mkdir(parents=True, exist_ok=True)
@@ -102,37 +99,60 @@ class DagsterService:
             "PYSPARK_PYTHON": sys.executable,
         }
         bin_dir = Path(sys.executable).parent
-        port = free_port()
-        daemon = self._spawn(
-            [str(bin_dir / "dagster-daemon"), "run", "-w", str(self.workspace)], env, logs / "daemon.log"
-        )
-        web = self._spawn(
-            [
-                str(bin_dir / "dagster-webserver"),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-w",
-                str(self.workspace),
-            ],
-            env,
-            logs / "webserver.log",
-        )
-        self.url = f"http://127.0.0.1:{port}"
-        pids = [daemon.pid, web.pid]
-        self.state_file.write_text(
-            json.dumps(
-                {"url": self.url, "pids": pids, "spark_pid": spark_pid, "spark_remote": settings.spark_remote}
+        spawned: dict[str, subprocess.Popen[bytes]] = {}
+        if not pid_alive(daemon_pid):
+            spawned["daemon"] = self._spawn(
+                [str(bin_dir / "dagster-daemon"), "run", "-w", str(self.workspace)], env, logs / "daemon.log"
             )
-        )
+            daemon_pid = spawned["daemon"].pid
+        if not pid_alive(web_pid):
+            port = free_port()
+            args = ["-h", "127.0.0.1", "-p", str(port), "-w", str(self.workspace)]
+            spawned["webserver"] = self._spawn(
+                [str(bin_dir / "dagster-webserver"), *args], env, logs / "webserver.log"
+            )
+            web_pid = spawned["webserver"].pid
+        self.url = f"http://127.0.0.1:{port}"
+        record = {
+            "url": self.url,
+            "port": port,
+            "pids": [daemon_pid, web_pid],
+            "spark_pid": spark_pid,
+            "spark_remote": settings.spark_remote,
+        }
+        self.state_file.write_text(json.dumps(record))
+        if spawned:
+            log.info("started dagster %s", " and ".join(spawned))
+        self._wait_until_answering(spawned, logs, timeout)
+        log.info("Dagster UI at %s (daemon pid %s, webserver pid %s)", self.url, daemon_pid, web_pid)
+        return self.url
+
+    def _spark(self) -> tuple[Settings, int | None]:
+        """The settings with the Spark Connect URL (the local server, started if not
+        running, unless VCHAN_SPARK_REMOTE names one) and that server's pid."""
+        if self.settings.spark_remote:
+            return self.settings, None
+        spark = LocalSparkConnect.for_settings(self.settings)
+        remote = spark.start()
+        spark_state = spark.recorded()
+        return replace(self.settings, spark_remote=remote), spark_state["pid"] if spark_state else None
+
+    def _state(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self.state_file.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _wait_until_answering(
+        self, spawned: dict[str, subprocess.Popen[bytes]], logs: Path, timeout: float
+    ) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
                 graphql(self.url, "{ version }", timeout=5)
-                break
+                return
             except (OSError, urllib.error.URLError, DagsterServiceError):
-                for proc, name in ((daemon, "daemon"), (web, "webserver")):
+                for name, proc in spawned.items():
                     if proc.poll() is not None:
                         self.stop()
                         raise DagsterServiceError(
@@ -142,8 +162,21 @@ class DagsterService:
                     self.stop()
                     raise DagsterServiceError(f"the webserver did not answer within {timeout:.0f}s") from None
                 time.sleep(0.5)
-        log.info("Dagster UI at %s (daemon pid %s, webserver pid %s)", self.url, daemon.pid, web.pid)
-        return self.url
+
+    @staticmethod
+    def _stop_pids(pids: list[int], timeout: float) -> None:
+        """SIGTERM each process group, SIGKILL what is left after `timeout`."""
+        for pid in pids:
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in pids:
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
 
     @staticmethod
     def _spawn(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen[bytes]:
@@ -158,18 +191,7 @@ class DagsterService:
             state = json.loads(self.state_file.read_text())
         except (OSError, ValueError):
             return False
-        pids = [int(p) for p in state.get("pids", [])]
-        for pid in pids:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in pids:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        self._stop_pids([int(p) for p in state.get("pids", [])], timeout)
         if stop_spark and state.get("spark_pid"):
             LocalSparkConnect.for_settings(self.settings).stop()
         self.state_file.unlink(missing_ok=True)
