@@ -71,6 +71,8 @@ def _port_free(port: int) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # kill(0) and kill(-n) signal process groups: never "a process"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
