@@ -485,7 +485,19 @@ def demo(args: argparse.Namespace, settings: Settings) -> int:
     return run_demo(settings, options)
 
 
-@command("up", "start the embedded stack (etcd, Spark Connect, Dagster webserver + daemon) in the background")
+def _up_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--supervise",
+        action="store_true",
+        help="stay in the foreground and start again any Dagster service that dies (backoff on failure)",
+    )
+
+
+@command(
+    "up",
+    "start the embedded stack (etcd, Spark Connect, Dagster webserver + daemon) in the background",
+    _up_args,
+)
 def up(args: argparse.Namespace, settings: Settings) -> int:
     stack = Stack.open(settings, detach=True)
     try:
@@ -497,8 +509,14 @@ def up(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.deploy.service import DagsterService
 
     print("starting Spark Connect, dagster-daemon and dagster-webserver ...", flush=True)
-    url = DagsterService(settings).start()
+    service = DagsterService(settings)
+    url = service.start()
     print(f"{'dagster_ui':16s} {url}")
+    if args.supervise:
+        from vchan_assets.deploy.supervisor import Supervisor
+
+        print("supervising: a service that dies is started again (Ctrl-C to stop supervising)", flush=True)
+        Supervisor(service.missing, service.start).run(_stop_on_signals())
     return 0
 
 

@@ -127,6 +127,20 @@ class DagsterService:
         log.info("Dagster UI at %s (daemon pid %s, webserver pid %s)", self.url, daemon_pid, web_pid)
         return self.url
 
+    def missing(self) -> list[str]:
+        """The services `start()` recorded that are no longer running ([] if it never ran
+        here, or `vchan down` stopped them): what a supervisor restarts."""
+        state = self._state()
+        if not state:
+            return []
+        names = ("dagster-daemon", "dagster-webserver")
+        pids = [int(p) for p in state.get("pids", [])]
+        down = [name for name, pid in zip(names, pids, strict=False) if not pid_alive(pid)]
+        spark_pid = state.get("spark_pid")
+        if spark_pid and not pid_alive(int(spark_pid)):
+            down.append("spark-connect")
+        return down
+
     def _spark(self) -> tuple[Settings, int | None]:
         """The settings with the Spark Connect URL (the local server, started if not
         running, unless VCHAN_SPARK_REMOTE names one) and that server's pid."""

@@ -1,0 +1,80 @@
+"""The supervisor behind `vchan up --supervise`: a service that dies is started again, a
+heal that fails is retried with a doubling delay, and `DagsterService.missing` reads
+which recorded services died (real processes, killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from vchan_assets.config import Settings
+from vchan_assets.deploy.service import DagsterService
+from vchan_assets.deploy.supervisor import Supervisor
+from vchan_assets.meta.embedded import pid_alive
+
+
+def test_a_killed_service_is_started_again(tmp_path: Path) -> None:
+    service = [subprocess.Popen(["sleep", "600"])]
+
+    def missing() -> list[str]:
+        return [] if pid_alive(service[-1].pid) else ["sleeper"]
+
+    def heal() -> None:
+        service.append(subprocess.Popen(["sleep", "600"]))
+
+    supervisor = Supervisor(missing, heal, interval=0.05)
+    stop = threading.Event()
+    runner = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        first = service[0]
+        first.kill()
+        first.wait()
+        deadline = time.monotonic() + 30
+        while len(service) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(service) == 2 and pid_alive(service[1].pid)
+        assert [names for _, names in supervisor.restarts] == [("sleeper",)]
+    finally:
+        stop.set()
+        runner.join(10)
+        for proc in service:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_heal_that_fails_is_retried_with_a_doubling_delay_reset_by_a_success() -> None:
+    attempts: list[int] = []
+
+    def heal() -> None:
+        attempts.append(1)
+        if len(attempts) <= 4:
+            raise OSError("port already in use")
+
+    supervisor = Supervisor(lambda: ["dagster-daemon"], heal, interval=5.0, backoff=1.0, max_backoff=6.0)
+    delays = [supervisor.step() for _ in range(6)]
+    assert delays == [1.0, 2.0, 4.0, 6.0, 5.0, 5.0]
+    assert supervisor.failures == 0 and len(supervisor.restarts) == 2
+
+
+def test_the_dagster_service_reports_which_recorded_process_died(settings: Settings) -> None:
+    service = DagsterService(settings)
+    assert service.missing() == []  # never started here: nothing to supervise
+    alive = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    dead = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        service.state_file.parent.mkdir(parents=True, exist_ok=True)
+        service.state_file.write_text(json.dumps({"url": "", "pids": [dead.pid, alive.pid]}))
+        assert service.missing() == []
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait()
+        assert service.missing() == ["dagster-daemon"]
+    finally:
+        for proc in (alive, dead):
+            proc.kill()
+            proc.wait()
