@@ -104,8 +104,15 @@ def _report_checks(console: Console, info: CollectionInfo, checks: dict[tuple[st
         table.add_row(v, *("passed" if checks.get((v, c)) else "[red]FAILED/missing" for c in names))
     console.print(table)
     missing = [v for v in info.vchannels if not any((v, c) in checks for c in names)]
-    if not checks or missing or not all(checks.values()):
-        raise DemoCheckError(f"asset checks did not all pass (no checks for {missing})")
+    failed = sorted((c, v) for (v, c), passed in checks.items() if not passed)
+    if not checks or missing or failed:
+        problems = [f"{c} FAILED on {v}" for c, v in failed]
+        if missing:
+            problems.append(f"no check ran for {', '.join(missing)} (no successful sync run of it)")
+        raise DemoCheckError(
+            f"asset checks did not all pass: {'; '.join(problems)}; the Dagster UI shows each "
+            "check's description and metadata on the vchannel's partition"
+        )
 
 
 def _spark_remote(service: DagsterService, settings: Settings) -> str | None:
