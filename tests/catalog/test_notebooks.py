@@ -1,10 +1,11 @@
-"""The analyst notebooks run top to bottom on the embedded stack (each in its own
-temporary VCHAN_HOME) without errors, in a kernel of this interpreter, and are stored
-without outputs."""
+"""The analyst notebooks run top to bottom without errors, in a kernel of this interpreter,
+both ways: on a fresh embedded stack (each in its own temporary VCHAN_HOME) and against a
+live `vchan up` deployment; they are stored without outputs."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ["01_quickstart", "02_channel_health", "03_segments_and_binlogs", "04_operate"]
 TIMEOUT = {"01_quickstart": 120, "02_channel_health": 180, "03_segments_and_binlogs": 120, "04_operate": 180}
+LIVE_TIMEOUT = 420  # a cell waits for the deployment's Dagster runs to persist the collection
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +67,13 @@ def test_notebook_is_stored_without_outputs(name: str) -> None:
             assert cell.outputs == [] and cell.execution_count is None, f"{name}: outputs not stripped"
 
 
-def _run(book: nbformat.NotebookNode, name: str, kernel_name: str, tmp_path: Path) -> None:
+def _run(
+    book: nbformat.NotebookNode, name: str, kernel_name: str, tmp_path: Path, timeout: int | None = None
+) -> None:
     client = NotebookClient(
         book,
         kernel_name=kernel_name,
-        timeout=TIMEOUT[name],
+        timeout=timeout or TIMEOUT[name],
         resources={"metadata": {"path": str(tmp_path)}},
     )
     # The notebook's temporary VCHAN_HOME goes under tmp_path (the kernel inherits TMPDIR),
@@ -114,10 +118,12 @@ def _texts(book: nbformat.NotebookNode) -> str:
     return "\n".join(parts)
 
 
-def test_the_operate_notebook_reads_a_live_vchan_up_stack(kernel_name: str, tmp_path: Path) -> None:
-    """`vchan up` in a fresh VCHAN_HOME, rows produced and flushed with `vchan produce`, then
-    04_operate in MODE = "live" shows that stack's collection, channels and segments."""
-    home = tmp_path / "live"
+@pytest.fixture(scope="module")
+def live_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`vchan up` in a fresh VCHAN_HOME (etcd, Spark Connect, the Dagster daemon and webserver:
+    the deployment syncs on its own), a collection produced and flushed with `vchan produce`;
+    `vchan down` after the module."""
+    home = tmp_path_factory.mktemp("live") / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
     env.update(VCHAN_HOME=str(home), VCHAN_SYNC_MAX_AGE="1")
     vchan = str(Path(sys.executable).parent / "vchan")
@@ -131,20 +137,38 @@ def test_the_operate_notebook_reads_a_live_vchan_up_stack(kernel_name: str, tmp_
         run("up")
         run("create-collection", "--collection", "live_ops", "--dim", "8", "--shards", "2")
         run("produce", "--collection", "live_ops", "--rows", "2000", "--deletes", "100", "--flush")
-        book = nbformat.read(NOTEBOOKS / "04_operate.ipynb", as_version=4)
-        _set_parameter(book, 'MODE = "live"')
-        saved = {k: os.environ.get(k) for k in ("VCHAN_HOME", "VCHAN_SYNC_MAX_AGE")}
-        os.environ.update(VCHAN_HOME=str(home))
-        try:
-            (tmp_path / "kernel").mkdir()
-            _run(book, "04_operate", kernel_name, tmp_path / "kernel")
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield home
     finally:
         run("down")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_against_a_live_vchan_up_stack(
+    name: str, live_home: Path, kernel_name: str, tmp_path: Path
+) -> None:
+    """MODE = "live": the notebook works on the `vchan up` deployment of VCHAN_HOME (its own
+    collection, persisted by that deployment's DataNodes), and its outputs name that stack."""
+    book = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    _set_parameter(book, 'MODE = "live"')
+    saved = os.environ.get("VCHAN_HOME")
+    os.environ["VCHAN_HOME"] = str(live_home)
+    try:
+        _run(book, name, kernel_name, tmp_path, timeout=LIVE_TIMEOUT)
+    finally:
+        if saved is None:
+            os.environ.pop("VCHAN_HOME", None)
+        else:
+            os.environ["VCHAN_HOME"] = saved
     text = _texts(book)
-    assert "live: etcd 127.0.0.1:" in text and "live_ops" in text
+    if name == "04_operate":
+        assert "live: etcd 127.0.0.1:" in text and "live_ops" in text
+    else:  # the notebook's own collection, with a per-run name, in the live deployment
+        base = {
+            "01_quickstart": "books",
+            "02_channel_health": "events",
+            "03_segments_and_binlogs": "products",
+        }
+        assert re.search(rf"{base[name]}_\d{{8}}_\d{{6}}", text), (
+            f"{name}: its collection is not in the outputs"
+        )
+        assert "nothing killed" in text or name != "02_channel_health"
