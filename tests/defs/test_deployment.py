@@ -29,6 +29,7 @@ from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
+from .browser import chromium
 from .conftest import SCHEMA
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -226,6 +227,38 @@ def test_numeric_sync_metadata_is_typed_so_the_ui_plots_it(deployment: Deploymen
         assert kinds["rows"] == kinds["bytes"] == kinds["end_offset"] == "IntMetadataEntry", kinds
         assert kinds["seconds"] == "FloatMetadataEntry", kinds
         assert kinds["reason"] == "TextMetadataEntry", kinds
+
+
+PLOTS_BUTTON = "[...document.querySelectorAll('button')].some(b => b.textContent.trim() === 'Plots')"
+PLOTTED = "document.querySelectorAll('canvas').length"
+
+
+def test_the_binlogs_asset_page_plots_rows_bytes_and_seconds(deployment: Deployment) -> None:
+    """A real headless Chromium on the asset page: its Metadata section, switched to Plots
+    and Events (values over time), draws one chart per numeric entry: rows, bytes and seconds
+    of the syncs. Text metadata would have no chart. Screenshot in test-artifacts/."""
+    wait_until(
+        lambda: graphql(deployment.url, MATERIALIZATION_METADATA)["assetOrError"]["assetMaterializations"],
+        150,
+        "a binlogs materialization",
+    )
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium() as page:
+        page.open(f"{deployment.url}/assets/binlogs")
+        page.wait_for(PLOTS_BUTTON, 90, "the asset page's metadata section")
+        assert page.click_text("button", "Plots")
+        page.wait_for(f"{PLOTTED} >= 4", 60, "the metadata plots")
+        assert page.click_text("button", "Events")  # over time, rather than by partition
+        page.wait_for(
+            f"!document.body.innerText.includes('Loading plots') && {PLOTTED} >= 4", 60, "the plots"
+        )
+        text = page.text()
+        section = text[text.index("\nMetadata\n") :].split("\nLineage\n")[0]
+        for label in ("rows", "bytes", "seconds", "end_offset"):
+            assert label in section.split(), f"no {label!r} plot on the asset page: {section[:500]}"
+        assert "reason" not in section.split(), "a text entry has no plot"
+        page.screenshot(ARTIFACTS / "binlogs-plots.png")
+    assert (ARTIFACTS / "binlogs-plots.png").stat().st_size > 10_000
 
 
 def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(

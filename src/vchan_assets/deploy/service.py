@@ -76,6 +76,18 @@ class DagsterService:
             return None
         return state if any(pid_alive(int(p)) for p in state.get("pids", [])) else None
 
+    def _create_storage(self, env: dict[str, str]) -> None:
+        """Create (or migrate) the instance's storage before the daemon and the webserver
+        start: both did it at once on a new SQLite storage and could race on its migration
+        table ("alembic_version has more than one head"), failing whoever opened it next."""
+        subprocess.run(
+            [sys.executable, "-c", "import dagster; dagster.DagsterInstance.get().dispose()"],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+
     def start(self, timeout: float = 120.0) -> str:
         """Start whatever of Spark Connect, daemon and webserver is not running, leaving the
         running ones alone, and return the UI URL once the webserver answers. Run again, it
@@ -98,6 +110,7 @@ class DagsterService:
             "DAGSTER_HOME": str(self.dagster_home.absolute()),
             "PYSPARK_PYTHON": sys.executable,
         }
+        self._create_storage(env)
         bin_dir = Path(sys.executable).parent
         spawned: dict[str, subprocess.Popen[bytes]] = {}
         if not pid_alive(daemon_pid):
