@@ -22,6 +22,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.defs.sync.jobs import sync_job
 from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, REPO, DagsterService, graphql
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
@@ -264,17 +265,34 @@ def test_the_binlogs_asset_page_plots_rows_bytes_and_seconds(deployment: Deploym
 def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
     deployment: Deployment,
 ) -> None:
-    """`vchan up` after the daemon was killed -9: only the daemon is started again (the
-    webserver keeps its pid and URL), and its sensors sync what was produced meanwhile.
-    Last in this module: it replaces the deployment's daemon."""
+    """`vchan up` after the daemon was killed -9 in the middle of a sync run: only the
+    daemon is started again (the webserver keeps its pid and URL), the run its death
+    orphaned is marked failed (it held its vchannel: one run per channel), and the sensors
+    sync what was produced before and meanwhile. Last in this module: it replaces the
+    deployment's daemon."""
     service = deployment.service
     daemon, web = json.loads(service.state_file.read_text())["pids"]
-    os.killpg(daemon, signal.SIGKILL)  # the daemon's process group: its code server too
-    wait_until(lambda: not pid_alive(daemon), 30, "the daemon to die")
-    produced = deployment.producer.insert(
+    before = deployment.producer.insert(
         deployment.collection.name, generate_rows(SCHEMA, 500, start_pk=ROWS + 1, seed=2)
     )
-    heads = {v: a.position for v, a in produced.items()}
+    in_flight = dg.RunsFilter(job_name=sync_job.name, statuses=[dg.DagsterRunStatus.STARTED])
+    started: list[str] = []
+
+    def a_sync_is_running() -> bool:
+        started[:] = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
+        return bool(started)
+
+    wait_until(a_sync_is_running, 60, "a sync run of the new rows to start")
+    os.killpg(daemon, signal.SIGKILL)  # the daemon's process group: its code server and runs too
+    wait_until(lambda: not pid_alive(daemon), 30, "the daemon to die")
+    orphaned = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
+    after = deployment.producer.insert(
+        deployment.collection.name, generate_rows(SCHEMA, 500, start_pk=ROWS + 501, seed=3)
+    )
+    heads: dict[str, int] = {}
+    for produced in (before, after):
+        for v, appended in produced.items():
+            heads[v] = max(heads.get(v, 0), appended.position.offset)
 
     url = DagsterService(deployment.settings, dagster_home=service.dagster_home).start()
 
@@ -284,8 +302,11 @@ def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
 
     def synced() -> bool:
         return all(
-            (cp := channel_checkpoint(deployment.store, v)) is not None and cp.model.offset >= head.offset
+            (cp := channel_checkpoint(deployment.store, v)) is not None and cp.model.offset >= head
             for v, head in heads.items()
         )
 
     wait_until(synced, 150, "the restarted daemon's sensors to sync the new rows")
+    for run_id in orphaned:
+        run = deployment.instance.get_run_by_id(run_id)
+        assert run is not None and run.status == dg.DagsterRunStatus.FAILURE, (run_id, run and run.status)

@@ -1,0 +1,81 @@
+"""A STARTED run whose worker process died is marked failed and frees its vchannel.
+
+A real Dagster instance and real processes: the run's worker is a process that reported its
+pid the way Dagster's run worker does, then was killed -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import dagster as dg
+from dagster._core.events import EngineEventData
+from dagster._core.storage.dagster_run import DagsterRun
+
+from vchan_assets.defs.orphans import fail_orphaned_runs, orphaned_runs_sensor
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, sync_job
+from vchan_assets.defs.sync.sensor import busy_channels
+
+
+def started_run(
+    instance: dg.DagsterInstance,
+    channel: str,
+    pid: int,
+    status: dg.DagsterRunStatus = dg.DagsterRunStatus.STARTED,
+) -> DagsterRun:
+    run = instance.add_run(DagsterRun(job_name=sync_job.name, status=status, tags={CHANNEL_TAG: channel}))
+    instance.report_engine_event(
+        f"Started process for run (pid: {pid}).", run, EngineEventData.in_process(pid)
+    )
+    return run
+
+
+def dead_pid() -> int:
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    return worker.pid
+
+
+def test_a_started_run_whose_worker_was_killed_is_marked_failed_and_frees_its_channel(
+    instance: dg.DagsterInstance,
+) -> None:
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        orphan = started_run(instance, "by-dml-0_0v0", dead_pid())
+        running = started_run(instance, "by-dml-1_0v1", alive.pid)
+        assert busy_channels(instance) == {"by-dml-0_0v0", "by-dml-1_0v1"}
+
+        result = orphaned_runs_sensor(dg.build_sensor_context(instance=instance))
+
+        assert isinstance(result, dg.SkipReason) and orphan.run_id in (result.skip_message or "")
+        failed = instance.get_run_by_id(orphan.run_id)
+        assert failed is not None and failed.status == dg.DagsterRunStatus.FAILURE
+        still = instance.get_run_by_id(running.run_id)
+        assert still is not None and still.status == dg.DagsterRunStatus.STARTED
+        assert busy_channels(instance) == {"by-dml-1_0v1"}
+        assert fail_orphaned_runs(instance) == []  # once
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_starting_run_whose_process_died_before_it_reported_its_start_is_marked_failed(
+    instance: dg.DagsterInstance,
+) -> None:
+    """Killed between "Started process for run" and RUN_START: STARTING for ever, seen in the
+    deployment test when the daemon's process group was killed -9."""
+    orphan = started_run(instance, "by-dml-0_0v0", dead_pid(), dg.DagsterRunStatus.STARTING)
+    assert fail_orphaned_runs(instance) == [orphan.run_id]
+    failed = instance.get_run_by_id(orphan.run_id)
+    assert failed is not None and failed.status == dg.DagsterRunStatus.FAILURE
+    assert busy_channels(instance) == set()
+
+
+def test_a_started_run_that_has_not_reported_its_pid_yet_is_left_alone(instance: dg.DagsterInstance) -> None:
+    run = instance.add_run(DagsterRun(job_name=sync_job.name, status=dg.DagsterRunStatus.STARTED))
+    assert fail_orphaned_runs(instance) == []
+    current = instance.get_run_by_id(run.run_id)
+    assert current is not None and current.status == dg.DagsterRunStatus.STARTED
