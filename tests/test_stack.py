@@ -95,6 +95,23 @@ def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) ->
     assert _wait_dead(state["pid"])
 
 
+def test_a_service_that_cannot_start_is_an_error_line_naming_its_log(tmp_path: Path) -> None:
+    """`vchan up` on a machine whose Java is missing: Spark Connect exits at once, and the
+    command says so with the server's log file, exit code 1 and no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env.update(VCHAN_HOME=str(tmp_path / "home"), JAVA_HOME=str(tmp_path / "no-java"))
+    try:
+        up = subprocess.run([str(VCHAN), "up"], env=env, capture_output=True, text=True, timeout=180)
+        assert up.returncode == 1, up.stderr
+        assert "vchan up: error: Spark Connect server exited" in up.stderr, up.stderr
+        assert "Traceback" not in up.stderr
+        log_file = up.stderr.rsplit("see ", 1)[1].strip()
+        assert Path(log_file).exists() and "no-java" in Path(log_file).read_text()
+    finally:
+        down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+
+
 def test_a_bad_setting_stops_a_command_at_start_naming_the_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
     env.update(VCHAN_HOME=str(tmp_path), VCHAN_SESSION_TTL="soon")

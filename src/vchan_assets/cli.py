@@ -28,6 +28,7 @@ import numpy as np
 
 from vchan_assets.config import ConfigError, Settings
 from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionExistsError, CollectionRegistry
+from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
@@ -771,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`vchan status --json | head`): done
         _silence_stdout()
         return 0
-    except (MetaError, LogError, StorageError, EmbeddedEtcdError, UsageError) as exc:
+    except (MetaError, LogError, StorageError, EmbeddedEtcdError, ServiceError, UsageError) as exc:
         print(f"vchan {cmd.name}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

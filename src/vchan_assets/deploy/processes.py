@@ -18,6 +18,12 @@ from pathlib import Path
 from vchan_assets.meta.embedded import _die_with_parent, pid_alive
 
 
+class ServiceError(RuntimeError):
+    """A service this machine starts (Spark Connect, a Spark master or worker, the S3
+    server, the Dagster daemon or webserver) did not start or does not answer; the message
+    names it and its log file. The CLI reports it as an error line, not a traceback."""
+
+
 def spawn(
     args: list[str], log_path: Path, env: Mapping[str, str] | None = None, detach: bool = False
 ) -> subprocess.Popen[bytes]:

@@ -15,13 +15,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from vchan_assets.deploy.processes import spawn, stop_tree
+from vchan_assets.deploy.processes import ServiceError, spawn, stop_tree
 from vchan_assets.meta.embedded import free_port, pid_alive
 
 log = logging.getLogger(__name__)
 
 
-class S3ServerError(RuntimeError):
+class S3ServerError(ServiceError):
     """The S3 server did not start."""
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vchan_assets.config import Settings
+from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.meta.embedded import free_port, pid_alive
 from vchan_assets.spark.connect import LocalSparkConnect
 
@@ -38,7 +39,7 @@ DEFAULT_WORKSPACE = REPO / "workspace.yaml"
 DEFAULT_DAGSTER_HOME = REPO / "dagster_home"
 
 
-class DagsterServiceError(RuntimeError):
+class DagsterServiceError(ServiceError):
     """The webserver or daemon did not start."""
 
 

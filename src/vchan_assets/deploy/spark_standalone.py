@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vchan_assets.deploy.processes import kill_tree, spawn, stop_tree
+from vchan_assets.deploy.processes import ServiceError, kill_tree, spawn, stop_tree
 from vchan_assets.meta.embedded import free_port, pid_alive
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
 
 
-class SparkClusterError(RuntimeError):
+class SparkClusterError(ServiceError):
     """The standalone master or a worker did not start."""
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vchan_assets.config import Settings
+from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.spark.session import cluster_conf, spark_conf
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
-class SparkConnectError(RuntimeError):
+class SparkConnectError(ServiceError):
     """The local Spark Connect server did not start or does not answer."""
 
 
