@@ -75,7 +75,6 @@ def imported_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -
 import_job = dg.define_asset_job(
     "bulk_import",
     selection=dg.AssetSelection.assets(IMPORTED_SEGMENTS),
-    partitions_def=import_jobs,
     executor_def=dg.in_process_executor,
     description="One bulk import job (the partition key is its job id).",
 )
