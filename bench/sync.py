@@ -19,7 +19,10 @@ vector, three scalars) in one vchannel, then measures in the same run, interleav
 Each sync starts from a forgotten channel (meta and binlogs removed, same log).
 Reports seconds (median), rows/s, MB/s of log read and of binlogs written, the ratios
 baseline/sync (>= 1 means the sync is faster) and peak RSS of the process tree.
-Also the fixed cost of a 1,000-row sync on a warm session.
+Also the fixed cost of a 1,000-row sync on a warm session, interleaved: with the default
+settings (a range this small runs in the DataNode's process, `VCHAN_SYNC_IN_PROCESS_MB`),
+forced through a Spark job (`VCHAN_SYNC_IN_PROCESS_MB=0`), and an empty Spark job alone
+(the floor of any sync that goes through Spark).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +250,34 @@ def print_size(size: int, summary: dict[str, Any]) -> None:
     )
 
 
+def empty_spark_job(spark: Any) -> float:
+    """Seconds of a Spark job with one task that does nothing (scheduling, one Python worker
+    round trip): what a sync through Spark pays however few rows it writes."""
+    started = time.perf_counter()
+    spark.sparkContext.parallelize([0], 1).mapPartitions(lambda rows: rows).collect()
+    return time.perf_counter() - started
+
+
+def fixed_cost(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, spark: Any, rounds: int = 7
+) -> dict[str, float]:
+    """Median seconds of a 1,000-row sync on a warm session, in process (the default for a
+    range this small) and through a Spark job, and of an empty Spark job; interleaved."""
+    through_spark = replace(settings, sync_in_process_mb=0.0)
+    runs: dict[str, list[float]] = {"default": [], "spark_job": [], "empty_spark_job": []}
+    for _ in range(rounds):
+        for name, run_settings in (("default", settings), ("spark_job", through_spark)):
+            small = make_log(producer, 1000)
+            runs[name].append(timed_sync(store, storage, run_settings, small, "spark")["seconds"])
+        runs["empty_spark_job"].append(empty_spark_job(spark))
+    medians = {name: statistics.median(seconds) for name, seconds in runs.items()}
+    for name, seconds in runs.items():
+        print(
+            f"1,000-row sync, warm Spark, {name}: median {medians[name]:.3f}s of {[round(x, 3) for x in seconds]}"
+        )
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,14 +307,7 @@ def main() -> None:
         warm = make_log(producer, 1000)
         timed_sync(store, storage, settings, warm, "spark")  # JVM and Python workers warm
 
-        fixed = []
-        for _ in range(5):
-            small = make_log(producer, 1000)
-            fixed.append(timed_sync(store, storage, settings, small, "spark")["seconds"])
-        report["sync_1000_rows_warm_s"] = statistics.median(fixed)
-        print(
-            f"1,000-row sync, warm Spark: median {statistics.median(fixed):.3f}s of {[round(x, 3) for x in fixed]}"
-        )
+        report["sync_1000_rows_warm_s"] = fixed_cost(store, storage, settings, producer, spark)
         for size in sizes:
             report["sizes"][size] = summary = measure_size(
                 store, storage, settings, producer, size, args.repeat

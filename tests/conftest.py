@@ -46,6 +46,7 @@ def settings(etcd: EmbeddedEtcd, tmp_path: Path) -> Settings:
         etcd_endpoints=(etcd.endpoint,),
         storage_uri=str(tmp_path / "storage"),
         etcd_timeout=5.0,
+        sync_in_process_mb=0.0,  # tests of the Spark engine run on Spark, however small their data
     )
 
 

@@ -98,6 +98,15 @@ def test_whole_number_setting_rejects_a_fraction() -> None:
     _assert_names(_error({"VCHAN_SPARK_PARTITIONS": "1.5"}), "VCHAN_SPARK_PARTITIONS")
 
 
+@pytest.mark.parametrize("raw", ["-1", "nan", "ten"])
+def test_in_process_sync_size_rejects_a_negative_or_non_number(raw: str) -> None:
+    _assert_names(_error({"VCHAN_SYNC_IN_PROCESS_MB": raw}), "VCHAN_SYNC_IN_PROCESS_MB")
+
+
+def test_in_process_sync_size_zero_means_always_spark() -> None:
+    assert Settings.from_env({"VCHAN_SYNC_IN_PROCESS_MB": "0"}).sync_in_process_mb == 0
+
+
 def test_seal_proportion_above_one_is_rejected() -> None:
     error = _error({"VCHAN_SEGMENT_SEAL_PROPORTION": "1.5"})
 

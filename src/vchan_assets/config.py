@@ -29,13 +29,18 @@ class ConfigError(ValueError):
         self.expected = expected
 
 
-def _positive_float(name: str, raw: str) -> float:
+def _finite_float(name: str, raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
         raise ConfigError(name, raw, "a number") from None
     if not math.isfinite(value):
         raise ConfigError(name, raw, "a finite number")
+    return value
+
+
+def _positive_float(name: str, raw: str) -> float:
+    value = _finite_float(name, raw)
     if value <= 0:
         raise ConfigError(name, raw, "a number greater than 0")
     return value
@@ -48,6 +53,13 @@ def _positive_int(name: str, raw: str) -> int:
         raise ConfigError(name, raw, "a whole number") from None
     if value <= 0:
         raise ConfigError(name, raw, "a whole number greater than 0")
+    return value
+
+
+def _non_negative_float(name: str, raw: str) -> float:
+    value = _finite_float(name, raw)
+    if value < 0:
+        raise ConfigError(name, raw, "a number of at least 0")
     return value
 
 
@@ -357,6 +369,12 @@ class Settings:
         "attempts of an import job's pre-import and import before it fails",
     )
     spark_partitions: int = setting("VCHAN_SPARK_PARTITIONS", 2, _positive_int, "Spark tasks per sync job")
+    sync_in_process_mb: float = setting(
+        "VCHAN_SYNC_IN_PROCESS_MB",
+        32.0,
+        _non_negative_float,
+        "log MB up to which a sync writes its binlogs in the DataNode's process, not as a Spark job (0: always Spark)",
+    )
     dagster_datanodes: int = setting(
         "VCHAN_DAGSTER_DATANODES",
         2,

@@ -105,6 +105,7 @@ def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
         VCHAN_STORAGE_URI=settings.storage_uri,
         VCHAN_HOME=str(settings.home),
         VCHAN_SPARK_PARTITIONS=str(settings.spark_partitions),
+        VCHAN_SYNC_IN_PROCESS_MB=str(settings.sync_in_process_mb),
     )
     if settings.s3_endpoint:
         env["VCHAN_S3_ENDPOINT"] = settings.s3_endpoint

@@ -455,3 +455,36 @@ def test_replay_leaves_out_the_rows_of_dropped_segments(
     assert not [k for k in storage.list_keys("insert_log/") if f"/{dropped[0]}/" in k]
     for vchannel in collection.vchannels:
         assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
+
+
+# --- where the tasks run ------------------------------------------------------------------
+
+
+def _spark_jobs_started() -> int:
+    """Jobs the process's Spark session has started so far (its scheduler's job counter)."""
+    from vchan_assets.spark.session import get_spark
+
+    sc = get_spark(Settings()).sparkContext
+    return int(sc._jsc.sc().dagScheduler().numTotalJobs())
+
+
+def test_a_small_sync_skips_the_spark_job_and_a_larger_one_runs_it(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 2000, start_pk=0, deletes=20)
+    small, large = collection.vchannels
+    log_mb = {
+        v: sum(f.size_bytes for f in WalReader(storage, v, collection).files()) / 2**20
+        for v in (small, large)
+    }
+    ids = _ids(store)
+    results = {}
+    for vchannel, limit in ((small, log_mb[small] * 2), (large, log_mb[large] / 2)):
+        lease = grant_channel_lease(store, ids, vchannel, node_id=1)
+        task_settings = replace(settings, sync_in_process_mb=limit)
+        jobs = _spark_jobs_started()
+        result = SyncTask(store, storage, task_settings, collection, vchannel, lease, engine="spark").run()
+        results[vchannel] = (result.in_process, _spark_jobs_started() - jobs)
+    assert results == {small: (True, 0), large: (False, 1)}
+    assert_exactly_once(store, storage, collection, produced)

@@ -78,6 +78,7 @@ class SyncResult:
     flushed_segments: tuple[int, ...] = ()
     seconds: float = 0.0
     skipped: str = ""  # why nothing was done
+    in_process: bool = False  # the binlogs were written in this process, not by a Spark job
 
     @property
     def synced(self) -> bool:
@@ -163,7 +164,8 @@ class SyncTask:
             raise CheckpointRegressionError(self.vchannel, start, end)
 
         files = [f for f in state.unsynced_files if f.overlaps(start.offset, end.offset)]
-        written = self._write_binlogs(files, start, end, segments)
+        in_process = self._in_process(files)
+        written = self._write_binlogs(files, start, end, segments, in_process)
         failpoint("after_binlogs")
         updates = self._updates(written)
         flushed = self._commit_segments(updates, segments, end)
@@ -180,6 +182,7 @@ class SyncTask:
             segments=tuple(sorted(updates)),
             flushed_segments=flushed,
             seconds=time.monotonic() - started,
+            in_process=in_process,
         )
         log.info(
             "synced %s (%d, %d]: %d rows, %d deletes, %d files, %.1f MB in %.2fs",
@@ -196,12 +199,21 @@ class SyncTask:
 
     # --- step 1: files --------------------------------------------------------------
 
+    def _in_process(self, files: list[WalFile]) -> bool:
+        """Whether this sync's tasks run here rather than as a Spark job: always for the
+        local engine; for Spark when the log range is small, because a Spark job costs
+        a few tenths of a second however few rows it writes (BENCHMARKS.md, "Sync")."""
+        if self.engine == "local":
+            return True
+        return sum(f.size_bytes for f in files) <= self.settings.sync_in_process_mb * 2**20
+
     def _write_binlogs(
         self,
         files: list[WalFile],
         start: MsgPosition,
         end: MsgPosition,
         segments: dict[int, Decoded[SegmentInfo]],
+        in_process: bool,
     ) -> list[WrittenFile]:
         keys = [f.key for f in files]
         n_tasks = max(1, min(self.settings.spark_partitions, len(keys)))
@@ -236,7 +248,7 @@ class SyncTask:
             )
             for i, chunk in enumerate(chunks)
         ]
-        if self.engine == "local":
+        if in_process:
             return [w for spec in specs for w in run_task(spec)]
         return _run_on_spark(self.settings, specs, self.job_timeout, self.vchannel, self.spark)
 
