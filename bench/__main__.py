@@ -2,6 +2,8 @@
 
 Each one can also run alone: `python -m bench.sync`, `python -m bench.failover`,
 `python -m bench.latency` (the Dagster per-change latency, when present).
+`python -m bench --with-10m` (`make bench ARGS=--with-10m`) adds the 10,000,000-row size
+to bench.sync.
 """
 
 import importlib
@@ -10,11 +12,12 @@ import sys
 BENCHMARKS = ("sync", "failover", "latency", "compaction", "lifecycle_soak", "import", "scale")
 
 if __name__ == "__main__":
+    with_10m = "--with-10m" in sys.argv[1:]
     for name in BENCHMARKS:
         try:
             module = importlib.import_module(f"bench.{name}")
         except ModuleNotFoundError:
             continue
         print(f"\n=== bench.{name} ===", flush=True)
-        sys.argv = [f"bench.{name}"]
+        sys.argv = [f"bench.{name}", *(["--with-10m"] if with_10m and name == "sync" else [])]
         module.main()

@@ -247,15 +247,18 @@ class TaskWriter:
         return write_parquet(self.spec.storage, key, table, vector)
 
 
+# Parquet writer settings of a binlog, by whether it holds a vector column group. Random
+# vectors do not compress, and dictionary encoding and statistics only cost time on them;
+# each setting is measured by `python -m bench.parquet_settings` (BENCHMARKS.md).
+PARQUET_OPTIONS: dict[bool, dict[str, Any]] = {
+    True: {"compression": "none", "use_dictionary": False, "write_statistics": False},
+    False: {"compression": "snappy", "use_dictionary": True, "write_statistics": True},
+}
+
+
 def write_parquet(storage: Storage, key: str, table: pa.Table, vector: bool) -> int:
-    """Write a binlog as Parquet straight into storage (atomically); returns its size.
-    Random vectors do not compress, and dictionary encoding and statistics only cost
-    time on them (measured: about a third of the write)."""
-    options = {
-        "compression": "none" if vector else "snappy",
-        "use_dictionary": not vector,
-        "write_statistics": not vector,
-    }
+    """Write a binlog as Parquet straight into storage (atomically); returns its size."""
+    options = PARQUET_OPTIONS[vector]
     return storage.write_atomic_with(key, lambda sink: pq.write_table(table, sink, **options))
 
 
