@@ -201,11 +201,13 @@ class SyncTask:
 
     def _in_process(self, files: list[WalFile]) -> bool:
         """Whether this sync's tasks run here rather than as a Spark job: always for the
-        local engine; for Spark when the log range is small, because a Spark job costs
-        a few tenths of a second however few rows it writes (BENCHMARKS.md, "Sync")."""
+        local engine; for Spark when the log range is at most `sync_in_process_mb` (0:
+        never), because a Spark job costs a few tenths of a second however few rows it
+        writes (BENCHMARKS.md, "Sync")."""
         if self.engine == "local":
             return True
-        return sum(f.size_bytes for f in files) <= self.settings.sync_in_process_mb * 2**20
+        limit = self.settings.sync_in_process_mb * 2**20
+        return limit > 0 and sum(f.size_bytes for f in files) <= limit
 
     def _write_binlogs(
         self,
