@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vchan_assets.datanode.binlog_writer import PARQUET_OPTIONS, column_groups
+from vchan_assets.datanode.binlog_writer import column_groups, parquet_options
 from vchan_assets.model import CollectionSchema
 from vchan_assets.wal.producer import generate_rows
 
@@ -42,6 +42,7 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "scalar": {
         "as synced": {},
+        "dictionary on every column": {"use_dictionary": True},
         "dictionary off": {"use_dictionary": False},
         "statistics off": {"write_statistics": False},
         "no compression": {"compression": "none"},
@@ -88,7 +89,7 @@ def main() -> None:
         for group, variants in VARIANTS.items():
             table = tables[group]
             mb = table.nbytes / 2**20
-            base = PARQUET_OPTIONS[group == "vector"]
+            base = parquet_options(table, group == "vector")
             times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in variants}
             for _ in range(args.repeat):
                 for name, change in variants.items():

@@ -247,18 +247,21 @@ class TaskWriter:
         return write_parquet(self.spec.storage, key, table, vector)
 
 
-# Parquet writer settings of a binlog, by whether it holds a vector column group. Random
-# vectors do not compress, and dictionary encoding and statistics only cost time on them;
-# each setting is measured by `python -m bench.parquet_settings` (BENCHMARKS.md).
-PARQUET_OPTIONS: dict[bool, dict[str, Any]] = {
-    True: {"compression": "none", "use_dictionary": False, "write_statistics": False},
-    False: {"compression": "snappy", "use_dictionary": True, "write_statistics": True},
-}
+def parquet_options(table: pa.Table, vector: bool) -> dict[str, Any]:
+    """Parquet writer settings of a binlog (each measured by `python -m bench.parquet_settings`,
+    BENCHMARKS.md). Random vectors do not compress, and dictionary encoding and statistics
+    only cost time on them. In the scalar group only strings get a dictionary: row ids,
+    timestamps and primary keys are unique, so a dictionary there is built, overflows and
+    is thrown away (a slower write and a larger file)."""
+    if vector:
+        return {"compression": "none", "use_dictionary": False, "write_statistics": False}
+    strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    return {"compression": "snappy", "use_dictionary": strings, "write_statistics": True}
 
 
 def write_parquet(storage: Storage, key: str, table: pa.Table, vector: bool) -> int:
     """Write a binlog as Parquet straight into storage (atomically); returns its size."""
-    options = PARQUET_OPTIONS[vector]
+    options = parquet_options(table, vector)
     return storage.write_atomic_with(key, lambda sink: pq.write_table(table, sink, **options))
 
 
