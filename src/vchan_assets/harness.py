@@ -1,0 +1,531 @@
+"""Real processes under faults, for the tests and the benchmarks that need them.
+
+- **Cluster and roles**: `vchan datanode` / `vchan datacoord` OS processes on one
+  `Settings`, with short timings (`FAST`: a node is declared dead 2-3 s after its last
+  keep-alive), and what etcd says of them: `owners` (every channel watched by exactly one
+  node, under its current lease), `all_synced` (every checkpoint at its log's head).
+- **Produced data**: batches of known rows and deletes written through a `Producer`, and
+  `exactly_once`, which reads every binlog and delta log back with plain pyarrow and
+  compares them with what was produced, value by value.
+- **Chaos**: `ChaosSchedule`, a seeded random schedule of faults (kill -9 of a node or a
+  coordinator, SIGSTOP of a node past its session TTL, kill -9 and restart of etcd) under
+  a `PausableLoad`, the producer that stops between batches while etcd is down.
+
+Nothing is simulated: every role is a real `vchan` process, etcd is the real binary.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vchan_assets.config import Settings
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import (
+    ChannelLease,
+    ChannelWatchInfo,
+    CollectionInfo,
+    CollectionSchema,
+    MsgPosition,
+    SegmentInfo,
+    SegmentLevel,
+    WatchState,
+)
+from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer, generate_rows
+from vchan_assets.wal.reader import WalReader
+
+SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "f": "float", "s": "string", "b": "bool"})
+VCHAN = Path(sys.executable).parent / "vchan"
+COLUMNS = ("pk", "n", "f", "s", "b", "vec")
+
+# Short timings: a node is declared dead 2-3 s after its last keep-alive.
+FAST = {
+    "VCHAN_SESSION_TTL": "2",
+    "VCHAN_WATCH_TIMEOUT": "10",
+    "VCHAN_TICKLER_INTERVAL": "1",
+    "VCHAN_SYNC_MAX_AGE": "0.5",
+    "VCHAN_ETCD_TIMEOUT": "2",
+}
+
+
+def fast_settings(settings: Settings) -> Settings:
+    """`settings` with the timings of `FAST`."""
+    return replace(settings, session_ttl=2.0, watch_timeout=10.0, tickler_interval=1.0, sync_max_age=0.5)
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll `condition` until it holds; the seconds it took. TimeoutError after `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a `vchan` process on `settings` (no VCHAN_* of this process's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env.update(
+        VCHAN_ETCD_ENDPOINTS=",".join(settings.etcd_endpoints or ()),
+        VCHAN_ROOT=settings.root,
+        VCHAN_STORAGE_URI=settings.storage_uri,
+        VCHAN_HOME=str(settings.home),
+        VCHAN_SPARK_PARTITIONS=str(settings.spark_partitions),
+        VCHAN_SYNC_IN_PROCESS_MB=str(settings.sync_in_process_mb),
+    )
+    if settings.s3_endpoint:
+        env["VCHAN_S3_ENDPOINT"] = settings.s3_endpoint
+        for key in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_EC2_METADATA_DISABLED",
+        ):
+            if key in os.environ:
+                env[key] = os.environ[key]
+    env.update(extra)
+    return env
+
+
+class Role:
+    """A `vchan datanode` or `vchan datacoord` OS process; stderr goes to `log_path`."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in cleanup
+        self.process = subprocess.Popen(
+            [str(VCHAN), *args], env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
+        )
+        self.id = self._started_id()
+
+    def _started_id(self, timeout: float = 60) -> int:
+        assert self.process.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.process.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                self.cleanup()
+                raise RuntimeError(f"process printed nothing in {timeout}s: {self.log()[-2000:]}")
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process exited with {self.process.wait()}: {self.log()[-3000:]}")
+        return int(line.split()[1])  # "datanode 17 started"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.process.pid, signum)
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill9(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def cleanup(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self._log.close()
+
+
+@dataclass
+class Cluster:
+    """Processes on one `Settings`; `cleanup` kills every one still running."""
+
+    settings: Settings
+    tmp: Path
+    env_extra: dict[str, str] = field(default_factory=dict)
+    roles: list[Role] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return cli_env(self.settings, **{**FAST, **self.env_extra, **extra})
+
+    def node(self, engine: str = "local", poll: float = 0.2, **extra: str) -> Role:
+        n = len(self.roles)
+        role = Role(
+            ["datanode", "--engine", engine, "--poll", str(poll)],
+            self.env(**extra),
+            self.tmp / f"role{n}-datanode.log",
+        )
+        self.roles.append(role)
+        return role
+
+    def coordinator(self, **extra: str) -> Role:
+        n = len(self.roles)
+        role = Role(
+            ["datacoord", "--interval", "0.2"], self.env(**extra), self.tmp / f"role{n}-datacoord.log"
+        )
+        self.roles.append(role)
+        return role
+
+    def cleanup(self) -> None:
+        for role in self.roles:
+            role.cleanup()
+
+
+def create_collections(
+    store: MetaStore, settings: Settings, count: int = 2, shards: int = 4
+) -> tuple[Producer, list[CollectionInfo]]:
+    producer = Producer(store, Storage.from_settings(settings), settings)
+    infos = [producer.create_collection(f"c{i}", SCHEMA, num_channels=shards) for i in range(count)]
+    return producer, infos
+
+
+def checkpoint_of(store: MetaStore, vchannel: str) -> MsgPosition | None:
+    found = store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
+    return None if found is None else found.model
+
+
+def all_synced(store: MetaStore, storage: Storage, infos: list[CollectionInfo]) -> bool:
+    """Every channel's checkpoint is at its log's head."""
+    for info in infos:
+        for vchannel in info.vchannels:
+            head = WalReader(storage, vchannel, info).head()
+            cp = checkpoint_of(store, vchannel)
+            if head is not None and (cp is None or cp.offset < head.offset):
+                return False
+    return True
+
+
+@dataclass(frozen=True)
+class Watch:
+    node_id: int
+    state: WatchState
+    lease_id: int | None
+
+
+def watches(store: MetaStore) -> tuple[dict[str, list[Watch]], dict[str, ChannelLease]]:
+    """Every channel's watch infos and its lease, read in ONE etcd snapshot of the root."""
+    snap = store.list_prefix(store.keys.root + "/")
+    watch_root = store.keys.channel_watch_root()
+    lease_root = store.keys.channel_leases()
+    out: dict[str, list[Watch]] = {}
+    leases: dict[str, ChannelLease] = {}
+    for kv in snap.items:
+        if kv.key.startswith(watch_root):
+            node, _, vchannel = kv.key[len(watch_root) :].partition("/")
+            if not node.isdigit():
+                continue
+            try:
+                info = decode(kv.key, kv.value, ChannelWatchInfo)
+            except MalformedValueError:
+                continue
+            out.setdefault(vchannel, []).append(Watch(int(node), info.state, info.lease_id))
+        elif kv.key.startswith(lease_root):
+            leases[kv.key[len(lease_root) :]] = decode(kv.key, kv.value, ChannelLease)
+    return out, leases
+
+
+def owners(store: MetaStore, channels: list[str]) -> dict[str, int] | None:
+    """vchannel -> node if every channel has exactly one watch info, WatchSuccess, whose
+    lease is the channel's current lease; None otherwise."""
+    found, leases = watches(store)
+    out = {}
+    for vchannel in channels:
+        ws = found.get(vchannel, [])
+        if len(ws) != 1 or ws[0].state is not WatchState.WATCH_SUCCESS:
+            return None
+        lease = leases.get(vchannel)
+        if lease is None or lease.lease_id != ws[0].lease_id or lease.node_id != ws[0].node_id:
+            return None
+        out[vchannel] = ws[0].node_id
+    return out
+
+
+# --- produced data, and reading it back ------------------------------------------------
+
+
+@dataclass
+class Produced:
+    """What was written into the log, to compare the binlogs against."""
+
+    rows: list[pa.Table] = field(default_factory=list)
+    deleted: list[int] = field(default_factory=list)
+
+    @property
+    def table(self) -> pa.Table:
+        return pa.concat_tables(self.rows)
+
+    @property
+    def row_count(self) -> int:
+        return sum(t.num_rows for t in self.rows)
+
+
+def produce(
+    producer: Producer, name: str, produced: Produced, n: int, start_pk: int, deletes: int = 0
+) -> None:
+    """Insert `n` rows of `SCHEMA` from `start_pk` (values seeded by it), then delete the
+    first `deletes` of them; both recorded in `produced`."""
+    rows = generate_rows(SCHEMA, n, start_pk=start_pk, seed=start_pk)
+    producer.insert(name, rows)
+    produced.rows.append(rows)
+    if deletes:
+        pks = list(range(start_pk, start_pk + deletes))
+        producer.delete(name, pks, partition="_default")
+        produced.deleted.extend(pks)
+
+
+def segments(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
+    found, _ = store.list_models(store.keys.segments(info.id), SegmentInfo)
+    return [d.model for d in found]
+
+
+def insert_rows(storage: Storage, segs: list[SegmentInfo]) -> pa.Table:
+    """Every row of the L1 segments' binlogs, scalar group joined with the vector group,
+    read with plain pyarrow (as any engine could)."""
+    tables = []
+    for seg in segs:
+        if seg.level is SegmentLevel.L0:
+            continue
+        groups = {g.group: g for g in seg.binlogs}
+        for scalar_log, vector_log in zip(groups[0].logs, groups[max(groups)].logs, strict=True):
+            scalars = pq.read_table(storage.path(scalar_log.path), filesystem=storage.filesystem)
+            vectors = pq.read_table(storage.path(vector_log.path), filesystem=storage.filesystem)
+            assert scalars["row_id"].equals(vectors["row_id"]), "column groups are not aligned"
+            tables.append(scalars.append_column("vec", vectors["vec"]))
+    return pa.concat_tables(tables) if tables else pa.table({"pk": pa.array([], pa.int64())})
+
+
+def delete_pks(storage: Storage, segs: list[SegmentInfo]) -> list[int]:
+    pks: list[int] = []
+    for seg in segs:
+        for delta in seg.deltalogs:
+            pks += pq.read_table(storage.path(delta.path), filesystem=storage.filesystem)["pk"].to_pylist()
+    return pks
+
+
+def read_inserted(store: MetaStore, storage: Storage, info: CollectionInfo) -> pa.Table:
+    """Every row of every L1 segment's binlogs, Dropped ones too."""
+    return insert_rows(storage, segments(store, info))
+
+
+def read_deleted(store: MetaStore, storage: Storage, info: CollectionInfo) -> list[int]:
+    """Every pk of every segment's delta logs, Dropped ones too."""
+    return delete_pks(storage, segments(store, info))
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The binlogs against what was produced: pks (and deleted pks) lost, persisted more
+    than once, or never produced, and the columns whose values differ on the pks that
+    were persisted exactly once."""
+
+    rows: int
+    deletes: int
+    lost: list[int]
+    duplicated: list[int]
+    unexpected: list[int]
+    differing: list[str]
+    deletes_lost: list[int]
+    deletes_duplicated: list[int]
+    deletes_unexpected: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.lost
+            or self.duplicated
+            or self.unexpected
+            or self.differing
+            or self.deletes_lost
+            or self.deletes_duplicated
+            or self.deletes_unexpected
+        )
+
+    def describe(self) -> str:
+        def some(pks: list[int]) -> str:
+            return f"{len(pks)}" + (f" (e.g. {pks[:5]})" if pks else "")
+
+        return (
+            f"{self.rows} rows: {some(self.lost)} lost, {some(self.duplicated)} persisted more than once, "
+            f"{some(self.unexpected)} never produced, differing columns {self.differing or 'none'}; "
+            f"{self.deletes} deletes: {some(self.deletes_lost)} lost, "
+            f"{some(self.deletes_duplicated)} more than once, {some(self.deletes_unexpected)} never produced"
+        )
+
+
+def exactly_once(store: MetaStore, storage: Storage, info: CollectionInfo, produced: Produced) -> Tally:
+    """Read every binlog and delta log of `info` and compare them with `produced`, value by value."""
+    segs = segments(store, info)
+    got = insert_rows(storage, segs)
+    expected = produced.table
+    counts = Counter(got["pk"].to_pylist())
+    inserted = set(expected["pk"].to_pylist())
+    deleted = set(produced.deleted)
+    once = pa.array(sorted(pk for pk, c in counts.items() if c == 1 and pk in inserted), pa.int64())
+    mine = got.filter(pc.is_in(got["pk"], value_set=once)).sort_by("pk")
+    want = expected.filter(pc.is_in(expected["pk"], value_set=once)).sort_by("pk")
+    deletes = Counter(delete_pks(storage, segs))
+    return Tally(
+        rows=expected.num_rows,
+        deletes=len(produced.deleted),
+        lost=sorted(inserted - counts.keys()),
+        duplicated=sorted(pk for pk, c in counts.items() if c > 1),
+        unexpected=sorted(counts.keys() - inserted),
+        differing=[c for c in COLUMNS if not mine[c].equals(want[c])],
+        deletes_lost=sorted(deleted - deletes.keys()),
+        deletes_duplicated=sorted(pk for pk, c in deletes.items() if c > 1),
+        deletes_unexpected=sorted(deletes.keys() - deleted),
+    )
+
+
+# --- chaos --------------------------------------------------------------------------
+
+
+class PausableLoad(threading.Thread):
+    """A producer writing batches until stopped; paused (between batches) while etcd is
+    down, so that no insert ends in doubt (appended or not) and `produced` is exact."""
+
+    def __init__(
+        self, producer: Producer, info: CollectionInfo, rows: int = 40, period: float = 0.05
+    ) -> None:
+        super().__init__(daemon=True)
+        self.producer, self.info, self.rows, self.period = producer, info, rows, period
+        self.produced = Produced()
+        self.error: BaseException | None = None
+        self._go, self._idle, self._halt = threading.Event(), threading.Event(), threading.Event()
+        self._go.set()
+
+    def run(self) -> None:
+        pk = 1
+        try:
+            while not self._halt.is_set():
+                if not self._go.is_set():
+                    self._idle.set()
+                    self._go.wait(0.1)
+                    continue
+                self._idle.clear()
+                produce(self.producer, self.info.name, self.produced, self.rows, pk, deletes=2)
+                pk += self.rows
+                time.sleep(self.period)
+        except BaseException as exc:
+            self.error = exc
+
+    def pause(self) -> None:
+        self._go.clear()
+        wait_until(self._idle.is_set, 60, "the producer to finish its batch")
+
+    def resume(self) -> None:
+        self._idle.clear()  # the next pause waits for the producer to stop again
+        self._go.set()
+
+    def stop(self) -> None:
+        """Stop after the current batch; raises what the producer raised, if anything."""
+        self._halt.set()
+        self._go.set()
+        self.join(60)
+        if self.error is not None:
+            raise RuntimeError(f"producer failed: {self.error}") from self.error
+
+
+class Restartable(Protocol):
+    def kill(self) -> None: ...
+    def restart(self, timeout: float = 30.0) -> None: ...
+
+
+FAULTS = ("kill_node", "kill_coordinator", "pause_node_past_ttl", "restart_etcd")
+
+
+def live(roles: list[Role]) -> list[Role]:
+    return [r for r in roles if r.alive()]
+
+
+class ChaosSchedule:
+    """A seeded random schedule of faults against `cluster`'s nodes and coordinators and
+    its etcd, under `load`. Before each fault, roles that died (killed, or exited after
+    losing their session) are replaced up to `nodes` / `coordinators`; after it, a random
+    1-4 s pause. The same seed gives the same sequence of faults and victims."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        etcd: Restartable,
+        load: PausableLoad,
+        seed: int,
+        nodes: int = 3,
+        coordinators: int = 2,
+    ) -> None:
+        self.cluster, self.etcd, self.load = cluster, etcd, load
+        self.rng = random.Random(seed)
+        self.want_nodes, self.want_coordinators = nodes, coordinators
+        self.nodes: list[Role] = []
+        self.coordinators: list[Role] = []
+        self.survived: list[str] = []
+        self.last_fault_end: float | None = None
+
+    def replenish(self, nodes: int, coordinators: int) -> None:
+        """Start roles until `nodes` nodes and `coordinators` coordinators are alive; the
+        dead ones' pipes and logs are closed (a long run starts hundreds)."""
+        for role in self.nodes + self.coordinators:
+            if not role.alive():
+                role.cleanup()
+        self.nodes = live(self.nodes)
+        self.coordinators = live(self.coordinators)
+        self.nodes += [self.cluster.node() for _ in range(nodes - len(self.nodes))]
+        self.coordinators += [
+            self.cluster.coordinator() for _ in range(coordinators - len(self.coordinators))
+        ]
+
+    def fault(self) -> str:
+        """Replace dead roles, then inflict one fault; its name."""
+        self.replenish(self.want_nodes, self.want_coordinators)
+        fault = self.rng.choice(FAULTS)
+        if fault == "kill_node":
+            self.rng.choice(live(self.nodes)).kill9()
+        elif fault == "kill_coordinator":
+            self.rng.choice(live(self.coordinators)).kill9()
+        elif fault == "pause_node_past_ttl":
+            victim = self.rng.choice(live(self.nodes))
+            victim.signal(signal.SIGSTOP)
+            time.sleep(self.cluster.settings.session_ttl + 1)  # its session expires: fenced, channels move
+            victim.signal(signal.SIGCONT)
+        else:
+            self.load.pause()
+            self.etcd.kill()
+            self.etcd.restart()
+            self.load.resume()
+        self.survived.append(fault)
+        self.last_fault_end = time.monotonic()
+        return fault
+
+    def run(self, seconds: float, on_fault: Callable[[str], None] | None = None) -> list[str]:
+        """Faults for `seconds`; the faults survived, in order."""
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            fault = self.fault()
+            if on_fault is not None:
+                on_fault(fault)
+            time.sleep(self.rng.uniform(1.0, 4.0))
+        return self.survived
