@@ -476,7 +476,8 @@ class ChaosSchedule:
     """A seeded random schedule of faults against `cluster`'s nodes and coordinators and
     its etcd, under `load`. Before each fault, roles that died (killed, or exited after
     losing their session) are replaced up to `nodes` / `coordinators`; after it, a random
-    1-4 s pause. The same seed gives the same sequence of faults and victims."""
+    pause of `gap` seconds (low, high). The same seed gives the same sequence of faults
+    and victims, whatever the gap."""
 
     def __init__(
         self,
@@ -486,9 +487,11 @@ class ChaosSchedule:
         seed: int,
         nodes: int = 3,
         coordinators: int = 2,
+        gap: tuple[float, float] = (1.0, 4.0),
     ) -> None:
         self.cluster, self.etcd, self.load = cluster, etcd, load
         self.rng = random.Random(seed)
+        self.gap = gap
         self.want_nodes, self.want_coordinators = nodes, coordinators
         self.nodes: list[Role] = []
         self.coordinators: list[Role] = []
@@ -537,5 +540,5 @@ class ChaosSchedule:
             fault = self.fault()
             if on_fault is not None:
                 on_fault(fault)
-            time.sleep(self.rng.uniform(1.0, 4.0))
+            time.sleep(self.rng.uniform(*self.gap))
         return self.survived
