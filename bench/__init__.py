@@ -5,19 +5,21 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 
 
-def bench_stack(prefix: str = "vchan-bench-") -> tuple[Path, EmbeddedEtcd, Settings]:
-    """A scratch directory, a real etcd in it, and settings for one benchmark run.
+def bench_stack(prefix: str = "vchan-bench-", **etcd_options: Any) -> tuple[Path, EmbeddedEtcd, Settings]:
+    """A scratch directory, a real etcd in it (`etcd_options`: EmbeddedEtcd's fields), and
+    settings for one benchmark run.
 
     Segments are allowed up to 4 GB so no seal by size interrupts a measured sync or merge.
     The caller stops the etcd (and removes the directory when it is done with the files).
     """
     work = Path(tempfile.mkdtemp(prefix=prefix))
-    etcd = EmbeddedEtcd(work / "etcd").start()
+    etcd = EmbeddedEtcd(work / "etcd", **etcd_options).start()
     settings = replace(
         Settings.from_env({}),
         home=work,

@@ -10,7 +10,9 @@ random by `--seed` (`harness.ChaosSchedule`, the schedule of tests/datacoord/tes
 the same seed gives the same faults and victims): kill -9 of a node, kill -9 of a
 coordinator, SIGSTOP of a node past its TTL (then SIGCONT), kill -9 and restart of etcd
 (the producer waits between batches while etcd is down, so that no insert ends in doubt).
-Dead roles are replaced before each fault.
+Dead roles are replaced before each fault. etcd gets `--etcd-timeout` seconds to come
+back; `--etcd-snapshot-count` bounds the WAL it replays on the way (etcd takes no
+snapshot before 100,000 entries by default, and a restart replays all of them).
 
 Then the producer stops, a time tick is appended, and the soak measures the time from the
 end of the last fault until every channel's checkpoint is at its log's head (target: TTL
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from collections import Counter
@@ -58,9 +61,16 @@ CATCH_UP_LIMIT = 600.0  # seconds after the last fault before a channel counts a
 
 
 def soak(
-    minutes: float, seed: int, gap: tuple[float, float], rows: int, period: float, keep: bool
+    minutes: float,
+    seed: int,
+    gap: tuple[float, float],
+    rows: int,
+    period: float,
+    keep: bool,
+    snapshot_count: int | None,
+    etcd_timeout: float,
 ) -> dict[str, Any]:
-    work, etcd, settings = bench_stack("vchan-chaos-")
+    work, etcd, settings = bench_stack("vchan-chaos-", snapshot_count=snapshot_count)
     settings = fast_settings(settings)
     cluster = Cluster(settings, work)
     store = MetaStore.connect(settings)
@@ -69,6 +79,8 @@ def soak(
         "minutes": minutes,
         "seed": seed,
         "gap_s": list(gap),
+        "etcd_snapshot_count": snapshot_count,
+        "etcd_timeout_s": etcd_timeout,
         "rows_per_batch": rows,
         "period_s": period,
     }
@@ -77,7 +89,9 @@ def soak(
         producer, infos = create_collections(store, settings, count=1, shards=4)
         info = infos[0]
         load = PausableLoad(producer, info, rows=rows, period=period)
-        chaos = ChaosSchedule(cluster, etcd, load, seed, nodes=3, coordinators=2, gap=gap)
+        chaos = ChaosSchedule(
+            cluster, etcd, load, seed, nodes=3, coordinators=2, gap=gap, etcd_timeout=etcd_timeout
+        )
         chaos.replenish(nodes=3, coordinators=2)
         wait_until(lambda: owners(store, list(info.vchannels)), 60, "every channel watched")
         load.start()
@@ -139,6 +153,10 @@ def soak(
                 "max": round(max(loads), 2) if loads else None,
             },
             roles_started=len(cluster.roles),
+            etcd_restart_s={
+                "median": round(statistics.median(chaos.etcd_restarts), 2) if chaos.etcd_restarts else None,
+                "max": round(max(chaos.etcd_restarts), 2) if chaos.etcd_restarts else None,
+            },
         )
         ok = tally.ok and caught_up is not None
     finally:
@@ -183,6 +201,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar=("LOW", "HIGH"),
         help="seconds between faults",
     )
+    parser.add_argument(
+        "--etcd-snapshot-count",
+        type=int,
+        default=None,
+        help="etcd's --snapshot-count (default: etcd's, 100,000): WAL entries replayed at a restart at most",
+    )
+    parser.add_argument("--etcd-timeout", type=float, default=120.0, help="seconds etcd has to come back")
     parser.add_argument("--rows", type=int, default=40, help="rows per producer batch (2 of them deleted)")
     parser.add_argument("--period", type=float, default=0.2, help="seconds between producer batches")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (etcd, storage, logs)")
@@ -193,7 +218,16 @@ def main(argv: list[str] | None = None) -> None:
         f"started {date}",
         flush=True,
     )
-    report = soak(args.minutes, args.seed, tuple(args.gap), args.rows, args.period, args.keep)
+    report = soak(
+        args.minutes,
+        args.seed,
+        tuple(args.gap),
+        args.rows,
+        args.period,
+        args.keep,
+        args.etcd_snapshot_count,
+        args.etcd_timeout,
+    )
     report["date"] = date
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
@@ -209,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'met' if report['catch_up_met'] else 'MISSED'})"
     )
     print(f"load average (1 min) during the faults: {report['load_avg_1m']}")
+    print(f"etcd kill -9 -> healthy again: {report['etcd_restart_s']}")
     if "work" in report:
         print(f"work directory kept: {report['work']}")
     print(f"wrote {RESULTS}")

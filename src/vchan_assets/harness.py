@@ -477,7 +477,7 @@ class ChaosSchedule:
     its etcd, under `load`. Before each fault, roles that died (killed, or exited after
     losing their session) are replaced up to `nodes` / `coordinators`; after it, a random
     pause of `gap` seconds (low, high). The same seed gives the same sequence of faults
-    and victims, whatever the gap."""
+    and victims, whatever the gap. etcd has `etcd_timeout` seconds to come back."""
 
     def __init__(
         self,
@@ -488,10 +488,12 @@ class ChaosSchedule:
         nodes: int = 3,
         coordinators: int = 2,
         gap: tuple[float, float] = (1.0, 4.0),
+        etcd_timeout: float = 30.0,
     ) -> None:
         self.cluster, self.etcd, self.load = cluster, etcd, load
         self.rng = random.Random(seed)
-        self.gap = gap
+        self.gap, self.etcd_timeout = gap, etcd_timeout
+        self.etcd_restarts: list[float] = []  # seconds from each kill -9 of etcd to its health
         self.want_nodes, self.want_coordinators = nodes, coordinators
         self.nodes: list[Role] = []
         self.coordinators: list[Role] = []
@@ -526,8 +528,10 @@ class ChaosSchedule:
             victim.signal(signal.SIGCONT)
         else:
             self.load.pause()
+            killed = time.monotonic()
             self.etcd.kill()
-            self.etcd.restart()
+            self.etcd.restart(timeout=self.etcd_timeout)
+            self.etcd_restarts.append(time.monotonic() - killed)
             self.load.resume()
         self.survived.append(fault)
         self.last_fault_end = time.monotonic()

@@ -120,6 +120,7 @@ class EmbeddedEtcd:
     owned: bool = False
     max_request_bytes: int | None = None  # etcd's --max-request-bytes (None: its 1.5 MiB default)
     max_txn_ops: int | None = None  # etcd's --max-txn-ops (None: its default, 128)
+    snapshot_count: int | None = None  # etcd's --snapshot-count (None: its default, 100,000)
     _process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -192,6 +193,8 @@ class EmbeddedEtcd:
             args.append(f"--max-request-bytes={self.max_request_bytes}")
         if self.max_txn_ops is not None:
             args.append(f"--max-txn-ops={self.max_txn_ops}")
+        if self.snapshot_count is not None:
+            args.append(f"--snapshot-count={self.snapshot_count}")
         logfile = open(self.directory / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
         self._process = subprocess.Popen(
             args,
