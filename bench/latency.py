@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
-from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, DagsterService
+from vchan_assets.deploy.service import INSTANCE_CONFIG, DagsterService
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionSchema
@@ -61,7 +61,7 @@ def main() -> None:
     )
     home = tmp / "dagster_home"
     home.mkdir()
-    shutil.copy(DEFAULT_DAGSTER_HOME / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
     service = DagsterService(settings, dagster_home=home, extra_env={"VCHAN_DAGSTER_DATANODES": "1"})
     store = MetaStore.connect(settings)
     try:

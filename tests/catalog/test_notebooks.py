@@ -13,10 +13,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import dagster as dg
 import nbformat
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
+
+from vchan_assets.defs.history import open_instance
+from vchan_assets.defs.partitions import VCHANNELS
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, sync_job
+from vchan_assets.deploy.service import INSTANCE_CONFIG
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ["01_quickstart", "02_channel_health", "03_segments_and_binlogs", "04_operate"]
@@ -172,3 +178,18 @@ def test_notebook_runs_against_a_live_vchan_up_stack(
             f"{name}: its collection is not in the outputs"
         )
         assert "nothing killed" in text or name != "02_channel_health"
+
+
+def test_vchan_up_keeps_its_dagster_history_under_vchan_home(live_home: Path) -> None:
+    """The Dagster instance of a `vchan up` deployment (runs, sensor cursors,
+    materializations) lives beside its etcd and storage: a new VCHAN_HOME starts both
+    afresh. In the repository's dagster_home/, a fresh cluster's vchannels (same names: ids
+    restart) met the earlier cluster's history and its checkpoint check failed."""
+    home = live_home / "dagster" / "instance"
+    assert (home / "dagster.yaml").read_text() == INSTANCE_CONFIG.read_text()
+    with open_instance(home) as instance:
+        deadline = time.monotonic() + 120
+        while not (runs := instance.get_runs(dg.RunsFilter(job_name=sync_job.name))):
+            assert time.monotonic() < deadline, f"no sync run in the instance at {home}"
+            time.sleep(1)
+        assert {r.tags[CHANNEL_TAG] for r in runs} <= set(instance.get_dynamic_partitions(VCHANNELS))

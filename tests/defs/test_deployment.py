@@ -23,7 +23,7 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.sync.jobs import sync_job
-from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, REPO, DagsterService, graphql
+from vchan_assets.deploy.service import INSTANCE_CONFIG, REPO, DagsterService, graphql
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
@@ -71,7 +71,7 @@ def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory
     )
     home = tmp / "dagster_home"
     home.mkdir()
-    shutil.copy(DEFAULT_DAGSTER_HOME / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
     service = DagsterService(settings, dagster_home=home)
     store = MetaStore.connect(settings)
     try:

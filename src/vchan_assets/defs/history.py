@@ -12,15 +12,17 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 
+from vchan_assets.config import Settings
 from vchan_assets.defs.sync.assets import BINLOGS
-from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME
+from vchan_assets.deploy.service import instance_home
 
 SYNC_COLUMNS = ["end_time", "vchannel", "rows", "deletes", "bytes", "seconds", "run_id"]
 
 
 def open_instance(home: str | Path | None = None) -> dg.DagsterInstance:
-    """The instance at `home`, else DAGSTER_HOME, else the one `vchan up` uses."""
-    path = Path(home or os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME)
+    """The instance at `home`, else DAGSTER_HOME, else the one `vchan up` keeps under
+    VCHAN_HOME."""
+    path = Path(home or os.environ.get("DAGSTER_HOME") or instance_home(Settings.from_env()))
     if not (path / "dagster.yaml").exists() and not (path / "history").exists():
         raise FileNotFoundError(
             f"no Dagster instance at {path}: start one with `vchan up`, or set DAGSTER_HOME"

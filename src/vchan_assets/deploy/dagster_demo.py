@@ -1,7 +1,7 @@
 """`vchan demo` through Dagster: the real daemon's sensors drive watch and sync.
 
 Starts the embedded etcd, a local Spark Connect server, dagster-daemon and
-dagster-webserver (DAGSTER_HOME=dagster_home); creates a collection with 4 vchannels;
+dagster-webserver (DAGSTER_HOME=$VCHAN_HOME/dagster/instance); creates a collection with 4 vchannels;
 the two Dagster-hosted DataNodes (sensors `datanode_1`, `datanode_2`) register, the
 DataCoord sensor assigns the channels; produces rows and deletes; the sync sensor
 requests sync runs; flushes and waits for the flush state; then reads the asset check
@@ -37,7 +37,7 @@ from vchan_assets.demo import (
     check_lifecycle,
     produce_demo_data,
 )
-from vchan_assets.deploy.service import DEFAULT_DAGSTER_HOME, DagsterService
+from vchan_assets.deploy.service import DagsterService
 from vchan_assets.model import CollectionInfo, NodeSession, WatchState
 from vchan_assets.stack import Stack
 from vchan_assets.wal.producer import Producer
@@ -156,7 +156,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
     started = time.monotonic()
     settings = replace(settings, sync_max_age=min(settings.sync_max_age, DEMO_SYNC_MAX_AGE))
     stack = Stack.open(settings, detach=True)
-    service = DagsterService(settings, dagster_home=DEFAULT_DAGSTER_HOME)
+    service = DagsterService(settings)
     ok = False
     try:
         console.print(
@@ -184,7 +184,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         took = _wait(lambda: producer.flush_state(name, flush_ts), 240, f"the flush at ts {flush_ts}")
         console.print(f"flush state reached {took:.0f}s after the flush call (sensor-driven sync runs)")
 
-        with dg.DagsterInstance.from_config(str(DEFAULT_DAGSTER_HOME)) as instance:
+        with dg.DagsterInstance.from_config(str(service.home)) as instance:
             # The runs still in flight (a last sync after the flush) finish first.
             _wait(lambda: not _runs_in_flight(instance, info), 120, "the last sync runs")
             checks = latest_checks(instance, list(info.vchannels))

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,18 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_WORKSPACE = REPO / "workspace.yaml"
-DEFAULT_DAGSTER_HOME = REPO / "dagster_home"
+# The instance's configuration (run queue, sensors, run monitoring); the instance itself,
+# its runs, cursors and materializations, lives under VCHAN_HOME (`instance_home`).
+INSTANCE_CONFIG = REPO / "dagster_home" / "dagster.yaml"
+
+
+def instance_home(settings: Settings) -> Path:
+    """DAGSTER_HOME of the deployment of `settings.home`: the Dagster history (runs, sensor
+    cursors, materializations, partition keys) belongs to that cluster's etcd and storage,
+    so a new VCHAN_HOME (`make clean`) starts both afresh. Vchannel names repeat across
+    fresh clusters (ids restart); a history shared between clusters compared one cluster's
+    checkpoints with another's."""
+    return settings.home / "dagster" / "instance"
 
 
 class DagsterServiceError(ServiceError):
@@ -61,10 +73,20 @@ def graphql(
 @dataclass
 class DagsterService:
     settings: Settings
-    dagster_home: Path = DEFAULT_DAGSTER_HOME
+    dagster_home: Path | None = None  # None: instance_home(settings)
     workspace: Path = DEFAULT_WORKSPACE
     extra_env: dict[str, str] = field(default_factory=dict)
     url: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dagster_home is None:
+            self.dagster_home = instance_home(self.settings)
+
+    @property
+    def home(self) -> Path:
+        """DAGSTER_HOME of this deployment."""
+        assert self.dagster_home is not None
+        return self.dagster_home
 
     @property
     def state_file(self) -> Path:
@@ -101,14 +123,16 @@ class DagsterService:
             state = {}
         daemon_pid, web_pid = ([int(p) for p in state.get("pids", [])] + [0, 0])[:2]
         port = int(state.get("port") or 0)
-        self.dagster_home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        if not (self.home / "dagster.yaml").exists():
+            shutil.copy(INSTANCE_CONFIG, self.home / "dagster.yaml")
         logs = settings.home / "dagster"
         logs.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
             **settings.to_env(),
             **self.extra_env,
-            "DAGSTER_HOME": str(self.dagster_home.absolute()),
+            "DAGSTER_HOME": str(self.home.absolute()),
             "PYSPARK_PYTHON": sys.executable,
         }
         self._create_storage(env)
