@@ -141,3 +141,38 @@ def test_a_hung_spark_job_is_cancelled_at_its_deadline() -> None:
     assert time.monotonic() - started < 60
     # The session is still usable after the cancellation.
     assert run_job(spark, "after", lambda: spark.range(10).count(), timeout=120) == 10
+
+
+EXIT_AFTER_STOP = """
+import sys
+from pathlib import Path
+from vchan_assets.config import Settings
+from vchan_assets.spark.connect import LocalSparkConnect
+from vchan_assets.spark.session import get_spark
+
+server = LocalSparkConnect(Path(sys.argv[1]))
+spark = get_spark(Settings(spark_remote=server.start()))
+assert spark.range(10).count() == 10
+server.stop()
+print("stopped", flush=True)
+"""
+
+
+def test_a_process_that_stops_its_spark_connect_server_exits_at_once(tmp_path: Path) -> None:
+    """`vchan demo` stops the Spark Connect server it started while it still holds a session:
+    PySpark's exit hook then retried its cleanup requests against the stopped server for
+    minutes, after the demo had printed its summary. Stopping the server closes this
+    process's sessions first."""
+    script = subprocess.Popen(
+        [sys.executable, "-c", EXIT_AFTER_STOP, str(tmp_path / "connect")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = script.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        script.kill()
+        out, _ = script.communicate()
+        raise AssertionError(f"the process did not exit after stopping its server:\n{out[-2000:]}") from None
+    assert script.returncode == 0 and "stopped" in out, out[-2000:]

@@ -42,6 +42,21 @@ class SparkConnectError(ServiceError):
     """The local Spark Connect server did not start or does not answer."""
 
 
+def close_connect_sessions() -> None:
+    """Close this process's Spark Connect sessions. One left open when its server stops
+    makes the process hang at exit: PySpark's exit hook sends cleanup requests and retries
+    them, with backoff, against the stopped server for minutes (`vchan demo` printed its
+    summary and then did not return)."""
+    if "pyspark.sql.connect.session" not in sys.modules:
+        return  # this process never opened one
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    for session in {ConnectSession.getActiveSession(), ConnectSession._default_session}:
+        if session is not None:
+            with contextlib.suppress(Exception):  # best effort: the server may be gone already
+                session.stop()
+
+
 def _pyspark_home() -> Path:
     import pyspark
 
@@ -145,6 +160,8 @@ class LocalSparkConnect:
         return url
 
     def stop(self, timeout: float = 20.0) -> bool:
+        """Stop the recorded server, after closing this process's sessions to it."""
+        close_connect_sessions()
         state = self.recorded()
         if state is None:
             self.state_file.unlink(missing_ok=True)
