@@ -472,18 +472,22 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
 
 @command("demo", "run the whole pipeline on generated data on the embedded stack", _demo_args)
 def demo(args: argparse.Namespace, settings: Settings) -> int:
-    from vchan_assets.demo import DemoOptions, run_demo
+    from vchan_assets.demo import DemoCheckError, DemoOptions, run_demo
 
     options = DemoOptions(rows=args.rows, deletes=args.deletes, channels=args.channels, keep=args.keep)
-    if args.cluster:
-        from vchan_assets.deploy.cluster_demo import run_cluster_demo
+    try:
+        if args.cluster:
+            from vchan_assets.deploy.cluster_demo import run_cluster_demo
 
-        return run_cluster_demo(settings, options)
-    if not args.direct:
-        from vchan_assets.deploy.dagster_demo import run_dagster_demo
+            return run_cluster_demo(settings, options)
+        if not args.direct:
+            from vchan_assets.deploy.dagster_demo import run_dagster_demo
 
-        return run_dagster_demo(settings, options)
-    return run_demo(settings, options)
+            return run_dagster_demo(settings, options)
+        return run_demo(settings, options)
+    except DemoCheckError as exc:  # what was read back is not what was produced
+        print(f"vchan demo: check failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def _up_args(parser: argparse.ArgumentParser) -> None:

@@ -9,17 +9,21 @@ from dataclasses import replace
 
 import pytest
 from datanode.helpers import VCHAN, cli_env
+from rich.console import Console
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.recovery import channel_segments
+from vchan_assets.demo import SCHEMA as DEMO_SCHEMA
+from vchan_assets.demo import DemoCheckError, DemoOptions, check_binlogs, produce_demo_data
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
 from vchan_assets.lifecycle.step import LifecycleReport, lifecycle_step, sort_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo
+from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
-from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1
+from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1, sync_all
 
 
 @pytest.fixture
@@ -142,3 +146,28 @@ def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_reten
     assert step(started + 61 + 601).deleted_plans == [plan.plan_id]
     assert list_plans(store) == []
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_the_demo_check_reads_a_segment_the_sort_replaced_from_the_sorted_one(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+) -> None:
+    """`make demo` under Dagster: the sort sensor ran between the flush and the demo's
+    check, which then found the unsorted segment Dropped and failed ("segment 105 is
+    Dropped after the flush") though every row was there once, in the sorted segment."""
+    info = producer.create_collection(f"demo{uuid.uuid4().hex[:8]}", DEMO_SCHEMA, num_channels=2)
+    options = DemoOptions(rows=600, batch=200, deletes=12, channels=2)
+    deleted, _ = produce_demo_data(producer, info.name, options, Console(quiet=True))
+    sync_all(store, storage, settings, info)
+    outcomes = sort_step(store, storage, settings, engine="local")
+    assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
+    states = [s.model.state for v in info.vchannels for s in channel_segments(store, info.id, v)]
+    assert SegmentState.DROPPED in states
+
+    check_binlogs(store, storage, info, options.rows, deleted)
+
+    # A Dropped segment that nothing replaced is still an error.
+    lost = next(s for s in live_l1(store, info))
+    key = store.keys.segment(lost.collection_id, lost.partition_id, lost.id)
+    store.put(key, replace(lost, state=SegmentState.DROPPED))
+    with pytest.raises(DemoCheckError, match=r"segment \d+ is Dropped after the flush"):
+        check_binlogs(store, storage, info, options.rows, deleted)

@@ -32,8 +32,8 @@ from vchan_assets.demo import (
     SCHEMA,
     DemoCheckError,
     DemoOptions,
-    _check,
     _summary,
+    check_binlogs,
     check_lifecycle,
     produce_demo_data,
 )
@@ -197,7 +197,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
                 run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
             )
         _report_checks(console, info, checks)
-        _check(stack, info, options.rows, deleted)
+        check_binlogs(stack.store, stack.storage, info, options.rows, deleted)
         console.print(_summary(stack, info))
         _lifecycle_assets(console, replace(settings, spark_remote=_spark_remote(service, settings)))
         check_lifecycle(stack, settings, info, options.rows, deleted, console)
