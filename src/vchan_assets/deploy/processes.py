@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from vchan_assets.meta.embedded import _die_with_parent, pid_alive
+from vchan_assets.meta.embedded import dying_with_parent, pid_alive
 
 
 class ServiceError(RuntimeError):
@@ -31,6 +31,7 @@ def spawn(
     child is SIGKILLed when the calling thread's process exits, so a crashed caller
     leaves no orphan."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    args, preexec = (args, None) if detach else dying_with_parent(args)
     with open(log_path, "ab") as out:
         return subprocess.Popen(
             args,
@@ -38,7 +39,7 @@ def spawn(
             stdout=out,
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
-            preexec_fn=None if detach else _die_with_parent,
+            preexec_fn=preexec,
             start_new_session=True,  # the caller's Ctrl-C does not reach it first
         )
 

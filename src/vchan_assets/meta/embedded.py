@@ -20,6 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,19 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+def dying_with_parent(args: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """`args` and the preexec_fn that make the child die with this process: util-linux's
+    `setpriv --pdeathsig KILL` when there is one, so no Python runs in the forked child (in a
+    process with other threads, gRPC's, Python between fork and exec can deadlock: a
+    restarted etcd hung so, before exec, and never came back); else prctl in a preexec_fn."""
+    if SETPRIV:
+        return [SETPRIV, "--pdeathsig", "KILL", *args], None
+    return args, _die_with_parent
 
 
 def healthy(endpoint: str, timeout: float = 1.0) -> bool:
@@ -195,13 +209,14 @@ class EmbeddedEtcd:
             args.append(f"--max-txn-ops={self.max_txn_ops}")
         if self.snapshot_count is not None:
             args.append(f"--snapshot-count={self.snapshot_count}")
+        args, preexec = (args, None) if detach else dying_with_parent(args)
         logfile = open(self.directory / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
         self._process = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
             stdout=logfile,
             stderr=subprocess.STDOUT,
-            preexec_fn=None if detach else _die_with_parent,
+            preexec_fn=preexec,
             # Own session: the caller's Ctrl-C does not reach etcd before the caller stops it.
             start_new_session=True,
         )
