@@ -30,7 +30,7 @@ from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .browser import chromium
+from .browser import FLAGS, chromium
 from .conftest import SCHEMA
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -170,19 +170,7 @@ def test_headless_chromium_renders_the_three_assets_on_the_lineage_page(deployme
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "asset-lineage.png"
     with tempfile.TemporaryDirectory() as profile:
-        flags = [
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={profile}",
-            "--window-size=1600,1000",
-            "--virtual-time-budget=20000",
-        ]
+        flags = [*FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=20000"]
         dom = subprocess.run(
             [chromium, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120, check=True
         ).stdout
