@@ -415,6 +415,18 @@ class ChannelLease(Record):
     granted_at: float
 
 
+@dataclass(frozen=True)
+class SyncClaim(Record):
+    """The sync running now on a channel: `channel-sync/{vchannel}`. Every meta write of a
+    sync compares this key's version with the one its own claim left, so of two syncs of
+    one channel under the same lease only the one that claimed last commits."""
+
+    lease_id: int
+    host: str
+    pid: int
+    started_at: float
+
+
 class WatchState(enum.StrEnum):
     TO_WATCH = "ToWatch"
     WATCH_SUCCESS = "WatchSuccess"

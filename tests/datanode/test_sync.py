@@ -292,6 +292,48 @@ def test_lease_revoked_between_binlog_write_and_meta_commit_rejects_the_commit(
     assert list_orphans(store, storage), "the rejected sync's files are orphans"
 
 
+@pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta"])
+def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
+    step: str,
+    tmp_path: Path,
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    """Two syncs of one vchannel under the same lease at once (a Dagster run the run
+    monitor gave up on while its worker still ran, and the sensor's next run): the one
+    that read the channel first and commits last must not append its rows and deletes a
+    second time. The first sync stops after writing its binlogs (or after its segment
+    meta); the second runs through; the first then finds the channel claimed by another
+    sync and commits nothing more."""
+    produced = Produced()
+    produce(producer, collection.name, produced, 1000, start_pk=0, deletes=50)
+    vchannel = collection.vchannels[0]
+    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
+    marker = tmp_path / "reached"
+    first = start_sync_process(
+        settings,
+        collection.name,
+        vchannel,
+        lease.lease_id,
+        VCHAN_FAILPOINT=f"{step}=stop",
+        VCHAN_FAILPOINT_MARKER=str(marker),
+    )
+    wait_stopped(first, marker)
+    second = SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+    if step == "after_binlogs":
+        assert second.rows > 0 and second.deletes > 0
+    first.send_signal(signal.SIGCONT)
+    _, stderr = first.communicate(timeout=60)
+
+    sync_all(store, storage, settings, collection, engine="local")
+    assert_exactly_once(store, storage, collection, produced)
+    assert first.returncode != 0, "the stale sync committed"
+    assert "another sync of" in stderr, stderr
+
+
 def test_sync_with_a_lease_that_is_not_current_writes_nothing(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:

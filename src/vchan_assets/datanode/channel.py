@@ -19,7 +19,7 @@ from vchan_assets.datanode import policies
 from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.policies import ChannelBacklog, sync_reasons
 from vchan_assets.datanode.sync import SyncResult, SyncTask
-from vchan_assets.meta.errors import LeaseLostError, MetaUnavailableError
+from vchan_assets.meta.errors import LeaseLostError, MetaUnavailableError, SyncSupersededError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionInfo
 from vchan_assets.spark import Engine
@@ -142,6 +142,9 @@ class ChannelWorker:
             return False
         except MetaUnavailableError as exc:
             log.warning("node %s: sync of %s failed, retrying: %s", self.ctx.node_id, self.vchannel, exc)
+            return True
+        except SyncSupersededError as exc:  # a sync outside this worker ran meanwhile (`vchan sync`)
+            log.warning("node %s: %s", self.ctx.node_id, exc)
             return True
         except Exception:
             # A bad log file or any bug: keep the node up, log it, retry at the next poll.

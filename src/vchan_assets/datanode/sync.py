@@ -1,6 +1,11 @@
 """The sync task (DataNode role): a log range -> binlogs -> segment meta -> checkpoint.
 
 Commit order (invariant 1 of docs/architecture.md, lease MEP "segment meta BEFORE channel checkpoint"):
+  0. the claim: `channel-sync/{vchannel}` rewritten (guarded by the lease), the state read
+     as of after it; every later transaction compares its version, so of two syncs of
+     one channel under one lease (a run given up on while its worker still ran, and the
+     next one) the earlier fails with SyncSupersededError and commits nothing more
+     (a sync with nothing to commit claims nothing);
   1. binlog, delta and stats files, written by the tasks to fresh unique paths;
   2. segment meta (binlogs appended, rows, start/dml positions, Flushed), in
      transactions guarded by the channel lease and by each segment's version;
@@ -14,15 +19,18 @@ meta points to are orphans for GC. A lost lease rejects the commit whole
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.datacoord.collections import VchannelNotFoundError
-from vchan_assets.datacoord.recovery import channel_segments
+from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.datanode.binlog_writer import (
     DELTA,
     INSERT,
@@ -38,10 +46,10 @@ from vchan_assets.datanode.binlog_writer import (
     run_tasks_arrow,
     written_or_raise,
 )
-from vchan_assets.datanode.channel_state import read_channel_state
+from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
 from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.errors import CasConflictError, CheckpointRegressionError
+from vchan_assets.meta.errors import CasConflictError, CheckpointRegressionError, SyncSupersededError
 from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
@@ -53,6 +61,7 @@ from vchan_assets.model import (
     SegmentInfo,
     SegmentLevel,
     SegmentState,
+    SyncClaim,
 )
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
@@ -146,12 +155,13 @@ class SyncTask:
         self.spark = spark  # a session to run on (None: the process's, get_spark)
         self.ids = IdAllocator(store)
         self.reader = WalReader(storage, vchannel, collection)
+        self._claimed: dict[str, int] = {}  # the claim key and the version this sync left it at
 
     # --- public -------------------------------------------------------------------
 
     def run(self) -> SyncResult:
         started = time.monotonic()
-        state = read_channel_state(self.store, self.reader)
+        state = self._claimed_state()
         cp, start, end = state.committed, state.checkpoint, state.head
         segments = {d.model.id: d for d in state.segments}
         if end is None or end.offset <= start.offset:
@@ -196,6 +206,48 @@ class SyncTask:
             result.seconds,
         )
         return result
+
+    # --- step 0: the claim ---------------------------------------------------------
+
+    def _claimed_state(self) -> ChannelState:
+        """The channel's state as of after this sync's claim. A sync with nothing to
+        commit (no new time tick, no sealed segment to finish) claims nothing and writes
+        nothing. Otherwise the claim comes first, and the state is read again if a sync
+        committed between the first read and the claim (its checkpoint or segment
+        versions moved), so this sync starts after whatever that one committed."""
+        state = read_channel_state(self.store, self.reader)
+        if not (state.has_unsynced or state.ready_to_flush):
+            return state
+        self._claim()
+        cp = channel_checkpoint(self.store, self.vchannel)
+        now = _versions(cp, channel_segments(self.store, self.collection.id, self.vchannel))
+        if now != _versions(state.committed, state.segments):
+            state = read_channel_state(self.store, self.reader)
+        return state
+
+    def _claim(self) -> None:
+        """Claim the channel for this sync (see SyncClaim)."""
+        key = self.store.keys.channel_sync(self.vchannel)
+        claim = SyncClaim(self.lease.lease_id, socket.gethostname(), os.getpid(), time.time())
+
+        def attempt() -> int:
+            found = self.store.get(key)
+            version = found.version if found else 0
+            self.store.guarded_txn(self.vchannel, self.lease, {key: claim}, expect_versions={key: version})
+            return version + 1
+
+        self._claimed = {key: retry_on_conflict(f"sync claim of {self.vchannel}", attempt)}
+
+    def _guarded(self, puts: dict[str, Any], expect: dict[str, int]) -> None:
+        """One transaction under the lease and this sync's claim, expecting `expect`."""
+        try:
+            self.store.guarded_txn(
+                self.vchannel, self.lease, puts, expect_versions={**self._claimed, **expect}
+            )
+        except CasConflictError as exc:
+            if exc.key in self._claimed:
+                raise SyncSupersededError(self.vchannel) from exc
+            raise
 
     # --- step 1: files --------------------------------------------------------------
 
@@ -326,7 +378,7 @@ class SyncTask:
                     seg = done
                     flushed.append(sid)
                 puts[key] = seg
-            self.store.guarded_txn(self.vchannel, self.lease, puts, expect_versions=expect)
+            self._guarded(puts, expect)
             return flushed
 
         def reread(exc: CasConflictError) -> None:  # the coordinator sealed a segment meanwhile
@@ -358,9 +410,13 @@ class SyncTask:
         if before and end.offset <= before.model.offset:
             raise CheckpointRegressionError(self.vchannel, before.model, end)
         key = self.store.keys.channel_checkpoint(self.vchannel)
-        self.store.guarded_txn(
-            self.vchannel, self.lease, {key: end}, expect_versions={key: before.kv.version if before else 0}
-        )
+        self._guarded({key: end}, {key: before.kv.version if before else 0})
+
+
+def _versions(
+    cp: Decoded[MsgPosition] | None, segments: Sequence[Decoded[SegmentInfo]]
+) -> tuple[int, dict[int, int]]:
+    return (cp.kv.version if cp else 0), {d.model.id: d.kv.version for d in segments}
 
 
 def _insert_floor(seg: SegmentInfo, end: MsgPosition) -> int:

@@ -65,6 +65,19 @@ class LeaseLostError(MetaError):
         self.found = found
 
 
+class SyncSupersededError(MetaError):
+    """Another sync of the channel (same lease, a later claim) began after this one: this
+    one commits nothing, so no range is appended twice. Its files are orphans for GC; the
+    channel itself is fine and the next sync goes on from the checkpoint."""
+
+    def __init__(self, channel: str) -> None:
+        super().__init__(
+            f"channel {channel}: another sync of {channel} claimed the channel after this one began; "
+            "this sync committed nothing (its files are orphans for garbage collection)"
+        )
+        self.channel = channel
+
+
 class RetriesExhaustedError(MetaError):
     """Every attempt of an optimistic write lost a compare-and-swap to a concurrent writer."""
 

@@ -62,6 +62,9 @@ class Keys:
     def channel_lease(self, vchannel: str) -> str:
         return self._k("meta", "channel-lease", vchannel)
 
+    def channel_sync(self, vchannel: str) -> str:
+        return self._k("meta", "channel-sync", vchannel)
+
     # multi-writer log: per-channel head and append lock
     def wal_heads(self) -> str:
         return self._k("wal-head") + "/"

@@ -24,7 +24,7 @@ from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.channelwatch import parse_watch_info
-from vchan_assets.meta.errors import LeaseLostError
+from vchan_assets.meta.errors import LeaseLostError, SyncSupersededError
 from vchan_assets.model import WatchState, physical_ms
 
 BINLOGS = dg.AssetKey("binlogs")
@@ -202,6 +202,9 @@ def sync_vchannel(
             context.log.info("release of %s: no final sync, the lease moved on (%s)", vchannel, exc)
             _release(runtime, config)
             return
+        except SyncSupersededError as exc:
+            # A later sync run of this channel (this one was given up on) claimed it first.
+            raise dg.Failure(str(exc), allow_retries=False) from exc
         context.log.info(
             "%s: (%d, %d] %d rows, %d deletes, %d files %s",
             vchannel,
