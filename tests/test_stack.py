@@ -9,12 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.meta.embedded import EmbeddedEtcd, healthy, pid_alive, server_version
+from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
 
@@ -93,6 +94,26 @@ def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) ->
     down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert _wait_dead(state["pid"])
+
+
+def test_dagster_sensors_after_vchan_down_fail_instead_of_starting_etcd_again(tmp_path: Path) -> None:
+    """A Dagster daemon left running after `vchan down` (or started before `vchan up`)
+    opens the system through `open_runtime` at every sensor tick: it must not bring the
+    embedded etcd back, behind the operator's back."""
+    from vchan_assets.defs.runtime import open_runtime
+
+    settings = replace(Settings(), home=tmp_path / "home", etcd_endpoints=None)
+    with pytest.raises(EmbeddedEtcdError, match="vchan up"), open_runtime(settings):
+        pass
+    assert EmbeddedEtcd(settings.etcd_dir)._read_state() is None, "an etcd was started"
+
+    server = EmbeddedEtcd(settings.etcd_dir).start()  # what `vchan up` does first
+    try:
+        with open_runtime(settings) as runtime:
+            assert runtime.store.revision() > 0
+        assert pid_alive(server.pid or -1), "the runtime stopped an etcd it did not start"
+    finally:
+        server.stop()
 
 
 def test_a_service_that_cannot_start_is_an_error_line_naming_its_log(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The running system as one object: metastore (embedded etcd or a cluster) and storage.
 
 `Stack.open(settings)` starts the embedded etcd when no endpoints are configured (or
-reuses a running one), connects, and prepares storage. `close()` stops what it
+reuses a running one; `start_etcd=False`, for Dagster's sensors and runs and Spark's
+workers, only reuses one), connects, and prepares storage. `close()` stops what it
 started. Spark is started lazily by whoever needs it (`spark.session.get_spark`).
 """
 
@@ -27,11 +28,15 @@ class Stack:
     etcd: EmbeddedEtcd | None = None
 
     @classmethod
-    def open(cls, settings: Settings, detach: bool = False) -> Stack:
+    def open(cls, settings: Settings, detach: bool = False, start_etcd: bool = True) -> Stack:
+        """Connect to VCHAN_ETCD_ENDPOINTS, or to the embedded etcd under VCHAN_HOME,
+        starting it if needed (`start_etcd=False`: only a running one, else
+        EmbeddedEtcdError)."""
         etcd = None
         endpoints = settings.etcd_endpoints
         if endpoints is None:
-            etcd = EmbeddedEtcd(settings.etcd_dir).start(detach=detach)
+            embedded = EmbeddedEtcd(settings.etcd_dir)
+            etcd = embedded.start(detach=detach) if start_etcd else embedded.attach()
             endpoints = (etcd.endpoint,)
         store = MetaStore.connect(settings, endpoints)
         try:

@@ -120,9 +120,10 @@ class VchanRuntime:
 
 @contextmanager
 def open_runtime(settings: Settings) -> Iterator[VchanRuntime]:
-    """Open the system (`Stack`: the embedded etcd is started or reused when no endpoints
-    are set, and outlives this process)."""
-    stack = Stack.open(settings, detach=True)
+    """Open the system for a Dagster sensor or run: VCHAN_ETCD_ENDPOINTS, or the embedded
+    etcd `vchan up` started. Never starts one: a Dagster daemon left running after
+    `vchan down` fails its ticks (EmbeddedEtcdError) instead of restarting etcd."""
+    stack = Stack.open(settings, start_etcd=False)
     try:
         yield VchanRuntime(settings, stack.store, stack.storage)
     finally:

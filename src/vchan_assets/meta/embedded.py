@@ -154,19 +154,35 @@ class EmbeddedEtcd:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def attach(self) -> EmbeddedEtcd:
+        """The server already running under `directory`; never starts one.
+
+        For the processes that only use the stack (Dagster sensors and runs, Spark
+        workers): after `vchan down` they must fail, not bring etcd back behind the
+        operator's back (a stray Dagster daemon would restart it every second)."""
+        if not self._reuse():
+            raise EmbeddedEtcdError(
+                f"no embedded etcd is running under {self.directory} (stopped by `vchan down`?): "
+                "start the stack with `vchan up`, or set VCHAN_ETCD_ENDPOINTS"
+            )
+        return self
+
+    def _reuse(self) -> bool:
+        """Take over the running server recorded in the state file, if it is healthy."""
+        state = self._read_state()
+        if not (state and pid_alive(state["pid"]) and healthy(f"127.0.0.1:{state['client_port']}")):
+            return False
+        self.client_port, self.peer_port, self.pid = state["client_port"], state["peer_port"], state["pid"]
+        self.owned = False
+        log.info("reusing embedded etcd pid=%s at %s", self.pid, self.endpoint)
+        return True
+
     def start(self, detach: bool = False, timeout: float = 30.0) -> EmbeddedEtcd:
         """Start (or reuse) the server and wait until it answers /health."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        state = self._read_state()
-        if state and pid_alive(state["pid"]) and healthy(f"127.0.0.1:{state['client_port']}"):
-            self.client_port, self.peer_port, self.pid = (
-                state["client_port"],
-                state["peer_port"],
-                state["pid"],
-            )
-            self.owned = False
-            log.info("reusing embedded etcd pid=%s at %s", self.pid, self.endpoint)
+        if self._reuse():
             return self
+        state = self._read_state()
         # Keep the ports of an earlier run when free: etcd stores its peer URL in the data dir.
         if state and _port_free(state["client_port"]) and _port_free(state["peer_port"]):
             self.client_port, self.peer_port = state["client_port"], state["peer_port"]

@@ -248,8 +248,9 @@ class SegmentColumnError(LookupError):
 @contextlib.contextmanager
 def _meta(settings: Settings) -> Iterator[Stack]:
     """etcd and storage for planning, without the pandas-based catalog (planning runs in
-    fresh Python workers: every import counts)."""
-    stack = Stack.open(settings)
+    fresh Python workers: every import counts). A worker uses the running etcd; it
+    never starts one."""
+    stack = Stack.open(settings, start_etcd=False)
     try:
         yield stack
     finally:
