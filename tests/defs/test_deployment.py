@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +24,11 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.sync.jobs import sync_job
 from vchan_assets.deploy.service import INSTANCE_CONFIG, REPO, DagsterService, graphql
+from vchan_assets.harness import SCHEMA as HARNESS_SCHEMA
+from vchan_assets.harness import PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
@@ -302,3 +307,70 @@ def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
     for run_id in orphaned:
         run = deployment.instance.get_run_by_id(run_id)
         assert run is not None and run.status == dg.DagsterRunStatus.FAILURE, (run_id, run and run.status)
+
+
+CHAOS_SECONDS = 60.0
+CHAOS_SEED = int(os.environ.get("VCHAN_CHAOS_SEED", "20261123"))
+IN_FLIGHT = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
+
+
+def _kill_a_run_worker(instance: dg.DagsterInstance, rng: random.Random, timeout: float = 20.0) -> bool:
+    """kill -9 of the process of a sync run in flight (its pid from the run's engine event),
+    waiting up to `timeout` for one; False if none came."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = instance.get_run_records(dg.RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT))
+        pids = [p for r in records if (p := run_worker_pid(instance, r.dagster_run.run_id)) and pid_alive(p)]
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _kill_and_restart_the_daemon(deployment: Deployment) -> None:
+    """kill -9 of the daemon's process group (its code server and runs too), then `vchan up`'s
+    heal: DagsterService.start() starts the daemon again."""
+    service = deployment.service
+    daemon = json.loads(service.state_file.read_text())["pids"][0]
+    os.killpg(daemon, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(daemon), 30, "the daemon to die")
+    DagsterService(deployment.settings, dagster_home=service.dagster_home).start()
+
+
+def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_nothing(
+    deployment: Deployment,
+) -> None:
+    """Dagster-hosted DataNodes and DataCoord under a producer, with a seeded schedule of
+    kill -9 of sync run workers (mid-sync: their runs are orphaned, failed by the
+    orphaned-runs sensor, and requested again) and of the whole daemon (restarted as
+    `vchan up` does; its nodes' sessions expire and their channels move). Afterwards every
+    row and delete is in the live segments exactly once, value by value, and every channel
+    caught up. VCHAN_CHAOS_SEED picks another schedule."""
+    store, settings = deployment.store, deployment.settings
+    storage = Storage.from_settings(settings)
+    info = deployment.producer.create_collection("chaos", HARNESS_SCHEMA, [], num_channels=2)
+    wait_until(lambda: owners(store, list(info.vchannels)), 90, "the chaos collection's channels watched")
+    rng = random.Random(CHAOS_SEED)
+    load = PausableLoad(deployment.producer, info, rows=40, period=0.2)
+    faults: Counter[str] = Counter()
+    load.start()
+    try:
+        ends = time.monotonic() + CHAOS_SECONDS
+        while time.monotonic() < ends:
+            if rng.random() < 0.3:
+                _kill_and_restart_the_daemon(deployment)
+                faults["kill_daemon"] += 1
+            elif _kill_a_run_worker(deployment.instance, rng):
+                faults["kill_run_worker"] += 1
+            time.sleep(rng.uniform(1.0, 4.0))
+    finally:
+        load.stop()
+    deployment.producer.time_tick(info.name)
+    wait_until(
+        lambda: all_synced(store, storage, [info]), 240, f"every channel caught up after {dict(faults)}"
+    )
+    tally = exactly_once(store, storage, info, load.produced)
+    print(f"chaos under Dagster: {dict(faults)}; {tally.describe()}")  # shown with pytest -rP
+    assert tally.ok, tally.describe()
+    assert faults["kill_daemon"] >= 1 and faults["kill_run_worker"] >= 1, faults
