@@ -38,10 +38,10 @@ from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
 from vchan_assets.lifecycle.plans import list_plans
 from vchan_assets.lifecycle.rows import (
-    DELETE_COLUMNS,
     apply_deletes_to,
     delete_paths,
     empty_deletes,
+    read_deletes,
     read_files,
     readable,
     segment_rows,
@@ -573,8 +573,7 @@ class Catalog:
         return segment_rows(self.storage, seg, with_vectors)
 
     def _partition_deletes(self, collection_id: int, partition_id: int) -> pa.Table:
-        paths = delete_paths(self.segment_infos(collection_id), partition_id)
-        return read_files(self.storage, paths, columns=DELETE_COLUMNS) or empty_deletes()
+        return read_deletes(self.storage, delete_paths(self.segment_infos(collection_id), partition_id))
 
     def _read_files(self, paths: Iterable[str], columns: list[str] | None = None) -> pa.Table | None:
         return read_files(self.storage, paths, columns)

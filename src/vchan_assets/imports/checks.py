@@ -17,13 +17,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
 from vchan_assets.imports.jobs import ImportFormat, ImportJob
-from vchan_assets.lifecycle.rows import (
-    DELETE_COLUMNS,
-    apply_deletes_to,
-    delete_paths,
-    empty_deletes,
-    read_files,
-)
+from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, read_files
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
@@ -86,7 +80,7 @@ def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) ->
     if imported is None or existing is None:
         return CheckOutcome(True, "no other live rows in the partition", {"overlap": 0})
     # Deletes older than the import: the rows they removed are not "already there".
-    deletes = read_files(storage, delete_paths(every, job.partition_id), DELETE_COLUMNS) or empty_deletes()
+    deletes = read_deletes(storage, delete_paths(every, job.partition_id))
     deletes = deletes.filter(pc.less(deletes["timestamp"], job.timestamp)) if deletes.num_rows else deletes
     live = apply_deletes_to(existing, deletes, pk)
     overlap = int(pc.sum(pc.is_in(imported[pk], value_set=live[pk])).as_py() or 0)

@@ -20,13 +20,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome, files_exist_outcome
 from vchan_assets.lifecycle.gc import segment_paths
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
-from vchan_assets.lifecycle.rows import (
-    DELETE_COLUMNS,
-    apply_deletes_to,
-    delete_paths,
-    empty_deletes,
-    read_files,
-)
+from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, read_files
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
@@ -85,8 +79,7 @@ def _recount(
         storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
     )
     rows = rows if rows is not None else pa.table({pk: pa.array([], pa.int64())})
-    deletes = read_files(storage, sorted(paths), DELETE_COLUMNS)
-    return rows.num_rows, apply_deletes_to(rows, deletes or empty_deletes(), pk).num_rows
+    return rows.num_rows, apply_deletes_to(rows, read_deletes(storage, sorted(paths)), pk).num_rows
 
 
 def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
@@ -109,8 +102,7 @@ def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
             found = read_files(storage, paths, [pk, "timestamp"])
             if found is None:
                 continue
-            deletes = read_files(storage, delete_paths(segments, partition), DELETE_COLUMNS)
-            visible = apply_deletes_to(found, deletes or empty_deletes(), pk)
+            visible = apply_deletes_to(found, read_deletes(storage, delete_paths(segments, partition)), pk)
             counts.update(visible[pk].to_pylist())
             rows += visible.num_rows
         duplicates += sum(c - 1 for c in counts.values() if c > 1)

@@ -22,6 +22,13 @@ def empty_deletes() -> pa.Table:
     return pa.table({"pk": pa.array([], pa.int64()), "timestamp": pa.array([], pa.int64())})
 
 
+def read_deletes(storage: Storage, paths: Iterable[str]) -> pa.Table:
+    """The (pk, timestamp) rows of the delta logs `paths`, ready for `apply_deletes_to`
+    (no paths: no deletes)."""
+    found = read_files(storage, paths, columns=DELETE_COLUMNS)
+    return found if found is not None else empty_deletes()
+
+
 def segment_rows(storage: Storage, seg: SegmentInfo, with_vectors: bool = True) -> pa.Table:
     """The rows of one L1 segment: its column groups joined on row_id (they are aligned)."""
     groups = sorted(seg.binlogs, key=lambda g: g.group)

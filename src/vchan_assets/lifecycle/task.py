@@ -22,9 +22,9 @@ import pyarrow as pa
 from vchan_assets.datanode.binlog_writer import SCALAR_GROUP, column_groups, group_field_ids, write_parquet
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.lifecycle.rows import (
-    DELETE_COLUMNS,
     apply_deletes_to,
     empty_deletes,
+    read_deletes,
     read_files,
     segment_rows,
 )
@@ -153,10 +153,9 @@ def _read_inputs(spec: CompactionSpec) -> pa.Table:
 
 def _read_deletes(spec: CompactionSpec) -> pa.Table:
     try:
-        found = read_files(spec.storage, spec.delete_paths, columns=DELETE_COLUMNS)
+        return read_deletes(spec.storage, spec.delete_paths)
     except StorageError as exc:
         raise CompactionInputError(spec.plan_id, exc.path, exc.reason) from None
-    return found if found is not None else empty_deletes()
 
 
 def _write_output(spec: CompactionSpec, seg_id: int, rows: pa.Table, log_ids: Iterator[int]) -> SegmentInfo:

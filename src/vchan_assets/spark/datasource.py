@@ -53,15 +53,7 @@ from pyspark.sql.types import (
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
-from vchan_assets.lifecycle.rows import (
-    DELETE_COLUMNS,
-    apply_deletes_to,
-    delete_paths,
-    empty_deletes,
-    read_files,
-    readable,
-    segment_rows,
-)
+from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, readable, segment_rows
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
@@ -214,8 +206,7 @@ def read_segment_partition(
     seg = part.segment
     wants_vectors = any(f.is_vector for f in fields)
     table = segment_rows(storage, seg, with_vectors=wants_vectors)
-    deletes = read_files(storage, part.delete_paths, columns=DELETE_COLUMNS) or empty_deletes()
-    table = apply_deletes_to(table, deletes, pk)
+    table = apply_deletes_to(table, read_deletes(storage, part.delete_paths), pk)
     n = table.num_rows
     columns: dict[str, pa.Array | pa.ChunkedArray] = {name: table[name] for name in META_COLUMNS}
     for f in fields:
