@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from vchan_assets.model import CollectionSchema, DataType, FieldSchema
 
@@ -106,6 +107,18 @@ class UnknownMessageTypeError(LogError):
         self.path = path
         self.offset = offset
         self.msg_type = msg_type
+
+
+_MSG_TYPE_SET = pa.array(sorted(MSG_TYPES))
+
+
+def check_msg_types(kinds: pa.Array | pa.ChunkedArray, path: str, first: int) -> None:
+    """UnknownMessageTypeError for the first of `kinds` (a batch's msg_type column, no
+    nulls, offsets from `first`) that is not a MsgType."""
+    known = pc.is_in(kinds, value_set=_MSG_TYPE_SET)
+    if not pc.all(known).as_py():
+        index = pc.index(known, False).as_py()
+        raise UnknownMessageTypeError(path, first + index, kinds[index].as_py())
 
 
 def arrow_type(field: FieldSchema) -> pa.DataType:

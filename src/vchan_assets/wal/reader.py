@@ -29,11 +29,10 @@ from vchan_assets.wal.format import (
     META_COUNT,
     META_FIRST_OFFSET,
     META_LAST_TS,
-    MSG_TYPES,
     CorruptLogError,
     MsgType,
     SchemaMismatchError,
-    UnknownMessageTypeError,
+    check_msg_types,
     first_offset_of,
     log_schema,
     wal_key,
@@ -41,8 +40,6 @@ from vchan_assets.wal.format import (
 )
 
 log = logging.getLogger(__name__)
-
-_MSG_TYPE_SET = pa.array(sorted(MSG_TYPES))
 
 
 @dataclass(frozen=True)
@@ -176,10 +173,7 @@ def read_log_file(
     kinds = table.column("msg_type")
     if kinds.null_count:
         raise CorruptLogError(path, "msg_type has nulls")
-    known = pc.is_in(kinds, value_set=_MSG_TYPE_SET)
-    if not pc.all(known).as_py():
-        index = pc.index(known, False).as_py()
-        raise UnknownMessageTypeError(path, first + index, kinds[index].as_py())
+    check_msg_types(kinds, path, first)
     target = expected if wanted is None else pa.schema([expected.field(n) for n in wanted])
     return pa.Table.from_arrays(table.columns, schema=target)
 

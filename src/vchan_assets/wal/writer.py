@@ -31,11 +31,10 @@ from vchan_assets.wal.format import (
     META_COUNT,
     META_FIRST_OFFSET,
     META_LAST_TS,
-    MSG_TYPES,
     LogError,
     MsgType,
     SchemaMismatchError,
-    UnknownMessageTypeError,
+    check_msg_types,
     log_schema,
     wal_key,
 )
@@ -269,10 +268,7 @@ class WalWriter:
             if batch.column(name).null_count:
                 raise InvalidBatchError(self.vchannel, f"column {name!r} has nulls")
         kinds = batch.column("msg_type")
-        known = pc.is_in(kinds, value_set=pa.array(sorted(MSG_TYPES)))
-        if not pc.all(known).as_py():
-            index = pc.index(known, False).as_py()
-            raise UnknownMessageTypeError(path, first + index, kinds[index].as_py())
+        check_msg_types(kinds, path, first)
 
         floor = self._state.last_timestamp if floor is None else floor
         ts = batch.column("timestamp").to_numpy()
