@@ -138,6 +138,27 @@ class _Ids:
         return self.next - 1
 
 
+def _unpersisted(
+    table: pa.Table, kind: MsgType, by: str, floors: dict[int, int]
+) -> Iterator[tuple[int, pa.Table]]:
+    """The rows of message type `kind` per value of column `by` (a segment or partition
+    id; null: -1), without those at or below that value's floor offset: persisted by an
+    earlier sync (replay after a crash). Values with no rows left are skipped."""
+    matches = pc.equal(table["msg_type"], kind.value).to_numpy(zero_copy_only=False)
+    if not matches.any():
+        return
+    offsets = table["offset"].to_numpy()
+    values = table[by].fill_null(-1).to_numpy()
+    for value in np.unique(values[matches]).tolist():
+        mask = matches & (values == value)
+        floor = floors.get(value)
+        if floor is not None:
+            mask &= offsets > floor
+        rows = take_rows(table, mask)
+        if rows.num_rows:
+            yield value, rows
+
+
 @dataclass
 class _Buffer:
     segment_id: int
@@ -174,34 +195,12 @@ class TaskWriter:
         if stop <= start:
             return
         table = table.slice(start, stop - start)
-        kinds = table["msg_type"]
-        offsets = table["offset"].to_numpy()
-        inserts = pc.equal(kinds, MsgType.INSERT.value).to_numpy(zero_copy_only=False)
-        if inserts.any():
-            segment_ids = table["segment_id"].fill_null(-1).to_numpy()
-            for seg in np.unique(segment_ids[inserts]).tolist():
-                mask = inserts & (segment_ids == seg)
-                floor = self.spec.insert_floor.get(seg)
-                if floor is not None:
-                    mask &= offsets > floor
-                self._buffer_insert(seg, take_rows(table, mask))
-        deletes = pc.equal(kinds, MsgType.DELETE.value).to_numpy(zero_copy_only=False)
-        if deletes.any():
-            partitions = table["partition_id"].fill_null(-1).to_numpy()
-            for partition in np.unique(partitions[deletes]).tolist():
-                mask = deletes & (partitions == partition)
-                floor = self.spec.delete_floor.get(partition)
-                if floor is not None:
-                    mask &= offsets > floor
-                rows = take_rows(table, mask)
-                if rows.num_rows:
-                    self.deletes.setdefault(partition, []).append(
-                        rows.select(["offset", "timestamp", self.pk])
-                    )
+        for seg, rows in _unpersisted(table, MsgType.INSERT, "segment_id", self.spec.insert_floor):
+            self._buffer_insert(seg, rows)
+        for partition, rows in _unpersisted(table, MsgType.DELETE, "partition_id", self.spec.delete_floor):
+            self.deletes.setdefault(partition, []).append(rows.select(["offset", "timestamp", self.pk]))
 
     def _buffer_insert(self, seg: int, rows: pa.Table) -> None:
-        if not rows.num_rows:
-            return
         buf = self.buffers.get(seg)
         if buf is None:
             buf = self.buffers[seg] = _Buffer(seg, rows["partition_id"][0].as_py())
