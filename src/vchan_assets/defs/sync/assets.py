@@ -150,31 +150,37 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
     ]
 
 
+def _commit_step(
+    key: dg.AssetKey, description: str, kinds: set[str], after: dg.AssetKey | None
+) -> dg.AssetSpec:
+    """One commit step of a sync, downstream of the step before it. Skippable: a run may
+    end without materializing the steps (a release run whose lease moved on)."""
+    deps = [after] if after is not None else []
+    return dg.AssetSpec(
+        key, deps=deps, description=description, group_name=SYNC_GROUP, kinds=kinds, skippable=True
+    )
+
+
 @dg.multi_asset(
     name="sync_vchannel",
     specs=[
-        dg.AssetSpec(
+        _commit_step(
             BINLOGS,
-            description="Insert, delta and stats logs of the vchannel in object storage (commit step 1).",
-            group_name=SYNC_GROUP,
-            kinds={"spark", "parquet"},
-            skippable=True,
+            "Insert, delta and stats logs of the vchannel in object storage (commit step 1).",
+            {"spark", "parquet"},
+            after=None,
         ),
-        dg.AssetSpec(
+        _commit_step(
             SEGMENTS,
-            deps=[BINLOGS],
-            description="Segment meta in etcd pointing at the binlogs (commit step 2, lease-guarded).",
-            group_name=SYNC_GROUP,
-            kinds={"etcd"},
-            skippable=True,
+            "Segment meta in etcd pointing at the binlogs (commit step 2, lease-guarded).",
+            {"etcd"},
+            after=BINLOGS,
         ),
-        dg.AssetSpec(
+        _commit_step(
             CHANNEL_CHECKPOINTS,
-            deps=[SEGMENTS],
-            description="The vchannel's checkpoint in etcd: only forward, never past binlogs (step 3).",
-            group_name=SYNC_GROUP,
-            kinds={"etcd"},
-            skippable=True,
+            "The vchannel's checkpoint in etcd: only forward, never past binlogs (step 3).",
+            {"etcd"},
+            after=SEGMENTS,
         ),
     ],
     check_specs=SYNC_CHECKS,
