@@ -176,9 +176,7 @@ class Producer:
         with self._all_channels(info):
             info, partition_id = self.catalog.create_partition(collection_name, partition)
             self._collections[collection_name] = info
-            payload = {"collection_id": info.id, "partition_id": partition_id, "partition_name": partition}
-            for vchannel in info.vchannels:
-                self._append_control(info, vchannel, MsgType.CREATE_PARTITION, payload, partition_id)
+            self._announce_partition(info, MsgType.CREATE_PARTITION, partition_id, partition)
         return partition_id
 
     def drop_partition(self, collection_name: str, partition: str) -> int:
@@ -188,10 +186,16 @@ class Producer:
             info, partition_id = self.catalog.drop_partition(collection_name, partition)
             self._collections[collection_name] = info
             self.segments.drop_partition(info.id, partition_id)
-            payload = {"collection_id": info.id, "partition_id": partition_id, "partition_name": partition}
-            for vchannel in info.vchannels:
-                self._append_control(info, vchannel, MsgType.DROP_PARTITION, payload, partition_id)
+            self._announce_partition(info, MsgType.DROP_PARTITION, partition_id, partition)
         return partition_id
+
+    def _announce_partition(
+        self, info: CollectionInfo, kind: MsgType, partition_id: int, partition: str
+    ) -> None:
+        """A partition DDL message (create or drop) on every channel of the collection."""
+        payload = {"collection_id": info.id, "partition_id": partition_id, "partition_name": partition}
+        for vchannel in info.vchannels:
+            self._append_control(info, vchannel, kind, payload, partition_id)
 
     # --- data ----------------------------------------------------------------------------
 
