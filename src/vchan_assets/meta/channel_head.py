@@ -26,11 +26,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from vchan_assets.meta.codec import Model, decode
+from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
-from vchan_assets.meta.store import MetaStore
+from vchan_assets.meta.store import MetaStore, Value
 from vchan_assets.model import ChannelHead
 
 log = logging.getLogger(__name__)
@@ -93,12 +92,12 @@ class HeldChannel:
     def commit(
         self,
         head: ChannelHead,
-        puts: Mapping[str, bytes | Model | dict[str, Any]] | None = None,
+        puts: Mapping[str, Value] | None = None,
         release: bool = False,
     ) -> None:
         """Write `head` (and `puts`) if the lock is still this hold's; with `release`, the
         lock is deleted in the same transaction. AppendLockLostError otherwise."""
-        writes: dict[str, bytes | Model | dict[str, Any]] = {self.store.keys.wal_head(self.vchannel): head}
+        writes: dict[str, Value] = {self.store.keys.wal_head(self.vchannel): head}
         writes.update(puts or {})
         deletes = [self.lock_key] if release else []
         if not self.store.locked_txn(self.lock_key, self.lock_revision, writes, deletes):

@@ -15,16 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from vchan_assets.meta.codec import Model
 from vchan_assets.meta.errors import CasConflictError, MetaError, MetaUnavailableError
-from vchan_assets.meta.store import Fence, KeyValue, MetaStore
+from vchan_assets.meta.store import Fence, KeyValue, MetaStore, Value
 from vchan_assets.model import NodeSession
 
 log = logging.getLogger(__name__)
-
-Value = bytes | Model | dict[str, Any]
 
 
 class SessionConflictError(MetaError):

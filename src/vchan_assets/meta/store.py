@@ -86,8 +86,17 @@ def _kv(meta: Any) -> KeyValue:
     )
 
 
-def _as_bytes(value: bytes | Model | dict[str, Any]) -> bytes:
+# What a key is written with: raw bytes, or a model / dict that the codec encodes.
+Value = bytes | Model | dict[str, Any]
+
+
+def _as_bytes(value: Value) -> bytes:
     return value if isinstance(value, bytes) else encode(value)
+
+
+def _write_ops(tx: Any, puts: Mapping[str, Value], deletes: Sequence[str]) -> list[Any]:
+    """The success branch of a multi-key commit: every put, then every delete."""
+    return [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
 
 
 @dataclass(frozen=True)
@@ -254,7 +263,7 @@ class MetaStore:
 
     # --- writes ---------------------------------------------------------------------
 
-    def put(self, key: str, value: bytes | Model | dict[str, Any], lease: int | None = None) -> int:
+    def put(self, key: str, value: Value, lease: int | None = None) -> int:
         if self.fence is not None:
             tx = self.client.transactions
             return self._fenced_ops(f"put {key}", [tx.put(key, _as_bytes(value), lease=lease)])
@@ -282,7 +291,7 @@ class MetaStore:
         self,
         key: str,
         expected_version: int,
-        value: bytes | Model | dict[str, Any] | None,
+        value: Value | None,
         lease: int | None = None,
     ) -> int:
         """Compare-version-and-swap: write (or delete, if value is None) only if the key's
@@ -306,14 +315,14 @@ class MetaStore:
     def txn(
         self,
         expect_versions: Mapping[str, int],
-        puts: Mapping[str, bytes | Model | dict[str, Any]],
+        puts: Mapping[str, Value],
         deletes: Sequence[str] = (),
     ) -> int | None:
         """Multi-key compare-version-and-swap: every put and delete, only if each key of
         `expect_versions` still has that version (0: absent). Returns the revision of the
         commit, or None when a key had changed (nothing written)."""
         tx = self.client.transactions
-        success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
+        success = _write_ops(tx, puts, deletes)
         keys = ", ".join([*puts, *deletes])
         with self._call(f"transaction on {keys}"):
             ok, responses = self.client.transaction(
@@ -329,7 +338,7 @@ class MetaStore:
         self,
         channel: str,
         lease: ChannelLease,
-        puts: Mapping[str, bytes | Model | dict[str, Any]],
+        puts: Mapping[str, Value],
         deletes: Sequence[str] = (),
         expect_versions: Mapping[str, int] | None = None,
     ) -> int:
@@ -343,8 +352,7 @@ class MetaStore:
         lease_key = self.keys.channel_lease(channel)
         expect = dict(expect_versions or {})
         tx = self.client.transactions
-        success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()]
-        success += [tx.delete(k) for k in deletes]
+        success = _write_ops(tx, puts, deletes)
         compare = [tx.value(lease_key) == encode(lease)]
         compare += [tx.version(k) == v for k, v in expect.items()] + self._fence_compare()
         failure = [tx.get(lease_key)] + [tx.get(k) for k in expect]
@@ -392,13 +400,13 @@ class MetaStore:
         self,
         key: str,
         create_revision: int,
-        puts: Mapping[str, bytes | Model | dict[str, Any]],
+        puts: Mapping[str, Value],
         deletes: Sequence[str] = (),
     ) -> bool:
         """Every put and delete in one transaction, only if `key` is still the one created
         at `create_revision` (a lock this client holds); False (nothing written) otherwise."""
         tx = self.client.transactions
-        success = [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
+        success = _write_ops(tx, puts, deletes)
         with self._call(f"commit under {key}"):
             ok, _ = self.client.transaction(
                 compare=[tx.create(key) == create_revision, *self._fence_compare()],
