@@ -449,15 +449,9 @@ def _run_on_spark(
 
 def _run_on_connect(spark: Any, specs: list[TaskSpec], timeout: float, vchannel: str) -> list[WrittenFile]:
     """Spark Connect has no RDDs: the same tasks through mapInArrow."""
-    from pyspark.sql.pandas.types import from_arrow_schema
+    from vchan_assets.spark.session import run_arrow_tasks
 
-    from vchan_assets.spark.session import run_job
-
-    def body(batches: Any) -> Any:
-        return run_tasks_arrow(specs, batches)
-
-    df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(RESULT_SCHEMA))
-    rows = run_job(spark, f"sync {vchannel}", lambda: df.collect(), timeout)
+    rows = run_arrow_tasks(spark, run_tasks_arrow, specs, RESULT_SCHEMA, f"sync {vchannel}", timeout)
     return [from_record(r.asDict()) for r in rows]
 
 

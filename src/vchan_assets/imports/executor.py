@@ -377,18 +377,13 @@ def _run_on_spark(
     spark: Any = None,
     on_tasks: Callable[[int, int], None] | None = None,
 ) -> list[TaskResult]:
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    from vchan_assets.spark.session import get_spark, run_job
+    from vchan_assets.spark.session import get_spark, run_arrow_tasks
 
     spark = spark or get_spark(settings)
-
-    def body(batches: Any) -> Any:
-        return run_tasks_arrow(specs, batches)
-
-    df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(RESULT_SCHEMA))
     with _TaskMonitor(spark, len(specs), on_tasks):
-        rows = run_job(spark, f"import of {len(specs)} files", lambda: df.collect(), timeout)
+        rows = run_arrow_tasks(
+            spark, run_tasks_arrow, specs, RESULT_SCHEMA, f"import of {len(specs)} files", timeout
+        )
     by_task = {r["task"]: outcome_of(r.asDict()) for r in rows}
     return [by_task[s.task] for s in specs]
 

@@ -440,16 +440,10 @@ def cleanup_plan(store: MetaStore, plan_id: int) -> bool:
 def _run_on_spark(
     settings: Settings, specs: list[CompactionSpec], timeout: float
 ) -> list[CompactionOutput | CompactionInputError]:
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    from vchan_assets.spark.session import get_spark, run_job
+    from vchan_assets.spark.session import get_spark, run_arrow_tasks
 
     spark = get_spark(settings)
-
-    def body(batches: Any) -> Any:
-        return run_compactions_arrow(specs, batches)
-
-    df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(RESULT_SCHEMA))
-    rows = run_job(spark, f"compaction of {len(specs)} plans", lambda: df.collect(), timeout)
+    description = f"compaction of {len(specs)} plans"
+    rows = run_arrow_tasks(spark, run_compactions_arrow, specs, RESULT_SCHEMA, description, timeout)
     by_plan = {r["plan_id"]: outcome_of(r.asDict()) for r in rows}
     return [by_plan[s.plan_id] for s in specs]

@@ -13,9 +13,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
+import pyarrow as pa
 from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import SparkSession
 
@@ -26,6 +27,7 @@ from vchan_assets.spark.datasource import register
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class SparkJobTimeoutError(TimeoutError):
@@ -135,6 +137,27 @@ def run_job(spark: SparkSession, description: str, job: Callable[[], T], timeout
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["value"]  # type: ignore[return-value]
+
+
+def run_arrow_tasks(
+    spark: SparkSession,
+    run: Callable[[list[S], Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]],
+    specs: list[S],
+    schema: pa.Schema,
+    description: str,
+    timeout: float,
+) -> list[Any]:
+    """One Spark job of `len(specs)` tasks through mapInArrow, one Spark partition each:
+    `run(specs, batches)` gets batches holding its task indices and yields result rows
+    of `schema`. Returns the collected rows; `run_job`'s deadline applies. Works on
+    classic and Spark Connect sessions."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    def body(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return run(specs, batches)
+
+    df = spark.range(len(specs), numPartitions=len(specs)).mapInArrow(body, from_arrow_schema(schema))
+    return run_job(spark, description, df.collect, timeout)
 
 
 def settings_is_connect(spark: SparkSession) -> bool:
