@@ -17,9 +17,9 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
 from vchan_assets.imports.jobs import ImportFormat, ImportJob
-from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, read_files
+from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, read_files, readable
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
 
 
@@ -63,20 +63,11 @@ def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) ->
     found, _ = store.list_models(store.keys.segments(job.collection_id), SegmentInfo)
     every = [d.model for d in found]
     mine = {s.id for s in every if s.id in job.segment_ids}
-    others = [
-        s
-        for s in every
-        if s.id not in mine
-        and s.partition_id == job.partition_id
-        and s.level is not SegmentLevel.L0
-        and s.state not in (SegmentState.DROPPED, SegmentState.IMPORTING)
-    ]
+    others = [s for s in every if s.id not in mine and s.partition_id == job.partition_id and readable(s)]
     imported = read_files(
         storage, [b.path for s in every if s.id in mine and s.binlogs for b in s.binlogs[0].logs], [pk]
     )
-    existing = read_files(
-        storage, [b.path for s in others if s.binlogs for b in s.binlogs[0].logs], [pk, "timestamp"]
-    )
+    existing = read_files(storage, [b.path for s in others for b in s.binlogs[0].logs], [pk, "timestamp"])
     if imported is None or existing is None:
         return CheckOutcome(True, "no other live rows in the partition", {"overlap": 0})
     # Deletes older than the import: the rows they removed are not "already there".
