@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -13,8 +14,9 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import list_orphans
 from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
+from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA, Produced, assert_exactly_once, checkpoint, produce, run_sync_process
@@ -50,3 +52,28 @@ def test_sync_on_s3_killed_at_a_commit_step_then_resynced_persists_every_row_exa
     assert checkpoint(store, vchannel) is not None
     assert_exactly_once(store, storage, info, produced)
     store.close()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.exists("wal/x/00000000000000000001.parquet"),
+        lambda s: s.read_bytes("stats/x"),
+        lambda s: s.read_parquet("insert_log/x.parquet"),
+        lambda s: s.list_files("wal/x"),
+        lambda s: s.write_atomic("stats/x", b"payload"),
+        lambda s: s.delete("stats/x"),
+    ],
+    ids=["exists", "read_bytes", "read_parquet", "list_files", "write_atomic", "delete"],
+)
+def test_every_storage_call_to_an_s3_server_that_is_down_raises_storage_error_naming_the_path(
+    call: Callable[[Storage], object], settings: Settings
+) -> None:
+    """An S3 outage must reach callers as StorageError (what the producer's and the sync's
+    retries treat as transient), never as pyarrow's bare OSError: `exists` let one through
+    while a producer looked for its own batch after a lost answer, and the producer died."""
+    down = replace(
+        settings, storage_uri="s3://vchan-test/down", s3_endpoint=f"http://127.0.0.1:{free_port()}"
+    )
+    with pytest.raises(StorageError, match="vchan-test/down/"):
+        call(Storage.from_settings(down))

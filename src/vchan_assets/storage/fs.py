@@ -177,7 +177,11 @@ class Storage:
             raise StorageError(final, str(exc)) from exc
 
     def exists(self, key: str) -> bool:
-        return self.filesystem.get_file_info(self.path(key)).type == pafs.FileType.File
+        path = self.path(key)
+        try:
+            return self.filesystem.get_file_info(path).type == pafs.FileType.File
+        except OSError as exc:
+            raise StorageError(path, str(exc)) from exc
 
     def list_files(self, prefix: str) -> list[pafs.FileInfo]:
         """Every file under a relative prefix, recursively, skipping temporary files."""
