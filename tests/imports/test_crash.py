@@ -30,6 +30,7 @@ from .helpers import (
     cli_env,
     new_collection,
     rows,
+    run_import,
     segments,
     visible,
     write_parquet,
@@ -131,3 +132,38 @@ def test_a_job_out_of_attempts_fails_instead_of_retrying_forever(
     job = get_job(store, 9).model
     assert report.failed == [9] and job.state is ImportState.FAILED
     assert "after 2 attempts" in job.reason and visible(store, storage, settings, info).num_rows == 0
+
+
+def test_the_deletes_of_an_upsert_not_yet_committed_apply_to_no_read_and_no_compaction(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    """An upsert import killed before its commit leaves an Importing L0 segment whose delta
+    logs delete the pks it replaces. Until the job commits, those deletes must apply to
+    nothing: not to a collection read, and not to a sort compaction, which would remove
+    the old rows for good even if the import then fails."""
+    from vchan_assets.imports.executor import ImportExecutor
+    from vchan_assets.lifecycle.step import sort_step
+
+    info = new_collection(producer, channels=1)
+    old = rows(50, 0, seed=1)
+    run_import(store, settings, info, [write_parquet(tmp_path / "old.parquet", old)])
+    new = write_parquet(tmp_path / "new.parquet", rows(50, 40, seed=2))  # pks 40..89
+    crashed = vchan_import(
+        settings,
+        "--collection",
+        info.name,
+        "--job-id",
+        "78",
+        "--upsert",
+        new,
+        VCHAN_FAILPOINT="import_before_commit",
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    pending = [s for s in segments(store, info) if s.state is SegmentState.IMPORTING and s.deltalogs]
+    assert pending, "the killed upsert left its deletes in an Importing L0 segment"
+
+    assert_imported_once(visible(store, storage, settings, info), old)
+    outcomes = sort_step(store, storage, settings, engine="local")
+    assert outcomes and all(o.state.value == "Completed" for o in outcomes), outcomes
+    ImportExecutor(store, storage, settings).fail(get_job(store, 78), "given up by the test")
+    assert_imported_once(visible(store, storage, settings, info), old)

@@ -58,11 +58,15 @@ def readable(seg: SegmentInfo) -> bool:
 
 
 def delete_paths(segments: Sequence[SegmentInfo], partition_id: int) -> list[str]:
-    """Delta logs that apply to a partition: those of its segments that are not Dropped."""
+    """Delta logs that apply to a partition: those of its segments that are neither Dropped
+    nor still Importing (an upsert's deletes apply once its job commits, with its rows: a
+    read or a compaction that applied them before would lose the rows they replace if
+    the import then fails)."""
     return [
         b.path
         for seg in segments
-        if seg.partition_id == partition_id and seg.state.value != "Dropped"
+        if seg.partition_id == partition_id
+        and seg.state not in (SegmentState.DROPPED, SegmentState.IMPORTING)
         for b in seg.deltalogs
     ]
 
