@@ -22,6 +22,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
@@ -32,6 +33,7 @@ from vchan_assets.harness import PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
+from vchan_assets.status import HEARTBEAT_STALE_AFTER, collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
@@ -134,6 +136,25 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
         "binlog_paths_exist",
         "checkpoint_monotonic",
     }
+
+
+def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deployment) -> None:
+    """`vchan status` reads the daemon's health from the heartbeats its daemons write to the
+    Dagster instance, not only from its pid: the running one is "up" with a recent
+    heartbeat; looked at from HEARTBEAT_STALE_AFTER + 60 s later (the clock moved, the
+    heartbeats not: a daemon alive but stopped), it is "hung" with a warning saying what
+    to do."""
+    catalog = Catalog(deployment.store, Storage.from_settings(deployment.settings), deployment.settings)
+
+    def daemon() -> str:
+        return str(collect_status(catalog, orphans=False)["services"]["dagster_daemon"])
+
+    wait_until(lambda: daemon().startswith("up"), 90, "the daemon's first heartbeat")
+    assert "heartbeat" in daemon(), daemon()
+    later = collect_status(catalog, now=time.time() + HEARTBEAT_STALE_AFTER + 60, orphans=False)
+    assert later["services"]["dagster_daemon"].startswith("hung"), later["services"]
+    (warning,) = [w for w in later["warnings"] if w["kind"] == "service_down"]
+    assert "kill -9" in warning["message"] and "vchan up" in warning["message"], warning
 
 
 ASSET_GRAPH = """

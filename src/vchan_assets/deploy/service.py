@@ -157,6 +157,7 @@ class DagsterService:
             "pids": [daemon_pid, web_pid],
             "spark_pid": spark_pid,
             "spark_remote": settings.spark_remote,
+            "dagster_home": str(self.dagster_home),
         }
         self.state_file.write_text(json.dumps(record))
         if spawned:
