@@ -32,7 +32,7 @@ from rich.text import Text
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
-from vchan_assets.deploy.service import instance_home
+from vchan_assets.deploy.service import daemon_state, instance_home
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
@@ -216,11 +216,6 @@ def active_coordinator(catalog: Catalog) -> str | None:
     return f"node {found.model.node_id} ({host or 'vchan datacoord'})"
 
 
-# Dagster's daemons write a heartbeat every 30 s; one older than this is a daemon process
-# that is alive but no longer runs its loops (stopped, deadlocked, starved).
-HEARTBEAT_STALE_AFTER = 90.0
-
-
 def dagster_services(settings: Settings, now: float | None = None) -> dict[str, str]:
     """The Dagster daemon and webserver `vchan up` recorded: "up (pid N)", "down (pid N
     died)", or nothing if `vchan up` never ran here. A live daemon's state comes from the
@@ -243,31 +238,6 @@ def dagster_services(settings: Settings, now: float | None = None) -> dict[str, 
         else:
             out[name] = f"up (pid {pid})"
     return out
-
-
-def daemon_state(pid: int, dagster_home: Path, now: float) -> str:
-    """A live daemon's state from its heartbeats in the instance at `dagster_home`."""
-    import dagster as dg
-
-    try:
-        with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
-            beats = instance.get_daemon_heartbeats()
-            required = sorted(instance.get_required_daemon_types())
-    except Exception as exc:  # an unreadable instance must not break the whole report
-        return f"up (pid {pid}; its heartbeats are unreadable: {exc})"
-    ages = {t: now - beats[t].timestamp for t in required if t in beats}
-    if not ages:
-        return f"starting (pid {pid}, no heartbeat yet)"
-    stale = {t: age for t, age in ages.items() if age > HEARTBEAT_STALE_AFTER}
-    if stale:
-        kind, age = max(stale.items(), key=lambda kv: kv[1])
-        return (
-            f"hung (pid {pid} is alive but its {kind} daemon's last heartbeat is {age:.0f} s old; "
-            f"kill -9 -{pid} (its process group) and run `vchan up`)"
-        )
-    errors = sorted(t for t in ages if beats[t].errors)
-    suffix = f"; errors reported by {', '.join(errors)}" if errors else ""
-    return f"up (pid {pid}, heartbeat {min(ages.values()):.0f} s ago{suffix})"
 
 
 def _service_warnings(services: dict[str, str]) -> list[dict[str, Any]]:

@@ -27,13 +27,20 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.sync.jobs import sync_job
-from vchan_assets.deploy.service import INSTANCE_CONFIG, REPO, DagsterService, graphql
+from vchan_assets.deploy.service import (
+    HEARTBEAT_STALE_AFTER,
+    INSTANCE_CONFIG,
+    REPO,
+    DagsterService,
+    daemon_state,
+    graphql,
+)
 from vchan_assets.harness import SCHEMA as HARNESS_SCHEMA
 from vchan_assets.harness import PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
-from vchan_assets.status import HEARTBEAT_STALE_AFTER, collect_status
+from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
@@ -154,7 +161,34 @@ def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deploy
     later = collect_status(catalog, now=time.time() + HEARTBEAT_STALE_AFTER + 60, orphans=False)
     assert later["services"]["dagster_daemon"].startswith("hung"), later["services"]
     (warning,) = [w for w in later["warnings"] if w["kind"] == "service_down"]
-    assert "kill -9" in warning["message"] and "vchan up" in warning["message"], warning
+    assert "run `vchan up`: it replaces a hung daemon" in warning["message"], warning
+
+
+def test_vchan_up_restarts_a_hung_daemon_and_the_supervisor_sees_it(deployment: Deployment) -> None:
+    """A daemon whose process is alive but whose heartbeats stopped is hung: `missing()` (what
+    `vchan up --supervise` checks) lists it, and `start()` (what `vchan up` and the supervisor
+    run) replaces it and leaves the webserver alone. Judged from HEARTBEAT_STALE_AFTER + 60 s
+    later: the clock moved, the heartbeats not."""
+    service = deployment.service
+    later = time.time() + HEARTBEAT_STALE_AFTER + 60
+    healer = DagsterService(deployment.settings, dagster_home=service.dagster_home)
+    daemon, web = json.loads(service.state_file.read_text())["pids"]
+    wait_until(
+        lambda: daemon_state(daemon, service.dagster_home, time.time()).startswith("up"), 90, "a heartbeat"
+    )
+    assert healer.missing() == []
+    assert healer.missing(now=later) == ["dagster-daemon (hung)"]
+
+    healer.start(now=later)
+
+    new_daemon, new_web = json.loads(service.state_file.read_text())["pids"]
+    assert new_daemon != daemon and not pid_alive(daemon) and pid_alive(new_daemon)
+    assert new_web == web and pid_alive(web)
+    wait_until(
+        lambda: daemon_state(new_daemon, service.dagster_home, time.time()).startswith("up"),
+        90,
+        "the new daemon's first heartbeat",
+    )
 
 
 ASSET_GRAPH = """

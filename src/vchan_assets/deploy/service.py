@@ -70,6 +70,36 @@ def graphql(
     return dict(answer["data"])
 
 
+# Dagster's daemons write a heartbeat every 30 s; one older than this is a daemon process
+# that is alive but no longer runs its loops (stopped, deadlocked, starved).
+HEARTBEAT_STALE_AFTER = 90.0
+
+
+def daemon_state(pid: int, dagster_home: Path, now: float) -> str:
+    """A live daemon's state from its heartbeats in the instance at `dagster_home`."""
+    import dagster as dg
+
+    try:
+        with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+            beats = instance.get_daemon_heartbeats()
+            required = sorted(instance.get_required_daemon_types())
+    except Exception as exc:  # an unreadable instance must not break the whole report
+        return f"up (pid {pid}; its heartbeats are unreadable: {exc})"
+    ages = {t: now - beats[t].timestamp for t in required if t in beats}
+    if not ages:
+        return f"starting (pid {pid}, no heartbeat yet)"
+    stale = {t: age for t, age in ages.items() if age > HEARTBEAT_STALE_AFTER}
+    if stale:
+        kind, age = max(stale.items(), key=lambda kv: kv[1])
+        return (
+            f"hung (pid {pid} is alive but its {kind} daemon's last heartbeat is {age:.0f} s old; "
+            "run `vchan up`: it replaces a hung daemon)"
+        )
+    errors = sorted(t for t in ages if beats[t].errors)
+    suffix = f"; errors reported by {', '.join(errors)}" if errors else ""
+    return f"up (pid {pid}, heartbeat {min(ages.values()):.0f} s ago{suffix})"
+
+
 @dataclass
 class DagsterService:
     settings: Settings
@@ -111,10 +141,12 @@ class DagsterService:
             timeout=120,
         )
 
-    def start(self, timeout: float = 120.0) -> str:
+    def start(self, timeout: float = 120.0, now: float | None = None) -> str:
         """Start whatever of Spark Connect, daemon and webserver is not running, leaving the
         running ones alone, and return the UI URL once the webserver answers. Run again, it
-        heals: a daemon or webserver that died since (kill -9, OOM) is started again."""
+        heals: a daemon or webserver that died since (kill -9, OOM) is started again, and so
+        is a daemon that is hung (alive, its heartbeats stopped; `now`: the time to judge
+        them at)."""
         settings, spark_pid = self._spark()
         state = self._state()
         if state and state.get("spark_remote") != settings.spark_remote:
@@ -122,6 +154,9 @@ class DagsterService:
             self._stop_pids([int(p) for p in state.get("pids", [])], timeout=30.0)
             state = {}
         daemon_pid, web_pid = ([int(p) for p in state.get("pids", [])] + [0, 0])[:2]
+        if self._hung(daemon_pid, now):
+            log.warning("dagster daemon pid %s is hung (no heartbeat): restarting it", daemon_pid)
+            self._stop_pids([daemon_pid], timeout=10.0)
         port = int(state.get("port") or 0)
         self.home.mkdir(parents=True, exist_ok=True)
         if not (self.home / "dagster.yaml").exists():
@@ -166,19 +201,28 @@ class DagsterService:
         log.info("Dagster UI at %s (daemon pid %s, webserver pid %s)", self.url, daemon_pid, web_pid)
         return self.url
 
-    def missing(self) -> list[str]:
-        """The services `start()` recorded that are no longer running ([] if it never ran
-        here, or `vchan down` stopped them): what a supervisor restarts."""
+    def missing(self, now: float | None = None) -> list[str]:
+        """The services `start()` recorded that are no longer running, or hung (the daemon
+        alive without heartbeats) ([] if it never ran here, or `vchan down` stopped them):
+        what a supervisor restarts."""
         state = self._state()
         if not state:
             return []
         names = ("dagster-daemon", "dagster-webserver")
         pids = [int(p) for p in state.get("pids", [])]
         down = [name for name, pid in zip(names, pids, strict=False) if not pid_alive(pid)]
+        if pids and self._hung(pids[0], now):
+            down.append("dagster-daemon (hung)")
         spark_pid = state.get("spark_pid")
         if spark_pid and not pid_alive(int(spark_pid)):
             down.append("spark-connect")
         return down
+
+    def _hung(self, daemon_pid: int, now: float | None) -> bool:
+        if not daemon_pid or not pid_alive(daemon_pid) or self.dagster_home is None:
+            return False
+        state = daemon_state(daemon_pid, self.dagster_home, time.time() if now is None else now)
+        return state.startswith("hung")
 
     def _spark(self) -> tuple[Settings, int | None]:
         """The settings with the Spark Connect URL (the local server, started if not
