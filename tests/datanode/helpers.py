@@ -36,6 +36,7 @@ __all__ = [
     "run_sync_process",
     "segments",
     "start_sync_process",
+    "sync_stopped_at",
     "wait_stopped",
 ]
 
@@ -68,6 +69,24 @@ def start_sync_process(
     return subprocess.Popen(
         args, env=cli_env(settings, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def sync_stopped_at(
+    settings: Settings, collection: str, vchannel: str, lease_id: int, step: str, tmp_path: Path
+) -> subprocess.Popen[str]:
+    """`vchan sync` (local engine) in its own process, SIGSTOPped at its failpoint `step`
+    (its commits so far done, the rest waiting for SIGCONT)."""
+    marker = tmp_path / f"reached-{step}"
+    child = start_sync_process(
+        settings,
+        collection,
+        vchannel,
+        lease_id,
+        VCHAN_FAILPOINT=f"{step}=stop",
+        VCHAN_FAILPOINT_MARKER=str(marker),
+    )
+    wait_stopped(child, marker)
+    return child
 
 
 def wait_stopped(proc: subprocess.Popen[str], marker: Path, timeout: float = 120) -> None:

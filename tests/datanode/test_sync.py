@@ -47,8 +47,7 @@ from .helpers import (
     read_inserted,
     run_sync_process,
     segments,
-    start_sync_process,
-    wait_stopped,
+    sync_stopped_at,
 )
 
 
@@ -269,16 +268,7 @@ def test_lease_revoked_between_binlog_write_and_meta_commit_rejects_the_commit(
     produce(producer, collection.name, Produced(), 1000, start_pk=0)
     vchannel = collection.vchannels[0]
     old = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    marker = tmp_path / "reached"
-    child = start_sync_process(
-        settings,
-        collection.name,
-        vchannel,
-        old.lease_id,
-        VCHAN_FAILPOINT="after_binlogs=stop",
-        VCHAN_FAILPOINT_MARKER=str(marker),
-    )
-    wait_stopped(child, marker)
+    child = sync_stopped_at(settings, collection.name, vchannel, old.lease_id, "after_binlogs", tmp_path)
     new = grant_channel_lease(store, _ids(store), vchannel, node_id=2)  # the channel moved to node 2
     before = _meta_versions(store)
     child.send_signal(signal.SIGCONT)
@@ -312,16 +302,7 @@ def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
     produce(producer, collection.name, produced, 1000, start_pk=0, deletes=50)
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    marker = tmp_path / "reached"
-    first = start_sync_process(
-        settings,
-        collection.name,
-        vchannel,
-        lease.lease_id,
-        VCHAN_FAILPOINT=f"{step}=stop",
-        VCHAN_FAILPOINT_MARKER=str(marker),
-    )
-    wait_stopped(first, marker)
+    first = sync_stopped_at(settings, collection.name, vchannel, lease.lease_id, step, tmp_path)
     second = SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
     if step == "after_binlogs":
         assert second.rows > 0 and second.deletes > 0

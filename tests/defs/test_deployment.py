@@ -310,6 +310,12 @@ def test_the_binlogs_asset_page_plots_rows_bytes_and_seconds(deployment: Deploym
     assert (ARTIFACTS / "binlogs-plots.png").stat().st_size > 10_000
 
 
+def _kill_daemon(pid: int) -> None:
+    """kill -9 of the daemon's process group: its code server and runs too."""
+    os.killpg(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), 30, "the daemon to die")
+
+
 def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
     deployment: Deployment,
 ) -> None:
@@ -335,8 +341,7 @@ def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
     # Its process started (STARTED), or is being started (STARTING): left so for ever by the
     # kill below, unless something fails it (orphaned_runs_sensor; run monitoring's start timeout).
     wait_until(a_sync_is_running, 60, "a sync run of the new rows to start")
-    os.killpg(daemon, signal.SIGKILL)  # the daemon's process group: its code server and runs too
-    wait_until(lambda: not pid_alive(daemon), 30, "the daemon to die")
+    _kill_daemon(daemon)
     orphaned = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
     after = deployment.producer.insert(
         deployment.collection.name, generate_rows(SCHEMA, 500, start_pk=ROWS + 501, seed=3)
@@ -387,9 +392,7 @@ def _kill_and_restart_the_daemon(deployment: Deployment) -> None:
     """kill -9 of the daemon's process group (its code server and runs too), then `vchan up`'s
     heal: DagsterService.start() starts the daemon again."""
     service = deployment.service
-    daemon = json.loads(service.state_file.read_text())["pids"][0]
-    os.killpg(daemon, signal.SIGKILL)
-    wait_until(lambda: not pid_alive(daemon), 30, "the daemon to die")
+    _kill_daemon(json.loads(service.state_file.read_text())["pids"][0])
     DagsterService(deployment.settings, dagster_home=service.dagster_home).start()
 
 

@@ -75,29 +75,50 @@ def graphql(
 HEARTBEAT_STALE_AFTER = 90.0
 
 
-def daemon_state(pid: int, dagster_home: Path, now: float) -> str:
-    """A live daemon's state from its heartbeats in the instance at `dagster_home`."""
+@dataclass(frozen=True)
+class DaemonHeartbeats:
+    """Seconds since each required daemon of a Dagster instance last wrote its heartbeat,
+    and those whose heartbeat reports errors; `unreadable`: why the instance could not be read."""
+
+    ages: dict[str, float]
+    errors: tuple[str, ...] = ()
+    unreadable: str = ""
+
+    @property
+    def stalest(self) -> tuple[str, float] | None:
+        """The daemon with the oldest heartbeat past HEARTBEAT_STALE_AFTER, if any: hung."""
+        stale = [(t, age) for t, age in self.ages.items() if age > HEARTBEAT_STALE_AFTER]
+        return max(stale, key=lambda ta: ta[1]) if stale else None
+
+
+def daemon_heartbeats(dagster_home: Path, now: float) -> DaemonHeartbeats:
     import dagster as dg
 
     try:
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             beats = instance.get_daemon_heartbeats()
             required = sorted(instance.get_required_daemon_types())
-    except Exception as exc:  # an unreadable instance must not break the whole report
-        return f"up (pid {pid}; its heartbeats are unreadable: {exc})"
+    except Exception as exc:  # an unreadable instance must not break a status report
+        return DaemonHeartbeats({}, unreadable=str(exc))
     ages = {t: now - beats[t].timestamp for t in required if t in beats}
-    if not ages:
+    return DaemonHeartbeats(ages, tuple(t for t in ages if beats[t].errors))
+
+
+def daemon_state(pid: int, dagster_home: Path, now: float) -> str:
+    """A live daemon's state from its heartbeats in the instance at `dagster_home`."""
+    beats = daemon_heartbeats(dagster_home, now)
+    if beats.unreadable:
+        return f"up (pid {pid}; its heartbeats are unreadable: {beats.unreadable})"
+    if not beats.ages:
         return f"starting (pid {pid}, no heartbeat yet)"
-    stale = {t: age for t, age in ages.items() if age > HEARTBEAT_STALE_AFTER}
-    if stale:
-        kind, age = max(stale.items(), key=lambda kv: kv[1])
+    if beats.stalest is not None:
+        kind, age = beats.stalest
         return (
             f"hung (pid {pid} is alive but its {kind} daemon's last heartbeat is {age:.0f} s old; "
             "run `vchan up`: it replaces a hung daemon)"
         )
-    errors = sorted(t for t in ages if beats[t].errors)
-    suffix = f"; errors reported by {', '.join(errors)}" if errors else ""
-    return f"up (pid {pid}, heartbeat {min(ages.values()):.0f} s ago{suffix})"
+    suffix = f"; errors reported by {', '.join(beats.errors)}" if beats.errors else ""
+    return f"up (pid {pid}, heartbeat {min(beats.ages.values()):.0f} s ago{suffix})"
 
 
 @dataclass
@@ -219,10 +240,11 @@ class DagsterService:
         return down
 
     def _hung(self, daemon_pid: int, now: float | None) -> bool:
+        """The daemon is alive but one of its heartbeats is stale."""
         if not daemon_pid or not pid_alive(daemon_pid) or self.dagster_home is None:
             return False
-        state = daemon_state(daemon_pid, self.dagster_home, time.time() if now is None else now)
-        return state.startswith("hung")
+        beats = daemon_heartbeats(self.dagster_home, time.time() if now is None else now)
+        return beats.stalest is not None
 
     def _spark(self) -> tuple[Settings, int | None]:
         """The settings with the Spark Connect URL (the local server, started if not
