@@ -15,6 +15,7 @@ from vchan_assets.datacoord.channel_manager import ChannelManager
 from vchan_assets.datacoord.watchers import NotWatcherError, lease_for_watcher
 from vchan_assets.datanode.channel import NodeContext, sync_once
 from vchan_assets.datanode.node import release_channel, watch_channel
+from vchan_assets.meta.codec import encode
 from vchan_assets.meta.errors import CasConflictError, LeaseLostError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
@@ -553,3 +554,61 @@ def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
     finally:
         finish.set()
         node.stop()
+
+
+def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_reads_under_the_lease(
+    store: MetaStore, settings: Settings, nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ToWatch's VchannelInfo is read before the lease is granted; the node reads the
+    channel again once the lease is its own. Newer meta (a commit landed in between) is
+    logged and used; older meta than the assignment (etcd went back in time) fails the
+    watch, and the coordinator's next assignment, read afresh, is watched."""
+    settings = fast_settings(settings)
+    producer, infos = create_collections(store, settings, count=1, shards=1)
+    info = infos[0]
+    vchannel = info.vchannels[0]
+    produce(producer, info.name, Produced(), 100, 1)
+    producer.time_tick(info.name)
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7701)
+    manager.reconcile()
+    key = store.keys.channel_watch(a, vchannel)
+    found = _watch(store, a, vchannel)
+    assert found is not None
+    assigned = found[0].vchan
+    (segment_id,) = assigned.unflushed_segment_ids
+    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+
+    # Older than meta: the previous holder's last checkpoint landed after the coordinator read.
+    store.put(store.keys.channel_checkpoint(vchannel), encode(MsgPosition(vchannel, 41, 4100)))
+    with caplog.at_level("INFO", logger="vchan_assets.datanode.node"):
+        result = watch_channel(ctx, key, found[1], found[0])
+    assert result.state is WatchState.WATCH_SUCCESS
+    assert result.vchan.seek_position == MsgPosition(vchannel, 41, 4100)
+    assert f"checkpoint offset {assigned.seek_position.offset} -> 41" in caplog.text  # type: ignore[union-attr]
+
+    # Newer than meta: the assignment says the segment is flushed and the checkpoint at 90.
+    ahead = replace(
+        assigned,
+        seek_position=MsgPosition(vchannel, 90, 9000),
+        unflushed_segment_ids=(),
+        flushed_segment_ids=(segment_id,),
+    )
+    current = _watch(store, a, vchannel)
+    assert current is not None
+    store.cas(key, current[1], replace(found[0], vchan=ahead))
+    found = _watch(store, a, vchannel)
+    assert found is not None
+    result = watch_channel(ctx, key, found[1], found[0])
+    assert result.state is WatchState.WATCH_FAILURE
+    assert "checkpoint at offset 41, assigned at 90" in result.reason
+    assert f"segment {segment_id} flushed -> unflushed" in result.reason
+
+    b = nodes.up(7702)
+    report = manager.reconcile()
+    assert (vchannel, b) in report.assigned
+    again = _watch(store, b, vchannel)
+    assert again is not None and again[0].vchan.seek_position == MsgPosition(vchannel, 41, 4100)
+    ctx_b = NodeContext(store, Storage.from_settings(settings), settings, b)
+    result = watch_channel(ctx_b, store.keys.channel_watch(b, vchannel), again[1], again[0])
+    assert result.state is WatchState.WATCH_SUCCESS

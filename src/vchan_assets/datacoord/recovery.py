@@ -7,6 +7,8 @@ are unflushed, flushed or dropped, with their meta.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vchan_assets.datacoord.collections import VchannelNotFoundError
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.store import Decoded, MetaStore
@@ -16,6 +18,7 @@ from vchan_assets.model import (
     RecoveryInfo,
     SegmentInfo,
     SegmentState,
+    VchannelInfo,
 )
 from vchan_assets.storage import Storage
 from vchan_assets.storage.layout import BINLOG_ROOTS
@@ -73,7 +76,8 @@ class RecoverySnapshot:
     """Recovery info of many channels from one read of every checkpoint and one of each
     collection's segments, made on first use: a coordinator step assigning hundreds of
     channels reads etcd a few times instead of twice per channel. What it gives a ToWatch
-    is informative: the DataNode reads its own recovery info once it holds the lease."""
+    is read before the lease is granted: the DataNode reads the channel again once it holds
+    the lease and checks the two against each other (`compare_recovery`)."""
 
     def __init__(self, store: MetaStore) -> None:
         self.store = store
@@ -94,6 +98,53 @@ class RecoverySnapshot:
             self._segments[collection.id] = [d.model for d in found]
         segments = [s for s in self._segments[collection.id] if s.vchannel == vchannel]
         return _recovery(collection, vchannel, checkpoint, segments)
+
+
+_SEGMENT_STAGES = ("unflushed", "flushed", "dropped")
+
+
+@dataclass(frozen=True)
+class RecoveryDiff:
+    """How a channel's meta, read by the node that now holds its lease, differs from the
+    VchannelInfo the coordinator wrote into the ToWatch.
+
+    Meta only moves forward (checkpoints advance; a segment goes unflushed -> flushed ->
+    dropped, then is forgotten), so `advanced` is what was committed between the
+    coordinator's read and the lease grant: the node's reading is the newer one. Anything in
+    `regressed` means meta went back in time behind the coordinator's view, e.g. etcd
+    restored from an older backup."""
+
+    advanced: tuple[str, ...] = ()
+    regressed: tuple[str, ...] = ()
+
+
+def compare_recovery(assigned: VchannelInfo, found: RecoveryInfo) -> RecoveryDiff:
+    advanced: list[str] = []
+    regressed: list[str] = []
+    if assigned.seek_position is not None and found.seek_position is not None:
+        was, now = assigned.seek_position.offset, found.seek_position.offset
+        if now > was:
+            advanced.append(f"checkpoint offset {was} -> {now}")
+        elif now < was:
+            regressed.append(f"checkpoint at offset {now}, assigned at {was}")
+    before, after = _segment_stages(assigned), _segment_stages(found)
+    for segment_id, stage in sorted(before.items()):
+        later = after.get(segment_id, len(_SEGMENT_STAGES))  # forgotten: past dropped
+        change = f"segment {segment_id} {_stage_name(stage)} -> {_stage_name(later)}"
+        if later > stage:
+            advanced.append(change)
+        elif later < stage:
+            regressed.append(change)
+    return RecoveryDiff(tuple(advanced), tuple(regressed))
+
+
+def _segment_stages(info: VchannelInfo | RecoveryInfo) -> dict[int, int]:
+    groups = (info.unflushed_segment_ids, info.flushed_segment_ids, info.dropped_segment_ids)
+    return {segment_id: stage for stage, ids in enumerate(groups) for segment_id in ids}
+
+
+def _stage_name(stage: int) -> str:
+    return _SEGMENT_STAGES[stage] if stage < len(_SEGMENT_STAGES) else "forgotten"
 
 
 def referenced_paths(store: MetaStore) -> set[str]:

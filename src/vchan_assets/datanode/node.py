@@ -33,7 +33,7 @@ from vchan_assets.datacoord.collections import (
     CollectionRegistry,
     VchannelNotFoundError,
 )
-from vchan_assets.datacoord.recovery import recovery_info
+from vchan_assets.datacoord.recovery import compare_recovery, recovery_info
 from vchan_assets.datanode.channel import ChannelWorker, NodeContext, sync_once
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info, vchannel_of
@@ -46,6 +46,7 @@ from vchan_assets.model import (
     ChannelWatchInfo,
     CollectionInfo,
     NodeSession,
+    RecoveryInfo,
     SessionState,
     VchannelInfo,
     WatchState,
@@ -157,7 +158,8 @@ def watch_channel(
     start: StartChannel | None = None,
 ) -> ChannelWatchInfo:
     """Carry out a ToWatch: check the lease in the watch info is the channel's current
-    lease, load recovery info, `start(collection, lease, vchan)` the channel's work, then
+    lease, read the channel's recovery info and check it against the coordinator's
+    VchannelInfo (`_check_assignment`), `start(collection, lease, vchan)` the channel's work, then
     compare-version-and-swap the info to WatchSuccess (WatchFailure with the reason if any
     step failed). Returns what was written. Raises CasConflictError if the key changed
     since `version` (the coordinator moved on; the caller must undo `start`)."""
@@ -167,6 +169,7 @@ def watch_channel(
             lease = _take_lease(ctx, info)
             collection = CollectionRegistry(ctx.store).get(info.vchan.collection_id)
             recovery = recovery_info(ctx.store, collection, vchannel)
+            _check_assignment(ctx, info.vchan, recovery)
             vchan = replace(
                 info.vchan,
                 seek_position=recovery.seek_position,
@@ -185,6 +188,30 @@ def watch_channel(
             ctx.store.cas(key, tickler.version, result)
     log.info("node %s: %s -> %s (lease %s)", ctx.node_id, vchannel, result.state.value, info.lease_id)
     return result
+
+
+def _check_assignment(ctx: NodeContext, assigned: VchannelInfo, found: RecoveryInfo) -> None:
+    """The coordinator's VchannelInfo was read before it granted the lease; the node's own
+    reading, made once the lease is its own (nobody else can commit after that), is the one
+    the channel starts from. Meta only moves forward, so the node's reading may be newer (a
+    commit landed in between: logged) but never older: an older one means meta went back
+    in time (etcd restored from a backup), and the watch fails so that the coordinator
+    assigns the channel again from a fresh read rather than two views of it being in use."""
+    diff = compare_recovery(assigned, found)
+    vchannel = assigned.channel_name
+    if diff.regressed:
+        raise WatchFailedError(
+            f"channel {vchannel}: meta is behind the coordinator's assignment "
+            f"({'; '.join(diff.regressed)}); was etcd restored from an older backup? "
+            "The coordinator assigns the channel again from what etcd holds now"
+        )
+    if diff.advanced:
+        log.info(
+            "node %s: %s moved on since the coordinator's assignment (%s): starting from the newer meta",
+            ctx.node_id,
+            vchannel,
+            "; ".join(diff.advanced),
+        )
 
 
 def _take_lease(ctx: NodeContext, info: ChannelWatchInfo) -> ChannelLease | None:
