@@ -57,6 +57,18 @@ def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchI
     return None if found is None else (found.model, found.kv.version)
 
 
+def _rewrite_watch(
+    store: MetaStore, node_id: int, vchannel: str, **changes: object
+) -> tuple[ChannelWatchInfo, int]:
+    """Change a node's watch info as a test needs it; returns it with its new version."""
+    found = _watch(store, node_id, vchannel)
+    assert found is not None
+    store.cas(store.keys.channel_watch(node_id, vchannel), found[1], replace(found[0], **changes))  # type: ignore[arg-type]
+    again = _watch(store, node_id, vchannel)
+    assert again is not None
+    return again
+
+
 def _answer(store: MetaStore, settings: Settings, node_id: int) -> None:
     """What a node does with its ToWatch/ToRelease infos (no channel work started)."""
     ctx = NodeContext(store, Storage.from_settings(settings), settings, node_id)
@@ -192,11 +204,7 @@ def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_che
     manager.reconcile()
     # An older coordinator's watch info: no lease id.
     key = store.keys.channel_watch(a, vchannel)
-    found = _watch(store, a, vchannel)
-    assert found is not None
-    store.cas(key, found[1], replace(found[0], lease_id=None))
-    found = _watch(store, a, vchannel)
-    assert found is not None
+    found = _rewrite_watch(store, a, vchannel, lease_id=None)
     ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
     assert watch_channel(ctx, key, found[1], found[0]).state is WatchState.WATCH_SUCCESS
     produced = Produced()
@@ -594,11 +602,7 @@ def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_read
         unflushed_segment_ids=(),
         flushed_segment_ids=(segment_id,),
     )
-    current = _watch(store, a, vchannel)
-    assert current is not None
-    store.cas(key, current[1], replace(found[0], vchan=ahead))
-    found = _watch(store, a, vchannel)
-    assert found is not None
+    found = _rewrite_watch(store, a, vchannel, state=WatchState.TO_WATCH, vchan=ahead)
     result = watch_channel(ctx, key, found[1], found[0])
     assert result.state is WatchState.WATCH_FAILURE
     assert "checkpoint at offset 41, assigned at 90" in result.reason
