@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
+from vchan_assets.deploy.processes import wait_until
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import MetaStore
@@ -70,16 +71,6 @@ FAST = {
 def fast_settings(settings: Settings) -> Settings:
     """`settings` with the timings of `FAST`."""
     return replace(settings, session_ttl=2.0, watch_timeout=10.0, tickler_interval=1.0, sync_max_age=0.5)
-
-
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> float:
-    """Poll `condition` until it holds; the seconds it took. TimeoutError after `timeout`."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(interval)
-    return time.monotonic() - started
 
 
 def cli_env(settings: Settings, **extra: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +38,7 @@ from vchan_assets.demo import (
     check_lifecycle,
     produce_demo_data,
 )
+from vchan_assets.deploy.processes import wait_until
 from vchan_assets.deploy.service import DagsterService
 from vchan_assets.model import CollectionInfo, NodeSession, WatchState
 from vchan_assets.stack import Stack
@@ -45,13 +47,12 @@ from vchan_assets.wal.producer import Producer
 DEMO_SYNC_MAX_AGE = 2.0  # demo: sync what is older than 2 s (production: 600 s)
 
 
-def _wait(predicate, timeout: float, what: str, poll: float = 0.5) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise DemoCheckError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(poll)
-    return time.monotonic() - start
+def _wait(predicate: Callable[[], object], timeout: float, what: str) -> float:
+    """`wait_until`, failing the demo (DemoCheckError) on a timeout."""
+    try:
+        return wait_until(predicate, timeout, what, interval=0.5)
+    except TimeoutError:
+        raise DemoCheckError(f"timed out after {timeout:.0f}s waiting for {what}") from None
 
 
 def latest_checks(instance: dg.DagsterInstance, vchannels: list[str]) -> dict[tuple[str, str], bool]:

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from vchan_assets.meta.embedded import dying_with_parent, pid_alive
@@ -56,6 +56,16 @@ def _children() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         tree.setdefault(ppid, []).append(int(entry.name))
     return tree
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll `condition` until it holds; the seconds it took. TimeoutError after `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        time.sleep(interval)
+    return time.monotonic() - started
 
 
 def descendants(pid: int) -> list[int]:
