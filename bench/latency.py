@@ -24,6 +24,7 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.deploy.processes import wait_until
 from vchan_assets.deploy.service import INSTANCE_CONFIG, DagsterService
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
@@ -32,15 +33,6 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("id", {"embedding": 128}, {"age": "int64", "label": "string"})
-
-
-def wait_for(predicate, timeout: float, poll: float = 0.05) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"not within {timeout}s")
-        time.sleep(poll)
-    return time.monotonic() - start
 
 
 def main() -> None:
@@ -73,7 +65,8 @@ def main() -> None:
         producer = Producer(store, storage, settings)
         info = producer.create_collection("latency", SCHEMA, [], num_channels=1)
         vchannel = info.vchannels[0]
-        watched = wait_for(lambda: store.get_model(store.keys.channel_lease(vchannel), ChannelLease), 60)
+        lease_key = store.keys.channel_lease(vchannel)
+        watched = wait_until(lambda: store.get_model(lease_key, ChannelLease), 60, "the channel lease", 0.05)
         print(f"channel assigned after {watched:.1f}s", flush=True)
         latencies = []
         pk = 0
@@ -87,7 +80,7 @@ def main() -> None:
                 cp = channel_checkpoint(store, vchannel)
                 return cp is not None and cp.model.offset >= target
 
-            wait_for(committed, 120)
+            wait_until(committed, 120, "the sync run's commit", 0.05)
             seconds = time.monotonic() - landed
             label = "warm-up (first sync of the channel)" if i == 0 else f"change {i}"
             print(f"{label}: {args.rows} rows committed {seconds:.2f}s after landing", flush=True)
