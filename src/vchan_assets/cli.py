@@ -284,8 +284,8 @@ def _sync_args(parser: argparse.ArgumentParser) -> None:
 
 @command("sync", "persist a collection's vchannels from their checkpoints into binlogs", _sync_args)
 def sync(args: argparse.Namespace, settings: Settings) -> int:
-    from vchan_assets.datacoord.leases import grant_channel_lease
-    from vchan_assets.datanode.sync import sync_channel
+    from vchan_assets.datacoord.leases import current_lease, grant_channel_lease
+    from vchan_assets.datanode.sync import SyncTask
     from vchan_assets.meta.allocator import IdAllocator
     from vchan_assets.meta.errors import LeaseLostError
 
@@ -294,11 +294,12 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
         info = CollectionRegistry(store).get_by_name(args.collection)
         channels = [args.channel] if args.channel else list(info.vchannels)
         for vchannel in channels:
-            lease_id = args.lease_id
-            if args.take_lease:
-                lease_id = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=0).lease_id
             try:
-                result = sync_channel(store, storage, settings, info, vchannel, lease_id, engine=args.engine)
+                if args.take_lease:
+                    lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=0)
+                else:  # LeaseLostError before anything is done if the lease is not current
+                    lease = current_lease(store, vchannel, args.lease_id)
+                result = SyncTask(store, storage, settings, info, vchannel, lease, engine=args.engine).run()
             except LeaseLostError as exc:
                 print(f"vchan sync: stopped {vchannel}: {exc}", file=sys.stderr)
                 return EXIT_LEASE_LOST

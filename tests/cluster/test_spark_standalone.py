@@ -21,7 +21,7 @@ from datanode.helpers import (
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import sync_channel
+from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.deploy.processes import descendants
 from vchan_assets.deploy.spark_standalone import SparkStandalone
 from vchan_assets.meta.allocator import IdAllocator
@@ -90,9 +90,7 @@ def _local_reference(settings: Settings, store: MetaStore, tmp: Path, info: Coll
         ref_storage = Storage.from_settings(ref_settings)
         for vchannel in ref_info.vchannels:
             lease = grant_channel_lease(ref_store, IdAllocator(ref_store), vchannel, node_id=0)
-            sync_channel(
-                ref_store, ref_storage, ref_settings, ref_info, vchannel, lease.lease_id, engine="local"
-            )
+            SyncTask(ref_store, ref_storage, ref_settings, ref_info, vchannel, lease, engine="local").run()
         return (
             read_inserted(ref_store, ref_storage, ref_info),
             sorted(read_deleted(ref_store, ref_storage, ref_info)),

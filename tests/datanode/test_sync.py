@@ -7,6 +7,7 @@ Real etcd, real Spark (local[2]), real files; crashes are SIGKILLs of a real
 from __future__ import annotations
 
 import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,6 +23,7 @@ from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import RecoverySnapshot, list_orphans, recovery_info
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.harness import VCHAN, cli_env
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.errors import LeaseLostError
@@ -280,6 +282,21 @@ def test_lease_revoked_between_binlog_write_and_meta_commit_rejects_the_commit(
     assert checkpoint(store, vchannel) is None
     assert all(not s.binlogs for s in segments(store, collection))
     assert list_orphans(store, storage), "the rejected sync's files are orphans"
+
+
+def test_vchan_sync_take_lease_fences_the_old_writer_and_syncs_every_channel_under_its_new_lease(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 1000, start_pk=0)
+    old = {v: grant_channel_lease(store, _ids(store), v, node_id=1) for v in collection.vchannels}
+    args = [str(VCHAN), "sync", "--collection", collection.name, "--take-lease", "--engine", "local"]
+    done = subprocess.run(args, env=cli_env(settings), capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    for vchannel in collection.vchannels:
+        lease = store.read_lease(vchannel)
+        assert lease is not None and lease.lease_id != old[vchannel].lease_id and lease.node_id == 0
+        assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
 
 
 @pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta"])

@@ -453,24 +453,3 @@ def _run_on_connect(spark: Any, specs: list[TaskSpec], timeout: float, vchannel:
 
     rows = run_arrow_tasks(spark, run_tasks_arrow, specs, RESULT_SCHEMA, f"sync {vchannel}", timeout)
     return [from_record(r.asDict()) for r in rows]
-
-
-def sync_channel(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    collection: CollectionInfo,
-    vchannel: str,
-    lease_id: int,
-    engine: Engine = "spark",
-    job_timeout: float = 600.0,
-    spark: Any = None,
-) -> SyncResult:
-    """One sync of `vchannel` by the holder of `lease_id` (what `vchan sync` and the
-    Dagster sync asset run). Raises LeaseLostError before doing anything if the lease is
-    no longer current."""
-    from vchan_assets.datacoord.leases import current_lease
-
-    lease = current_lease(store, vchannel, lease_id)
-    task = SyncTask(store, storage, settings, collection, vchannel, lease, engine, job_timeout, spark)
-    return task.run()

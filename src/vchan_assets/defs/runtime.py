@@ -18,12 +18,13 @@ from typing import Any
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry, VchannelNotFoundError
+from vchan_assets.datacoord.leases import current_lease
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.datanode import checks
 from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.policies import ChannelBacklog, channel_backlog, sync_reasons
-from vchan_assets.datanode.sync import SyncResult, sync_channel
+from vchan_assets.datanode.sync import SyncResult, SyncTask
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo
 from vchan_assets.spark import Engine
@@ -87,9 +88,11 @@ class VchanRuntime:
         """One sync of `vchannel` by the holder of `lease_id` (LeaseLostError if it moved),
         on `spark` (the pyspark resource's session) when given."""
         info = self.collection_of(vchannel)
-        return sync_channel(
-            self.store, self.storage, self.settings, info, vchannel, lease_id, engine, SYNC_JOB_TIMEOUT, spark
+        lease = current_lease(self.store, vchannel, lease_id)
+        task = SyncTask(
+            self.store, self.storage, self.settings, info, vchannel, lease, engine, SYNC_JOB_TIMEOUT, spark
         )
+        return task.run()
 
     def checkpoint(self, vchannel: str) -> MsgPosition | None:
         cp = channel_checkpoint(self.store, vchannel)
