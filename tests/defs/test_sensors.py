@@ -207,3 +207,14 @@ def test_datacoord_moves_the_channels_of_a_node_whose_sensor_stopped(
     # Node 1's sensor starting again is a new node (ids are never reused).
     restarted = NodeCursor.parse(evaluate(NODE1, instance, vchan, one_cursor).cursor)
     assert restarted.node_id not in (one.node_id, two.node_id)
+
+
+def test_a_sensor_cursor_round_trips_and_an_unreadable_one_starts_afresh() -> None:
+    from vchan_assets.defs.cluster.datacoord import CoordinatorCursor
+
+    coordinator = CoordinatorCursor(3, 4, 5, 6.5, (7, 8))
+    assert CoordinatorCursor.parse(coordinator.dump()) == coordinator
+    assert NodeCursor.parse(NodeCursor(1, 2, 3).dump()) == NodeCursor(1, 2, 3)
+    for raw in (None, "", "{", "[1]", "null", '{"node_id": "1", "session_lease": 2, "revision": 3}'):
+        assert NodeCursor.parse(raw) == NodeCursor()
+    assert CoordinatorCursor.parse('{"server_id": 3, "seen": 7}') == CoordinatorCursor()

@@ -15,13 +15,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
 import dagster as dg
 
 from vchan_assets.datacoord.coordinator import CoordinatorTick, DataCoordinator
+from vchan_assets.defs.cluster.cursor import SensorCursor
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, SESSION_TTL_FLOOR
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
@@ -37,33 +37,14 @@ RELOAD_INTERVAL = 5.0
 
 
 @dataclass
-class CoordinatorCursor:
+class CoordinatorCursor(SensorCursor):
+    AFRESH = "campaigning afresh"
+
     server_id: int = 0
     lease_id: int = 0
     create_revision: int = 0
     last_reload: float = 0.0
     seen: tuple[int, int] = (0, 0)
-
-    @classmethod
-    def parse(cls, raw: str | None) -> CoordinatorCursor:
-        if not raw:
-            return cls()
-        try:
-            d = json.loads(raw)
-            rev, count = d.get("seen", (0, 0))
-            return cls(
-                int(d["server_id"]),
-                int(d.get("lease_id", 0)),
-                int(d.get("create_revision", 0)),
-                float(d.get("last_reload", 0.0)),
-                (int(rev), int(count)),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError):
-            log.error("unreadable datacoord cursor %r: campaigning afresh", raw)
-            return cls()
-
-    def dump(self) -> str:
-        return json.dumps(self.__dict__)
 
     def term(self, key: str) -> Term | None:
         if not (self.lease_id and self.create_revision):

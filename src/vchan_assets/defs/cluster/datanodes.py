@@ -33,7 +33,6 @@ How a node lives here (the design):
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ import dagster as dg
 from vchan_assets import __version__
 from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.node import is_end_state, watch_channel
+from vchan_assets.defs.cluster.cursor import SensorCursor
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
@@ -65,26 +65,12 @@ SESSION_TTL_FLOOR = 20.0
 
 
 @dataclass
-class NodeCursor:
+class NodeCursor(SensorCursor):
+    AFRESH = "starting a new node"
+
     node_id: int = 0
     session_lease: int = 0
     revision: int = 0
-
-    @classmethod
-    def parse(cls, raw: str | None) -> NodeCursor:
-        if not raw:
-            return cls()
-        try:
-            d = json.loads(raw)
-            return cls(int(d["node_id"]), int(d["session_lease"]), int(d["revision"]))
-        except (ValueError, KeyError, TypeError):
-            log.error("unreadable datanode cursor %r: starting a new node", raw)
-            return cls()
-
-    def dump(self) -> str:
-        return json.dumps(
-            {"node_id": self.node_id, "session_lease": self.session_lease, "revision": self.revision}
-        )
 
 
 @dataclass
