@@ -78,3 +78,13 @@ def test_the_dagster_service_reports_which_recorded_process_died(settings: Setti
         for proc in (alive, dead):
             proc.kill()
             proc.wait()
+
+
+def test_a_half_written_or_foreign_service_record_counts_as_no_service(settings: Settings) -> None:
+    service = DagsterService(settings)
+    service.state_file.parent.mkdir(parents=True, exist_ok=True)
+    for record in ('{"pids": [', "[4242]", "null"):
+        service.state_file.write_text(record)
+        assert service.recorded() is None
+        assert service.missing() == []
+        assert service.stop() is False

@@ -30,7 +30,7 @@ from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.processes import ServiceError
-from vchan_assets.meta.embedded import free_port, pid_alive
+from vchan_assets.meta.embedded import free_port, pid_alive, read_record
 from vchan_assets.spark.connect import LocalSparkConnect
 
 log = logging.getLogger(__name__)
@@ -144,10 +144,7 @@ class DagsterService:
         return self.settings.home / "dagster" / "service.json"
 
     def recorded(self) -> dict[str, Any] | None:
-        try:
-            state = json.loads(self.state_file.read_text())
-        except (OSError, ValueError):
-            return None
+        state = read_record(self.state_file)
         return state if any(pid_alive(int(p)) for p in state.get("pids", [])) else None
 
     def _create_storage(self, env: dict[str, str]) -> None:
@@ -169,7 +166,7 @@ class DagsterService:
         is a daemon that is hung (alive, its heartbeats stopped; `now`: the time to judge
         them at)."""
         settings, spark_pid = self._spark()
-        state = self._state()
+        state = read_record(self.state_file)
         if state and state.get("spark_remote") != settings.spark_remote:
             # They would run syncs on a Spark Connect server that is gone: restart both.
             self._stop_pids([int(p) for p in state.get("pids", [])], timeout=30.0)
@@ -226,7 +223,7 @@ class DagsterService:
         """The services `start()` recorded that are no longer running, or hung (the daemon
         alive without heartbeats) ([] if it never ran here, or `vchan down` stopped them):
         what a supervisor restarts."""
-        state = self._state()
+        state = read_record(self.state_file)
         if not state:
             return []
         names = ("dagster-daemon", "dagster-webserver")
@@ -255,12 +252,6 @@ class DagsterService:
         remote = spark.start()
         spark_state = spark.recorded()
         return replace(self.settings, spark_remote=remote), spark_state["pid"] if spark_state else None
-
-    def _state(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self.state_file.read_text()))
-        except (OSError, ValueError):
-            return {}
 
     def _wait_until_answering(
         self, spawned: dict[str, subprocess.Popen[bytes]], logs: Path, timeout: float
@@ -306,9 +297,8 @@ class DagsterService:
 
     def stop(self, stop_spark: bool = True, timeout: float = 30.0) -> bool:
         """Stop webserver, daemon (their process groups: run workers too) and Spark Connect."""
-        try:
-            state = json.loads(self.state_file.read_text())
-        except (OSError, ValueError):
+        state = read_record(self.state_file)
+        if not state:
             return False
         self._stop_pids([int(p) for p in state.get("pids", [])], timeout)
         if stop_spark and state.get("spark_pid"):

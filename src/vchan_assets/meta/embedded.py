@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,17 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def read_record(path: Path) -> dict[str, Any]:
+    """The JSON object a server process was recorded with in `path` (its pids, ports); {}
+    when there is none: absent, unreadable, half-written or not an object all mean that no
+    server is known to run."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 # Loaded once in the parent: between fork and exec the child may only make the prctl
 # call itself (no dlopen, no allocation), since other threads (gRPC's) may hold locks.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -148,10 +160,10 @@ class EmbeddedEtcd:
         return self.directory / "server.json"
 
     def _read_state(self) -> dict[str, int] | None:
+        state = read_record(self.state_file)
         try:
-            state = json.loads(self.state_file.read_text())
             return {k: int(state[k]) for k in ("pid", "client_port", "peer_port")}
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             return None
 
     def attach(self) -> EmbeddedEtcd:
