@@ -12,6 +12,8 @@ vector, three scalars) in one vchannel, then measures in the same run, interleav
     atomic fsynced writes);
   - baseline (all cores): the same program over a thread pool of one thread per core,
     one log file per job: the strongest simple program for the job;
+  - baseline (all cores, verified): the same, reading the log with its Parquet page
+    checksums verified, as the sync does (a damaged log file must fail, not be persisted);
   - sync (spark): the real SyncTask on a warm local Spark session, commit included;
   - sync (local): the same task code in-process, without Spark (to show Spark's share);
   - the disk's own sequential write speed (a 1 GiB file written and fdatasync'ed): the
@@ -97,10 +99,13 @@ class PeakRss:
         self._thread.join()
 
 
-def baseline_file(storage: Storage, schema: CollectionSchema, key: str, out_prefix: str) -> tuple[int, int]:
-    """What a plain pyarrow program does with one log file: read it, keep the inserts,
-    split them by segment, write each column group (fsynced). Returns (rows, bytes written)."""
-    table = pq.read_table(storage.path(key))
+def baseline_file(
+    storage: Storage, schema: CollectionSchema, key: str, out_prefix: str, verify: bool = False
+) -> tuple[int, int]:
+    """What a plain pyarrow program does with one log file: read it (with its page
+    checksums verified if `verify`), keep the inserts, split them by segment, write each
+    column group (fsynced). Returns (rows, bytes written)."""
+    table = pq.read_table(storage.path(key), page_checksum_verification=verify)
     is_insert = pc.equal(table["msg_type"], MsgType.INSERT.value).to_numpy(zero_copy_only=False)
     segment_ids = table["segment_id"].fill_null(-1).to_numpy()
     rows = written = 0
@@ -115,13 +120,18 @@ def baseline_file(storage: Storage, schema: CollectionSchema, key: str, out_pref
 
 
 def baseline(
-    storage: Storage, info: CollectionInfo, vchannel: str, out_prefix: str, threads: int = 1
+    storage: Storage,
+    info: CollectionInfo,
+    vchannel: str,
+    out_prefix: str,
+    threads: int = 1,
+    verify: bool = False,
 ) -> tuple[int, int]:
     """The simplest pyarrow program doing the same work, over `threads` threads (one log
     file per job); returns (rows, bytes written)."""
     keys = [f.key for f in WalReader(storage, vchannel, info).files()]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        done = list(pool.map(lambda key: baseline_file(storage, info.schema, key, out_prefix), keys))
+        done = list(pool.map(lambda key: baseline_file(storage, info.schema, key, out_prefix, verify), keys))
     return sum(r for r, _ in done), sum(w for _, w in done)
 
 
@@ -178,16 +188,19 @@ def timed_sync(
     }
 
 
-def timed_baseline(storage: Storage, info: CollectionInfo, out_prefix: str, threads: int) -> dict[str, Any]:
+def timed_baseline(
+    storage: Storage, info: CollectionInfo, out_prefix: str, threads: int, verify: bool = False
+) -> dict[str, Any]:
     started = time.perf_counter()
     with PeakRss() as rss:
-        rows, written = baseline(storage, info, info.vchannels[0], out_prefix, threads)
+        rows, written = baseline(storage, info, info.vchannels[0], out_prefix, threads, verify)
     seconds = time.perf_counter() - started
     storage.filesystem.delete_dir_contents(storage.path(out_prefix), missing_dir_ok=True)
     return {"seconds": seconds, "rows": rows, "written_bytes": written, "peak_rss_mb": rss.peak / 2**20}
 
 
-RUNS = ("baseline_1", "baseline_all", "spark", "local")
+RUNS = ("baseline_1", "baseline_all", "baseline_all_verified", "spark", "local")
+BASELINES = RUNS[:3]
 
 
 def measure_size(
@@ -202,6 +215,9 @@ def measure_size(
         disk.append(disk_write_speed(Path(storage.base)))
         runs["baseline_1"].append(timed_baseline(storage, info, f"baseline/{size}/{i}", 1))
         runs["baseline_all"].append(timed_baseline(storage, info, f"baseline/{size}/{i}", cores))
+        runs["baseline_all_verified"].append(
+            timed_baseline(storage, info, f"baseline/{size}/{i}", cores, verify=True)
+        )
         for engine in ("spark", "local"):
             reset_channel(store, storage, info)
             runs[engine].append(timed_sync(store, storage, settings, info, engine))
@@ -221,7 +237,7 @@ def measure_size(
             "peak_rss_mb": max(m["peak_rss_mb"] for m in measured),
         }
     for name in ("spark", "local"):
-        for base in ("baseline_1", "baseline_all"):
+        for base in BASELINES:
             summary[f"ratio_{name}_vs_{base}"] = summary[base]["median_s"] / summary[name]["median_s"]
         summary[f"{name}_written_vs_disk"] = (
             summary[name]["written_mb_per_s"] / summary["disk_write_mb_per_s"]
@@ -244,7 +260,8 @@ def print_size(size: int, summary: dict[str, Any]) -> None:
         )
     print(
         f"  ratio sync(spark) vs baseline: 1 thread {summary['ratio_spark_vs_baseline_1']:.2f}, "
-        f"all cores {summary['ratio_spark_vs_baseline_all']:.2f}; "
+        f"all cores {summary['ratio_spark_vs_baseline_all']:.2f}, "
+        f"all cores verified {summary['ratio_spark_vs_baseline_all_verified']:.2f}; "
         f"sync written / disk speed {summary['spark_written_vs_disk']:.2f}",
         flush=True,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import pickle
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -286,6 +287,15 @@ def run_task(spec: TaskSpec) -> list[WrittenFile]:
     written = TaskWriter(spec).run()
     failpoint("task_written")
     return written
+
+
+def run_tasks_in_process(specs: list[TaskSpec]) -> list[WrittenFile]:
+    """The tasks in this process, one thread each: pyarrow reads, verifies, encodes and
+    writes with the GIL released, so the threads use the cores as Spark's tasks would."""
+    if len(specs) == 1:
+        return run_task(specs[0])
+    with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="sync-task") as pool:
+        return [w for written in pool.map(run_task, specs) for w in written]
 
 
 def run_tasks(

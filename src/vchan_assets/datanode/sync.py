@@ -41,9 +41,9 @@ from vchan_assets.datanode.binlog_writer import (
     WrittenFile,
     from_record,
     group_field_ids,
-    run_task,
     run_tasks,
     run_tasks_arrow,
+    run_tasks_in_process,
     written_or_raise,
 )
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
@@ -303,7 +303,7 @@ class SyncTask:
             for i, chunk in enumerate(chunks)
         ]
         if in_process:
-            return [w for spec in specs for w in run_task(spec)]
+            return run_tasks_in_process(specs)
         return _run_on_spark(self.settings, specs, self.job_timeout, self.vchannel, self.spark)
 
     # --- step 2: segment meta --------------------------------------------------------
