@@ -187,6 +187,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work, etcd, settings = bench_stack("vchan-bench-loglen-")
+    settings = replace(settings, sync_in_process_mb=0.0)  # "spark" runs are Spark jobs, however small
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()

@@ -371,9 +371,9 @@ class Settings:
     spark_partitions: int = setting("VCHAN_SPARK_PARTITIONS", 2, _positive_int, "Spark tasks per sync job")
     sync_in_process_mb: float = setting(
         "VCHAN_SYNC_IN_PROCESS_MB",
-        0.0,
+        32.0,
         _non_negative_float,
-        "log MB up to which a sync writes its binlogs in the DataNode's process, not as a Spark job (0: always Spark; 32 skips Spark's fixed cost for small syncs)",
+        "log MB up to which a sync writes its binlogs in the DataNode's process (one thread per task), not as a Spark job: a Spark job's fixed cost is most of a small sync's time (0: always Spark)",
     )
     dagster_datanodes: int = setting(
         "VCHAN_DAGSTER_DATANODES",

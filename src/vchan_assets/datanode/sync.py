@@ -254,7 +254,7 @@ class SyncTask:
     def _in_process(self, files: list[WalFile]) -> bool:
         """Whether this sync's tasks run here rather than as a Spark job: always for the
         local engine; for Spark when the log range is at most `sync_in_process_mb` (0:
-        never), because a Spark job costs a few tenths of a second however few rows it
+        never), because a Spark job costs a tenth of a second or more however few rows it
         writes (BENCHMARKS.md, "Sync")."""
         if self.engine == "local":
             return True
