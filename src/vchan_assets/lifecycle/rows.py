@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -78,8 +79,9 @@ def apply_deletes_to(rows: pa.Table, deletes: pa.Table, pk: str) -> pa.Table:
         return rows
     grouped = deletes.group_by("pk").aggregate([("timestamp", "max")])
     latest = pa.table({"__pk": grouped["pk"], "__deleted_ts": grouped["timestamp_max"]})
-    # Key the join by a row index so the original order can be restored.
-    indexed = rows.append_column("__i", pa.array(range(rows.num_rows), pa.int64()))
+    # Key the join by a row index so the original order can be restored (numpy builds it:
+    # a Python range costs a quarter of a second per million rows).
+    indexed = rows.append_column("__i", pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     joined = indexed.select(["__i", pk, "timestamp"]).join(
         latest, keys=pk, right_keys="__pk", join_type="left outer"
     )
