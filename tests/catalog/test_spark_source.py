@@ -45,15 +45,24 @@ def test_the_spark_source_returns_what_read_collection_returns(
     pd.testing.assert_frame_equal(got, expected, check_dtype=False)
 
 
-def test_one_spark_partition_per_segment(catalog: Catalog, known: Known, spark: object) -> None:
-    df = catalog.read_collection(known.info.name, engine="spark")
+def test_small_segments_share_tasks_each_segment_read_once(
+    catalog: Catalog, known: Known, spark: object
+) -> None:
     segments = catalog.segments(known.info.name)
     readable = segments[
         (segments["level"] != "L0") & (segments["state"] != "Dropped") & (segments["num_rows"] > 0)
     ]
-    assert df.rdd.getNumPartitions() == len(readable)
-    counts = df.groupBy("segment_id").count().toPandas()
-    assert set(counts["segment_id"]) <= set(readable["segment_id"])
+    assert len(readable) == 4
+    per_segment = catalog.spark_collection(known.info.name, task_mb="0")
+    assert per_segment.rdd.getNumPartitions() == len(readable)
+    one_core = {"VCHAN_SPARK_PARTITIONS": "1"}  # at least two tasks per core
+    grouped = catalog.spark_collection(known.info.name, **one_core)
+    assert grouped.rdd.getNumPartitions() == 2  # KB-sized segments: the fewest tasks allowed
+    assert catalog.spark_collection(known.info.name, task_mb="0.001", **one_core).rdd.getNumPartitions() == 4
+    expected = catalog.read_collection(known.info.name).groupby("segment_id").size()
+    for df in (per_segment, grouped):
+        counts = df.groupBy("segment_id").count().toPandas().set_index("segment_id")["count"]
+        pd.testing.assert_series_equal(counts.sort_index(), expected, check_names=False, check_dtype=False)
 
 
 def test_partition_and_field_options_prune_what_is_read(
@@ -111,6 +120,9 @@ def test_read_options_are_checked() -> None:
         ReadRequest.from_options({"collection": "c", "vectors": "list"})
     with pytest.raises(ReadOptionError, match="segments"):
         ReadRequest.from_options({"collection": "c", "segments": "7,x"})
+    for bad in ("-1", "x", "nan"):
+        with pytest.raises(ReadOptionError, match="task_mb"):
+            ReadRequest.from_options({"collection": "c", "task_mb": bad})
     assert ReadRequest.from_options({"Collection": "c", "PARTITION": "a, b"}).partitions == ("a", "b")
 
 

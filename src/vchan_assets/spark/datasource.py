@@ -7,6 +7,7 @@
           .option("segments", "7,9")         # optional: segment ids
           .option("fields", "pk,title")      # optional: the user fields to read
           .option("vectors", "array")        # array<float> (default) or binary (float32 LE)
+          .option("task_mb", "128")          # binlog MB per Spark task; 0: one task per segment
           .load())
 
 The rows are what `Catalog.read_collection` returns: every L1/L2 segment that is not
@@ -14,9 +15,12 @@ Dropped, with Milvus' delete rule applied per partition (a delete removes the ro
 pk in its partition that are older than it), plus `segment_id` and `partition_id`.
 
 Layout: planning (in a Spark Python worker) reads the segment meta from etcd once and
-makes **one Spark partition per segment**; each task reads only that segment's binlogs
-(the vector column group only when a vector field is asked for) and its partition's
-delta logs, then yields Arrow batches. Nothing goes through Python rows.
+groups the segments into Spark partitions of about `task_mb` of binlogs each, at least
+two per Spark core (`VCHAN_SPARK_PARTITIONS`) while there are segments: a Python task
+costs a few hundred milliseconds however little it reads, so small segments share one.
+Each task reads only its segments' binlogs (the vector column groups only when a vector
+field is asked for) and, once, the delta logs of their partitions, then yields Arrow
+batches segment by segment. Nothing goes through Python rows.
 
 Connection: options named like the environment variables (`VCHAN_ETCD_ENDPOINTS`,
 `VCHAN_STORAGE_URI`, ...; any case) override the worker's environment;
@@ -27,6 +31,7 @@ whose names contain "password" or "secret" from plans and logs.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -63,6 +68,8 @@ VECTOR_MODES = ("array", "binary")
 META_COLUMNS = ("row_id", "timestamp")
 LOCATION_COLUMNS = ("segment_id", "partition_id")
 BATCH_ROWS = 65_536
+TASK_MB = 128.0
+TASKS_PER_CORE = 2
 
 _SCALARS: dict[DataType, SparkType] = {
     DataType.INT64: LongType(),
@@ -86,6 +93,7 @@ class ReadRequest:
     segments: tuple[int, ...] = ()
     fields: tuple[str, ...] = ()
     vectors: str = "array"
+    task_mb: float = TASK_MB
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ReadRequest:
@@ -100,8 +108,20 @@ class ReadRequest:
             segments = tuple(int(s) for s in _names(opts.get("segments", "")))
         except ValueError as exc:
             raise ReadOptionError(f"option segments={opts['segments']!r}: expected segment ids") from exc
+        task_mb = opts.get("task_mb", str(TASK_MB))
+        try:
+            mb = float(task_mb)
+        except ValueError:
+            mb = -1.0
+        if not mb >= 0:  # also NaN
+            raise ReadOptionError(f"option task_mb={task_mb!r}: expected megabytes >= 0")
         return cls(
-            collection, _names(opts.get("partition", "")), segments, _names(opts.get("fields", "")), vectors
+            collection,
+            _names(opts.get("partition", "")),
+            segments,
+            _names(opts.get("fields", "")),
+            vectors,
+            mb,
         )
 
 
@@ -144,18 +164,25 @@ def collection_schema(info: CollectionInfo, request: ReadRequest) -> StructType:
     return StructType(fields)
 
 
-class SegmentPartition(InputPartition):
-    """One Spark partition: one segment and the delta logs of its partition."""
+class SegmentsPartition(InputPartition):
+    """One Spark partition: some segments and the delta logs of their partitions."""
 
-    def __init__(self, segment: SegmentInfo, delete_paths: Sequence[str]) -> None:
-        super().__init__(segment.id)
-        self.segment = segment
-        self.delete_paths = tuple(delete_paths)
+    def __init__(self, segments: Sequence[SegmentInfo], delete_paths: Mapping[int, Sequence[str]]) -> None:
+        super().__init__(tuple(s.id for s in segments))
+        self.segments = tuple(segments)
+        self.delete_paths = {partition: tuple(paths) for partition, paths in delete_paths.items()}
 
 
 def plan_partitions(
-    info: CollectionInfo, segments: Sequence[SegmentInfo], request: ReadRequest
-) -> list[SegmentPartition]:
+    info: CollectionInfo,
+    segments: Sequence[SegmentInfo],
+    request: ReadRequest,
+    min_tasks: int = 1,
+    with_vectors: bool = True,
+) -> list[SegmentsPartition]:
+    """The readable segments asked for, grouped into tasks of about `request.task_mb` of
+    binlogs (counting the vector groups only `with_vectors`), at least `min_tasks` of
+    them while there are segments; `task_mb` 0 makes one task per segment."""
     partition_ids = _partition_ids(info, request.partitions)
     chosen = [
         s
@@ -170,10 +197,34 @@ def plan_partitions(
             f"collection {info.name!r} has no readable segment {missing} "
             f"(in the partitions asked for, not L0, not Dropped, with binlogs)"
         )
+    sizes = {s.id: _read_bytes(s, with_vectors) for s in chosen}
+    task_bytes = request.task_mb * 2**20
+    wanted = math.ceil(sum(sizes.values()) / task_bytes) if task_bytes else len(chosen)
+    tasks = _balance(chosen, sizes, min(len(chosen), max(min_tasks, wanted)))
     return [
-        SegmentPartition(s, delete_paths(segments, s.partition_id))
-        for s in sorted(chosen, key=lambda s: s.id)
+        SegmentsPartition(
+            task, {p: delete_paths(segments, p) for p in sorted({s.partition_id for s in task})}
+        )
+        for task in tasks
     ]
+
+
+def _read_bytes(seg: SegmentInfo, with_vectors: bool) -> int:
+    """Binlog bytes a read of `seg` fetches: the scalar group (the lowest), and the vector
+    groups `with_vectors` (as `segment_rows` reads them)."""
+    groups = sorted(seg.binlogs, key=lambda g: g.group)
+    return sum(b.size_bytes for g in (groups if with_vectors else groups[:1]) for b in g.logs)
+
+
+def _balance(segments: Sequence[SegmentInfo], sizes: Mapping[int, int], n: int) -> list[list[SegmentInfo]]:
+    """`n` groups of about equal bytes: largest segment first into the lightest group."""
+    groups: list[list[SegmentInfo]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for seg in sorted(segments, key=lambda s: (-sizes[s.id], s.id)):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(seg)
+        loads[lightest] += sizes[seg.id]
+    return sorted((sorted(g, key=lambda s: s.id) for g in groups if g), key=lambda g: g[0].id)
 
 
 def _partition_ids(info: CollectionInfo, names: Sequence[str]) -> set[int]:
@@ -199,14 +250,18 @@ def vectors_as_lists(column: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
     return lists.cast(pa.list_(pa.field("element", pa.float32(), nullable=False)))
 
 
-def read_segment_partition(
-    storage: Storage, part: SegmentPartition, fields: Sequence[FieldSchema], pk: str, vectors: str
+def read_segment(
+    storage: Storage,
+    seg: SegmentInfo,
+    deletes: pa.Table,
+    fields: Sequence[FieldSchema],
+    pk: str,
+    vectors: str,
 ) -> pa.Table:
-    """The live rows of one segment as the Spark schema expects them."""
-    seg = part.segment
+    """The live rows of one segment (`deletes`: its partition's) as the Spark schema expects them."""
     wants_vectors = any(f.is_vector for f in fields)
     table = segment_rows(storage, seg, with_vectors=wants_vectors)
-    table = apply_deletes_to(table, read_deletes(storage, part.delete_paths), pk)
+    table = apply_deletes_to(table, deletes, pk)
     n = table.num_rows
     columns: dict[str, pa.Array | pa.ChunkedArray] = {name: table[name] for name in META_COLUMNS}
     for f in fields:
@@ -255,9 +310,15 @@ class VchanReader(DataSourceReader):
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
             found, _ = stack.store.list_models(stack.store.keys.segments(info.id), SegmentInfo, True)
-            self.parts = plan_partitions(info, [d.model for d in found], self.request)
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
+        self.parts = plan_partitions(
+            info,
+            [d.model for d in found],
+            self.request,
+            min_tasks=TASKS_PER_CORE * settings.spark_partitions,
+            with_vectors=any(f.is_vector for f in self.fields),
+        )
         self.pk = info.schema.primary.name
         self.storage = Storage.from_settings(settings)
 
@@ -265,9 +326,13 @@ class VchanReader(DataSourceReader):
         return self.parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentPartition)
-        table = read_segment_partition(self.storage, partition, self.fields, self.pk, self.request.vectors)
-        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+        assert isinstance(partition, SegmentsPartition)
+        deletes = {p: read_deletes(self.storage, paths) for p, paths in partition.delete_paths.items()}
+        for seg in partition.segments:  # one segment's rows in memory at a time
+            table = read_segment(
+                self.storage, seg, deletes[seg.partition_id], self.fields, self.pk, self.request.vectors
+            )
+            yield from table.to_batches(max_chunksize=BATCH_ROWS)
 
 
 class VchanDataSource(DataSource):
