@@ -8,20 +8,26 @@ segments per vchannel, 1% of the pks deleted. Measured in the same run on the sa
 - baseline: a plain pyarrow program — `pyarrow.dataset` scans of every insert binlog and delta
   log (all cores, pyarrow's own thread pool), then the same per-partition delete rule;
 - `Catalog.read_collection` (pandas, one process);
-- `format("vchan")` on a warm local Spark session (one task per segment), written to Spark's
-  `noop` sink (every row and column read and converted, nothing collected), plus a count.
+- `format("vchan")` on a local Spark session warmed by a count of the same collection (its
+  Python workers started), written to Spark's `noop` sink (every row and column read and
+  converted, nothing collected).
 
-Reports seconds (median), rows/s, the ratios against the baseline and the peak RSS of the
-driver process (ru_maxrss; the Spark JVM and workers are separate processes) at two sizes,
-to show the driver's memory does not grow with the rows the executors read.
+Reports seconds (median), rows/s, the ratios against the baseline, the peak RSS of the driver
+process (ru_maxrss, which the pandas and pyarrow readers set: they hold the collection) and
+its peak RSS while Spark reads (sampled; the Spark JVM and workers are separate processes)
+at two sizes, to show the driver's memory does not grow with the rows the executors read;
+and the 1-minute load average before and after each size (the machine may be shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shutil
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,12 +75,37 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def peak_rss_during(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """fn()'s result and this process's peak RSS while it ran (sampled every 20 ms):
+    ru_maxrss cannot tell, once the pandas reader has set it."""
+    peak, done = [rss_mb()], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak.append(rss_mb())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return fn(), max(peak)
+    finally:
+        done.set()
+        sampler.join()
+
+
 def measure(storage: Storage, catalog: Catalog, info: CollectionInfo, repeat: int) -> dict[str, Any]:
     segments = catalog.segment_infos(info.id)
     spark = get_spark(catalog.settings)
     result: dict[str, Any] = {
         "rows_in_binlogs": sum(s.num_rows for s in segments if s.level is SegmentLevel.L1)
     }
+    load_before = os.getloadavg()[0]
+    spark_rows = catalog.spark_collection(info.name, spark=spark).count()  # warms the workers, untimed
     base_s, base_rows = timed(lambda: baseline(storage, segments), repeat)
     pandas_s, pandas_rows = timed(lambda: len(catalog.read_collection(info.name)), repeat)
     before = peak_mb()
@@ -84,8 +115,8 @@ def measure(storage: Storage, catalog: Catalog, info: CollectionInfo, repeat: in
         df.write.format("noop").mode("overwrite").save()  # every row read, nothing collected
         return 0
 
-    spark_s, _ = timed(spark_read, repeat)
-    spark_rows = catalog.spark_collection(info.name, spark=spark).count()  # outside the timing
+    rss_before_spark = rss_mb()
+    (spark_s, _), spark_peak = peak_rss_during(lambda: timed(spark_read, repeat))
     assert base_rows == pandas_rows == spark_rows, (base_rows, pandas_rows, spark_rows)
     result.update(
         rows=base_rows,
@@ -99,6 +130,9 @@ def measure(storage: Storage, catalog: Catalog, info: CollectionInfo, repeat: in
         ratio_pyarrow_over_pandas=base_s / pandas_s,
         driver_peak_mb_before_spark=round(before, 1),
         driver_peak_mb_after_spark=round(peak_mb(), 1),
+        driver_rss_mb_before_spark=round(rss_before_spark, 1),
+        driver_peak_mb_during_spark=round(spark_peak, 1),
+        load_avg_1m=(round(load_before, 1), round(os.getloadavg()[0], 1)),
     )
     return result
 
@@ -126,13 +160,15 @@ def main() -> None:
                 f"{result['rows']:,} rows: pyarrow {result['pyarrow_s']:.2f}s, pandas reader "
                 f"{result['pandas_s']:.2f}s, spark source {result['spark_s']:.2f}s "
                 f"(pyarrow/spark {result['ratio_pyarrow_over_spark']:.2f}x); driver peak RSS "
-                f"{result['driver_peak_mb_after_spark']:.0f} MB",
+                f"{result['driver_peak_mb_after_spark']:.0f} MB, {result['driver_peak_mb_during_spark']:.0f} MB "
+                f"while Spark read; load {result['load_avg_1m']}",
                 flush=True,
             )
         print(json.dumps({"read": results}, default=str))
         store.close()
     finally:
         etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)  # gigabytes of binlogs at 10M rows
 
 
 if __name__ == "__main__":
