@@ -269,9 +269,8 @@ class SyncTask:
         segments: dict[int, Decoded[SegmentInfo]],
         in_process: bool,
     ) -> list[WrittenFile]:
-        keys = [f.key for f in files]
-        n_tasks = max(1, min(self.settings.spark_partitions, len(keys)))
-        chunks = [keys[i * len(keys) // n_tasks : (i + 1) * len(keys) // n_tasks] for i in range(n_tasks)]
+        chunks = split_by_size(files, self.settings.spark_partitions)
+        n_tasks = len(chunks)
         insert_floor = {
             sid: floor for sid, d in segments.items() if (floor := _insert_floor(d.model, end)) >= 0
         }
@@ -291,7 +290,7 @@ class SyncTask:
                 collection_id=self.collection.id,
                 vchannel=self.vchannel,
                 schema=self.collection.schema.to_dict(),
-                file_keys=tuple(chunk),
+                file_keys=tuple(f.key for f in chunk),
                 after_offset=start.offset,
                 up_to_offset=end.offset,
                 insert_floor=insert_floor,
@@ -429,6 +428,23 @@ def _insert_floor(seg: SegmentInfo, end: MsgPosition) -> int:
     if seg.state in (SegmentState.FLUSHED, SegmentState.DROPPED):
         return end.offset
     return seg.dml_position.offset if seg.dml_position else -1
+
+
+def split_by_size(files: Sequence[WalFile], parts: int) -> list[list[WalFile]]:
+    """At most `parts` runs of consecutive files with about the same number of bytes each:
+    the sync takes as long as its largest task, and log files differ in size (a channel's
+    first file holds one create_collection message). Each file goes to the task whose share
+    of the bytes its middle falls in; a task left with no file is dropped."""
+    if not files:
+        return [[]]
+    parts = max(1, min(parts, len(files)))
+    total = sum(f.size_bytes for f in files) or 1
+    chunks: list[list[WalFile]] = [[] for _ in range(parts)]
+    done = 0
+    for f in files:
+        chunks[min(parts - 1, int((done + f.size_bytes / 2) * parts / total))].append(f)
+        done += f.size_bytes
+    return [c for c in chunks if c]
 
 
 def _run_on_spark(
