@@ -17,7 +17,9 @@ by bulk import (imports/executor.py): import_after_preimport, import_after_binlo
 import_before_commit; by the lifecycle: compaction_after_files, compaction_after_commit,
 compaction_before_cleanup, gc_after_files.
 
-Names used by the producer's append (wal.appender), holding the channel's append lock:
+Names used by the producer's append (wal.appender); the first before the append lock,
+the others holding it:
+  after_wal_data       an insert batch's data file written, no lock taken
   before_wal_publish   batch built, its log file not written
   after_wal_publish    log file written, channel head not committed
 """

@@ -17,8 +17,9 @@ from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState
 from vchan_assets.storage import Storage
-from vchan_assets.wal.producer import Producer
+from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
+from vchan_assets.wal.writer import WalWriter
 
 from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live, segments
 
@@ -126,7 +127,7 @@ def test_paused_gc_does_nothing_until_resumed_and_dry_run_deletes_nothing(
     assert orphan in gc.run().orphans and not storage.exists(orphan)
 
 
-def test_log_files_wholly_below_the_checkpoint_are_retained_then_deleted(
+def test_log_files_wholly_below_the_checkpoint_are_retained_then_deleted_with_their_data_files(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     started = time.time()
@@ -134,15 +135,21 @@ def test_log_files_wholly_below_the_checkpoint_are_retained_then_deleted(
     [vchannel] = collection.vchannels
     files = WalReader(storage, vchannel, collection).files()
     assert len(files) > 2
+    # what a producer killed after writing its data file, before publishing, leaves
+    rows = generate_rows(collection.schema, 5, start_pk=10**6)
+    orphan = WalWriter(storage, vchannel, collection).write_data(rows, uuid.uuid4().hex)
     assert collector(store, storage, settings, at=started).run().wal_files == []  # younger than the retention
     report = collector(store, storage, settings, ahead=LATER).run()
     assert report.wal_files
+    assert orphan.key in report.wal_files and not storage.exists(orphan.key)
     left = WalReader(storage, vchannel, collection).files()
     assert left and left[-1] == files[-1], "the newest file stays"
     checkpoint = store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
     assert checkpoint is not None
     gone = [f for f in files if f.key in report.wal_files]
     assert all(f.last_offset < checkpoint.model.offset for f in gone)
+    data = [f.data_key for f in gone if f.data_key]
+    assert data and all(k in report.wal_files and not storage.exists(k) for k in data), "with their data"
     assert left[0].first_offset <= checkpoint.model.offset, "the checkpoint position stays readable"
     # a new round syncs from the checkpoint as before
     more = flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=3)

@@ -32,6 +32,7 @@ from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
+from vchan_assets.wal.format import data_prefix
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 from wal.producer_child import DELETE_ENV, FLUSH_COUNT_ENV, GATE_ENV, SCHEMA
@@ -197,7 +198,7 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
     assert_exactly_once(store, storage, info, Produced(rows=[produced], deleted=deleted))
 
 
-@pytest.mark.parametrize("failpoint", ["before_wal_publish", "after_wal_publish"])
+@pytest.mark.parametrize("failpoint", ["after_wal_data", "before_wal_publish", "after_wal_publish"])
 def test_a_producer_killed_mid_append_leaves_no_hole_and_no_half_batch(
     store: MetaStore, storage: Storage, fast: Settings, failpoint: str
 ) -> None:
@@ -215,6 +216,10 @@ def test_a_producer_killed_mid_append_leaves_no_hole_and_no_half_batch(
     counts = inserted_pks(check_log(storage, info))
     assert max(counts.values()) == 1
     victim_batches = kill_at + (failpoint == "after_wal_publish")  # a published batch is in the log
+    [vchannel] = info.vchannels
+    named = {f.data_key for f in WalReader(storage, vchannel, info).files()}
+    orphans = [i for i in storage.list_files(data_prefix(vchannel)) if storage.key_of(i.path) not in named]
+    assert len(orphans) == (failpoint != "after_wal_publish"), "the victim's data file, no log file names it"
     expected = [t for k in range(2) for t in expected_rows(100_000 * (k + 1), batches, rows)]
     expected += expected_rows(0, victim_batches, rows)
     want = pa.concat_tables(expected)["pk"].to_pylist() + list(range(900_000, 900_010))

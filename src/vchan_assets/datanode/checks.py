@@ -28,7 +28,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.format import CorruptLogError, MsgType, log_schema, wal_prefix
-from vchan_assets.wal.reader import WalReader
+from vchan_assets.wal.reader import WalReader, read_log_file
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ def _retained_log(storage: Storage, collection: CollectionInfo, vchannel: str, u
         files = WalReader(storage, vchannel, collection).files_between(-1, up_to)
         floor = files[0].first_offset if files else 0
         try:
-            tables = [storage.read_parquet(f.key, columns=columns) for f in files]
-        except StorageError:
+            tables = [read_log_file(storage, f.key, collection.schema, [pk]).select(columns) for f in files]
+        except (StorageError, CorruptLogError):
             if all(storage.exists(f.key) for f in files):
                 raise
             continue

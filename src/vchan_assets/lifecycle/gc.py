@@ -11,7 +11,10 @@ One pass, in this order:
      the meta to skip their rows): files first, then meta (a crash between the two
      leaves a Dropped meta naming missing files, which the next pass finishes);
   3. log retention: a vchannel's log files wholly below its checkpoint and older than the
-     retention; the file holding the checkpoint and the newest file always stay.
+     retention, each with its data file (log format 2); the file holding the checkpoint
+     and the newest file always stay. A data file no log file names once older than the
+     retention (its producer died before publishing the batch; a live producer publishes
+     within its lock wait and retry timeout, far below the retention) goes too.
 Never deleted: a file named by the meta of a segment that is not Dropped.
 Failpoint: gc_after_files (a Dropped segment's files deleted, its meta not yet).
 """
@@ -34,7 +37,7 @@ from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import SegmentInfo, SegmentState, physical_ms
 from vchan_assets.storage import Storage
 from vchan_assets.storage.layout import BINLOG_ROOTS, segment_of
-from vchan_assets.wal.format import wal_prefix
+from vchan_assets.wal.format import data_prefix, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
@@ -187,7 +190,14 @@ class GarbageCollector:
                     mtime = mtimes.get(f.key)
                     if f.last_offset >= cp.model.offset or mtime is None or mtime.timestamp() > oldest:
                         continue
-                    self._delete(f.key, f.size_bytes, report, report.wal_files)
+                    self._delete(f.key, f.size_bytes - f.data_bytes, report, report.wal_files)
+                    if f.data_key:  # after its log file: a crash between leaves an orphan, not a hole
+                        self._delete(f.data_key, f.data_bytes, report, report.wal_files)
+                named = {f.data_key for f in files}
+                for i in self.storage.list_files(data_prefix(vchannel)):
+                    key = self.storage.key_of(i.path)
+                    if key not in named and i.mtime is not None and i.mtime.timestamp() <= oldest:
+                        self._delete(key, i.size or 0, report, report.wal_files)
 
     def _delete(self, key: str, size: int, report: GcReport, into: list[str]) -> None:
         if not report.dry_run:

@@ -1,14 +1,18 @@
 """Appending to a vchannel from any number of processes (docs/multi-writer.md).
 
-One append, under the channel's append lock in etcd (`meta.channel_head`):
+One append of a batch with inserts first writes their columns as a data file named by
+the batch id (`WalWriter.write_data`: no lock, it depends on nothing the head decides),
+then, under the channel's append lock in etcd (`meta.channel_head`):
 
 1. acquire the lock and read the channel head (next offset, last timestamp, open segments);
-2. `build(held)` makes the batch: timestamps above the head's last, segment IDs from the
-   head's open segments (opening new ones commits them with the head first);
-3. publish the file at the head's next offset with an exclusive create;
+2. `build(held)` makes the batch's system columns: timestamps above the head's last,
+   segment IDs from the head's open segments (opening new ones commits them with the head
+   first);
+3. publish the (small) log file at the head's next offset with an exclusive create;
 4. commit the new head and release the lock, in one transaction.
 
 What a killed writer leaves: before 3, nothing but a lock that its lease expiry frees
+and maybe a data file no log file names (garbage, `lifecycle.gc`)
 (the next holder gets the same offset: no hole); after 3, a whole file the head does not
 count yet: the next holder's exclusive create fails at that offset, so it adopts the
 file (offsets, last timestamp, rows per segment) and appends after it. A file is never
@@ -38,7 +42,7 @@ from vchan_assets.meta.errors import MetaError, MetaUnavailableError
 from vchan_assets.meta.retry import retry_transient
 from vchan_assets.model import ChannelHead
 from vchan_assets.storage import StorageError
-from vchan_assets.wal.writer import LogConflictError, WalWriter, WrittenBatch
+from vchan_assets.wal.writer import DataFile, LogConflictError, WalWriter, WrittenBatch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,15 @@ class Built(Generic[R]):
     head: ChannelHead
     result: R
     after: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a batch has before it takes the lock: its id (every attempt's file carries
+    it) and, for inserts, its data file."""
+
+    batch_id: str
+    data: DataFile | None = None
 
 
 @dataclass(frozen=True)
@@ -83,13 +96,35 @@ class ChannelAppender:
         self.lock = lock or threading.RLock()  # one append at a time per channel in this process
         self.adopted = 0  # files of dead writers taken into the head (metric)
 
+    def prepare(self, rows: pa.Table | None = None) -> Prepared:
+        """A batch id and, given inserted `rows` (`WalWriter.data_schema`), their data file,
+        written now, outside the lock (retried while storage is unavailable)."""
+        batch_id = uuid.uuid4().hex
+        if rows is None:
+            return Prepared(batch_id)
+        data = retry_transient(
+            f"write a data file of {self.vchannel}",
+            lambda: self.writer.write_data(rows, batch_id),
+            self.retry_timeout,
+            (StorageError,),
+        )
+        failpoint("after_wal_data")
+        return Prepared(batch_id, data)
+
     def append(
-        self, build: Callable[[HeldChannel], Built[R]], only_if_empty: bool = False, block: bool = True
+        self,
+        build: Callable[[HeldChannel], Built[R]],
+        only_if_empty: bool = False,
+        block: bool = True,
+        prepared: Prepared | None = None,
     ) -> Appended[R] | None:
         """Append the batch `build` makes; retried (same batch id) while etcd or storage is
         unavailable, up to the retry timeout. None if `only_if_empty` and the log is not,
-        or if not `block` and another writer holds the lock (nothing was done)."""
-        batch_id = uuid.uuid4().hex
+        or if not `block` and another writer holds the lock (nothing was done, `prepared`
+        can be appended later). With a `prepared` data file, `build` makes the system
+        columns only, the inserts first (log format 2)."""
+        prepared = prepared or Prepared(uuid.uuid4().hex)
+        batch_id, data = prepared.batch_id, prepared.data
         tried: dict[int, R] = {}  # offsets this batch was published at (maybe) -> its result
 
         def attempt() -> Appended[R] | None:
@@ -104,7 +139,7 @@ class ChannelAppender:
                         raise
                     return None  # busy: the caller appends elsewhere first
                 try:
-                    done = self._append_held(held, build, only_if_empty, batch_id, tried)
+                    done = self._append_held(held, build, only_if_empty, batch_id, tried, data)
                 finally:
                     self.heads.release(held)
             if done is None:
@@ -123,6 +158,7 @@ class ChannelAppender:
         only_if_empty: bool,
         batch_id: str,
         tried: dict[int, R],
+        data: DataFile | None,
     ) -> tuple[Appended[R], Callable[[], None] | None] | None:
         """Steps 2-4 under the lock; returns what was appended and the batch's `after`
         (None if its head commit failed: the head still lists what it took off)."""
@@ -136,7 +172,7 @@ class ChannelAppender:
             failpoint("before_wal_publish")
             tried[first] = built.result
             try:
-                _, last_ts = self.writer.write_at(built.table, first, held.head.last_ts, batch_id)
+                _, last_ts = self.writer.write_at(built.table, first, held.head.last_ts, batch_id, data)
             except LogConflictError:
                 self._adopt(held)  # a file the head does not count: a dead writer's
                 continue

@@ -16,6 +16,17 @@ offsets dense and contiguous inside the file and across files. Columns, in order
 File key-value metadata: `vchan.channel`, `vchan.collection_id`, `vchan.first_offset`,
 `vchan.count`, `vchan.last_timestamp`, and (from the multi-writer producer) `vchan.batch`,
 the id its writer gave the batch, so a retried append recognises a file it already wrote.
+
+Format versions (`vchan.format`; absent means 1):
+
+1. every column in the one file (above).
+2. a log file with a data file: the log file holds the system columns only (`offset` to
+   `payload`) and names, in `vchan.data`, the data file `wal-data/{vchannel}/{batch}.parquet`
+   that holds the collection's columns of its first rows (`vchan.data_rows` of them, the
+   batch's inserts; later rows, its time tick, have nulls there), `vchan.data_bytes` its
+   size. The data file depends on nothing the append lock decides, so a producer writes it
+   before taking the lock, which then covers only the small log file (docs/multi-writer.md).
+   A data file no log file names (its writer died before publishing) is garbage.
 """
 
 from __future__ import annotations
@@ -48,6 +59,12 @@ META_FIRST_OFFSET = b"vchan.first_offset"
 META_COUNT = b"vchan.count"
 META_LAST_TS = b"vchan.last_timestamp"
 META_BATCH = b"vchan.batch"  # optional: the appending client's batch id (a retry recognises its file)
+META_FORMAT = b"vchan.format"  # optional: absent for format 1
+META_DATA = b"vchan.data"  # format 2: key of the data file
+META_DATA_ROWS = b"vchan.data_rows"  # format 2: rows of the data file
+META_DATA_BYTES = b"vchan.data_bytes"  # format 2: size of the data file
+
+FORMAT_VERSION = 2  # the newest format this code reads and writes
 
 
 class LogError(RuntimeError):
@@ -140,18 +157,20 @@ def user_fields(schema: CollectionSchema) -> list[pa.Field]:
     return [pa.field(f.name, arrow_type(f), nullable=True) for f in ordered]
 
 
+SYSTEM_SCHEMA = pa.schema(
+    [
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("msg_type", pa.string(), nullable=False),
+        pa.field("timestamp", pa.int64(), nullable=False),
+        pa.field("segment_id", pa.int64()),
+        pa.field("partition_id", pa.int64()),
+        pa.field("payload", pa.string()),
+    ]
+)
+
+
 def log_schema(schema: CollectionSchema) -> pa.Schema:
-    return pa.schema(
-        [
-            pa.field("offset", pa.int64(), nullable=False),
-            pa.field("msg_type", pa.string(), nullable=False),
-            pa.field("timestamp", pa.int64(), nullable=False),
-            pa.field("segment_id", pa.int64()),
-            pa.field("partition_id", pa.int64()),
-            pa.field("payload", pa.string()),
-            *user_fields(schema),
-        ]
-    )
+    return pa.schema([*SYSTEM_SCHEMA, *user_fields(schema)])
 
 
 def wal_prefix(vchannel: str) -> str:
@@ -160,6 +179,16 @@ def wal_prefix(vchannel: str) -> str:
 
 def wal_key(vchannel: str, first_offset: int) -> str:
     return f"wal/{vchannel}/{first_offset:020d}.parquet"
+
+
+def data_key(vchannel: str, batch_id: str) -> str:
+    """Key of a format-2 data file: outside `wal/{vchannel}/`, so listings of the log
+    see log files only."""
+    return f"wal-data/{vchannel}/{batch_id}.parquet"
+
+
+def data_prefix(vchannel: str) -> str:
+    return f"wal-data/{vchannel}/"
 
 
 def first_offset_of(key: str) -> int:

@@ -3,7 +3,9 @@
 Per channel, holding the channel's append lock in etcd (`wal.appender`), a batch is:
 timestamps above the channel's last, segment IDs from the open segments of the channel
 head (inserts), the rows, then a time tick, all in ONE log file, so the tick is the
-batch's last message (docs/architecture.md, "The log"). Rows go to vchannels by
+batch's last message (docs/architecture.md, "The log"). The inserted rows' columns go to
+the batch's data file before the lock is taken (log format 2, `wal.format`), so the lock
+covers only the small log file of system columns. Rows go to vchannels by
 primary key (`pk % K`; Milvus hashes the pk).
 
 Any number of producer processes may write one collection (docs/multi-writer.md):
@@ -45,8 +47,8 @@ from vchan_assets.meta.retry import retry_transient
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.wal.appender import Built, ChannelAppender
-from vchan_assets.wal.format import MsgType, arrow_type, log_schema
+from vchan_assets.wal.appender import Built, ChannelAppender, Prepared
+from vchan_assets.wal.format import SYSTEM_SCHEMA, MsgType, arrow_type, log_schema
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
 
@@ -213,8 +215,10 @@ class Producer:
         table = to_insert_table(info.schema, rows)
         self.last_sealed = []
         parts = self._route(info, table, table.column(info.schema.primary.name))
+        # Every channel's data file first, no lock held: the locks then cover small files only.
+        prepared = [(v, part.num_rows, self._appender(info, v).prepare(part)) for v, part in parts]
         return self._each_channel(
-            {v: functools.partial(self._append_inserts, info, v, partition_id, part) for v, part in parts}
+            {v: functools.partial(self._append_inserts, info, v, partition_id, n, p) for v, n, p in prepared}
         )
 
     def delete(
@@ -351,9 +355,15 @@ class Producer:
             start += count
 
     def _append_inserts(
-        self, info: CollectionInfo, vchannel: str, partition_id: int, rows: pa.Table, block: bool = True
+        self,
+        info: CollectionInfo,
+        vchannel: str,
+        partition_id: int,
+        n: int,
+        prepared: Prepared,
+        block: bool = True,
     ) -> ChannelAppend | None:
-        n = rows.num_rows
+        """Append `n` inserts whose data file is `prepared`, then a time tick."""
 
         def build(held: HeldChannel) -> Built[tuple[int, tuple[tuple[int, int], ...]]]:
             now = time.time()
@@ -372,8 +382,9 @@ class Producer:
                 "partition_id": pa.array(np.full(n, partition_id, dtype=np.int64)),
                 "payload": pa.nulls(n, pa.string()),
             }
-            batch = pa.Table.from_arrays([*system.values(), *rows.columns], schema=_batch_schema(info))
-            table = pa.concat_tables([batch, self._control_table(info, MsgType.TIME_TICK, tick_ts)])
+            batch = pa.Table.from_arrays(list(system.values()), schema=_SYSTEM_BATCH_SCHEMA)
+            tick = self._control_table(info, MsgType.TIME_TICK, tick_ts).select(_SYSTEM_BATCH_SCHEMA.names)
+            table = pa.concat_tables([batch, tick])
 
             def seal_full() -> None:  # they left the head with this batch: seal them at its tick
                 sealed = self._retry("seal", lambda: self.segments.seal_left(full, tick_ts))
@@ -382,7 +393,7 @@ class Producer:
             after = seal_full if full else None
             return Built(table, replace(head, last_ts=tick_ts), (tick_ts, tuple(assigned)), after)
 
-        done = self._appender(info, vchannel).append(build, block=block)
+        done = self._appender(info, vchannel).append(build, block=block, prepared=prepared)
         if done is None:
             return None  # the lock was busy and `block` was false: nothing was done
         tick_ts, assigned = done.result
@@ -462,6 +473,9 @@ class Producer:
         return pa.Table.from_arrays(
             [pa.array([values.get(f.name)], type=f.type) for f in schema], schema=schema
         )
+
+
+_SYSTEM_BATCH_SCHEMA = SYSTEM_SCHEMA.remove(0)  # what an insert batch's log file holds, but `offset`
 
 
 @functools.lru_cache(maxsize=256)

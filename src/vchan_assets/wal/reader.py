@@ -24,17 +24,24 @@ import pyarrow.parquet as pq
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.format import (
+    FORMAT_VERSION,
     META_CHANNEL,
     META_COLLECTION,
     META_COUNT,
+    META_DATA,
+    META_DATA_BYTES,
+    META_DATA_ROWS,
     META_FIRST_OFFSET,
+    META_FORMAT,
     META_LAST_TS,
+    SYSTEM_SCHEMA,
     CorruptLogError,
     MsgType,
     SchemaMismatchError,
     check_msg_types,
     first_offset_of,
     log_schema,
+    user_fields,
     wal_key,
     wal_prefix,
 )
@@ -50,8 +57,10 @@ class WalFile:
     first_offset: int
     count: int
     last_timestamp: int
-    size_bytes: int
+    size_bytes: int  # what reading the batch reads: the log file and its data file
     first_timestamp: int | None = None  # min of the timestamp column (footer statistics)
+    data_key: str | None = None  # format 2: the data file
+    data_bytes: int = 0  # format 2: the data file's size (part of size_bytes)
 
     @property
     def last_offset(self) -> int:
@@ -88,6 +97,37 @@ def _meta_int(meta: dict[bytes, bytes], key: bytes, path: str) -> int:
         raise CorruptLogError(
             path, f"footer entry {key.decode()!r} is not an integer: {raw[:40]!r}"
         ) from None
+
+
+@dataclass(frozen=True)
+class _DataRef:
+    """What a format-2 log file says of its data file."""
+
+    key: str
+    rows: int
+    size_bytes: int
+
+
+def _data_ref(meta: dict[bytes, bytes], path: str, count: int) -> _DataRef | None:
+    """The data file a log file names (None for format 1); CorruptLogError for a format
+    this code does not know (written by a newer version)."""
+    version = _meta_int(meta, META_FORMAT, path) if META_FORMAT in meta else 1
+    if version not in (1, FORMAT_VERSION):
+        raise CorruptLogError(
+            path, f"written in log format {version}; this version reads formats 1 to {FORMAT_VERSION}"
+        )
+    if version == 1:
+        return None
+    if META_DATA not in meta:
+        raise CorruptLogError(path, f"footer has no {META_DATA.decode()!r} entry")
+    ref = _DataRef(
+        meta[META_DATA].decode(errors="replace"),
+        _meta_int(meta, META_DATA_ROWS, path),
+        _meta_int(meta, META_DATA_BYTES, path),
+    )
+    if not 0 < ref.rows <= count:
+        raise CorruptLogError(path, f"footer says its data file has {ref.rows} of its {count} rows")
+    return ref
 
 
 def _check_footer(
@@ -137,26 +177,24 @@ def read_log_file(
     schema: CollectionSchema,
     columns: list[str] | None = None,
 ) -> pa.Table:
-    """Read one log file and validate it whole: footer against the name, columns against
-    the collection schema, offsets dense from the first, message types known.
+    """Read one log file (and its data file, format 2) and validate it whole: footer
+    against the name, columns against the collection schema, offsets dense from the
+    first, message types known.
 
     Raises CorruptLogError, SchemaMismatchError or UnknownMessageTypeError naming the path.
     `columns` restricts the read (offset, msg_type and timestamp are always included)."""
     path = storage.path(key)
     expected = log_schema(schema)
+    wanted = expected.names
+    if columns is not None:
+        wanted = [n for n in expected.names if n in {"offset", "msg_type", "timestamp", *columns}]
     try:
         with storage.open_input_file(key) as f:
             pf = pq.ParquetFile(f, page_checksum_verification=True)
             first, count, _ = _check_footer(pf.metadata, path, key, _channel_of(key), None)
-            found = pf.schema_arrow
-            if found.names != expected.names or any(
-                not found.field(n).type.equals(expected.field(n).type) for n in expected.names
-            ):
-                raise SchemaMismatchError(path, expected, found)
-            wanted = None
-            if columns is not None:
-                wanted = [n for n in expected.names if n in {"offset", "msg_type", "timestamp", *columns}]
-            table = pf.read(columns=wanted)
+            data = _data_ref(pf.metadata.metadata or {}, path, count)
+            _check_schema(path, expected if data is None else SYSTEM_SCHEMA, pf.schema_arrow)
+            table = pf.read(columns=[n for n in wanted if n in pf.schema_arrow.names])
     except FileNotFoundError:
         raise CorruptLogError(path, "the file disappeared (log truncated or removed?)") from None
     except (pa.ArrowException, OSError) as exc:
@@ -174,8 +212,45 @@ def read_log_file(
     if kinds.null_count:
         raise CorruptLogError(path, "msg_type has nulls")
     check_msg_types(kinds, path, first)
-    target = expected if wanted is None else pa.schema([expected.field(n) for n in wanted])
+    target = pa.schema([expected.field(n) for n in wanted])
+    user = [n for n in wanted if n not in SYSTEM_SCHEMA.names]
+    if data is not None and user:
+        found = _read_data(storage, data, path, schema, user, count)
+        table = pa.Table.from_arrays(
+            [table.column(n) if n in table.column_names else found.column(n) for n in wanted], names=wanted
+        )
     return pa.Table.from_arrays(table.columns, schema=target)
+
+
+def _check_schema(path: str, expected: pa.Schema, found: pa.Schema) -> None:
+    if found.names != expected.names or any(
+        not found.field(n).type.equals(expected.field(n).type) for n in expected.names
+    ):
+        raise SchemaMismatchError(path, expected, found)
+
+
+def _read_data(
+    storage: Storage, data: _DataRef, log_path: str, schema: CollectionSchema, names: list[str], count: int
+) -> pa.Table:
+    """The `names` columns of a format-2 data file, null past its rows up to `count`."""
+    path = storage.path(data.key)
+    try:
+        with storage.open_input_file(data.key) as f:
+            pf = pq.ParquetFile(f, page_checksum_verification=True)
+            _check_schema(path, pa.schema(user_fields(schema)), pf.schema_arrow)
+            table = pf.read(columns=names)
+    except FileNotFoundError:
+        raise CorruptLogError(log_path, f"its data file {path} is missing") from None
+    except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, StorageError):
+            raise
+        raise CorruptLogError(path, f"unreadable: {exc}") from None
+    if table.num_rows != data.rows:
+        raise CorruptLogError(path, f"has {table.num_rows} rows, its log file {log_path} says {data.rows}")
+    tail = count - data.rows  # the batch's messages after its inserts (its time tick)
+    return pa.Table.from_arrays(
+        [pa.chunked_array([*c.chunks, pa.nulls(tail, c.type)]) for c in table.columns], names=names
+    )
 
 
 class WalReader:
@@ -232,7 +307,11 @@ class WalReader:
         except (pa.ArrowException, OSError) as exc:
             raise CorruptLogError(path, f"unreadable footer: {exc}") from None
         first, count, last_ts = _check_footer(md, path, key, self.vchannel, self.collection.id)
-        described = WalFile(key, first, count, last_ts, size, _first_timestamp(md))
+        data = _data_ref(md.metadata or {}, path, count)
+        data_key, data_bytes = (None, 0) if data is None else (data.key, data.size_bytes)
+        described = WalFile(
+            key, first, count, last_ts, size + data_bytes, _first_timestamp(md), data_key, data_bytes
+        )
         self._footers[key] = described
         return described
 

@@ -6,7 +6,9 @@ PUT on S3), so a reader sees a whole batch or nothing and no file is ever overwr
 a writer that finds its file name taken gets `LogConflictError`.
 
 `write_at` writes a batch at an offset someone else decided: the multi-writer path
-(`wal.appender`), where the channel's head in etcd says where the log ends. `append`
+(`wal.appender`), where the channel's head in etcd says where the log ends. Given a
+`DataFile` (`write_data`, written before the offset is known), it writes the format-2
+log file: system columns only, naming the data file (`wal.format`). `append`
 is the single-writer path (tests, tools): the next offset comes from the last file
 (its name plus the `vchan.count` footer entry) and is cached per process, behind one
 lock per channel.
@@ -25,17 +27,25 @@ import pyarrow.parquet as pq
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import ObjectExistsError, Storage
 from vchan_assets.wal.format import (
+    FORMAT_VERSION,
     META_BATCH,
     META_CHANNEL,
     META_COLLECTION,
     META_COUNT,
+    META_DATA,
+    META_DATA_BYTES,
+    META_DATA_ROWS,
     META_FIRST_OFFSET,
+    META_FORMAT,
     META_LAST_TS,
+    SYSTEM_SCHEMA,
     LogError,
     MsgType,
     SchemaMismatchError,
     check_msg_types,
+    data_key,
     log_schema,
+    user_fields,
     wal_key,
 )
 
@@ -82,6 +92,16 @@ class WrittenBatch:
     segment_rows: tuple[tuple[int, int], ...]  # (segment_id, insert rows)
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """A format-2 data file: the collection's columns of a batch's first `rows` messages
+    (its inserts), written before the batch has an offset."""
+
+    key: str
+    rows: int
+    size_bytes: int
+
+
 @dataclass
 class _ChannelState:
     """Shared by every writer of one channel in this process."""
@@ -119,6 +139,7 @@ class WalWriter:
         self.collection = collection
         self.schema = log_schema(collection.schema)
         self._state = _channel_state(storage, vchannel)
+        self.data_schema = pa.schema(user_fields(collection.schema))
         self._vector_columns = {f.name for f in collection.schema.vector_fields}
         self._required_for_insert = [f.name for f in collection.schema.fields]
         self._pk = collection.schema.primary.name
@@ -157,9 +178,9 @@ class WalWriter:
             assert first is not None
             key = wal_key(self.vchannel, first)
             path = self.storage.path(key)
-            batch = self._conform(table, path, first)
+            batch = self._conform(table, path, first, self.schema)
             last_ts = self._validate(batch, path, first)
-            data = self._encode(batch, first, last_ts)
+            data = self._encode(batch, self._footer(first, batch.num_rows, last_ts))
             try:
                 self.storage.write_atomic(key, data, exclusive=True)
             except ObjectExistsError:
@@ -169,22 +190,55 @@ class WalWriter:
             self._state.last_timestamp = last_ts
             return first, first + batch.num_rows - 1
 
-    def write_at(self, table: pa.Table, first: int, after_ts: int, batch_id: str) -> tuple[int, int]:
+    def write_at(
+        self, table: pa.Table, first: int, after_ts: int, batch_id: str, data: DataFile | None = None
+    ) -> tuple[int, int]:
         """Write one batch as the file at offset `first` (its timestamps must be above
         `after_ts`, the channel's last); returns (first_offset, last_timestamp).
+        With `data`, `table` has the system columns only and its first `data.rows`
+        messages are the inserts whose columns `data` holds (format 2).
         LogConflictError if that file exists; nothing is overwritten."""
         if table.num_rows == 0:
             raise InvalidBatchError(self.vchannel, "the batch is empty")
         key = wal_key(self.vchannel, first)
         path = self.storage.path(key)
-        batch = self._conform(table, path, first)
-        last_ts = self._validate(batch, path, first, after_ts + 1)
-        data = self._encode(batch, first, last_ts, batch_id)
+        batch = self._conform(table, path, first, self.schema if data is None else SYSTEM_SCHEMA)
+        last_ts = self._validate(batch, path, first, after_ts + 1, data)
+        meta = {META_BATCH: batch_id}
+        if data is not None:
+            meta |= {
+                META_FORMAT: str(FORMAT_VERSION),
+                META_DATA: data.key,
+                META_DATA_ROWS: str(data.rows),
+                META_DATA_BYTES: str(data.size_bytes),
+            }
+        encoded = self._encode(batch, self._footer(first, batch.num_rows, last_ts, meta))
         try:
-            self.storage.write_atomic(key, data, exclusive=True)
+            self.storage.write_atomic(key, encoded, exclusive=True)
         except ObjectExistsError:
             raise LogConflictError(path, self.vchannel) from None
         return first, last_ts
+
+    def write_data(self, rows: pa.Table, batch_id: str) -> DataFile:
+        """Write the data file of batch `batch_id`: `rows` are its inserts, the collection's
+        fields in log order (pk first), no nulls. Needs no lock: a retry of the batch writes
+        the same file again, and a file no log file names is garbage."""
+        key = data_key(self.vchannel, batch_id)
+        path = self.storage.path(key)
+        if rows.num_rows == 0:
+            raise InvalidBatchError(self.vchannel, "the batch is empty")
+        if rows.schema.names != self.data_schema.names or any(
+            not rows.schema.field(n).type.equals(self.data_schema.field(n).type) for n in rows.schema.names
+        ):
+            raise SchemaMismatchError(path, self.data_schema, rows.schema)
+        for name in rows.column_names:
+            if rows.column(name).null_count:
+                raise InvalidBatchError(self.vchannel, f"insert messages need {name!r}")
+        rows = pa.Table.from_arrays(rows.columns, schema=self.data_schema)
+        meta = {META_CHANNEL: self.vchannel, META_BATCH: batch_id}
+        encoded = self._encode(rows, {k: v.encode() for k, v in meta.items()})
+        self.storage.write_atomic(key, encoded)
+        return DataFile(key, rows.num_rows, encoded.size)
 
     def written_at(self, first: int) -> WrittenBatch | None:
         """What the file at offset `first` holds (None: no such file): for a writer that
@@ -233,14 +287,15 @@ class WalWriter:
             self._state.next_offset = last.first_offset + last.count
             self._state.last_timestamp = last.last_timestamp
 
-    def _conform(self, table: pa.Table, path: str, first: int) -> pa.Table:
-        """The batch in log column order with the `offset` column, or SchemaMismatchError."""
+    def _conform(self, table: pa.Table, path: str, first: int, schema: pa.Schema) -> pa.Table:
+        """The batch in `schema`'s column order with the `offset` column, or
+        SchemaMismatchError."""
         found = table.schema
-        if len(set(found.names)) != len(found.names) or any(n not in self.schema.names for n in found.names):
-            raise SchemaMismatchError(path, self.schema, found)
+        if len(set(found.names)) != len(found.names) or any(n not in schema.names for n in found.names):
+            raise SchemaMismatchError(path, schema, found)
         columns: list[pa.ChunkedArray | pa.Array] = []
         bad = False
-        for field in self.schema:
+        for field in schema:
             if field.name == "offset":
                 columns.append(pa.array(np.arange(first, first + table.num_rows, dtype=np.int64)))
                 continue
@@ -259,11 +314,15 @@ class WalWriter:
                 bad = True
                 break
         if bad:
-            raise SchemaMismatchError(path, self.schema, found)
-        return pa.Table.from_arrays(columns, schema=self.schema)
+            raise SchemaMismatchError(path, schema, found)
+        return pa.Table.from_arrays(columns, schema=schema)
 
-    def _validate(self, batch: pa.Table, path: str, first: int, floor: int | None = None) -> int:
-        """Message types, required fields and timestamp order; returns the last timestamp."""
+    def _validate(
+        self, batch: pa.Table, path: str, first: int, floor: int | None = None, data: DataFile | None = None
+    ) -> int:
+        """Message types, required fields and timestamp order; returns the last timestamp.
+        With `data` (format 2) the inserts are exactly the first `data.rows` messages (their
+        fields are in the data file, checked there) and there are no deletes."""
         for name in ("msg_type", "timestamp"):
             if batch.column(name).null_count:
                 raise InvalidBatchError(self.vchannel, f"column {name!r} has nulls")
@@ -281,8 +340,18 @@ class WalWriter:
 
         inserts = pc.equal(kinds, MsgType.INSERT.value)
         deletes = pc.equal(kinds, MsgType.DELETE.value)
-        required = [(inserts, "insert", ["segment_id", "partition_id", *self._required_for_insert])]
-        required.append((deletes, "delete", ["partition_id", self._pk]))
+        if data is None:
+            required = [(inserts, "insert", ["segment_id", "partition_id", *self._required_for_insert])]
+            required.append((deletes, "delete", ["partition_id", self._pk]))
+        else:
+            n = data.rows
+            if n > len(ts) or not pc.all(inserts.slice(0, n)).as_py() or pc.any(inserts.slice(n)).as_py():
+                raise InvalidBatchError(
+                    self.vchannel, f"the inserts must be the first {n} messages, as many as the data file has"
+                )
+            if pc.any(deletes).as_py():
+                raise InvalidBatchError(self.vchannel, "a batch with a data file holds no deletes")
+            required = [(inserts, "insert", ["segment_id", "partition_id"])]
         for mask, kind, names in required:
             if not pc.any(mask).as_py():
                 continue
@@ -292,16 +361,20 @@ class WalWriter:
                     raise InvalidBatchError(self.vchannel, f"{kind} messages need {name!r}")
         return int(ts[-1])
 
-    def _encode(self, batch: pa.Table, first: int, last_ts: int, batch_id: str = "") -> pa.Buffer:
-        metadata = {
-            META_CHANNEL: self.vchannel.encode(),
-            META_COLLECTION: str(self.collection.id).encode(),
-            META_FIRST_OFFSET: str(first).encode(),
-            META_COUNT: str(batch.num_rows).encode(),
-            META_LAST_TS: str(last_ts).encode(),
+    def _footer(
+        self, first: int, count: int, last_ts: int, extra: dict[bytes, str] | None = None
+    ) -> dict[bytes, bytes]:
+        meta = {
+            META_CHANNEL: self.vchannel,
+            META_COLLECTION: str(self.collection.id),
+            META_FIRST_OFFSET: str(first),
+            META_COUNT: str(count),
+            META_LAST_TS: str(last_ts),
+            **(extra or {}),
         }
-        if batch_id:
-            metadata[META_BATCH] = batch_id.encode()
+        return {k: v.encode() for k, v in meta.items() if v}
+
+    def _encode(self, batch: pa.Table, metadata: dict[bytes, bytes]) -> pa.Buffer:
         batch = batch.replace_schema_metadata(metadata)
         names = batch.column_names
         strings = [n for n in names if pa.types.is_string(batch.schema.field(n).type)]
