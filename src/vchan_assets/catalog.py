@@ -60,7 +60,7 @@ from vchan_assets.model import (
     physical_ms,
 )
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.wal.format import LogError, wal_prefix
+from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
@@ -270,6 +270,7 @@ class Catalog:
             log.error("vchannel %s: %s", vchannel, exc)
             committed, files, head, error = channel_checkpoint(self.store, vchannel), [], None, str(exc)
         listed = self.storage.list_files(wal_prefix(vchannel))
+        data = self.storage.list_files(data_prefix(vchannel))  # the log's data files (format 2)
         cp = committed.model if committed else None
         after = cp.offset if cp else -1
         backlog_files = [f for f in files if f.overlaps(after, None)]
@@ -303,7 +304,7 @@ class Catalog:
             "lag_seconds": lag_seconds,
             "checkpoint_age_seconds": max(0.0, now - _ts_seconds(cp_ts)) if cp_ts else None,
             "log_files": len(listed),
-            "log_bytes": sum(int(i.size or 0) for i in listed),
+            "log_bytes": sum(int(i.size or 0) for i in [*listed, *data]),
             "backlog_bytes": None if error else sum(f.size_bytes for f in backlog_files),
             "log_error": error,
             "log_damaged": damaged,
