@@ -65,7 +65,8 @@ def grow_history(storage: Storage, store: MetaStore, info: CollectionInfo, files
         ts += 1
         tick = pa.table({"msg_type": [MsgType.TIME_TICK.value], "timestamp": pa.array([ts], pa.int64())})
         key = wal_key(vchannel, offset)
-        data = writer._encode(writer._conform(tick, storage.path(key), offset), offset, ts)
+        table = writer._conform(tick, storage.path(key), offset, writer.schema)
+        data = writer._encode(table, writer._footer(offset, 1, ts))
         if storage.is_s3:
             storage.write_atomic(key, data)
         else:

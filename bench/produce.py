@@ -9,7 +9,9 @@ vector and 2 vchannels, 10,000-row batches:
     producer cost before the multi-writer log, minus its in-memory segment assignment;
   - 1, 2, 4 producer processes (`Producer.insert`, the multi-writer path), each its own
     OS process, started together: aggregate rows/s, and the ratio to the baseline;
-  - coordination cost per batch and channel: (1 producer - baseline) / appends;
+  - coordination cost per batch and channel: (1 producer - baseline) / appends; and, per
+    configuration, the append lock's critical section (taken to released) and the acquire
+    call (round trip and waits) per append, as the producers measure them;
   - end to end: `--e2e-rows` rows by 1 and by 2 producers, then flush, then the sync
     (local engine, one channel after the other) until `flush_state` is true.
 Each configuration runs `--repeat` times, interleaved with the others; medians are reported.
@@ -68,13 +70,18 @@ def child(settings: Settings, collection: str, rows: int, start_pk: int, go: Pat
     started = time.time()
     for batch in batches:
         producer.insert(collection, batch)
-    print(json.dumps({"start": started, "end": time.time()}), flush=True)
+    end = time.time()
+    timings = {k: [t.count, t.seconds] for k, t in producer.lock_timings().items()}
+    print(json.dumps({"start": started, "end": end, **timings}), flush=True)
     producer.close()
     store.close()
 
 
-def run_producers(settings: Settings, work: Path, collection: str, n: int, rows: int) -> float:
-    """Aggregate rows/s of `n` producer processes inserting `rows` in all."""
+def run_producers(
+    settings: Settings, work: Path, collection: str, n: int, rows: int
+) -> tuple[float, dict[str, float]]:
+    """Aggregate rows/s of `n` producer processes inserting `rows` in all, and the ms per
+    append the lock was held and acquiring took (means over every append)."""
     go = work / f"go-{uuid.uuid4().hex[:6]}"
     env = {**settings.to_env(), "PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(Path.cwd())}
     procs = []
@@ -100,7 +107,8 @@ def run_producers(settings: Settings, work: Path, collection: str, n: int, rows:
         assert proc.returncode == 0, f"producer failed: {proc.returncode}"
         spans.append(json.loads(out.strip().splitlines()[-1]))
     seconds = max(s["end"] for s in spans) - min(s["start"] for s in spans)
-    return (rows // n) * n / seconds
+    ms = {k: 1000 * sum(s[k][1] for s in spans) / sum(s[k][0] for s in spans) for k in ("held", "acquiring")}
+    return (rows // n) * n / seconds, ms
 
 
 def run_baseline(settings: Settings, store: MetaStore, storage: Storage, collection: str, rows: int) -> float:
@@ -167,12 +175,18 @@ def main() -> None:
         producer = Producer(store, storage, settings)
         counts = [int(x) for x in args.producers.split(",")]
         runs: dict[str, list[float]] = {"baseline": [], **{f"{n} producers": [] for n in counts}}
+        locks: dict[str, list[float]] = {
+            f"{n} producers {k}": [] for n in counts for k in ("held", "acquiring")
+        }
         for r in range(args.repeat):  # interleaved, so a change of load hits every configuration
             base = producer.create_collection(f"baseline{r}", SCHEMA, num_channels=2)
             runs["baseline"].append(run_baseline(settings, store, storage, base.name, args.rows))
             for n in counts:
                 info = producer.create_collection(f"p{n}_{r}", SCHEMA, num_channels=2)
-                runs[f"{n} producers"].append(run_producers(settings, work, info.name, n, args.rows))
+                rate, ms = run_producers(settings, work, info.name, n, args.rows)
+                runs[f"{n} producers"].append(rate)
+                for k, v in ms.items():
+                    locks[f"{n} producers {k}"].append(v)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()), flush=True)
         results = {f"{k} rows/s": statistics.median(v) for k, v in runs.items()}
         base_rate = results["baseline rows/s"]
@@ -180,9 +194,13 @@ def main() -> None:
         for n in counts:
             rate = results[f"{n} producers rows/s"]
             one_rate = results.get("1 producers rows/s", rate)
+            held, acquiring = (statistics.median(locks[f"{n} producers {k}"]) for k in ("held", "acquiring"))
+            results[f"{n} producers lock held ms"] = held
+            results[f"{n} producers acquire ms"] = acquiring
             print(
                 f"{n} producer process(es): {rate:,.0f} rows/s = {rate / base_rate:.2f}x baseline, "
-                f"{rate / one_rate:.2f}x one producer"
+                f"{rate / one_rate:.2f}x one producer; per append: lock held {held:.1f} ms, "
+                f"acquire (round trip and waits) {acquiring:.1f} ms"
             )
         one = results.get("1 producers rows/s")
         if one:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -63,6 +64,18 @@ class Built(Generic[R]):
     after: Callable[[], None] | None = None
 
 
+@dataclass
+class Timing:
+    """Count and total seconds of something timed (for benchmarks and logs)."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What a batch has before it takes the lock: its id (every attempt's file carries
@@ -95,6 +108,10 @@ class ChannelAppender:
         self.retry_timeout = retry_timeout
         self.lock = lock or threading.RLock()  # one append at a time per channel in this process
         self.adopted = 0  # files of dead writers taken into the head (metric)
+        # metrics: the acquire call (its round trip and any wait for another holder), and
+        # the critical section from the lock taken to its release
+        self.acquiring = Timing()
+        self.held = Timing()
 
     def prepare(self, rows: pa.Table | None = None) -> Prepared:
         """A batch id and, given inserted `rows` (`WalWriter.data_schema`), their data file,
@@ -132,16 +149,20 @@ class ChannelAppender:
             if mine is not None:
                 return mine
             with self.lock:
+                started = time.perf_counter()
                 try:
                     held = self.heads.acquire(self.vchannel, wait=None if block else 0)
                 except AppendLockTimeoutError:
                     if block:
                         raise
                     return None  # busy: the caller appends elsewhere first
+                taken = time.perf_counter()
+                self.acquiring.add(taken - started)
                 try:
                     done = self._append_held(held, build, only_if_empty, batch_id, tried, data)
                 finally:
                     self.heads.release(held)
+                    self.held.add(time.perf_counter() - taken)
             if done is None:
                 return None
             appended, after = done

@@ -47,7 +47,7 @@ from vchan_assets.meta.retry import retry_transient
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.wal.appender import Built, ChannelAppender, Prepared
+from vchan_assets.wal.appender import Built, ChannelAppender, Prepared, Timing
 from vchan_assets.wal.format import SYSTEM_SCHEMA, MsgType, arrow_type, log_schema
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
@@ -105,6 +105,15 @@ class Producer:
     def close(self) -> None:
         """Give up this producer's append locks at once (else their lease expires)."""
         self.segments.heads.close()
+
+    def lock_timings(self) -> dict[str, Timing]:
+        """Append-lock metrics summed over this producer's channels: "acquiring" (the acquire
+        round trip and any wait) and "held" (the critical section), count and seconds."""
+        out = {"acquiring": Timing(), "held": Timing()}
+        for appender in self._appenders.values():
+            for name, timing in (("acquiring", appender.acquiring), ("held", appender.held)):
+                out[name] = Timing(out[name].count + timing.count, out[name].seconds + timing.seconds)
+        return out
 
     def _retry(self, what: str, call: Callable[[], T]) -> T:
         return retry_transient(
