@@ -57,9 +57,8 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
             f"Spark {health['spark_version']} ({health['spark_master']}), storage {health['storage']}"
         )
         producer = Producer(stack.store, stack.storage, settings)
-        name = f"demo_{uuid.uuid4().hex[:6]}"
-        info = producer.create_collection(name, SCHEMA, num_channels=options.channels)
-        console.print(f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}")
+        info = create_demo_collection(producer, options.channels, console)
+        name = info.name
 
         deleted, flush_ts = produce_demo_data(producer, name, options, console)
         console.print(f"produced {options.rows:,} rows and {len(deleted):,} deletes; flush at ts {flush_ts}")
@@ -89,6 +88,14 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
         return 0
     finally:
         stack.close(stop_etcd=not options.keep)
+
+
+def create_demo_collection(producer: Producer, channels: int, console: Console) -> CollectionInfo:
+    """A new collection of `SCHEMA` on `channels` vchannels, named on the console."""
+    name = f"demo_{uuid.uuid4().hex[:6]}"
+    info = producer.create_collection(name, SCHEMA, num_channels=channels)
+    console.print(f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}")
+    return info
 
 
 def produce_demo_data(

@@ -12,7 +12,6 @@ with pyarrow (the direct demo's check), and prints a summary and the UI address.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,12 +29,12 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import segment_table
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG
 from vchan_assets.demo import (
-    SCHEMA,
     DemoCheckError,
     DemoOptions,
     _summary,
     check_binlogs,
     check_lifecycle,
+    create_demo_collection,
     produce_demo_data,
 )
 from vchan_assets.deploy.processes import wait_until
@@ -171,9 +170,8 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         console.print(f"DataNodes (sensors datanode_1, datanode_2): {_dagster_nodes(stack)}")
 
         producer = Producer(stack.store, stack.storage, settings)
-        name = f"demo_{uuid.uuid4().hex[:6]}"
-        info = producer.create_collection(name, SCHEMA, num_channels=options.channels)
-        console.print(f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}")
+        info = create_demo_collection(producer, options.channels, console)
+        name = info.name
         manager = ChannelManager(stack.store, settings)
         took = _wait(lambda: _all_watched(manager, info), 90, "every vchannel to be watched")
         console.print(
