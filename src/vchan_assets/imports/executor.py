@@ -26,7 +26,6 @@ from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
-from vchan_assets.datacoord.collections import CollectionNotFoundError, CollectionRegistry
 from vchan_assets.datacoord.segment_manager import max_rows_of
 from vchan_assets.failpoints import failpoint
 from vchan_assets.imports.files import FileSource, ImportInputError
@@ -48,8 +47,7 @@ from vchan_assets.imports.task import (
     run_tasks_arrow,
 )
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
-from vchan_assets.meta.codec import decode
-from vchan_assets.meta.store import Decoded, KeyValue, MetaStore
+from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage, StorageError
@@ -96,7 +94,6 @@ class ImportExecutor:
         self.on_progress = on_progress or (lambda job: None)
         self.ids = IdAllocator(store)
         self.tso = TimestampOracle(store)
-        self.collections = CollectionRegistry(store)
         self.source = FileSource(settings.s3_endpoint, settings.s3_region)
 
     def run(self, job_id: int) -> ImportJob:
@@ -131,7 +128,7 @@ class ImportExecutor:
     def _pre_import(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
         job = self._update(job, state=ImportState.PRE_IMPORTING)
         j = job.model
-        info = self._collection(j)
+        info = self._collection(j).model
         try:
             files = pre_import(
                 self.source, info.schema, [f.path for f in j.files], j.format, j.drop_unknown_columns
@@ -155,7 +152,7 @@ class ImportExecutor:
     def _import(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
         job = self._update(job, progress=10)  # a second executor now fails its next write
         j = job.model
-        info = self._collection(j)
+        info = self._collection(j).model
         specs = self._specs(j, info)
         segments: list[SegmentInfo] = []
         for result in self._run(specs):
@@ -285,7 +282,7 @@ class ImportExecutor:
         that also checks the collection is the one read (not dropped meanwhile)."""
         for _ in range(20):
             j = job.model
-            collection = self._collection_kv(j)
+            collection = self._collection(j).kv
             segments = self._segments(j)
             puts: dict[str, Any] = {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
             expect = {k: d.kv.version for k, d in segments}
@@ -347,24 +344,15 @@ class ImportExecutor:
 
     # --- helpers -----------------------------------------------------------------------
 
-    def _collection(self, j: ImportJob) -> CollectionInfo:
-        try:
-            info = self.collections.get(j.collection_id)
-        except CollectionNotFoundError:
-            raise ImportFailed(f"collection {j.collection!r} was dropped during the job") from None
-        if j.partition_id not in info.partitions:
-            raise ImportFailed(f"partition {j.partition!r} of {j.collection!r} was dropped during the job")
-        return info
-
-    def _collection_kv(self, j: ImportJob) -> KeyValue:
-        key = self.store.keys.collection(j.collection_id)
-        kv = self.store.get(key)
-        info = decode(key, kv.value, CollectionInfo) if kv else None
-        if kv is None or info is None or info.dropped_at:
+    def _collection(self, j: ImportJob) -> Decoded[CollectionInfo]:
+        """The job's collection as etcd holds it now (with its version, for a commit that
+        expects it unchanged); ImportFailed if it or the job's partition was dropped."""
+        found = self.store.get_model(self.store.keys.collection(j.collection_id), CollectionInfo)
+        if found is None or found.model.dropped_at:
             raise ImportFailed(f"collection {j.collection!r} was dropped during the job")
-        if j.partition_id not in info.partitions:
+        if j.partition_id not in found.model.partitions:
             raise ImportFailed(f"partition {j.partition!r} of {j.collection!r} was dropped during the job")
-        return kv
+        return found
 
     def _segment_key(self, seg: SegmentInfo) -> str:
         return self.store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
