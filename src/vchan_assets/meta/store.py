@@ -143,14 +143,23 @@ class MetaStore:
         if found != self.fence.create_revision:
             raise NotLeaderError(self.fence.key, self.fence.create_revision, found)
 
-    def _fenced_ops(self, operation: str, success: list[Any]) -> int:
-        """`success` in one transaction under the fence (NotLeaderError if refused)."""
-        with self._call(operation):
+    def _transaction(
+        self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+    ) -> tuple[bool, list[Any]]:
+        """One transaction under this writer's fence: `success` if every `compare` (and the
+        fence) holds, else `failure`. A refusal the fence caused raises NotLeaderError."""
+        with self._call(what):
             ok, responses = self.client.transaction(
-                compare=self._fence_compare(), success=success, failure=[]
+                compare=[*compare, *self._fence_compare()], success=success, failure=failure or []
             )
         if not ok:
             self._check_fence()
+        return ok, responses
+
+    def _fenced_ops(self, operation: str, success: list[Any]) -> int:
+        """`success` in one transaction under the fence (NotLeaderError if refused)."""
+        ok, responses = self._transaction(operation, [], success)
+        if not ok:
             raise MetaError(f"{operation} was refused without a visible cause")
         return _txn_revision(responses)
 
@@ -299,14 +308,10 @@ class MetaStore:
         revision; raises CasConflictError with the version found otherwise."""
         tx = self.client.transactions
         op = tx.delete(key) if value is None else tx.put(key, _as_bytes(value), lease=lease)
-        with self._call(f"compare-and-swap {key}"):
-            ok, responses = self.client.transaction(
-                compare=[tx.version(key) == expected_version, *self._fence_compare()],
-                success=[op],
-                failure=[tx.get(key)],
-            )
+        ok, responses = self._transaction(
+            f"compare-and-swap {key}", [tx.version(key) == expected_version], [op], [tx.get(key)]
+        )
         if not ok:
-            self._check_fence()
             found = responses[0][0][1].version if responses and responses[0] else 0
             # (responses hold (value, KVMetadata) pairs for the failure branch's get)
             raise CasConflictError(key, expected_version, found)
@@ -322,16 +327,11 @@ class MetaStore:
         `expect_versions` still has that version (0: absent). Returns the revision of the
         commit, or None when a key had changed (nothing written)."""
         tx = self.client.transactions
-        success = _write_ops(tx, puts, deletes)
-        keys = ", ".join([*puts, *deletes])
-        with self._call(f"transaction on {keys}"):
-            ok, responses = self.client.transaction(
-                compare=[tx.version(k) == v for k, v in expect_versions.items()] + self._fence_compare(),
-                success=success,
-                failure=[],
-            )
-        if not ok:
-            self._check_fence()
+        ok, responses = self._transaction(
+            f"transaction on {', '.join([*puts, *deletes])}",
+            [tx.version(k) == v for k, v in expect_versions.items()],
+            _write_ops(tx, puts, deletes),
+        )
         return _txn_revision(responses) if ok else None
 
     def guarded_txn(
@@ -352,15 +352,13 @@ class MetaStore:
         lease_key = self.keys.channel_lease(channel)
         expect = dict(expect_versions or {})
         tx = self.client.transactions
-        success = _write_ops(tx, puts, deletes)
-        compare = [tx.value(lease_key) == encode(lease)]
-        compare += [tx.version(k) == v for k, v in expect.items()] + self._fence_compare()
+        compare = [tx.value(lease_key) == encode(lease)] + [tx.version(k) == v for k, v in expect.items()]
         failure = [tx.get(lease_key)] + [tx.get(k) for k in expect]
-        with self._call(f"guarded commit on {channel}"):
-            ok, responses = self.client.transaction(compare=compare, success=success, failure=failure)
+        ok, responses = self._transaction(
+            f"guarded commit on {channel}", compare, _write_ops(tx, puts, deletes), failure
+        )
         if ok:
             return _txn_revision(responses)
-        self._check_fence()
         current = responses[0][0][0] if responses and responses[0] else None
         if current != encode(lease):
             found = None
@@ -383,14 +381,12 @@ class MetaStore:
         `read`. Returns (the lock key as created, `read`) on success, (the key as someone
         else holds it, None) otherwise (None, None if it vanished meanwhile)."""
         tx = self.client.transactions
-        with self._call(f"lock {key}"):
-            ok, responses = self.client.transaction(
-                compare=[tx.version(key) == 0, *self._fence_compare()],
-                success=[tx.put(key, value, lease=lease), tx.get(read), tx.get(key)],
-                failure=[tx.get(key)],
-            )
-        if not ok:
-            self._check_fence()
+        ok, responses = self._transaction(
+            f"lock {key}",
+            [tx.version(key) == 0],
+            [tx.put(key, value, lease=lease), tx.get(read), tx.get(key)],
+            [tx.get(key)],
+        )
         ranges = [_range_kv(r) for r in responses if isinstance(r, list)]
         if not ok:
             return ranges[0], None
@@ -406,15 +402,9 @@ class MetaStore:
         """Every put and delete in one transaction, only if `key` is still the one created
         at `create_revision` (a lock this client holds); False (nothing written) otherwise."""
         tx = self.client.transactions
-        success = _write_ops(tx, puts, deletes)
-        with self._call(f"commit under {key}"):
-            ok, _ = self.client.transaction(
-                compare=[tx.create(key) == create_revision, *self._fence_compare()],
-                success=success,
-                failure=[],
-            )
-        if not ok:
-            self._check_fence()
+        ok, _ = self._transaction(
+            f"commit under {key}", [tx.create(key) == create_revision], _write_ops(tx, puts, deletes)
+        )
         return bool(ok)
 
     def read_lease(self, channel: str) -> ChannelLease | None:
