@@ -122,44 +122,18 @@ class Storage:
         check before the PUT there (pyarrow has no conditional PUT), so two writers must
         not race for one name (the append lock sees to that for log files).
         """
-        fs = self.filesystem
-        final = self.path(key)
-        try:
-            if self.is_s3:
-                if exclusive and self.exists(key):
-                    raise ObjectExistsError(final)
-                with fs.open_output_stream(final) as out:
-                    out.write(data)
-                return final
-            parent = final.rsplit("/", 1)[0]
-            fs.create_dir(parent, recursive=True)
-            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as out:
-                out.write(memoryview(data) if isinstance(data, pa.Buffer) else data)
-                out.flush()
-                os.fsync(out.fileno())
-            if not exclusive:
-                os.rename(tmp, final)
-                return final
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                raise ObjectExistsError(final) from None
-            finally:
-                os.unlink(tmp)
-            return final
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise StorageError(final, str(exc)) from exc
+        self.write_atomic_with(key, lambda out: out.write(memoryview(data)), exclusive)
+        return self.path(key)
 
-    def write_atomic_with(self, key: str, write: Callable[[Any], None]) -> int:
+    def write_atomic_with(self, key: str, write: Callable[[Any], None], exclusive: bool = False) -> int:
         """Like `write_atomic`, but `write(sink)` streams the object into a file-like sink
         (no intermediate buffer); returns the bytes written."""
         fs = self.filesystem
         final = self.path(key)
         try:
             if self.is_s3:
+                if exclusive and self.exists(key):
+                    raise ObjectExistsError(final)
                 with fs.open_output_stream(final) as out:
                     write(out)
                     return int(out.tell())
@@ -171,8 +145,18 @@ class Storage:
                 out.flush()
                 os.fsync(out.fileno())
                 size = out.tell()
-            os.rename(tmp, final)
+            if not exclusive:
+                os.rename(tmp, final)
+                return size
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                raise ObjectExistsError(final) from None
+            finally:
+                os.unlink(tmp)
             return size
+        except StorageError:
+            raise
         except OSError as exc:
             raise StorageError(final, str(exc)) from exc
 
