@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vchan_assets.deploy.processes import spawn, stop_tree
-from vchan_assets.meta.embedded import EmbeddedEtcdError, etcd_binary, free_port, pid_alive
+from vchan_assets.meta.embedded import EmbeddedEtcdError, etcd_binary, free_port, member_args, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +92,8 @@ class EtcdCluster:
     def _spawn(self, member: EtcdMember, state: str) -> None:
         client = f"{self.scheme}://127.0.0.1:{member.client_port}"
         peer = f"http://127.0.0.1:{member.peer_port}"
-        args = [
-            etcd_binary(),
-            f"--name={member.name}",
-            f"--data-dir={member.data_dir}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={self._initial_cluster()}",
-            f"--initial-cluster-state={state}",
-            f"--initial-cluster-token=vchan-{self.home.name}",
-            "--log-level=warn",
-        ]
+        args = member_args(member.name, member.data_dir, client, peer, self._initial_cluster(), state)
+        args.append(f"--initial-cluster-token=vchan-{self.home.name}")
         if self.tls:  # server TLS; clients authenticate with a user and password
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
         member.process = spawn(args, self.home / f"{member.name}.log", detach=self.detach)

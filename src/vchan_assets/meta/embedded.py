@@ -57,6 +57,25 @@ def etcd_binary() -> str:
     )
 
 
+def member_args(
+    name: str, data_dir: Path, client: str, peer: str, cluster: str, state: str = "new"
+) -> list[str]:
+    """The command line of an etcd member serving clients at `client` and peers at `peer`
+    (the URLs it advertises too), one of `cluster` ("name=peer-url,..."), warnings only."""
+    return [
+        etcd_binary(),
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster={cluster}",
+        f"--initial-cluster-state={state}",
+        "--log-level=warn",
+    ]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -218,19 +237,8 @@ class EmbeddedEtcd:
     def _spawn(self, detach: bool) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         client = f"http://127.0.0.1:{self.client_port}"
-        args = [
-            etcd_binary(),
-            "--name=vchan",
-            f"--data-dir={self.directory / 'data'}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=vchan={peer}",
-            "--initial-cluster-state=new",
-            "--log-level=warn",
-            "--auto-compaction-retention=0",
-        ]
+        args = member_args("vchan", self.directory / "data", client, peer, f"vchan={peer}")
+        args.append("--auto-compaction-retention=0")
         if self.max_request_bytes is not None:
             args.append(f"--max-request-bytes={self.max_request_bytes}")
         if self.max_txn_ops is not None:
