@@ -280,27 +280,20 @@ class ImportExecutor:
     def _commit(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
         """Every segment Importing -> Flushed and the job Completed, in one transaction
         that also checks the collection is the one read (not dropped meanwhile)."""
-        for _ in range(20):
-            j = job.model
+        j = job.model
+
+        def flushed() -> tuple[dict[str, int], dict[str, Any]]:
             collection = self._collection(j).kv
             segments = self._segments(j)
-            puts: dict[str, Any] = {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
-            expect = {k: d.kv.version for k, d in segments}
-            puts[job.kv.key] = replace(
-                j, state=ImportState.COMPLETED, progress=100, finished_at=time.time(), updated_at=time.time()
-            )
-            expect[job.kv.key] = job.kv.version
-            expect[collection.key] = collection.version
-            if self.store.txn(expect, puts) is not None:
-                log.info(
-                    "import job %d: %d rows visible in segments %s", j.job_id, j.imported_rows, j.segment_ids
-                )
-                return get_job(self.store, j.job_id)
-            fresh = get_job(self.store, j.job_id)
-            if fresh.kv.version != job.kv.version:
-                raise ImportJobTakenError(j.job_id)
-            # The collection changed (a partition, say): look again.
-        raise ImportFailed("the collection kept changing during the commit")
+            expect = {k: d.kv.version for k, d in segments} | {collection.key: collection.version}
+            return expect, {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
+
+        now = time.time()
+        done = replace(j, state=ImportState.COMPLETED, progress=100, finished_at=now, updated_at=now)
+        gave_up = ImportFailed("the collection kept changing during the commit")
+        committed = self._finish(job, done, flushed, gave_up)
+        log.info("import job %d: %d rows visible in segments %s", j.job_id, j.imported_rows, j.segment_ids)
+        return committed
 
     def _segments(self, j: ImportJob) -> list[tuple[str, Decoded[SegmentInfo]]]:
         out = []
@@ -318,10 +311,11 @@ class ImportExecutor:
     def fail(self, job: Decoded[ImportJob], reason: str) -> Decoded[ImportJob]:
         """Failed with `reason`; its Importing segments Dropped in the same transaction
         (their files go to garbage collection). Nothing of the job stays visible."""
-        for _ in range(20):
-            j = job.model
+        j = job.model
+
+        def drops() -> tuple[dict[str, int], dict[str, Any]]:
+            expect: dict[str, int] = {}
             puts: dict[str, Any] = {}
-            expect: dict[str, int] = {job.kv.key: job.kv.version}
             for seg_id in j.segment_ids:
                 key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
                 found = self.store.get_model(key, SegmentInfo)
@@ -330,17 +324,32 @@ class ImportExecutor:
                     assert dropped is not None
                     puts[key] = dropped
                     expect[key] = found.kv.version
-            now = time.time()
-            puts[job.kv.key] = replace(
-                j, state=ImportState.FAILED, reason=reason, finished_at=now, updated_at=now
-            )
-            if self.store.txn(expect, puts) is not None:
-                log.warning("import job %d failed: %s", j.job_id, reason)
-                return get_job(self.store, j.job_id)
-            fresh = get_job(self.store, j.job_id)
-            if fresh.kv.version != job.kv.version:
-                raise ImportJobTakenError(j.job_id)
-        raise ImportJobTakenError(job.model.job_id)
+            return expect, puts
+
+        now = time.time()
+        done = replace(j, state=ImportState.FAILED, reason=reason, finished_at=now, updated_at=now)
+        failed = self._finish(job, done, drops, ImportJobTakenError(j.job_id))
+        log.warning("import job %d failed: %s", j.job_id, reason)
+        return failed
+
+    def _finish(
+        self,
+        job: Decoded[ImportJob],
+        done: ImportJob,
+        changes: Callable[[], tuple[dict[str, int], dict[str, Any]]],
+        gave_up: Exception,
+    ) -> Decoded[ImportJob]:
+        """The job as `done` and `changes()` (versions to expect, records to put) in one
+        transaction that also expects the job as this executor read it. When something
+        else moved, `changes` is read again; when the job itself moved, another executor
+        owns it (ImportJobTakenError); `gave_up` after 20 rounds."""
+        for _ in range(20):
+            expect, puts = changes()
+            if self.store.txn({**expect, job.kv.key: job.kv.version}, {**puts, job.kv.key: done}) is not None:
+                return get_job(self.store, done.job_id)
+            if get_job(self.store, done.job_id).kv.version != job.kv.version:
+                raise ImportJobTakenError(done.job_id)
+        raise gave_up
 
     # --- helpers -----------------------------------------------------------------------
 
