@@ -59,7 +59,7 @@ from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType
 from vchan_assets.wal.producer import Producer, generate_rows
-from vchan_assets.wal.reader import WalReader
+from vchan_assets.wal.reader import WalFile, WalReader
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 128}, {"n": "int64", "f": "float", "s": "string"})
 BATCH = 100_000
@@ -101,16 +101,21 @@ class PeakRss:
 
 
 def baseline_file(
-    storage: Storage, schema: CollectionSchema, key: str, out_prefix: str, verify: bool = False
+    storage: Storage, schema: CollectionSchema, f: WalFile, out_prefix: str, verify: bool = False
 ) -> tuple[int, int]:
     """What a plain pyarrow program does with one log file: read it (with its page
     checksums verified if `verify`), keep the inserts, split them by segment, write each
     column group (fsynced). Returns (rows, bytes written)."""
-    table = pq.read_table(storage.path(key), page_checksum_verification=verify)
+    table = pq.read_table(storage.path(f.key), page_checksum_verification=verify)
+    if f.data_key is not None:  # log format 2: the batch's columns, for its first rows
+        data = pq.read_table(storage.path(f.data_key), page_checksum_verification=verify)
+        table = table.slice(0, data.num_rows)
+        for name in data.column_names:
+            table = table.append_column(name, data[name])
     is_insert = pc.equal(table["msg_type"], MsgType.INSERT.value).to_numpy(zero_copy_only=False)
     segment_ids = table["segment_id"].fill_null(-1).to_numpy()
     rows = written = 0
-    name = key.rsplit("/", 1)[-1]
+    name = f.key.rsplit("/", 1)[-1]
     for seg in np.unique(segment_ids[is_insert]).tolist():
         part = take_rows(table, is_insert & (segment_ids == seg))
         for group, columns in column_groups(schema):
@@ -130,9 +135,9 @@ def baseline(
 ) -> tuple[int, int]:
     """The simplest pyarrow program doing the same work, over `threads` threads (one log
     file per job); returns (rows, bytes written)."""
-    keys = [f.key for f in WalReader(storage, vchannel, info).files()]
+    files = WalReader(storage, vchannel, info).files()
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        done = list(pool.map(lambda key: baseline_file(storage, info.schema, key, out_prefix, verify), keys))
+        done = list(pool.map(lambda f: baseline_file(storage, info.schema, f, out_prefix, verify), files))
     return sum(r for r, _ in done), sum(w for _, w in done)
 
 
@@ -244,7 +249,10 @@ def measure_size(
             summary[name]["written_mb_per_s"] / summary["disk_write_mb_per_s"]
         )
     store.delete_prefix(store.keys.segments(info.id))
-    storage.filesystem.delete_dir_contents(storage.path(f"wal/{info.vchannels[0]}"), missing_dir_ok=True)
+    for root in ("wal", "wal-data"):  # the log files and (log format 2) their data files
+        storage.filesystem.delete_dir_contents(
+            storage.path(f"{root}/{info.vchannels[0]}"), missing_dir_ok=True
+        )
     return summary
 
 
@@ -255,7 +263,7 @@ def print_size(size: int, summary: dict[str, Any]) -> None:
     for name in RUNS:
         s = summary[name]
         print(
-            f"  {name:12s} {s['median_s']:6.2f}s  {s['rows_per_s'] / 1e6:5.2f}M rows/s  "
+            f"  {name:22s} {s['median_s']:6.2f}s  {s['rows_per_s'] / 1e6:5.2f}M rows/s  "
             f"read {s['read_mb_per_s']:5.0f} MB/s  written {s['written_mb_per_s']:5.0f} MB/s  "
             f"peak RSS {s['peak_rss_mb']:5.0f} MB  runs {s['runs_s']}"
         )
