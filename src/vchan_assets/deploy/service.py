@@ -121,6 +121,11 @@ def daemon_state(pid: int, dagster_home: Path, now: float) -> str:
     return f"up (pid {pid}, heartbeat {min(beats.ages.values()):.0f} s ago{suffix})"
 
 
+def _pids(state: dict[str, Any]) -> list[int]:
+    """The daemon's and the webserver's pids, as `DagsterService.start` recorded them."""
+    return [int(p) for p in state.get("pids", [])]
+
+
 @dataclass
 class DagsterService:
     settings: Settings
@@ -145,7 +150,7 @@ class DagsterService:
 
     def recorded(self) -> dict[str, Any] | None:
         state = read_record(self.state_file)
-        return state if any(pid_alive(int(p)) for p in state.get("pids", [])) else None
+        return state if any(pid_alive(p) for p in _pids(state)) else None
 
     def _create_storage(self, env: dict[str, str]) -> None:
         """Create (or migrate) the instance's storage before the daemon and the webserver
@@ -169,9 +174,9 @@ class DagsterService:
         state = read_record(self.state_file)
         if state and state.get("spark_remote") != settings.spark_remote:
             # They would run syncs on a Spark Connect server that is gone: restart both.
-            self._stop_pids([int(p) for p in state.get("pids", [])], timeout=30.0)
+            self._stop_pids(_pids(state), timeout=30.0)
             state = {}
-        daemon_pid, web_pid = ([int(p) for p in state.get("pids", [])] + [0, 0])[:2]
+        daemon_pid, web_pid = (_pids(state) + [0, 0])[:2]
         if self._hung(daemon_pid, now):
             log.warning("dagster daemon pid %s is hung (no heartbeat): restarting it", daemon_pid)
             self._stop_pids([daemon_pid], timeout=10.0)
@@ -227,7 +232,7 @@ class DagsterService:
         if not state:
             return []
         names = ("dagster-daemon", "dagster-webserver")
-        pids = [int(p) for p in state.get("pids", [])]
+        pids = _pids(state)
         down = [name for name, pid in zip(names, pids, strict=False) if not pid_alive(pid)]
         if pids and self._hung(pids[0], now):
             down.append("dagster-daemon (hung)")
@@ -300,7 +305,7 @@ class DagsterService:
         state = read_record(self.state_file)
         if not state:
             return False
-        self._stop_pids([int(p) for p in state.get("pids", [])], timeout)
+        self._stop_pids(_pids(state), timeout)
         if stop_spark and state.get("spark_pid"):
             LocalSparkConnect.for_settings(self.settings).stop()
         self.state_file.unlink(missing_ok=True)
