@@ -368,7 +368,12 @@ class Settings:
         _positive_int,
         "attempts of an import job's pre-import and import before it fails",
     )
-    spark_partitions: int = setting("VCHAN_SPARK_PARTITIONS", 2, _positive_int, "Spark tasks per sync job")
+    spark_partitions: int = setting(
+        "VCHAN_SPARK_PARTITIONS",
+        2,
+        _positive_int,
+        'Spark tasks per sync job; a `format("vchan")` read plans at least twice as many',
+    )
     sync_in_process_mb: float = setting(
         "VCHAN_SYNC_IN_PROCESS_MB",
         32.0,
