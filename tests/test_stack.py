@@ -17,6 +17,7 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
 
 VCHAN = Path(sys.executable).parent / "vchan"
@@ -197,3 +198,12 @@ def test_a_process_that_stops_its_spark_connect_server_exits_at_once(tmp_path: P
         out, _ = script.communicate()
         raise AssertionError(f"the process did not exit after stopping its server:\n{out[-2000:]}") from None
     assert script.returncode == 0 and "stopped" in out, out[-2000:]
+
+
+def test_a_spark_connect_record_without_its_pid_or_port_counts_as_no_server(tmp_path: Path) -> None:
+    server = LocalSparkConnect(tmp_path / "spark-connect")
+    server.home.mkdir(parents=True)
+    for record in ("{", "[1]", "{}", '{"pid": 1}', '{"pid": "one", "port": 15002}'):
+        server.state_file.write_text(record)
+        assert server.recorded() is None, record
+        assert server.url() is None

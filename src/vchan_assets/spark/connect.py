@@ -30,7 +30,7 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.processes import ServiceError
-from vchan_assets.meta.embedded import pid_alive
+from vchan_assets.meta.embedded import free_port, pid_alive, read_record
 from vchan_assets.spark.session import cluster_conf, spark_conf
 
 log = logging.getLogger(__name__)
@@ -70,12 +70,6 @@ def connect_jar() -> Path:
     return jars[-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _answers(port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout):
@@ -105,13 +99,13 @@ class LocalSparkConnect:
         return self.home / "server.log"
 
     def recorded(self) -> dict[str, int] | None:
+        """The running server's pid and port; None if none is recorded or it is gone."""
+        state = read_record(self.state_file)
         try:
-            state = json.loads(self.state_file.read_text())
-        except (OSError, ValueError):
+            pid, port = int(state["pid"]), int(state["port"])
+        except (KeyError, TypeError, ValueError):
             return None
-        if not pid_alive(int(state["pid"])):
-            return None
-        return {"pid": int(state["pid"]), "port": int(state["port"])}
+        return {"pid": pid, "port": port} if pid_alive(pid) else None
 
     def url(self) -> str | None:
         state = self.recorded()
@@ -124,7 +118,7 @@ class LocalSparkConnect:
         if url:
             return url
         self.home.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         settings = Settings(spark_partitions=self.partitions, spark_master=self.master)
         conf = {**spark_conf(settings), **cluster_conf(settings), "spark.app.name": "vchan-connect"}
         conf["spark.connect.grpc.binding.port"] = str(port)
