@@ -119,6 +119,16 @@ def read_record(path: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
+def read_ints(path: Path, *names: str) -> dict[str, int] | None:
+    """The whole-number fields `names` of the record in `path` (`read_record`); None
+    unless every one of them is there."""
+    record = read_record(path)
+    try:
+        return {name: int(record[name]) for name in names}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 # Loaded once in the parent: between fork and exec the child may only make the prctl
 # call itself (no dlopen, no allocation), since other threads (gRPC's) may hold locks.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -179,11 +189,7 @@ class EmbeddedEtcd:
         return self.directory / "server.json"
 
     def _read_state(self) -> dict[str, int] | None:
-        state = read_record(self.state_file)
-        try:
-            return {k: int(state[k]) for k in ("pid", "client_port", "peer_port")}
-        except (ValueError, KeyError, TypeError):
-            return None
+        return read_ints(self.state_file, "pid", "client_port", "peer_port")
 
     def attach(self) -> EmbeddedEtcd:
         """The server already running under `directory`; never starts one.

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.processes import ServiceError
-from vchan_assets.meta.embedded import free_port, pid_alive, read_record
+from vchan_assets.meta.embedded import free_port, pid_alive, read_ints
 from vchan_assets.spark.session import cluster_conf, spark_conf
 
 log = logging.getLogger(__name__)
@@ -100,12 +100,8 @@ class LocalSparkConnect:
 
     def recorded(self) -> dict[str, int] | None:
         """The running server's pid and port; None if none is recorded or it is gone."""
-        state = read_record(self.state_file)
-        try:
-            pid, port = int(state["pid"]), int(state["port"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        return {"pid": pid, "port": port} if pid_alive(pid) else None
+        state = read_ints(self.state_file, "pid", "port")
+        return state if state and pid_alive(state["pid"]) else None
 
     def url(self) -> str | None:
         state = self.recorded()
