@@ -129,6 +129,15 @@ class UnknownMessageTypeError(LogError):
 _MSG_TYPE_SET = pa.array(sorted(MSG_TYPES))
 
 
+def check_schema(path: str, expected: pa.Schema, found: pa.Schema) -> None:
+    """SchemaMismatchError unless `found` has exactly `expected`'s columns, in order and of
+    the same types (a log file, a data file, or a batch about to become one)."""
+    if found.names != expected.names or any(
+        not found.field(n).type.equals(expected.field(n).type) for n in expected.names
+    ):
+        raise SchemaMismatchError(path, expected, found)
+
+
 def check_msg_types(kinds: pa.Array | pa.ChunkedArray, path: str, first: int) -> None:
     """UnknownMessageTypeError for the first of `kinds` (a batch's msg_type column, no
     nulls, offsets from `first`) that is not a MsgType."""

@@ -37,8 +37,8 @@ from vchan_assets.wal.format import (
     SYSTEM_SCHEMA,
     CorruptLogError,
     MsgType,
-    SchemaMismatchError,
     check_msg_types,
+    check_schema,
     first_offset_of,
     log_schema,
     user_fields,
@@ -193,7 +193,7 @@ def read_log_file(
             pf = pq.ParquetFile(f, page_checksum_verification=True)
             first, count, _ = _check_footer(pf.metadata, path, key, _channel_of(key), None)
             data = _data_ref(pf.metadata.metadata or {}, path, count)
-            _check_schema(path, expected if data is None else SYSTEM_SCHEMA, pf.schema_arrow)
+            check_schema(path, expected if data is None else SYSTEM_SCHEMA, pf.schema_arrow)
             table = pf.read(columns=[n for n in wanted if n in pf.schema_arrow.names])
     except FileNotFoundError:
         raise CorruptLogError(path, "the file disappeared (log truncated or removed?)") from None
@@ -222,13 +222,6 @@ def read_log_file(
     return pa.Table.from_arrays(table.columns, schema=target)
 
 
-def _check_schema(path: str, expected: pa.Schema, found: pa.Schema) -> None:
-    if found.names != expected.names or any(
-        not found.field(n).type.equals(expected.field(n).type) for n in expected.names
-    ):
-        raise SchemaMismatchError(path, expected, found)
-
-
 def _read_data(
     storage: Storage, data: _DataRef, log_path: str, schema: CollectionSchema, names: list[str], count: int
 ) -> pa.Table:
@@ -237,7 +230,7 @@ def _read_data(
     try:
         with storage.open_input_file(data.key) as f:
             pf = pq.ParquetFile(f, page_checksum_verification=True)
-            _check_schema(path, pa.schema(user_fields(schema)), pf.schema_arrow)
+            check_schema(path, pa.schema(user_fields(schema)), pf.schema_arrow)
             table = pf.read(columns=names)
     except FileNotFoundError:
         raise CorruptLogError(log_path, f"its data file {path} is missing") from None

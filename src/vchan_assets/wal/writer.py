@@ -43,6 +43,7 @@ from vchan_assets.wal.format import (
     MsgType,
     SchemaMismatchError,
     check_msg_types,
+    check_schema,
     data_key,
     log_schema,
     user_fields,
@@ -227,10 +228,7 @@ class WalWriter:
         path = self.storage.path(key)
         if rows.num_rows == 0:
             raise InvalidBatchError(self.vchannel, "the batch is empty")
-        if rows.schema.names != self.data_schema.names or any(
-            not rows.schema.field(n).type.equals(self.data_schema.field(n).type) for n in rows.schema.names
-        ):
-            raise SchemaMismatchError(path, self.data_schema, rows.schema)
+        check_schema(path, self.data_schema, rows.schema)
         for name in rows.column_names:
             if rows.column(name).null_count:
                 raise InvalidBatchError(self.vchannel, f"insert messages need {name!r}")
