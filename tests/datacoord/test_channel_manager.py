@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from datanode.helpers import Produced, assert_exactly_once, produce
@@ -19,8 +19,16 @@ from vchan_assets.meta.codec import encode
 from vchan_assets.meta.errors import CasConflictError, LeaseLostError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import ChannelWatchInfo, MsgPosition, NodeSession, VchannelInfo, WatchState
+from vchan_assets.model import (
+    ChannelWatchInfo,
+    CollectionInfo,
+    MsgPosition,
+    NodeSession,
+    VchannelInfo,
+    WatchState,
+)
 from vchan_assets.storage import Storage
+from vchan_assets.wal.producer import Producer
 
 from .helpers import create_collections, fast_settings
 
@@ -55,6 +63,40 @@ def nodes(store: MetaStore) -> Iterator[Nodes]:
 def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchInfo, int] | None:
     found = store.get_model(store.keys.channel_watch(node_id, vchannel), ChannelWatchInfo)
     return None if found is None else (found.model, found.kv.version)
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """One collection of one vchannel, assigned (ToWatch) to one node by the manager."""
+
+    manager: ChannelManager
+    producer: Producer
+    collection: CollectionInfo
+    vchannel: str
+    node_id: int
+    key: str
+    info: ChannelWatchInfo
+    version: int
+
+
+def _assign_one_channel(
+    store: MetaStore, settings: Settings, nodes: Nodes, node_id: int, rows: int = 0
+) -> Assigned:
+    """A collection of one vchannel (with `rows` inserted and a time tick) assigned to
+    node `node_id`, whose ToWatch nobody has answered yet."""
+    producer, infos = create_collections(store, settings, count=1, shards=1)
+    collection = infos[0]
+    if rows:
+        produce(producer, collection.name, Produced(), rows, 1)
+        producer.time_tick(collection.name)
+    manager = ChannelManager(store, settings)
+    node = nodes.up(node_id)
+    manager.reconcile()
+    vchannel = collection.vchannels[0]
+    found = _watch(store, node, vchannel)
+    assert found is not None
+    key = store.keys.channel_watch(node, vchannel)
+    return Assigned(manager, producer, collection, vchannel, node, key, *found)
 
 
 def _rewrite_watch(
@@ -176,34 +218,23 @@ def test_watch_with_a_replaced_lease_answers_watch_failure(
     store: MetaStore, settings: Settings, nodes: Nodes
 ) -> None:
     settings = fast_settings(settings)
-    _, infos = create_collections(store, settings, count=1, shards=1)
-    vchannel = infos[0].vchannels[0]
-    manager = ChannelManager(store, settings)
-    a = nodes.up(7401)
-    manager.reconcile()
-    found = _watch(store, a, vchannel)
-    assert found is not None
-    store.put(store.keys.channel_lease(vchannel), {"lease_id": 1, "node_id": 99, "granted_at": 0.0})
-    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
-    result = watch_channel(ctx, store.keys.channel_watch(a, vchannel), found[1], found[0])
+    one = _assign_one_channel(store, settings, nodes, 7401)
+    store.put(store.keys.channel_lease(one.vchannel), {"lease_id": 1, "node_id": 99, "granted_at": 0.0})
+    ctx = NodeContext(store, Storage.from_settings(settings), settings, one.node_id)
+    result = watch_channel(ctx, one.key, one.version, one.info)
     assert result.state is WatchState.WATCH_FAILURE and "not current" in result.reason
     # A stale version (the coordinator moved on) is a conflict, not a silent overwrite.
     with pytest.raises(CasConflictError):
-        watch_channel(ctx, store.keys.channel_watch(a, vchannel), found[1], found[0])
+        watch_channel(ctx, one.key, one.version, one.info)
 
 
 def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_check(
     store: MetaStore, settings: Settings, nodes: Nodes
 ) -> None:
     settings = fast_settings(settings)
-    producer, infos = create_collections(store, settings, count=1, shards=1)
-    info = infos[0]
-    vchannel = info.vchannels[0]
-    manager = ChannelManager(store, settings)
-    a = nodes.up(7501)
-    manager.reconcile()
+    one = _assign_one_channel(store, settings, nodes, 7501)
+    producer, info, vchannel, a, key = one.producer, one.collection, one.vchannel, one.node_id, one.key
     # An older coordinator's watch info: no lease id.
-    key = store.keys.channel_watch(a, vchannel)
     found = _rewrite_watch(store, a, vchannel, lease_id=None)
     ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
     assert watch_channel(ctx, key, found[1], found[0]).state is WatchState.WATCH_SUCCESS
@@ -244,14 +275,9 @@ def test_the_tickler_keeps_a_slow_watch_from_timing_out(
     store: MetaStore, settings: Settings, nodes: Nodes
 ) -> None:
     settings = replace(fast_settings(settings), tickler_interval=0.2, watch_timeout=1.0)
-    _, infos = create_collections(store, settings, count=1, shards=1)
-    vchannel = infos[0].vchannels[0]
-    manager = ChannelManager(store, settings)
-    a = nodes.up(7701)
-    manager.reconcile()
-    key = store.keys.channel_watch(a, vchannel)
-    found = _watch(store, a, vchannel)
-    assert found is not None
+    one = _assign_one_channel(store, settings, nodes, 7701)
+    manager, vchannel, a, key = one.manager, one.vchannel, one.node_id, one.key
+    found = (one.info, one.version)
     seen: list[tuple[int, float]] = []
 
     def slow_start(*_: object) -> None:
@@ -422,12 +448,9 @@ def _one_watched_channel(
 ) -> tuple[ChannelManager, str, int]:
     """One collection of one vchannel, watched (WatchSuccess) by node `node_id`."""
     settings = fast_settings(settings)
-    _, infos = create_collections(store, settings, count=1, shards=1)
-    manager = ChannelManager(store, settings)
-    a = nodes.up(node_id)
-    manager.reconcile()
-    _answer(store, settings, a)
-    return manager, infos[0].vchannels[0], a
+    one = _assign_one_channel(store, settings, nodes, node_id)
+    _answer(store, settings, one.node_id)
+    return one.manager, one.vchannel, one.node_id
 
 
 def test_a_to_watch_that_loses_its_compare_and_swap_grants_no_lease(
@@ -572,18 +595,10 @@ def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_read
     logged and used; older meta than the assignment (etcd went back in time) fails the
     watch, and the coordinator's next assignment, read afresh, is watched."""
     settings = fast_settings(settings)
-    producer, infos = create_collections(store, settings, count=1, shards=1)
-    info = infos[0]
-    vchannel = info.vchannels[0]
-    produce(producer, info.name, Produced(), 100, 1)
-    producer.time_tick(info.name)
-    manager = ChannelManager(store, settings)
-    a = nodes.up(7701)
-    manager.reconcile()
-    key = store.keys.channel_watch(a, vchannel)
-    found = _watch(store, a, vchannel)
-    assert found is not None
-    assigned = found[0].vchan
+    one = _assign_one_channel(store, settings, nodes, 7701, rows=100)
+    manager, vchannel, a, key = one.manager, one.vchannel, one.node_id, one.key
+    found = (one.info, one.version)
+    assigned = one.info.vchan
     (segment_id,) = assigned.unflushed_segment_ids
     ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
 
