@@ -525,6 +525,6 @@ def test_a_small_sync_skips_the_spark_job_and_a_larger_one_runs_it(
         task_settings = replace(settings, sync_in_process_mb=limit)
         jobs = _spark_jobs_started()
         result = SyncTask(store, storage, task_settings, collection, vchannel, lease, engine="spark").run()
-        results[vchannel] = (result.in_process, _spark_jobs_started() - jobs)
-    assert results == {small: (True, 0), large: (False, 1)}
+        results[vchannel] = (result.in_process, _spark_jobs_started() - jobs, result.written_by)
+    assert results == {small: (True, 0, "DataNode process"), large: (False, 1, "Spark job")}
     assert_exactly_once(store, storage, collection, produced)

@@ -74,6 +74,7 @@ def test_sync_materializes_binlogs_segments_checkpoints_with_metadata_and_passin
     binlogs = by_asset[BINLOGS].metadata
     assert binlogs["rows"].value > 0 and binlogs["files"].value > 0 and binlogs["bytes"].value > 0
     assert binlogs["deletes"].value > 0
+    assert binlogs["written_by"].value == "Spark job"  # the test settings pin Spark
     cp = by_asset[CHANNEL_CHECKPOINTS].metadata
     assert cp["checkpoint_offset"].value == store_checkpoint(store, vchannel)
     assert cp["checkpoint_lag_messages"].value == 0

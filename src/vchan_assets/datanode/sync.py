@@ -93,6 +93,11 @@ class SyncResult:
     def synced(self) -> bool:
         return not self.skipped
 
+    @property
+    def written_by(self) -> str:
+        """Where the binlogs were written (`VCHAN_SYNC_IN_PROCESS_MB` decides)."""
+        return "DataNode process" if self.in_process else "Spark job"
+
 
 @dataclass
 class _SegmentUpdate:
@@ -195,7 +200,7 @@ class SyncTask:
             in_process=in_process,
         )
         log.info(
-            "synced %s (%d, %d]: %d rows, %d deletes, %d files, %.1f MB in %.2fs",
+            "synced %s (%d, %d]: %d rows, %d deletes, %d files, %.1f MB in %.2fs (%s)",
             self.vchannel,
             start.offset,
             end.offset,
@@ -204,6 +209,7 @@ class SyncTask:
             result.files,
             result.bytes / 1e6,
             result.seconds,
+            result.written_by,
         )
         return result
 

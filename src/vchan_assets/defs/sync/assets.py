@@ -113,6 +113,7 @@ def _materializations(
         "files": result.files,
         "bytes": result.bytes,
         "seconds": round(result.seconds, 3),
+        "written_by": result.written_by,
         "skipped": result.skipped,
     }
     segments: dict[str, Any] = {
