@@ -23,18 +23,8 @@ import pyarrow.parquet as pq
 
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
 from vchan_assets.storage import Storage, StorageError
+from vchan_assets.wal import format as fmt
 from vchan_assets.wal.format import (
-    FORMAT_VERSION,
-    META_CHANNEL,
-    META_COLLECTION,
-    META_COUNT,
-    META_DATA,
-    META_DATA_BYTES,
-    META_DATA_ROWS,
-    META_FIRST_OFFSET,
-    META_FORMAT,
-    META_LAST_TS,
-    SYSTEM_SCHEMA,
     CorruptLogError,
     MsgType,
     check_msg_types,
@@ -111,19 +101,19 @@ class _DataRef:
 def _data_ref(meta: dict[bytes, bytes], path: str, count: int) -> _DataRef | None:
     """The data file a log file names (None for format 1); CorruptLogError for a format
     this code does not know (written by a newer version)."""
-    version = _meta_int(meta, META_FORMAT, path) if META_FORMAT in meta else 1
-    if version not in (1, FORMAT_VERSION):
+    version = _meta_int(meta, fmt.META_FORMAT, path) if fmt.META_FORMAT in meta else 1
+    if version not in (1, fmt.FORMAT_VERSION):
         raise CorruptLogError(
-            path, f"written in log format {version}; this version reads formats 1 to {FORMAT_VERSION}"
+            path, f"written in log format {version}; this version reads formats 1 to {fmt.FORMAT_VERSION}"
         )
     if version == 1:
         return None
-    if META_DATA not in meta:
-        raise CorruptLogError(path, f"footer has no {META_DATA.decode()!r} entry")
+    if fmt.META_DATA not in meta:
+        raise CorruptLogError(path, f"footer has no {fmt.META_DATA.decode()!r} entry")
     ref = _DataRef(
-        meta[META_DATA].decode(errors="replace"),
-        _meta_int(meta, META_DATA_ROWS, path),
-        _meta_int(meta, META_DATA_BYTES, path),
+        meta[fmt.META_DATA].decode(errors="replace"),
+        _meta_int(meta, fmt.META_DATA_ROWS, path),
+        _meta_int(meta, fmt.META_DATA_BYTES, path),
     )
     if not 0 < ref.rows <= count:
         raise CorruptLogError(path, f"footer says its data file has {ref.rows} of its {count} rows")
@@ -135,19 +125,19 @@ def _check_footer(
 ) -> tuple[int, int, int]:
     """(first_offset, count, last_timestamp) of a footer, checked against the file name."""
     meta = md.metadata or {}
-    first = _meta_int(meta, META_FIRST_OFFSET, path)
-    count = _meta_int(meta, META_COUNT, path)
-    last_ts = _meta_int(meta, META_LAST_TS, path)
+    first = _meta_int(meta, fmt.META_FIRST_OFFSET, path)
+    count = _meta_int(meta, fmt.META_COUNT, path)
+    last_ts = _meta_int(meta, fmt.META_LAST_TS, path)
     named = first_offset_of(key)
     if first != named:
         raise CorruptLogError(path, f"footer says first offset {first}, the name says {named}")
     if count != md.num_rows or count <= 0:
         raise CorruptLogError(path, f"footer says {count} messages, the file has {md.num_rows} rows")
-    if vchannel is not None and meta.get(META_CHANNEL, b"").decode(errors="replace") != vchannel:
-        raise CorruptLogError(path, f"footer channel {meta.get(META_CHANNEL)!r} is not {vchannel!r}")
-    if collection_id is not None and _meta_int(meta, META_COLLECTION, path) != collection_id:
+    if vchannel is not None and meta.get(fmt.META_CHANNEL, b"").decode(errors="replace") != vchannel:
+        raise CorruptLogError(path, f"footer channel {meta.get(fmt.META_CHANNEL)!r} is not {vchannel!r}")
+    if collection_id is not None and _meta_int(meta, fmt.META_COLLECTION, path) != collection_id:
         raise CorruptLogError(
-            path, f"footer collection {meta.get(META_COLLECTION)!r} is not collection {collection_id}"
+            path, f"footer collection {meta.get(fmt.META_COLLECTION)!r} is not collection {collection_id}"
         )
     return first, count, last_ts
 
@@ -193,7 +183,7 @@ def read_log_file(
             pf = pq.ParquetFile(f, page_checksum_verification=True)
             first, count, _ = _check_footer(pf.metadata, path, key, _channel_of(key), None)
             data = _data_ref(pf.metadata.metadata or {}, path, count)
-            check_schema(path, expected if data is None else SYSTEM_SCHEMA, pf.schema_arrow)
+            check_schema(path, expected if data is None else fmt.SYSTEM_SCHEMA, pf.schema_arrow)
             table = pf.read(columns=[n for n in wanted if n in pf.schema_arrow.names])
     except FileNotFoundError:
         raise CorruptLogError(path, "the file disappeared (log truncated or removed?)") from None
@@ -213,7 +203,7 @@ def read_log_file(
         raise CorruptLogError(path, "msg_type has nulls")
     check_msg_types(kinds, path, first)
     target = pa.schema([expected.field(n) for n in wanted])
-    user = [n for n in wanted if n not in SYSTEM_SCHEMA.names]
+    user = [n for n in wanted if n not in fmt.SYSTEM_SCHEMA.names]
     if data is not None and user:
         found = _read_data(storage, data, path, schema, user, count)
         table = pa.Table.from_arrays(

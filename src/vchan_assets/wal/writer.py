@@ -26,19 +26,8 @@ import pyarrow.parquet as pq
 
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import ObjectExistsError, Storage
+from vchan_assets.wal import format as fmt
 from vchan_assets.wal.format import (
-    FORMAT_VERSION,
-    META_BATCH,
-    META_CHANNEL,
-    META_COLLECTION,
-    META_COUNT,
-    META_DATA,
-    META_DATA_BYTES,
-    META_DATA_ROWS,
-    META_FIRST_OFFSET,
-    META_FORMAT,
-    META_LAST_TS,
-    SYSTEM_SCHEMA,
     LogError,
     MsgType,
     SchemaMismatchError,
@@ -203,15 +192,15 @@ class WalWriter:
             raise InvalidBatchError(self.vchannel, "the batch is empty")
         key = wal_key(self.vchannel, first)
         path = self.storage.path(key)
-        batch = self._conform(table, path, first, self.schema if data is None else SYSTEM_SCHEMA)
+        batch = self._conform(table, path, first, self.schema if data is None else fmt.SYSTEM_SCHEMA)
         last_ts = self._validate(batch, path, first, after_ts + 1, data)
-        meta = {META_BATCH: batch_id}
+        meta = {fmt.META_BATCH: batch_id}
         if data is not None:
             meta |= {
-                META_FORMAT: str(FORMAT_VERSION),
-                META_DATA: data.key,
-                META_DATA_ROWS: str(data.rows),
-                META_DATA_BYTES: str(data.size_bytes),
+                fmt.META_FORMAT: str(fmt.FORMAT_VERSION),
+                fmt.META_DATA: data.key,
+                fmt.META_DATA_ROWS: str(data.rows),
+                fmt.META_DATA_BYTES: str(data.size_bytes),
             }
         encoded = self._encode(batch, self._footer(first, batch.num_rows, last_ts, meta))
         try:
@@ -233,7 +222,7 @@ class WalWriter:
             if rows.column(name).null_count:
                 raise InvalidBatchError(self.vchannel, f"insert messages need {name!r}")
         rows = pa.Table.from_arrays(rows.columns, schema=self.data_schema)
-        meta = {META_CHANNEL: self.vchannel, META_BATCH: batch_id}
+        meta = {fmt.META_CHANNEL: self.vchannel, fmt.META_BATCH: batch_id}
         encoded = self._encode(rows, {k: v.encode() for k, v in meta.items()})
         self.storage.write_atomic(key, encoded)
         return DataFile(key, rows.num_rows, encoded.size)
@@ -255,7 +244,7 @@ class WalWriter:
             first,
             table.num_rows,
             int(table.column("timestamp")[-1].as_py()),
-            meta.get(META_BATCH, b"").decode(),
+            meta.get(fmt.META_BATCH, b"").decode(),
             tuple(zip(ids.tolist(), counts.tolist(), strict=True)),
         )
 
@@ -363,11 +352,11 @@ class WalWriter:
         self, first: int, count: int, last_ts: int, extra: dict[bytes, str] | None = None
     ) -> dict[bytes, bytes]:
         meta = {
-            META_CHANNEL: self.vchannel,
-            META_COLLECTION: str(self.collection.id),
-            META_FIRST_OFFSET: str(first),
-            META_COUNT: str(count),
-            META_LAST_TS: str(last_ts),
+            fmt.META_CHANNEL: self.vchannel,
+            fmt.META_COLLECTION: str(self.collection.id),
+            fmt.META_FIRST_OFFSET: str(first),
+            fmt.META_COUNT: str(count),
+            fmt.META_LAST_TS: str(last_ts),
             **(extra or {}),
         }
         return {k: v.encode() for k, v in meta.items() if v}
