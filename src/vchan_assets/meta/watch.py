@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Any, TypeVar
 
 import etcd3.events
@@ -259,6 +259,7 @@ def _collect(store: MetaStore, prefix: str, after: int, snapshot: Snapshot, sett
 # --- push API (long-running processes) ------------------------------------------------------
 
 
+@dataclass(eq=False, repr=False)
 class PrefixWatcher:
     """Follows a prefix in a thread: `on_relist(snapshot)` at start and whenever the cursor
     was compacted, then `on_event(event)` for every change in revision order.
@@ -270,27 +271,20 @@ class PrefixWatcher:
     instead of listing, unless that revision was compacted.
     """
 
-    def __init__(
-        self,
-        store: MetaStore,
-        prefix: str,
-        on_event: Callable[[WatchEvent], None],
-        on_relist: Callable[[Snapshot], None],
-        start_revision: int | None = None,
-        max_backoff: float = 2.0,
-        probe_interval: float = 5.0,
-    ) -> None:
-        self.store = store
-        self.prefix = prefix
-        self.on_event = on_event
-        self.on_relist = on_relist
-        self.max_backoff = max_backoff
-        self.probe_interval = probe_interval
-        # metrics
-        self.relists = 0
-        self.reconnects = 0
-        self.callback_errors = 0
-        self.events_delivered = 0
+    store: MetaStore
+    prefix: str
+    on_event: Callable[[WatchEvent], None]
+    on_relist: Callable[[Snapshot], None]
+    start_revision: InitVar[int | None] = None
+    max_backoff: float = 2.0
+    probe_interval: float = 5.0
+    # metrics
+    relists: int = field(default=0, init=False)
+    reconnects: int = field(default=0, init=False)
+    callback_errors: int = field(default=0, init=False)
+    events_delivered: int = field(default=0, init=False)
+
+    def __post_init__(self, start_revision: int | None) -> None:
         self._revision = start_revision or 0
         self._need_relist = not start_revision
         self._stop = threading.Event()
