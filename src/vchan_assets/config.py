@@ -18,15 +18,16 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
+from vchan_assets.errors import DeclaredError
 
-class ConfigError(ValueError):
+
+class ConfigError(DeclaredError, ValueError):
     """A setting has a value the system cannot use."""
 
-    def __init__(self, variable: str, value: str, expected: str) -> None:
-        super().__init__(f"{variable}={value!r} is invalid: expected {expected}")
-        self.variable = variable
-        self.value = value
-        self.expected = expected
+    variable: str
+    value: str
+    expected: str
+    message = "{variable}={value!r} is invalid: expected {expected}"
 
 
 def _finite_float(name: str, raw: str) -> float:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.codec import decode_dict, encode
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError
@@ -37,54 +38,55 @@ class CollectionError(MetaError):
     """Base class of collection and partition errors."""
 
 
-class InvalidNameError(CollectionError, ValueError):
-    def __init__(self, kind: str, name: str) -> None:
-        super().__init__(
-            f"invalid {kind} name {name!r}: use letters, digits and underscores, not starting "
-            f"with a digit, at most {MAX_NAME_LENGTH} characters"
-        )
-        self.kind = kind
-        self.name = name
+class InvalidNameError(DeclaredError, CollectionError, ValueError):
+    kind: str
+    name: str
+    message = (
+        "invalid {kind} name {name!r}: use letters, digits and underscores, not starting "
+        f"with a digit, at most {MAX_NAME_LENGTH} characters"
+    )
 
 
-class InvalidSchemaError(CollectionError, ValueError):
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"collection {name!r}: invalid schema: {reason}")
+class InvalidSchemaError(DeclaredError, CollectionError, ValueError):
+    name: str
+    reason: str
+    message = "collection {name!r}: invalid schema: {reason}"
 
 
-class CollectionExistsError(CollectionError):
-    def __init__(self, name: str, collection_id: int | None) -> None:
-        super().__init__(f"collection {name!r} already exists (id {collection_id})")
-        self.name = name
-        self.collection_id = collection_id
+class CollectionExistsError(DeclaredError, CollectionError):
+    name: str
+    collection_id: int | None
+    message = "collection {name!r} already exists (id {collection_id})"
 
 
-class CollectionNotFoundError(CollectionError, LookupError):
-    def __init__(self, ref: str | int) -> None:
-        kind = "id" if isinstance(ref, int) else "name"
-        super().__init__(f"no collection with {kind} {ref!r}")
-        self.ref = ref
+class CollectionNotFoundError(DeclaredError, CollectionError, LookupError):
+    ref: str | int
+
+    def __str__(self) -> str:
+        kind = "id" if isinstance(self.ref, int) else "name"
+        return f"no collection with {kind} {self.ref!r}"
 
 
-class VchannelNotFoundError(CollectionError, LookupError):
-    def __init__(self, vchannel: str, collection: str | None = None) -> None:
-        super().__init__(
-            f"collection {collection!r} has no vchannel {vchannel!r}"
-            if collection
-            else f"no collection has vchannel {vchannel!r}"
-        )
-        self.vchannel = vchannel
-        self.collection = collection
+class VchannelNotFoundError(DeclaredError, CollectionError, LookupError):
+    vchannel: str
+    collection: str | None = None
+
+    def __str__(self) -> str:
+        if self.collection:
+            return f"collection {self.collection!r} has no vchannel {self.vchannel!r}"
+        return f"no collection has vchannel {self.vchannel!r}"
 
 
-class PartitionExistsError(CollectionError):
-    def __init__(self, collection: str, partition: str) -> None:
-        super().__init__(f"collection {collection!r} already has a partition {partition!r}")
+class PartitionExistsError(DeclaredError, CollectionError):
+    collection: str
+    partition: str
+    message = "collection {collection!r} already has a partition {partition!r}"
 
 
-class PartitionNotFoundError(CollectionError, LookupError):
-    def __init__(self, collection: str, partition: str) -> None:
-        super().__init__(f"collection {collection!r} has no partition {partition!r}")
+class PartitionNotFoundError(DeclaredError, CollectionError, LookupError):
+    collection: str
+    partition: str
+    message = "collection {collection!r} has no partition {partition!r}"
 
 
 def validate_name(kind: str, name: str) -> str:

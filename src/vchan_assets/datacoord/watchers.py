@@ -11,6 +11,7 @@ with the versions read: a channel reassigned between the two keeps its new owner
 from __future__ import annotations
 
 from vchan_assets.datacoord.leases import new_channel_lease
+from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
@@ -18,14 +19,13 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, ChannelWatchInfo, WatchState
 
 
-class NotWatcherError(MetaError):
+class NotWatcherError(DeclaredError, MetaError):
     """A node asked to write a channel it does not watch."""
 
-    def __init__(self, vchannel: str, node_id: int, state: str) -> None:
-        super().__init__(f"node {node_id} is not the watcher of {vchannel} ({state}): write refused")
-        self.vchannel = vchannel
-        self.node_id = node_id
-        self.state = state
+    vchannel: str
+    node_id: int
+    state: str
+    message = "node {node_id} is not the watcher of {vchannel} ({state}): write refused"
 
 
 def lease_for_watcher(

@@ -27,6 +27,7 @@ from typing import Any
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.datacoord.segment_manager import max_rows_of
+from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
 from vchan_assets.imports.files import FileSource, ImportInputError
 from vchan_assets.imports.jobs import (
@@ -61,12 +62,11 @@ LOG_IDS_PER_TASK = 10_000
 Progress = Callable[[ImportJob], None]
 
 
-class ImportFailed(Exception):
+class ImportFailed(DeclaredError):
     """Internal: the job cannot succeed; `reason` goes into its meta."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    reason: str
+    message = "{reason}"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 import pyarrow.json as pjson
 import pyarrow.parquet as pq
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.imports.jobs import ImportFormat
 from vchan_assets.model import CollectionSchema, DataType, FieldSchema
 from vchan_assets.storage.fs import filesystem_for
@@ -41,17 +42,17 @@ SUFFIXES = {
 }
 
 
-class ImportInputError(ValueError):
+class ImportInputError(DeclaredError, ValueError):
     """An input file does not fit the collection; names the file and, where one is at
     fault, the column. Picklable: a Spark task raises it and the driver gets it back."""
 
-    def __init__(self, path: str, reason: str, column: str | None = None) -> None:
-        self.path, self.reason, self.column = path, reason, column
-        where = f"{path}: column {column!r}" if column else path
-        super().__init__(f"{where}: {reason}")
+    path: str
+    reason: str
+    column: str | None = None
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (ImportInputError, (self.path, self.reason, self.column))
+    def __str__(self) -> str:
+        where = f"{self.path}: column {self.column!r}" if self.column else self.path
+        return f"{where}: {self.reason}"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import Record
@@ -86,26 +87,24 @@ class ImportJobError(MetaError):
     """Base class of import job errors."""
 
 
-class ImportJobNotFoundError(ImportJobError, LookupError):
-    def __init__(self, job_id: int) -> None:
-        self.job_id = job_id
-        super().__init__(f"import job {job_id} does not exist")
+class ImportJobNotFoundError(DeclaredError, ImportJobError, LookupError):
+    job_id: int
+    message = "import job {job_id} does not exist"
 
 
-class ImportJobConflictError(ImportJobError):
+class ImportJobConflictError(DeclaredError, ImportJobError):
     """A job id submitted again with different content."""
 
-    def __init__(self, job_id: int, detail: str) -> None:
-        self.job_id = job_id
-        super().__init__(f"import job {job_id} exists with different {detail}: use another job id")
+    job_id: int
+    detail: str
+    message = "import job {job_id} exists with different {detail}: use another job id"
 
 
-class ImportJobTakenError(ImportJobError):
+class ImportJobTakenError(DeclaredError, ImportJobError):
     """The job changed since this executor read it (another executor took it over)."""
 
-    def __init__(self, job_id: int) -> None:
-        self.job_id = job_id
-        super().__init__(f"import job {job_id} changed meanwhile: another executor owns it")
+    job_id: int
+    message = "import job {job_id} changed meanwhile: another executor owns it"
 
 
 def job_key(store: MetaStore, job_id: int) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from vchan_assets.datacoord import segment_ops
+from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import Record, SegmentInfo
@@ -85,12 +86,13 @@ class CompactionPlan(Record):
             raise ValueError("a compaction plan needs at least one input segment")
 
 
-class CompactionConflictError(MetaError):
+class CompactionConflictError(DeclaredError, MetaError):
     """The commit found an input changed since it was planned: nothing was written."""
 
-    def __init__(self, plan_id: int, key: str, detail: str) -> None:
-        self.plan_id, self.key = plan_id, key
-        super().__init__(f"compaction plan {plan_id}: {key} {detail}; the plan is aborted")
+    plan_id: int
+    key: str
+    detail: str
+    message = "compaction plan {plan_id}: {key} {detail}; the plan is aborted"
 
 
 def list_plans(store: MetaStore) -> list[Decoded[CompactionPlan]]:

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from vchan_assets.datanode.binlog_writer import SCALAR_GROUP, column_groups, group_field_ids, write_parquet
 from vchan_assets.datanode.stats import PkStats
+from vchan_assets.errors import DeclaredError
 from vchan_assets.lifecycle.rows import (
     apply_deletes_to,
     empty_deletes,
@@ -41,15 +42,13 @@ from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log_key
 
 
-class CompactionInputError(ValueError):
+class CompactionInputError(DeclaredError, ValueError):
     """An input binlog cannot be read: the plan fails naming the file; inputs stay live."""
 
-    def __init__(self, plan_id: int, path: str, reason: str) -> None:
-        self.plan_id, self.path, self.reason = plan_id, path, reason
-        super().__init__(f"compaction plan {plan_id}: input {path} is unreadable: {reason}")
-
-    def __reduce__(self) -> tuple[object, ...]:  # picklable across Spark tasks
-        return (CompactionInputError, (self.plan_id, self.path, self.reason))
+    plan_id: int
+    path: str
+    reason: str
+    message = "compaction plan {plan_id}: input {path} is unreadable: {reason}"
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
 from vchan_assets.meta.store import MetaStore, Value
@@ -40,24 +41,26 @@ PUBLISH_MARGIN = 1.0
 MAX_LOCK_POLL = 0.02  # seconds between two tries of a held lock, at most
 
 
-class AppendLockTimeoutError(MetaError):
+class AppendLockTimeoutError(DeclaredError, MetaError):
     """The channel's append lock stayed held by another client for the whole wait."""
 
-    def __init__(self, vchannel: str, waited: float, holder: str | None) -> None:
-        super().__init__(
-            f"channel {vchannel}: the append lock was held by {holder or 'another client'} "
-            f"for {waited:.1f}s; nothing was written"
+    vchannel: str
+    waited: float
+    holder: str | None
+
+    def __str__(self) -> str:
+        return (
+            f"channel {self.vchannel}: the append lock was held by {self.holder or 'another client'} "
+            f"for {self.waited:.1f}s; nothing was written"
         )
-        self.vchannel = vchannel
-        self.holder = holder
 
 
-class AppendLockLostError(MetaError):
+class AppendLockLostError(DeclaredError, MetaError):
     """This client's append lock expired or was taken over before it could commit."""
 
-    def __init__(self, vchannel: str, what: str) -> None:
-        super().__init__(f"channel {vchannel}: the append lock was lost before {what}")
-        self.vchannel = vchannel
+    vchannel: str
+    what: str
+    message = "channel {vchannel}: the append lock was lost before {what}"
 
 
 @dataclass

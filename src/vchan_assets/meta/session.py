@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.errors import CasConflictError, MetaError, MetaUnavailableError
 from vchan_assets.meta.store import Fence, KeyValue, MetaStore, Value
 from vchan_assets.model import NodeSession
@@ -23,17 +24,18 @@ from vchan_assets.model import NodeSession
 log = logging.getLogger(__name__)
 
 
-class SessionConflictError(MetaError):
+class SessionConflictError(DeclaredError, MetaError):
     """The session key is already held by another live process (the same node ID twice)."""
 
-    def __init__(self, key: str, holder_lease: int) -> None:
-        holder = f"lease {holder_lease}" if holder_lease else "a key without a lease"
-        super().__init__(
-            f"session {key} is already registered ({holder}): another process with this identity "
+    key: str
+    holder_lease: int
+
+    def __str__(self) -> str:
+        holder = f"lease {self.holder_lease}" if self.holder_lease else "a key without a lease"
+        return (
+            f"session {self.key} is already registered ({holder}): another process with this identity "
             "is alive, or its session has not expired yet"
         )
-        self.key = key
-        self.holder_lease = holder_lease
 
 
 class Session:

@@ -21,6 +21,7 @@ from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import SparkSession
 
 from vchan_assets.config import Settings
+from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import ENV as FAILPOINT_ENV
 from vchan_assets.failpoints import MARKER_ENV as FAILPOINT_MARKER_ENV
 from vchan_assets.spark.datasource import register
@@ -30,13 +31,12 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 
-class SparkJobTimeoutError(TimeoutError):
+class SparkJobTimeoutError(DeclaredError, TimeoutError):
     """A Spark job did not finish in time and was cancelled."""
 
-    def __init__(self, description: str, timeout: float) -> None:
-        super().__init__(f"Spark job {description!r} did not finish within {timeout:.0f}s and was cancelled")
-        self.description = description
-        self.timeout = timeout
+    description: str
+    timeout: float
+    message = "Spark job {description!r} did not finish within {timeout:.0f}s and was cancelled"
 
 
 def spark_conf(settings: Settings) -> dict[str, str]:

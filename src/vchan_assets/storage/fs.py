@@ -22,28 +22,21 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
+from vchan_assets.errors import DeclaredError
 
 
-class StorageError(OSError):
+class StorageError(DeclaredError, OSError):
     """Object storage could not be read or written; names the path."""
 
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"storage error at {path}: {reason}")
-        self.path = path
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[object, ...]:  # picklable across Spark tasks
-        return (type(self), (self.path, self.reason))
+    path: str
+    reason: str
+    message = "storage error at {path}: {reason}"
 
 
 class ObjectExistsError(StorageError):
     """An exclusive write found the object already there; nothing was written."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path, "already exists")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.path,))
+    reason: str = "already exists"
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import enum
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.model import CollectionSchema, DataType, FieldSchema
 
 
@@ -68,32 +69,26 @@ FORMAT_VERSION = 2  # the newest format this code reads and writes
 
 
 class LogError(RuntimeError):
-    """Base class of errors reading or writing the log.
-
-    Picklable with their constructor arguments: a Spark task raises them and the
-    driver re-raises the same typed error."""
-
-    _args: tuple[object, ...] = ()
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), self._args)
+    """Base class of errors reading or writing the log."""
 
 
-class CorruptLogError(LogError):
+class CorruptLogError(DeclaredError, LogError):
     """A log file cannot be read, or its offsets are not what its name promises."""
 
-    def __init__(self, path: str, reason: str) -> None:
-        self._args = (path, reason)
-        super().__init__(f"corrupt log file {path}: {reason}")
-        self.path = path
-        self.reason = reason
+    path: str
+    reason: str
+    message = "corrupt log file {path}: {reason}"
 
 
-class SchemaMismatchError(LogError):
+class SchemaMismatchError(DeclaredError, LogError):
     """A log file's columns do not match the collection's schema."""
 
-    def __init__(self, path: str, expected: pa.Schema, found: pa.Schema) -> None:
-        self._args = (path, expected, found)
+    path: str
+    expected: pa.Schema
+    found: pa.Schema
+
+    def __str__(self) -> str:
+        expected, found = self.expected, self.found
         missing = set(expected.names) - set(found.names)
         extra = set(found.names) - set(expected.names)
         changed = [
@@ -110,20 +105,19 @@ class SchemaMismatchError(LogError):
             )
             if part
         )
-        super().__init__(f"log file {path} does not match the collection schema: {detail}")
-        self.path = path
+        return f"log file {self.path} does not match the collection schema: {detail}"
 
 
-class UnknownMessageTypeError(LogError):
-    def __init__(self, path: str, offset: int, msg_type: str) -> None:
-        self._args = (path, offset, msg_type)
-        super().__init__(
-            f"log file {path}: message at offset {offset} has unknown type {msg_type!r}; "
+class UnknownMessageTypeError(DeclaredError, LogError):
+    path: str
+    offset: int
+    msg_type: str
+
+    def __str__(self) -> str:
+        return (
+            f"log file {self.path}: message at offset {self.offset} has unknown type {self.msg_type!r}; "
             f"known: {sorted(MSG_TYPES)}"
         )
-        self.path = path
-        self.offset = offset
-        self.msg_type = msg_type
 
 
 _MSG_TYPE_SET = pa.array(sorted(MSG_TYPES))

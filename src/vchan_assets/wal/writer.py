@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from vchan_assets.errors import DeclaredError
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import ObjectExistsError, Storage
 from vchan_assets.wal import format as fmt
@@ -47,28 +48,24 @@ from vchan_assets.wal.format import (
 WRITE_PAGE_CHECKSUM = True
 
 
-class LogConflictError(LogError):
+class LogConflictError(DeclaredError, LogError):
     """Another writer appended to the channel: the file this writer was about to write
     already exists, and stays as it is."""
 
-    def __init__(self, path: str, vchannel: str) -> None:
-        self._args = (path, vchannel)
-        super().__init__(
-            f"log file {path} already exists: another writer appended to {vchannel} "
-            "at this offset; nothing was written"
-        )
-        self.path = path
-        self.vchannel = vchannel
+    path: str
+    vchannel: str
+    message = (
+        "log file {path} already exists: another writer appended to {vchannel} "
+        "at this offset; nothing was written"
+    )
 
 
-class InvalidBatchError(LogError):
+class InvalidBatchError(DeclaredError, LogError):
     """A batch breaks a rule of the log (timestamp order, required fields of a message)."""
 
-    def __init__(self, vchannel: str, reason: str) -> None:
-        self._args = (vchannel, reason)
-        super().__init__(f"batch for {vchannel} rejected, nothing was written: {reason}")
-        self.vchannel = vchannel
-        self.reason = reason
+    vchannel: str
+    reason: str
+    message = "batch for {vchannel} rejected, nothing was written: {reason}"
 
 
 @dataclass(frozen=True)
