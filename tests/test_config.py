@@ -6,9 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from vchan_assets.config import VARIABLES, ConfigError, Settings, _positive_float, _positive_int, _proportion
+from vchan_assets.config import (
+    VARIABLES,
+    ConfigError,
+    Settings,
+    SettingsTableError,
+    positive_float,
+    positive_int,
+    proportion,
+    read_table,
+)
 
-NUMERIC = [v.name for v in VARIABLES if v.parse in (_positive_float, _positive_int, _proportion)]
+NUMERIC = [v.name for v in VARIABLES if v.parse in (positive_float, positive_int, proportion)]
 
 
 def _error(env: dict[str, str]) -> ConfigError:
@@ -204,3 +213,37 @@ def test_every_settings_field_is_a_row_of_the_table() -> None:
 
     assert [v.field for v in VARIABLES] == [f.name for f in fields(Settings)]
     assert all(v.name.startswith("VCHAN_") and v.doc for v in VARIABLES)
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ('type = "positve_float"\ndoc = "d"', "unknown type 'positve_float'; known: ["),
+        ('type = "positive_float"\ndefualt = 5\ndoc = "d"', "unknown keys ['defualt']"),
+        (
+            'type = "positive_float"\ndefault = -1\ndoc = "d"',
+            "its default is invalid: VCHAN_X='-1' is invalid",
+        ),
+        ('type = "positive_int"\ndefault = 2.5\ndoc = "d"', "its default is invalid"),
+        ('type = "text"', "missing ['doc']"),
+    ],
+)
+def test_a_mistake_in_the_settings_table_names_the_entry(row: str, problem: str) -> None:
+    with pytest.raises(SettingsTableError) as bad:
+        read_table(f'[VCHAN_OK]\ntype = "text"\ndoc = "fine"\n\n[VCHAN_X]\n{row}\n')
+
+    assert str(bad.value).startswith("settings.toml [VCHAN_X]: ")
+    assert problem in str(bad.value)
+
+
+def test_a_settings_table_that_is_not_toml_says_so() -> None:
+    with pytest.raises(SettingsTableError, match=r"settings.toml \[\*\]: not valid TOML"):
+        read_table("[VCHAN_X\n")
+
+
+def test_the_table_is_package_data() -> None:
+    """The table is read from the package (pyproject's package-data ships it in the wheel)."""
+    from importlib import resources
+
+    table = resources.files("vchan_assets").joinpath("settings.toml").read_text()
+    assert read_table(table) == VARIABLES

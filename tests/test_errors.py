@@ -24,6 +24,7 @@ _SEGMENT = SegmentInfo(
 # Constructor arguments of every error whose constructor takes more than a message.
 SAMPLES: dict[str, tuple[object, ...]] = {
     "config.ConfigError": ("VCHAN_X", "-1", "a number greater than 0"),
+    "config.SettingsTableError": ("VCHAN_X", "unknown type 'flaot'"),
     "datacoord.collections.CollectionExistsError": ("docs", 3),
     "datacoord.collections.CollectionNotFoundError": (4,),
     "datacoord.collections.InvalidNameError": ("collection", "1x"),

@@ -1,22 +1,26 @@
 """Settings of the whole system, read once from the environment and passed down.
 
-Each variable is declared once, on its `Settings` field (`setting(name, default,
-parser, meaning)`); `VARIABLES` is that table. `Settings.from_env` parses it, `to_env`
-writes it back for child processes, the Dagster resource takes one field per row, and
-the README's configuration table is generated from it (`readme_table`). A wrong value raises `ConfigError`
-naming the variable and what was expected, before anything starts.
+Every variable is declared once, in the package's table `settings.toml`: its type (one
+of the parsers below, registered with `@parser`), default and meaning. `VARIABLES` is
+that table, read at import; a mistake in it raises `SettingsTableError` naming the entry.
+`Settings` has one typed field per row, its default taken from the row; `from_env`
+parses the environment, `to_env` writes it back for child processes, the Dagster
+resource takes one field per row, and the README's configuration table is generated
+from it (`readme_table`). A wrong value raises `ConfigError` naming the variable and
+what was expected, before anything starts.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from dataclasses import fields as dataclass_fields
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vchan_assets.errors import DeclaredError
 
@@ -30,7 +34,26 @@ class ConfigError(DeclaredError, ValueError):
     message = "{variable}={value!r} is invalid: expected {expected}"
 
 
-def _finite_float(name: str, raw: str) -> float:
+class SettingsTableError(DeclaredError, ValueError):
+    """The settings table (`settings.toml`) declares something the code cannot use."""
+
+    entry: str
+    problem: str
+    message = "settings.toml [{entry}]: {problem}"
+
+
+Parser = Callable[[str, str], Any]
+PARSERS: dict[str, Parser] = {}  # the table's types, by name
+
+
+def parser(parse: Parser) -> Parser:
+    """Make `parse(variable, text)` a type of the settings table, named like the function."""
+    PARSERS[parse.__name__] = parse
+    return parse
+
+
+@parser
+def finite_float(name: str, raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
@@ -40,45 +63,36 @@ def _finite_float(name: str, raw: str) -> float:
     return value
 
 
-def _positive_float(name: str, raw: str) -> float:
-    value = _finite_float(name, raw)
-    if value <= 0:
-        raise ConfigError(name, raw, "a number greater than 0")
-    return value
-
-
-def _positive_int(name: str, raw: str) -> int:
+@parser
+def whole_number(name: str, raw: str) -> int:
     try:
-        value = int(raw)
+        return int(raw)
     except ValueError:
         raise ConfigError(name, raw, "a whole number") from None
-    if value <= 0:
-        raise ConfigError(name, raw, "a whole number greater than 0")
-    return value
 
 
-def _non_negative_float(name: str, raw: str) -> float:
-    value = _finite_float(name, raw)
-    if value < 0:
-        raise ConfigError(name, raw, "a number of at least 0")
-    return value
+def _bounded(name: str, parse: Parser, within: Callable[[Any], bool], expected: str) -> Parser:
+    """The parser `name`: `parse`, then a ConfigError expecting `expected` unless `within`."""
+
+    def bounded(variable: str, raw: str) -> Any:
+        value = parse(variable, raw)
+        if not within(value):
+            raise ConfigError(variable, raw, expected)
+        return value
+
+    bounded.__name__ = name
+    return parser(bounded)
 
 
-def _proportion(name: str, raw: str) -> float:
-    value = _positive_float(name, raw)
-    if value > 1:
-        raise ConfigError(name, raw, "a proportion in (0, 1]")
-    return value
+positive_float = _bounded("positive_float", finite_float, lambda v: v > 0, "a number greater than 0")
+non_negative_float = _bounded("non_negative_float", finite_float, lambda v: v >= 0, "a number of at least 0")
+positive_int = _bounded("positive_int", whole_number, lambda v: v > 0, "a whole number greater than 0")
+proportion = _bounded("proportion", positive_float, lambda v: v <= 1, "a proportion in (0, 1]")
+factor = _bounded("factor", positive_float, lambda v: v >= 1, "a factor of at least 1")
 
 
-def _factor(name: str, raw: str) -> float:
-    value = _positive_float(name, raw)
-    if value < 1:
-        raise ConfigError(name, raw, "a factor of at least 1")
-    return value
-
-
-def _endpoints(name: str, raw: str) -> tuple[str, ...]:
+@parser
+def endpoints(name: str, raw: str) -> tuple[str, ...]:
     endpoints = tuple(part.strip() for part in raw.split(",") if part.strip())
     if not endpoints:
         raise ConfigError(name, raw, "a comma-separated list of host:port")
@@ -89,13 +103,15 @@ def _endpoints(name: str, raw: str) -> tuple[str, ...]:
     return endpoints
 
 
-def _existing_file(name: str, raw: str) -> str:
+@parser
+def existing_file(name: str, raw: str) -> str:
     if not Path(raw).is_file():
         raise ConfigError(name, raw, "the path of a readable file")
     return raw
 
 
-def _storage_uri(name: str, raw: str) -> str:
+@parser
+def storage_uri(name: str, raw: str) -> str:
     if "://" in raw and not raw.startswith(("s3://", "file://")):
         raise ConfigError(name, raw, "a local path, file://path or s3://bucket/prefix")
     if raw.startswith("s3://") and not raw.removeprefix("s3://").strip("/"):
@@ -103,21 +119,29 @@ def _storage_uri(name: str, raw: str) -> str:
     return raw
 
 
-def _spark_remote(name: str, raw: str) -> str:
+@parser
+def spark_remote(name: str, raw: str) -> str:
     if not raw.startswith("sc://") or not raw.removeprefix("sc://").strip("/"):
         raise ConfigError(name, raw, "a Spark Connect URL such as sc://localhost:15002")
     return raw
 
 
-def _root(name: str, raw: str) -> str:
+@parser
+def root(name: str, raw: str) -> str:
     root = raw.strip("/")
     if not root or any(c.isspace() for c in root):
         raise ConfigError(name, raw, "a non-empty key prefix without spaces")
     return root
 
 
-def _text(name: str, raw: str) -> str:
+@parser
+def text(name: str, raw: str) -> str:
     return raw
+
+
+@parser
+def path(name: str, raw: str) -> Path:
+    return Path(raw)
 
 
 # --- the table ---------------------------------------------------------------------------
@@ -125,15 +149,16 @@ def _text(name: str, raw: str) -> str:
 
 @dataclass(frozen=True)
 class Variable:
-    """One environment variable: the `Settings` field it fills, how its text is parsed,
-    its default (None: unset) and its meaning. Declared once, on the `Settings` field."""
+    """One environment variable, a row of the table: the `Settings` field it fills, how
+    its text is parsed, its default (None: unset) and its meaning."""
 
     name: str
     field: str
     default: Any
-    parse: Callable[[str, str], Any]
+    parse: Parser
     doc: str
     shown_default: str | None = None  # the README's default column, where it is derived
+    secret: bool = False
 
     def text(self, value: Any) -> str | None:
         """`value` as the environment writes it (None: leave the variable unset)."""
@@ -157,236 +182,115 @@ def _as_text(value: Any) -> str | None:
     return str(value)
 
 
-def setting(
-    name: str,
-    default: Any,
-    parse: Callable[[str, str], Any],
-    doc: str,
-    shown: str | None = None,
-    secret: bool = False,
-) -> Any:
-    """A `Settings` field read from environment variable `name` (see `VARIABLES`). A
-    `secret` one is left out of the settings' repr, so no log or error message holds it."""
-    return dataclass_field(default=default, repr=not secret, metadata={"variable": (name, parse, doc, shown)})
+_KEYS = {"type", "default", "doc", "shown", "secret"}
+
+
+def read_table(text: str) -> tuple[Variable, ...]:
+    """The variables of a settings table, each checked: known keys and type, a doc, a
+    default its type accepts."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsTableError("*", f"not valid TOML: {exc}") from None
+    return tuple(_variable(name, entry) for name, entry in table.items())
+
+
+def _variable(name: str, entry: Any) -> Variable:
+    if not name.startswith("VCHAN_") or not isinstance(entry, dict):
+        raise SettingsTableError(name, "expected a [VCHAN_*] table of keys")
+    if unknown := set(entry) - _KEYS:
+        raise SettingsTableError(name, f"unknown keys {sorted(unknown)}; known: {sorted(_KEYS)}")
+    if missing := {"type", "doc"} - set(entry):
+        raise SettingsTableError(name, f"missing {sorted(missing)}")
+    parse = PARSERS.get(entry["type"])
+    if parse is None:
+        raise SettingsTableError(name, f"unknown type {entry['type']!r}; known: {sorted(PARSERS)}")
+    default = entry.get("default")
+    if default is not None:
+        try:
+            default = parse(name, str(default))
+        except ConfigError as exc:
+            raise SettingsTableError(name, f"its default is invalid: {exc}") from None
+    field = name.removeprefix("VCHAN_").lower()
+    return Variable(name, field, default, parse, entry["doc"], entry.get("shown"), entry.get("secret", False))
+
+
+VARIABLES: tuple[Variable, ...] = read_table(
+    resources.files("vchan_assets").joinpath("settings.toml").read_text()
+)
+
+FROM_TABLE: Any = None  # a field's default placeholder: `_from_table` puts the row's default there
+_C = TypeVar("_C", bound=type)
+
+
+def _from_table(cls: _C) -> _C:
+    """Give each field of `cls` its row's default (and hide a secret one from repr); the
+    fields must be the table's rows, in its order."""
+    names, rows = list(cls.__annotations__), [var.field for var in VARIABLES]
+    if names != rows:
+        unfilled = [var.name for var in VARIABLES if var.field not in names]
+        undeclared = [name for name in names if name not in rows]
+        raise SettingsTableError(
+            unfilled[0] if unfilled else "*",
+            f"rows without a Settings field: {unfilled}; Settings fields without a row: {undeclared}"
+            if unfilled or undeclared
+            else "Settings declares its fields in another order than the table's rows",
+        )
+    for var in VARIABLES:
+        setattr(cls, var.field, dataclass_field(default=var.default, repr=not var.secret))
+    return cls
 
 
 @dataclass(frozen=True)
+@_from_table
 class Settings:
-    """Every setting of the system, one field per environment variable."""
+    """Every setting of the system, one field per row of `settings.toml`, in its order."""
 
-    home: Path = setting(
-        "VCHAN_HOME", Path(".vchan"), _text, "directory of the embedded stack (etcd data, local storage)"
-    )
-    root: str = setting("VCHAN_ROOT", "vchan", _root, "root prefix of every etcd key")
-    etcd_endpoints: tuple[str, ...] | None = setting(
-        "VCHAN_ETCD_ENDPOINTS",
-        None,
-        _endpoints,
-        "`host:port,host2:port` of an etcd v3 cluster",
-        "unset: embedded etcd",
-    )
-    etcd_user: str | None = setting(
-        "VCHAN_ETCD_USER", None, _text, "etcd user (set together with `VCHAN_ETCD_PASSWORD`)"
-    )
-    etcd_password: str | None = setting("VCHAN_ETCD_PASSWORD", None, _text, "etcd password", secret=True)
-    etcd_ca_cert: str | None = setting(
-        "VCHAN_ETCD_CA_CERT", None, _existing_file, "CA certificate file: enables TLS to etcd"
-    )
-    etcd_cert: str | None = setting(
-        "VCHAN_ETCD_CERT",
-        None,
-        _existing_file,
-        "client certificate file for etcd TLS (with `VCHAN_ETCD_KEY`)",
-    )
-    etcd_key: str | None = setting("VCHAN_ETCD_KEY", None, _existing_file, "client key file for etcd TLS")
-    etcd_timeout: float = setting(
-        "VCHAN_ETCD_TIMEOUT",
-        5.0,
-        _positive_float,
-        "seconds before an etcd call fails with `MetaUnavailableError`",
-    )
-    storage_uri: str = setting(
-        "VCHAN_STORAGE_URI",
-        ".vchan/storage",
-        _storage_uri,
-        "object storage root: a local path or `s3://bucket/prefix`",
-        "`$VCHAN_HOME/storage`",
-    )
-    s3_endpoint: str | None = setting(
-        "VCHAN_S3_ENDPOINT",
-        None,
-        _text,
-        "endpoint of an S3-compatible server (`http://host:port`); credentials from the usual `AWS_*` variables",
-    )
-    s3_region: str = setting("VCHAN_S3_REGION", "us-east-1", _text, "S3 region")
-    spark_master: str = setting(
-        "VCHAN_SPARK_MASTER", "local[*]", _text, "Spark master URL (standalone, YARN, k8s)"
-    )
-    spark_remote: str | None = setting(
-        "VCHAN_SPARK_REMOTE", None, _spark_remote, "Spark Connect URL `sc://host:port` (wins over the master)"
-    )
-    session_ttl: float = setting(
-        "VCHAN_SESSION_TTL",
-        10.0,
-        _positive_float,
-        "seconds a node session lives without keep-alive (production: 30)",
-    )
-    append_lock_ttl: float = setting(
-        "VCHAN_APPEND_LOCK_TTL",
-        10.0,
-        _positive_float,
-        "seconds a channel's append lock outlives a killed producer (etcd lease TTL)",
-    )
-    client_retry_timeout: float = setting(
-        "VCHAN_CLIENT_RETRY_TIMEOUT",
-        30.0,
-        _positive_float,
-        "seconds a producer call retries while etcd or storage is unavailable",
-    )
-    watch_timeout: float = setting(
-        "VCHAN_WATCH_TIMEOUT",
-        300.0,
-        _positive_float,
-        "seconds before a stuck ToWatch/ToRelease is reassigned",
-    )
-    tickler_interval: float = setting(
-        "VCHAN_TICKLER_INTERVAL", 15.0, _positive_float, "seconds between watch progress updates"
-    )
-    segment_max_size_mb: float = setting(
-        "VCHAN_SEGMENT_MAX_SIZE_MB", 1024.0, _positive_float, "segment size at which it is sealed"
-    )
-    segment_seal_proportion: float = setting(
-        "VCHAN_SEGMENT_SEAL_PROPORTION",
-        0.12,
-        _proportion,
-        "share of the max size at which a growing segment may be sealed",
-    )
-    segment_max_life: float = setting(
-        "VCHAN_SEGMENT_MAX_LIFE", 86400.0, _positive_float, "seconds after which a growing segment is sealed"
-    )
-    segment_max_idle: float = setting(
-        "VCHAN_SEGMENT_MAX_IDLE",
-        600.0,
-        _positive_float,
-        "seconds without inserts after which a segment is sealed",
-    )
-    segment_max_binlog_files: int = setting(
-        "VCHAN_SEGMENT_MAX_BINLOG_FILES",
-        32,
-        _positive_int,
-        "binlog files per column group at which a growing segment is sealed (bounds its etcd value)",
-    )
-    sync_buffer_mb: float = setting(
-        "VCHAN_SYNC_BUFFER_MB", 16.0, _positive_float, "buffered log data that triggers a sync"
-    )
-    sync_max_age: float = setting(
-        "VCHAN_SYNC_MAX_AGE",
-        600.0,
-        _positive_float,
-        "age in seconds of the oldest unsynced row that triggers a sync",
-    )
-    timetick_lag_warn: float = setting(
-        "VCHAN_TIMETICK_LAG_WARN", 120.0, _positive_float, "seconds of time-tick lag before a warning"
-    )
-    gc_interval: float = setting(
-        "VCHAN_GC_INTERVAL", 3600.0, _positive_float, "seconds between garbage collections"
-    )
-    gc_missing_tolerance: float = setting(
-        "VCHAN_GC_MISSING_TOLERANCE", 86400.0, _positive_float, "seconds before an orphan file is removed"
-    )
-    gc_drop_tolerance: float = setting(
-        "VCHAN_GC_DROP_TOLERANCE",
-        10800.0,
-        _positive_float,
-        "seconds before a dropped segment's files are removed",
-    )
-    wal_retention: float = setting(
-        "VCHAN_WAL_RETENTION",
-        86400.0,
-        _positive_float,
-        "seconds a log file wholly below its channel checkpoint is kept before GC removes it",
-    )
-    lifecycle_interval: float = setting(
-        "VCHAN_LIFECYCLE_INTERVAL",
-        300.0,
-        _positive_float,
-        "seconds between the active DataCoord's lifecycle steps (plans, sort, compaction, GC)",
-    )
-    sort_poll_interval: float = setting(
-        "VCHAN_SORT_POLL_INTERVAL",
-        2.0,
-        _positive_float,
-        "seconds between the active DataCoord's looks for newly flushed segments to sort by pk",
-    )
-    compaction_small_proportion: float = setting(
-        "VCHAN_COMPACTION_SMALL_PROPORTION",
-        0.5,
-        _proportion,
-        "a Flushed segment below this fraction of the max size is merged by mix compaction",
-    )
-    compaction_tier_factor: float = setting(
-        "VCHAN_COMPACTION_TIER_FACTOR",
-        2.0,
-        _factor,
-        "mix compaction merges small segments of one size tier: at most this many times the tier's smallest",
-    )
-    compaction_delete_ratio: float = setting(
-        "VCHAN_COMPACTION_DELETE_RATIO",
-        0.2,
-        _proportion,
-        "a Flushed segment with more deleted rows than this fraction is rewritten by mix compaction",
-    )
-    compaction_timeout: float = setting(
-        "VCHAN_COMPACTION_TIMEOUT", 900.0, _positive_float, "seconds before an executing plan is failed"
-    )
-    compaction_plan_retention: float = setting(
-        "VCHAN_COMPACTION_PLAN_RETENTION",
-        86400.0,
-        _positive_float,
-        "seconds a finished compaction plan stays in etcd (for status) before cleanup deletes it",
-    )
-    import_interval: float = setting(
-        "VCHAN_IMPORT_INTERVAL",
-        2.0,
-        _positive_float,
-        "seconds between the active DataCoord's import steps (start Pending jobs, take over stuck ones)",
-    )
-    import_buffer_mb: float = setting(
-        "VCHAN_IMPORT_BUFFER_MB",
-        128.0,
-        _positive_float,
-        "rows an import task buffers before writing binlogs (memory per task, flat in the rows imported)",
-    )
-    import_timeout: float = setting(
-        "VCHAN_IMPORT_TIMEOUT",
-        900.0,
-        _positive_float,
-        "seconds without progress after which the DataCoord takes over (resumes or retries) an import job",
-    )
-    import_max_attempts: int = setting(
-        "VCHAN_IMPORT_MAX_ATTEMPTS",
-        3,
-        _positive_int,
-        "attempts of an import job's pre-import and import before it fails",
-    )
-    spark_partitions: int = setting(
-        "VCHAN_SPARK_PARTITIONS",
-        2,
-        _positive_int,
-        'Spark tasks per sync job; a `format("vchan")` read plans at least twice as many',
-    )
-    sync_in_process_mb: float = setting(
-        "VCHAN_SYNC_IN_PROCESS_MB",
-        32.0,
-        _non_negative_float,
-        "log MB up to which a sync writes its binlogs in the DataNode's process (one thread per task), not as a Spark job: a Spark job's fixed cost is most of a small sync's time (0: always Spark)",
-    )
-    dagster_datanodes: int = setting(
-        "VCHAN_DAGSTER_DATANODES",
-        2,
-        _positive_int,
-        "DataNodes hosted by Dagster sensors (`datanode_1` .. `datanode_N`)",
-    )
+    home: Path = FROM_TABLE
+    root: str = FROM_TABLE
+    etcd_endpoints: tuple[str, ...] | None = FROM_TABLE
+    etcd_user: str | None = FROM_TABLE
+    etcd_password: str | None = FROM_TABLE
+    etcd_ca_cert: str | None = FROM_TABLE
+    etcd_cert: str | None = FROM_TABLE
+    etcd_key: str | None = FROM_TABLE
+    etcd_timeout: float = FROM_TABLE
+    storage_uri: str = FROM_TABLE
+    s3_endpoint: str | None = FROM_TABLE
+    s3_region: str = FROM_TABLE
+    spark_master: str = FROM_TABLE
+    spark_remote: str | None = FROM_TABLE
+    session_ttl: float = FROM_TABLE
+    append_lock_ttl: float = FROM_TABLE
+    client_retry_timeout: float = FROM_TABLE
+    watch_timeout: float = FROM_TABLE
+    tickler_interval: float = FROM_TABLE
+    segment_max_size_mb: float = FROM_TABLE
+    segment_seal_proportion: float = FROM_TABLE
+    segment_max_life: float = FROM_TABLE
+    segment_max_idle: float = FROM_TABLE
+    segment_max_binlog_files: int = FROM_TABLE
+    sync_buffer_mb: float = FROM_TABLE
+    sync_max_age: float = FROM_TABLE
+    timetick_lag_warn: float = FROM_TABLE
+    gc_interval: float = FROM_TABLE
+    gc_missing_tolerance: float = FROM_TABLE
+    gc_drop_tolerance: float = FROM_TABLE
+    wal_retention: float = FROM_TABLE
+    lifecycle_interval: float = FROM_TABLE
+    sort_poll_interval: float = FROM_TABLE
+    compaction_small_proportion: float = FROM_TABLE
+    compaction_tier_factor: float = FROM_TABLE
+    compaction_delete_ratio: float = FROM_TABLE
+    compaction_timeout: float = FROM_TABLE
+    compaction_plan_retention: float = FROM_TABLE
+    import_interval: float = FROM_TABLE
+    import_buffer_mb: float = FROM_TABLE
+    import_timeout: float = FROM_TABLE
+    import_max_attempts: int = FROM_TABLE
+    spark_partitions: int = FROM_TABLE
+    sync_in_process_mb: float = FROM_TABLE
+    dagster_datanodes: int = FROM_TABLE
 
     @property
     def embedded_etcd(self) -> bool:
@@ -426,13 +330,6 @@ def _check_pair(env: Mapping[str, str], first: str, second: str, what: str) -> N
     if bool(env.get(first)) != bool(env.get(second)):
         missing = second if env.get(first) else first
         raise ConfigError(missing, "", f"set together with its pair ({what})")
-
-
-VARIABLES: tuple[Variable, ...] = tuple(
-    Variable(meta[0], f.name, f.default, meta[1], meta[2], meta[3])
-    for f in dataclass_fields(Settings)
-    if (meta := f.metadata.get("variable"))
-)
 
 
 def readme_table() -> str:

@@ -2,7 +2,7 @@
 
 `VchanResource` has one field per row of the settings table (`config.VARIABLES`);
 `from_env()` fills them with `EnvVar`s for every VCHAN_* variable that is set (the rest
-keep the defaults of `config.py`), so the UI shows where each value comes from and
+keep the defaults of the settings table), so the UI shows where each value comes from and
 nothing is hard-coded. Its behaviour lives in `VchanRuntime` (runtime.py), a plain class.
 
 Spark goes through dagster-pyspark's `PySparkResource`. With VCHAN_SPARK_REMOTE set
@@ -38,7 +38,7 @@ def _setting_fields() -> dict[str, Any]:
 class VchanResource(dg.ConfigurableResource):
     """The vchan system: etcd, object storage, Spark and every other setting.
 
-    Each field holds its variable's text as the environment would (None: config.py's
+    Each field holds its variable's text as the environment would (None: the table's
     default); `Settings.from_env`, the one parser,
     validates them. Fields are text because Dagster's `EnvVar` supplies text only.
     """
@@ -55,7 +55,7 @@ class VchanResource(dg.ConfigurableResource):
         return cls(**{var.field: var.text(getattr(settings, var.field)) for var in VARIABLES})
 
     def settings(self) -> Settings:
-        """The settings these fields describe (an unset field: config.py's default),
+        """The settings these fields describe (an unset field: the table's default),
         validated by `Settings.from_env` (ConfigError on a bad value)."""
         return Settings.from_env(
             {var.name: str(value) for var in VARIABLES if (value := getattr(self, var.field))}
