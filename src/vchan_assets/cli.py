@@ -32,7 +32,7 @@ from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionSchema
+from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.spark import Engine
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
@@ -92,6 +92,13 @@ def opened(settings: Settings) -> Iterator[Stack]:
         yield stack
     finally:
         stack.store.close()
+
+
+@contextlib.contextmanager
+def opened_collection(settings: Settings, name: str) -> Iterator[tuple[Stack, CollectionInfo]]:
+    """`opened`, for a command on one collection: CollectionNotFoundError before anything."""
+    with opened(settings) as stack:
+        yield stack, CollectionRegistry(stack.store).get_by_name(name)
 
 
 @contextlib.contextmanager
@@ -289,9 +296,8 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.meta.allocator import IdAllocator
     from vchan_assets.meta.errors import LeaseLostError
 
-    with opened(settings) as stack:
+    with opened_collection(settings, args.collection) as (stack, info):
         store, storage = stack.store, stack.storage
-        info = CollectionRegistry(store).get_by_name(args.collection)
         channels = [args.channel] if args.channel else list(info.vchannels)
         for vchannel in channels:
             try:
@@ -334,9 +340,8 @@ def compact(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
     from vchan_assets.lifecycle.plans import CompactionType, PlanState
 
-    with opened(settings) as stack:
+    with opened_collection(settings, args.collection) as (stack, info):
         store, storage = stack.store, stack.storage
-        info = CollectionRegistry(store).get_by_name(args.collection)
         kind = CompactionType(args.type)
         plans = CompactionTrigger(store, storage, settings).trigger(info, kind, manual=True)
         for p in plans:
