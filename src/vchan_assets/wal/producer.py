@@ -183,21 +183,24 @@ class Producer:
 
     def create_partition(self, collection_name: str, partition: str) -> int:
         """Add a partition and write create_partition on every channel; returns its id."""
-        info = self.collection(collection_name, refresh=True)
-        with self._all_channels(info):
-            info, partition_id = self.catalog.create_partition(collection_name, partition)
-            self._collections[collection_name] = info
-            self._announce_partition(info, MsgType.CREATE_PARTITION, partition_id, partition)
-        return partition_id
+        return self._change_partition(collection_name, partition, MsgType.CREATE_PARTITION)
 
     def drop_partition(self, collection_name: str, partition: str) -> int:
         """Remove a partition, mark its segments Dropped, write drop_partition everywhere."""
+        return self._change_partition(collection_name, partition, MsgType.DROP_PARTITION)
+
+    def _change_partition(self, collection_name: str, partition: str, kind: MsgType) -> int:
+        """Create or drop a partition in the catalog while holding every channel's append
+        lock, then announce it on every channel; returns its id."""
         info = self.collection(collection_name, refresh=True)
+        dropping = kind is MsgType.DROP_PARTITION
+        change = self.catalog.drop_partition if dropping else self.catalog.create_partition
         with self._all_channels(info):
-            info, partition_id = self.catalog.drop_partition(collection_name, partition)
+            info, partition_id = change(collection_name, partition)
             self._collections[collection_name] = info
-            self.segments.drop_partition(info.id, partition_id)
-            self._announce_partition(info, MsgType.DROP_PARTITION, partition_id, partition)
+            if dropping:
+                self.segments.drop_partition(info.id, partition_id)
+            self._announce_partition(info, kind, partition_id, partition)
         return partition_id
 
     def _announce_partition(
