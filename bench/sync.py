@@ -1,6 +1,6 @@
 """Benchmark of the sync path: log -> binlogs with Spark, against plain pyarrow programs.
 
-    .venv/bin/python -m bench.sync [--sizes 1000000,3000000] [--repeat 3] [--with-10m]
+    .venv/bin/python -m bench.sync [--sizes 1000000,3000000] [--repeat 5] [--with-10m]
 
 `--with-10m` adds a 10,000,000-row log (about 5 GB of log, 5 GB written per run: needs
 about 12 GB free in the temporary directory and a few minutes).
@@ -18,9 +18,14 @@ vector, three scalars) in one vchannel, then measures in the same run, interleav
   - sync (local): the same task code in-process, without Spark (to show Spark's share);
   - the disk's own sequential write speed (a 1 GiB file written and fdatasync'ed): the
     physical limit of what any of them can write.
-Each sync starts from a forgotten channel (meta and binlogs removed, same log).
+Each sync starts from a forgotten channel (meta and binlogs removed, same log). Every
+timed run starts with the disk settled (`os.sync()`): the previous run's deletes and the
+log just generated are written back first, so no run pays for another's writeback.
 Reports seconds (median), rows/s, MB/s of log read and of binlogs written, the ratios
-baseline/sync (>= 1 means the sync is faster) and peak RSS of the process tree.
+baseline/sync (>= 1 means the sync is faster) both as the ratio of the medians and as the
+median of each round's own ratio (the programs of a round run within seconds of each
+other, so a round's ratio is less exposed to the load of a shared machine drifting), the
+load average over the runs and peak RSS of the process tree.
 Also the fixed cost of a 1,000-row sync on a warm session, interleaved: through a Spark
 job (`VCHAN_SYNC_IN_PROCESS_MB=0`), in the DataNode's process (the default,
 `VCHAN_SYNC_IN_PROCESS_MB=32`: a range this small skips Spark), and an empty Spark job
@@ -181,6 +186,7 @@ def timed_sync(
 ) -> dict[str, Any]:
     vchannel = info.vchannels[0]
     lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
+    os.sync()  # settled disk: see the module's docstring
     with PeakRss() as rss:
         started = time.perf_counter()
         result = SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
@@ -197,6 +203,7 @@ def timed_sync(
 def timed_baseline(
     storage: Storage, info: CollectionInfo, out_prefix: str, threads: int, verify: bool = False
 ) -> dict[str, Any]:
+    os.sync()  # settled disk: see the module's docstring
     started = time.perf_counter()
     with PeakRss() as rss:
         rows, written = baseline(storage, info, info.vchannels[0], out_prefix, threads, verify)
@@ -216,7 +223,7 @@ def measure_size(
     log_bytes = sum(f.size_bytes for f in WalReader(storage, info.vchannels[0], info).files())
     cores = os.cpu_count() or 1
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
-    disk = []
+    disk, loads = [], [os.getloadavg()[0]]
     for i in range(repeat):
         disk.append(disk_write_speed(Path(storage.base)))
         runs["baseline_1"].append(timed_baseline(storage, info, f"baseline/{size}/{i}", 1))
@@ -227,8 +234,13 @@ def measure_size(
         for engine in ("spark", "local"):
             reset_channel(store, storage, info)
             runs[engine].append(timed_sync(store, storage, settings, info, engine))
+        loads.append(os.getloadavg()[0])
     reset_channel(store, storage, info)
-    summary: dict[str, Any] = {"log_mb": log_bytes / 2**20, "disk_write_mb_per_s": statistics.median(disk)}
+    summary: dict[str, Any] = {
+        "log_mb": log_bytes / 2**20,
+        "disk_write_mb_per_s": statistics.median(disk),
+        "load_avg_1m": (round(min(loads), 1), round(max(loads), 1)),
+    }
     for name, measured in runs.items():
         assert all(m["rows"] == size for m in measured), f"{name} persisted a different row count"
         secs = statistics.median(m["seconds"] for m in measured)
@@ -245,6 +257,9 @@ def measure_size(
     for name in ("spark", "local"):
         for base in BASELINES:
             summary[f"ratio_{name}_vs_{base}"] = summary[base]["median_s"] / summary[name]["median_s"]
+            summary[f"round_ratio_{name}_vs_{base}"] = statistics.median(
+                b["seconds"] / m["seconds"] for b, m in zip(runs[base], runs[name], strict=True)
+            )
         summary[f"{name}_written_vs_disk"] = (
             summary[name]["written_mb_per_s"] / summary["disk_write_mb_per_s"]
         )
@@ -258,7 +273,8 @@ def measure_size(
 
 def print_size(size: int, summary: dict[str, Any]) -> None:
     print(
-        f"\n{size:,} rows, log {summary['log_mb']:.0f} MB, disk writes {summary['disk_write_mb_per_s']:.0f} MB/s"
+        f"\n{size:,} rows, log {summary['log_mb']:.0f} MB, disk writes {summary['disk_write_mb_per_s']:.0f} MB/s, "
+        f"load average {summary['load_avg_1m'][0]}-{summary['load_avg_1m'][1]}"
     )
     for name in RUNS:
         s = summary[name]
@@ -270,7 +286,10 @@ def print_size(size: int, summary: dict[str, Any]) -> None:
     print(
         f"  ratio sync(spark) vs baseline: 1 thread {summary['ratio_spark_vs_baseline_1']:.2f}, "
         f"all cores {summary['ratio_spark_vs_baseline_all']:.2f}, "
-        f"all cores verified {summary['ratio_spark_vs_baseline_all_verified']:.2f}; "
+        f"all cores verified {summary['ratio_spark_vs_baseline_all_verified']:.2f} "
+        f"(median of the rounds' own ratios: {summary['round_ratio_spark_vs_baseline_1']:.2f}, "
+        f"{summary['round_ratio_spark_vs_baseline_all']:.2f}, "
+        f"{summary['round_ratio_spark_vs_baseline_all_verified']:.2f}); "
         f"sync written / disk speed {summary['spark_written_vs_disk']:.2f}",
         flush=True,
     )
@@ -311,7 +330,7 @@ def main() -> None:
     )
     parser.add_argument("--sizes", default="1000000,3000000")
     parser.add_argument("--with-10m", action="store_true", help="add 10,000,000 rows to --sizes")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default="bench/results/sync.json")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
