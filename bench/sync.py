@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,7 @@ def timed_sync(
         "written_bytes": result.bytes,
         "peak_rss_mb": rss.peak / 2**20,
         "workers_rss_mb": rss.peak_workers / 2**20,
+        "phases": asdict(result.phases) if result.phases else {},
     }
 
 
@@ -254,6 +255,11 @@ def measure_size(
             "written_mb_per_s": written / 2**20 / secs,
             "peak_rss_mb": max(m["peak_rss_mb"] for m in measured),
         }
+        if name in ("spark", "local"):  # where a sync's seconds went, median of each phase
+            summary[name]["phases_s"] = {
+                phase: statistics.median(m["phases"][phase] for m in measured)
+                for phase in measured[0]["phases"]
+            }
     for name in ("spark", "local"):
         for base in BASELINES:
             summary[f"ratio_{name}_vs_{base}"] = summary[base]["median_s"] / summary[name]["median_s"]
@@ -291,8 +297,10 @@ def print_size(size: int, summary: dict[str, Any]) -> None:
         f"{summary['round_ratio_spark_vs_baseline_all']:.2f}, "
         f"{summary['round_ratio_spark_vs_baseline_all_verified']:.2f}); "
         f"sync written / disk speed {summary['spark_written_vs_disk']:.2f}",
-        flush=True,
     )
+    for name in ("spark", "local"):
+        phases = ", ".join(f"{phase} {s:.2f}s" for phase, s in summary[name]["phases_s"].items())
+        print(f"  sync ({name}) phases, medians: {phases}", flush=True)
 
 
 def empty_spark_job(spark: Any) -> float:

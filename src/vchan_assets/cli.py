@@ -315,7 +315,8 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
                 print(
                     f"{vchannel}: ({result.start.offset}, {result.end.offset}] {result.rows} rows, "
                     f"{result.deletes} deletes, {result.files} files, {result.bytes / 1e6:.1f} MB, "
-                    f"{len(result.flushed_segments)} segments flushed in {result.seconds:.2f}s"
+                    f"{len(result.flushed_segments)} segments flushed in {result.seconds:.2f}s "
+                    f"({result.written_by}; {result.phases})"
                 )
     return 0
 

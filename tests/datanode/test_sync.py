@@ -6,11 +6,12 @@ Real etcd, real Spark (local[2]), real files; crashes are SIGKILLs of a real
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -297,6 +298,13 @@ def test_vchan_sync_take_lease_fences_the_old_writer_and_syncs_every_channel_und
         lease = store.read_lease(vchannel)
         assert lease is not None and lease.lease_id != old[vchannel].lease_id and lease.node_id == 0
         assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
+    # Each channel's line says where its binlogs were written and where its seconds went.
+    lines = [line for line in done.stdout.splitlines() if "rows" in line]
+    assert len(lines) == len(collection.vchannels), done.stdout
+    assert all(
+        re.search(r"\(DataNode process; state [\d.]+s, binlogs [\d.]+s, commit [\d.]+s\)$", line)
+        for line in lines
+    ), lines
 
 
 @pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta"])
@@ -526,5 +534,8 @@ def test_a_small_sync_skips_the_spark_job_and_a_larger_one_runs_it(
         jobs = _spark_jobs_started()
         result = SyncTask(store, storage, task_settings, collection, vchannel, lease, engine="spark").run()
         results[vchannel] = (result.in_process, _spark_jobs_started() - jobs, result.written_by)
+        # The sync says where its time went, whichever way it wrote.
+        assert result.phases is not None and min(asdict(result.phases).values()) >= 0
+        assert sum(asdict(result.phases).values()) == pytest.approx(result.seconds)
     assert results == {small: (True, 0, "DataNode process"), large: (False, 1, "Spark job")}
     assert_exactly_once(store, storage, collection, produced)

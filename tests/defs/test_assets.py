@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dagster as dg
 import pyarrow.parquet as pq
+import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datanodes import NodeCursor
@@ -75,6 +76,8 @@ def test_sync_materializes_binlogs_segments_checkpoints_with_metadata_and_passin
     assert binlogs["rows"].value > 0 and binlogs["files"].value > 0 and binlogs["bytes"].value > 0
     assert binlogs["deletes"].value > 0
     assert binlogs["written_by"].value == "Spark job"  # the test settings pin Spark
+    phases = [binlogs[f"seconds_{p}"].value for p in ("state", "binlogs", "commit")]
+    assert min(phases) >= 0 and sum(phases) == pytest.approx(binlogs["seconds"].value, abs=0.005)
     cp = by_asset[CHANNEL_CHECKPOINTS].metadata
     assert cp["checkpoint_offset"].value == store_checkpoint(store, vchannel)
     assert cp["checkpoint_lag_messages"].value == 0

@@ -75,6 +75,16 @@ IDS_PER_TASK = 100_000
 
 
 @dataclass(frozen=True)
+class SyncPhases:
+    state: float
+    binlogs: float
+    commit: float
+
+    def __str__(self) -> str:
+        return f"state {self.state:.2f}s, binlogs {self.binlogs:.2f}s, commit {self.commit:.2f}s"
+
+
+@dataclass(frozen=True)
 class SyncResult:
     vchannel: str
     start: MsgPosition  # checkpoint before
@@ -88,6 +98,9 @@ class SyncResult:
     seconds: float = 0.0
     skipped: str = ""  # why nothing was done
     in_process: bool = False  # the binlogs were written in this process, not by a Spark job
+    # Where the seconds went: reading the channel's state under the claim, writing the
+    # binlogs (the Spark job or the in-process tasks), committing segments and checkpoint.
+    phases: SyncPhases | None = None
 
     @property
     def synced(self) -> bool:
@@ -180,12 +193,15 @@ class SyncTask:
 
         files = [f for f in state.unsynced_files if f.overlaps(start.offset, end.offset)]
         in_process = self._in_process(files)
+        read = time.monotonic()
         written = self._write_binlogs(files, start, end, segments, in_process)
         failpoint("after_binlogs")
+        wrote = time.monotonic()
         updates = self._updates(written)
         flushed = self._commit_segments(updates, segments, end)
         failpoint("before_checkpoint")
         self._commit_checkpoint(cp, end)
+        done = time.monotonic()
         result = SyncResult(
             self.vchannel,
             start,
@@ -196,11 +212,12 @@ class SyncTask:
             bytes=sum(w.size_bytes for w in written),
             segments=tuple(sorted(updates)),
             flushed_segments=flushed,
-            seconds=time.monotonic() - started,
+            seconds=done - started,
             in_process=in_process,
+            phases=SyncPhases(read - started, wrote - read, done - wrote),
         )
         log.info(
-            "synced %s (%d, %d]: %d rows, %d deletes, %d files, %.1f MB in %.2fs (%s)",
+            "synced %s (%d, %d]: %d rows, %d deletes, %d files, %.1f MB in %.2fs (%s; %s)",
             self.vchannel,
             start.offset,
             end.offset,
@@ -210,6 +227,7 @@ class SyncTask:
             result.bytes / 1e6,
             result.seconds,
             result.written_by,
+            result.phases,
         )
         return result
 

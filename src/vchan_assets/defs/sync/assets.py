@@ -10,6 +10,7 @@ Downstream, unpartitioned: `segment_table`, one Parquet table of every segment
 """
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 import dagster as dg
@@ -107,12 +108,14 @@ def _materializations(
     head = runtime.status(result.vchannel).backlog.head
     lag_seconds = max(0.0, time.time() - physical_ms(end.timestamp) / 1000) if end.timestamp else 0.0
     segs = runtime.segments(result.vchannel)
+    phases = asdict(result.phases) if result.phases else {}  # none when nothing was synced
     binlogs: dict[str, Any] = {
         "rows": result.rows,
         "deletes": result.deletes,
         "files": result.files,
         "bytes": result.bytes,
         "seconds": round(result.seconds, 3),
+        **{f"seconds_{name}": round(v, 3) for name, v in phases.items()},
         "written_by": result.written_by,
         "skipped": result.skipped,
     }
