@@ -180,8 +180,11 @@ class TaskWriter:
         self.written: list[WrittenFile] = []
 
     def run(self) -> list[WrittenFile]:
+        # A task is one core's share of the sync (Spark runs one task per core, the
+        # in-process path one thread per task): reads decode on the task's own thread, as
+        # pyarrow's pool on top of that oversubscribes the cores (BENCHMARKS.md, "Sync").
         for key in self.spec.file_keys:
-            self._consume(read_log_file(self.spec.storage, key, self.schema))
+            self._consume(read_log_file(self.spec.storage, key, self.schema, use_threads=False))
         for seg in list(self.buffers):
             self._flush_segment(seg)
         for partition, tables in self.deletes.items():

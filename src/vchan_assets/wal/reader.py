@@ -166,13 +166,16 @@ def read_log_file(
     key: str,
     schema: CollectionSchema,
     columns: list[str] | None = None,
+    use_threads: bool = True,
 ) -> pa.Table:
     """Read one log file (and its data file, format 2) and validate it whole: footer
     against the name, columns against the collection schema, offsets dense from the
     first, message types known.
 
     Raises CorruptLogError, SchemaMismatchError or UnknownMessageTypeError naming the path.
-    `columns` restricts the read (offset, msg_type and timestamp are always included)."""
+    `columns` restricts the read (offset, msg_type and timestamp are always included).
+    `use_threads=False` decodes on the calling thread only: for callers that already run
+    one thread per core (sync tasks), where pyarrow's own pool would oversubscribe them."""
     path = storage.path(key)
     expected = log_schema(schema)
     wanted = expected.names
@@ -184,7 +187,9 @@ def read_log_file(
             first, count, _ = _check_footer(pf.metadata, path, key, _channel_of(key), None)
             data = _data_ref(pf.metadata.metadata or {}, path, count)
             check_schema(path, expected if data is None else fmt.SYSTEM_SCHEMA, pf.schema_arrow)
-            table = pf.read(columns=[n for n in wanted if n in pf.schema_arrow.names])
+            table = pf.read(
+                columns=[n for n in wanted if n in pf.schema_arrow.names], use_threads=use_threads
+            )
     except FileNotFoundError:
         raise CorruptLogError(path, "the file disappeared (log truncated or removed?)") from None
     except (pa.ArrowException, OSError) as exc:
@@ -205,7 +210,7 @@ def read_log_file(
     target = pa.schema([expected.field(n) for n in wanted])
     user = [n for n in wanted if n not in fmt.SYSTEM_SCHEMA.names]
     if data is not None and user:
-        found = _read_data(storage, data, path, schema, user, count)
+        found = _read_data(storage, data, path, schema, user, count, use_threads)
         table = pa.Table.from_arrays(
             [table.column(n) if n in table.column_names else found.column(n) for n in wanted], names=wanted
         )
@@ -213,7 +218,13 @@ def read_log_file(
 
 
 def _read_data(
-    storage: Storage, data: _DataRef, log_path: str, schema: CollectionSchema, names: list[str], count: int
+    storage: Storage,
+    data: _DataRef,
+    log_path: str,
+    schema: CollectionSchema,
+    names: list[str],
+    count: int,
+    use_threads: bool,
 ) -> pa.Table:
     """The `names` columns of a format-2 data file, null past its rows up to `count`."""
     path = storage.path(data.key)
@@ -221,7 +232,7 @@ def _read_data(
         with storage.open_input_file(data.key) as f:
             pf = pq.ParquetFile(f, page_checksum_verification=True)
             check_schema(path, pa.schema(user_fields(schema)), pf.schema_arrow)
-            table = pf.read(columns=names)
+            table = pf.read(columns=names, use_threads=use_threads)
     except FileNotFoundError:
         raise CorruptLogError(log_path, f"its data file {path} is missing") from None
     except (pa.ArrowException, OSError) as exc:
