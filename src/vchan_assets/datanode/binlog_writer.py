@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.failpoints import failpoint
@@ -189,6 +188,10 @@ class TaskWriter:
             self._flush_segment(seg)
         for partition, tables in self.deletes.items():
             self._write_deltas(partition, pa.concat_tables(tables))
+        # Files are written without waiting for the disk (its write-back overlaps the
+        # task's next reads and encodes), then made durable together here: before the
+        # task reports them, so before any segment meta can refer to them.
+        self.spec.storage.make_durable(w.key for w in self.written)
         return self.written
 
     def _consume(self, table: pa.Table) -> None:
@@ -230,7 +233,7 @@ class TaskWriter:
         log_id = self.ids.take()
         key = stats_log_key(coll, part, seg, log_id)
         payload = PkStats.build(pks).to_bytes()
-        self.spec.storage.write_atomic(key, payload)
+        self.spec.storage.write_atomic(key, payload, durable=False)
         self.written.append(
             WrittenFile(STATS, seg, part, -1, log_id, key, rows.num_rows, *span[:2], len(payload), *span[2:])
         )
@@ -247,7 +250,7 @@ class TaskWriter:
         )
 
     def _write_parquet(self, key: str, table: pa.Table, vector: bool) -> int:
-        return write_parquet(self.spec.storage, key, table, vector)
+        return write_parquet(self.spec.storage, key, table, vector, durable=False)
 
 
 def parquet_options(table: pa.Table, vector: bool) -> dict[str, Any]:
@@ -262,10 +265,10 @@ def parquet_options(table: pa.Table, vector: bool) -> dict[str, Any]:
     return {"compression": "snappy", "use_dictionary": strings, "write_statistics": True}
 
 
-def write_parquet(storage: Storage, key: str, table: pa.Table, vector: bool) -> int:
-    """Write a binlog as Parquet straight into storage (atomically); returns its size."""
-    options = parquet_options(table, vector)
-    return storage.write_atomic_with(key, lambda sink: pq.write_table(table, sink, **options))
+def write_parquet(storage: Storage, key: str, table: pa.Table, vector: bool, durable: bool = True) -> int:
+    """Write a binlog as Parquet straight into storage (atomically; `durable` as in
+    `Storage.write_atomic`); returns its size."""
+    return storage.write_parquet(key, table, durable=durable, **parquet_options(table, vector))
 
 
 def take_rows(table: pa.Table, mask: np.ndarray) -> pa.Table:

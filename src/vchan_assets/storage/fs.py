@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,10 +82,13 @@ class Storage:
         except (OSError, pa.ArrowException) as exc:
             raise StorageError(path, str(exc)) from exc
 
-    def write_parquet(self, key: str, table: pa.Table, **options: Any) -> int:
-        """Write `table` as one Parquet object, atomically (`write_atomic_with`); its bytes."""
+    def write_parquet(self, key: str, table: pa.Table, durable: bool = True, **options: Any) -> int:
+        """Write `table` as one Parquet object, atomically (`write_atomic_with`, `durable`
+        as there); its bytes."""
         try:
-            return self.write_atomic_with(key, lambda sink: pq.write_table(table, sink, **options))
+            return self.write_atomic_with(
+                key, lambda sink: pq.write_table(table, sink, **options), durable=durable
+            )
         except pa.ArrowException as exc:
             raise StorageError(self.path(key), str(exc)) from exc
 
@@ -106,7 +109,9 @@ class Storage:
         except OSError as exc:
             raise StorageError(self.base, str(exc)) from exc
 
-    def write_atomic(self, key: str, data: bytes | pa.Buffer, exclusive: bool = False) -> str:
+    def write_atomic(
+        self, key: str, data: bytes | pa.Buffer, exclusive: bool = False, durable: bool = True
+    ) -> str:
         """Write a whole object so readers never see half of it; returns the full path.
 
         Locally: write a temporary name, then rename (or, `exclusive`, hard-link: the
@@ -114,11 +119,18 @@ class Storage:
         the other gets ObjectExistsError). On S3 a single PUT is atomic; `exclusive` is a
         check before the PUT there (pyarrow has no conditional PUT), so two writers must
         not race for one name (the append lock sees to that for log files).
+
+        Locally the file is fsynced before it takes its name. `durable=False` skips that
+        wait and only starts the write-back: for a writer of many files that calls
+        `make_durable` on them all before anything refers to them (a sync task), so the
+        disk writes one file while the task reads and encodes the next.
         """
-        self.write_atomic_with(key, lambda out: out.write(memoryview(data)), exclusive)
+        self.write_atomic_with(key, lambda out: out.write(memoryview(data)), exclusive, durable)
         return self.path(key)
 
-    def write_atomic_with(self, key: str, write: Callable[[Any], None], exclusive: bool = False) -> int:
+    def write_atomic_with(
+        self, key: str, write: Callable[[Any], None], exclusive: bool = False, durable: bool = True
+    ) -> int:
         """Like `write_atomic`, but `write(sink)` streams the object into a file-like sink
         (no intermediate buffer); returns the bytes written."""
         fs = self.filesystem
@@ -136,7 +148,10 @@ class Storage:
             with open(tmp, "wb") as out:
                 write(out)
                 out.flush()
-                os.fsync(out.fileno())
+                if durable:
+                    os.fsync(out.fileno())
+                else:  # start writing it back now, without waiting (Linux: DONTNEED does)
+                    os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 size = out.tell()
             if not exclusive:
                 os.rename(tmp, final)
@@ -152,6 +167,22 @@ class Storage:
             raise
         except OSError as exc:
             raise StorageError(final, str(exc)) from exc
+
+    def make_durable(self, keys: Iterable[str]) -> None:
+        """Wait until the files written with `durable=False` are on disk (fsync each);
+        nothing to wait for on S3, where a PUT is durable when it returns."""
+        if self.is_s3:
+            return
+        for key in keys:
+            path = self.path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise StorageError(path, f"could not be made durable: {exc}") from exc
 
     def exists(self, key: str) -> bool:
         path = self.path(key)
