@@ -39,6 +39,11 @@ class ObjectExistsError(StorageError):
     reason: str = "already exists"
 
 
+# Linux starts writing a file's dirty pages back when told they are not needed; where
+# posix_fadvise is missing (macOS) the pages wait for `make_durable`'s fsync.
+_START_WRITEBACK = hasattr(os, "posix_fadvise")
+
+
 @dataclass(frozen=True)
 class Storage:
     """A storage root: `uri` is a local directory or s3://bucket/prefix."""
@@ -150,7 +155,7 @@ class Storage:
                 out.flush()
                 if durable:
                     os.fsync(out.fileno())
-                else:  # start writing it back now, without waiting (Linux: DONTNEED does)
+                elif _START_WRITEBACK:  # start writing it back now, without waiting
                     os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 size = out.tell()
             if not exclusive:
