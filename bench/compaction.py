@@ -46,6 +46,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentLevel
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 32}, {"n": "int64", "f": "float", "s": "string"})
@@ -55,7 +56,7 @@ SEGMENTS_PER_CHANNEL = 6
 def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
     for vchannel in info.vchannels:
         lease = store.read_lease(vchannel) or grant_channel_lease(store, IdAllocator(store), vchannel, 1)
-        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def make_segments(
@@ -119,8 +120,8 @@ def throughput(
         runs["baseline"].append(time.perf_counter() - started)
         restore(store, saved, info)
         started = time.perf_counter()
-        CompactionTrigger(store, storage, settings).trigger(info, CompactionType.MIX, manual=True)
-        outcomes = CompactionExecutor(store, storage, settings, engine="spark").run_pending()
+        CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX, manual=True)
+        outcomes = CompactionExecutor(System(settings, store, storage), engine="spark").run_pending()
         runs["compaction"].append(time.perf_counter() - started)
         assert all(o.state is PlanState.COMPLETED for o in outcomes), outcomes
         live = [d.model for d in store.list_models(store.keys.segments(info.id), SegmentInfo)[0]]
@@ -163,7 +164,7 @@ def soak(settings: Settings, seconds: float, lifecycle: bool) -> dict[str, Any]:
         producer.flush(info.name)
         sync_all(store, storage, settings, info)
         if lifecycle:
-            lifecycle_step(store, storage, quick, engine="local")
+            lifecycle_step(System(quick, store, storage), engine="local")
         rounds += 1
         if rounds % 10 == 0:
             samples.append({"t": round(time.monotonic() - started, 1), **storage_figures(store, storage)})

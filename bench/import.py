@@ -42,6 +42,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 DIM = 128
@@ -152,7 +153,7 @@ def run_import(
     with PeakRss() as peak:
         started = time.perf_counter()
         job_id = imports.submit(info.name, paths, store=store, settings=settings)
-        job = ImportExecutor(store, storage, settings, engine="spark").run(job_id)
+        job = ImportExecutor(System(settings, store, storage), engine="spark").run(job_id)
         seconds = time.perf_counter() - started
     assert job.state is ImportState.COMPLETED, job.reason
     return seconds, job.imported_rows, peak

@@ -49,6 +49,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 32}, {"n": "int64", "f": "float", "s": "string"})
@@ -123,7 +124,7 @@ class SortLatency(threading.Thread):
 def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
     for vchannel in info.vchannels:
         lease = store.read_lease(vchannel) or grant_channel_lease(store, IdAllocator(store), vchannel, 1)
-        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def datacoord(settings: Settings, log: Path) -> subprocess.Popen[bytes]:

@@ -45,6 +45,7 @@ from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
 from vchan_assets.spark import Engine
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.format import MsgType, wal_key
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
@@ -85,7 +86,7 @@ def one_row_sync(
     producer.insert(info.name, generate_rows(SCHEMA, 1, start_pk=pk, seed=pk))
     lease = store.read_lease(vchannel) or grant_channel_lease(store, IdAllocator(store), vchannel, 1)
     started = time.perf_counter()
-    result = SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()
+    result = SyncTask(System(settings, store, storage), info, vchannel, lease, engine=engine).run()
     seconds = time.perf_counter() - started
     assert result.rows == 1, result
     return seconds

@@ -41,6 +41,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionSchema
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.format import MsgType
 from vchan_assets.wal.producer import Producer, _batch_schema, generate_rows, to_insert_table
 from vchan_assets.wal.writer import WalWriter
@@ -150,7 +151,7 @@ def end_to_end(
     ids = IdAllocator(store)
     for vchannel in info.vchannels:
         lease = grant_channel_lease(store, ids, vchannel, node_id=1)
-        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
     assert producer.flush_state(info.name, flush_ts), "flush did not complete"
     return time.perf_counter() - started
 

@@ -62,6 +62,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.format import MsgType
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalFile, WalReader
@@ -189,7 +190,7 @@ def timed_sync(
     os.sync()  # settled disk: see the module's docstring
     with PeakRss() as rss:
         started = time.perf_counter()
-        result = SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
+        result = SyncTask(System(settings, store, storage), info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
         seconds = time.perf_counter() - started
     return {
         "seconds": seconds,

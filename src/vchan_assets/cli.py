@@ -36,6 +36,7 @@ from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.spark import Engine
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
+from vchan_assets.system import System
 from vchan_assets.wal.format import LogError
 from vchan_assets.wal.producer import ChannelAppend, Producer, generate_rows
 
@@ -297,7 +298,7 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.meta.errors import LeaseLostError
 
     with opened_collection(settings, args.collection) as (stack, info):
-        store, storage = stack.store, stack.storage
+        store = stack.store
         channels = [args.channel] if args.channel else list(info.vchannels)
         for vchannel in channels:
             try:
@@ -305,7 +306,7 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
                     lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=0)
                 else:  # LeaseLostError before anything is done if the lease is not current
                     lease = current_lease(store, vchannel, args.lease_id)
-                result = SyncTask(store, storage, settings, info, vchannel, lease, engine=args.engine).run()
+                result = SyncTask(stack, info, vchannel, lease, engine=args.engine).run()
             except LeaseLostError as exc:
                 print(f"vchan sync: stopped {vchannel}: {exc}", file=sys.stderr)
                 return EXIT_LEASE_LOST
@@ -342,16 +343,15 @@ def compact(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.lifecycle.plans import CompactionType, PlanState
 
     with opened_collection(settings, args.collection) as (stack, info):
-        store, storage = stack.store, stack.storage
         kind = CompactionType(args.type)
-        plans = CompactionTrigger(store, storage, settings).trigger(info, kind, manual=True)
+        plans = CompactionTrigger(stack).trigger(info, kind, manual=True)
         for p in plans:
             print(f"plan {p.plan_id}: {p.type} of segments {list(p.input_ids)} -> {p.state}", flush=True)
         if not plans:
             print(f"{args.collection}: nothing to compact ({kind})")
         if not args.wait or not plans:
             return 0
-        executor = CompactionExecutor(store, storage, settings, engine=args.engine)
+        executor = CompactionExecutor(stack, engine=args.engine)
         outcomes = executor.run_pending([p.plan_id for p in plans])
         for i, o in enumerate(outcomes, 1):
             detail = f"-> segments {list(o.outputs)}" if o.state is PlanState.COMPLETED else o.reason
@@ -374,8 +374,7 @@ def gc(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.lifecycle.gc import GarbageCollector
 
     with opened(settings) as stack:
-        store, storage = stack.store, stack.storage
-        collector = GarbageCollector(store, storage, settings)
+        collector = GarbageCollector(stack)
         if args.pause is not None:
             print(f"garbage collection paused for {args.pause:g}s")
             collector.pause(args.pause)
@@ -640,8 +639,8 @@ def datanode(args: argparse.Namespace, settings: Settings) -> int:
 
     logging.getLogger().setLevel(logging.INFO)
     stop = _stop_on_signals()
-    store = connect(settings)
-    node = DataNode(settings, store, engine=args.engine, poll_interval=args.poll, address=args.address)
+    system = open_system(settings)
+    node = DataNode(system, engine=args.engine, poll_interval=args.poll, address=args.address)
     node.on_session_lost = stop.set
     try:
         node.start()
@@ -650,7 +649,7 @@ def datanode(args: argparse.Namespace, settings: Settings) -> int:
             pass
     finally:
         node.stop(final_sync=not node.session_lost.is_set())
-        store.close()
+        system.store.close()
     if node.session_lost.is_set():
         reason = node.session.expiry_reason if node.session else ""
         print(f"vchan datanode: node {node.node_id} lost its session ({reason}); exiting", file=sys.stderr)
@@ -682,13 +681,14 @@ def _run_lifecycle(
         store = writer()
         if store is None:
             continue
+        system = System(settings, store, storage)  # its writes fenced by this DataCoord's term
         try:
             if time.monotonic() >= next_step:
                 next_step = time.monotonic() + settings.lifecycle_interval
-                report = lifecycle_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+                report = lifecycle_step(system, engine=engine)  # type: ignore[arg-type]
                 log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
             else:
-                sorted_now = sort_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+                sorted_now = sort_step(system, engine=engine)  # type: ignore[arg-type]
                 if sorted_now:
                     log.info("sorted %d newly flushed segments", len(sorted_now))
         except (MetaError, StorageError, LogError) as exc:
@@ -708,7 +708,7 @@ def _run_imports(
         if store is None:
             continue
         try:
-            report = import_step(store, storage, settings, engine=engine)  # type: ignore[arg-type]
+            report = import_step(System(settings, store, storage), engine=engine)  # type: ignore[arg-type]
             if report.started or report.resumed:
                 log.info("import step: completed %s, failed %s", report.completed, report.failed)
         except (MetaError, StorageError) as exc:

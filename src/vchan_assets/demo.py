@@ -66,7 +66,7 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
         ids = IdAllocator(stack.store)
         for vchannel in info.vchannels:
             lease = grant_channel_lease(stack.store, ids, vchannel, node_id=1)
-            result = SyncTask(stack.store, stack.storage, settings, info, vchannel, lease).run()
+            result = SyncTask(stack, info, vchannel, lease).run()
             console.print(
                 f"synced {vchannel}: offsets ({result.start.offset}, {result.end.offset}], {result.rows:,} rows, "
                 f"{result.deletes:,} deletes, {result.files} files in {result.seconds:.1f}s"
@@ -164,13 +164,13 @@ def _lifecycle(
     from vchan_assets.lifecycle.step import lifecycle_step
 
     for _ in range(2):  # the second step finds the new segments' and L0 deletes' work done
-        report = lifecycle_step(stack.store, stack.storage, settings, collect=False)
+        report = lifecycle_step(stack, collect=False)
         for o in report.outcomes:
             console.print(
                 f"compaction plan {o.plan_id}: {o.state.value} {o.reason} -> segments {list(o.outputs)}"
             )
     time.sleep(1.0)
-    gc = GarbageCollector(stack.store, stack.storage, replace(settings, gc_drop_tolerance=0.5)).run()
+    gc = GarbageCollector(replace(stack, settings=replace(settings, gc_drop_tolerance=0.5))).run()
     console.print(
         f"garbage collection: {len(gc.dropped_segments)} dropped segments removed ({len(gc.segment_files)} files, "
         f"{gc.bytes / 1e6:.1f} MB), {len(gc.orphans)} orphans, {len(gc.wal_files)} log files"

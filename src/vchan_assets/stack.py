@@ -1,8 +1,9 @@
-"""The running system as one object: metastore (embedded etcd or a cluster) and storage.
+"""Opening the running system: metastore (embedded etcd or a cluster) and storage.
 
 `Stack.open(settings)` starts the embedded etcd when no endpoints are configured (or
 reuses a running one; `start_etcd=False`, for Dagster's sensors and runs and Spark's
-workers, only reuses one), connects, and prepares storage. `close()` stops what it
+workers, only reuses one), connects, and prepares storage. A `Stack` is the `System`
+it opened (pass it to any service) plus the embedded etcd; `close()` stops what it
 started. Spark is started lazily by whoever needs it (`spark.session.get_spark`).
 """
 
@@ -16,15 +17,13 @@ from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd, server_version
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Stack:
-    settings: Settings
-    store: MetaStore
-    storage: Storage
+@dataclass(frozen=True)
+class Stack(System):
     etcd: EmbeddedEtcd | None = None
 
     @classmethod
@@ -48,7 +47,7 @@ class Stack:
             raise
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        return cls(settings, store, storage, etcd)
+        return cls(settings, store, storage, etcd=etcd)
 
     def health(self, with_spark: bool = False) -> dict[str, Any]:
         """What is running, for `vchan demo` / `vchan up` and operators."""

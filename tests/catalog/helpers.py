@@ -14,6 +14,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 4}, {"n": "int64", "s": "string"})
@@ -69,7 +70,7 @@ def sync_all(
     ids = IdAllocator(store)
     for vchannel in info.vchannels:
         lease = grant_channel_lease(store, ids, vchannel, node_id=node_id)
-        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 VCHAN = Path(sys.executable).parent / "vchan"

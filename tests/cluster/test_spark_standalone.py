@@ -29,6 +29,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo
 from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import PATIENCE
@@ -90,7 +91,9 @@ def _local_reference(settings: Settings, store: MetaStore, tmp: Path, info: Coll
         ref_storage = Storage.from_settings(ref_settings)
         for vchannel in ref_info.vchannels:
             lease = grant_channel_lease(ref_store, IdAllocator(ref_store), vchannel, node_id=0)
-            SyncTask(ref_store, ref_storage, ref_settings, ref_info, vchannel, lease, engine="local").run()
+            SyncTask(
+                System(ref_settings, ref_store, ref_storage), ref_info, vchannel, lease, engine="local"
+            ).run()
         return (
             read_inserted(ref_store, ref_storage, ref_info),
             sorted(read_deleted(ref_store, ref_storage, ref_info)),

@@ -28,6 +28,7 @@ from vchan_assets.model import (
     WatchState,
 )
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import create_collections, fast_settings
@@ -58,6 +59,10 @@ def nodes(store: MetaStore) -> Iterator[Nodes]:
     n = Nodes(store)
     yield n
     n.close()
+
+
+def _system(store: MetaStore, settings: Settings) -> System:
+    return System(settings, store, Storage.from_settings(settings))
 
 
 def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchInfo, int] | None:
@@ -113,7 +118,7 @@ def _rewrite_watch(
 
 def _answer(store: MetaStore, settings: Settings, node_id: int) -> None:
     """What a node does with its ToWatch/ToRelease infos (no channel work started)."""
-    ctx = NodeContext(store, Storage.from_settings(settings), settings, node_id)
+    ctx = NodeContext(_system(store, settings), node_id)
     for kv in store.list_prefix(store.keys.channel_watch_prefix(node_id)).items:
         found = store.get_model(kv.key, ChannelWatchInfo)
         assert found is not None
@@ -220,7 +225,7 @@ def test_watch_with_a_replaced_lease_answers_watch_failure(
     settings = fast_settings(settings)
     one = _assign_one_channel(store, settings, nodes, 7401)
     store.put(store.keys.channel_lease(one.vchannel), {"lease_id": 1, "node_id": 99, "granted_at": 0.0})
-    ctx = NodeContext(store, Storage.from_settings(settings), settings, one.node_id)
+    ctx = NodeContext(_system(store, settings), one.node_id)
     result = watch_channel(ctx, one.key, one.version, one.info)
     assert result.state is WatchState.WATCH_FAILURE and "not current" in result.reason
     # A stale version (the coordinator moved on) is a conflict, not a silent overwrite.
@@ -236,7 +241,7 @@ def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_che
     producer, info, vchannel, a, key = one.producer, one.collection, one.vchannel, one.node_id, one.key
     # An older coordinator's watch info: no lease id.
     found = _rewrite_watch(store, a, vchannel, lease_id=None)
-    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+    ctx = NodeContext(_system(store, settings), a)
     assert watch_channel(ctx, key, found[1], found[0]).state is WatchState.WATCH_SUCCESS
     produced = Produced()
     produce(producer, info.name, produced, 300, 1, deletes=4)
@@ -247,7 +252,7 @@ def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_che
     # Another node is refused: it is not the channel's watcher.
     with pytest.raises(NotWatcherError):
         lease_for_watcher(store, vchannel, 7599)
-    other = NodeContext(store, Storage.from_settings(settings), settings, 7599)
+    other = NodeContext(_system(store, settings), 7599)
     produce(producer, info.name, produced, 10, 1000)
     producer.time_tick(info.name)
     with pytest.raises(LeaseLostError):
@@ -290,7 +295,7 @@ def test_the_tickler_keeps_a_slow_watch_from_timing_out(
             assert not manager.reconcile().removed
             time.sleep(0.1)
 
-    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+    ctx = NodeContext(_system(store, settings), a)
     result = watch_channel(ctx, key, found[1], found[0], start=slow_start)
     assert result.state is WatchState.WATCH_SUCCESS and result.progress == 100
     assert max(p for p, _ in seen) > 0
@@ -305,7 +310,7 @@ def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
     v0, v1 = infos[0].vchannels
-    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         manager = ChannelManager(store, settings)
         manager.reconcile()
@@ -337,7 +342,7 @@ def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_tha
 
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
-    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         stale = store.list_prefix(store.keys.channel_watch_prefix(node.node_id))  # nothing yet
         ChannelManager(store, settings).reconcile()
@@ -383,7 +388,7 @@ def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(
     settings = fast_settings(settings)
     producer, infos = create_collections(store, settings, count=1, shards=2)
     v0, v1 = infos[0].vchannels
-    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         ChannelManager(store, settings).reconcile()
         deadline = time.monotonic() + 10
@@ -413,7 +418,7 @@ def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
     settings = replace(fast_settings(settings), tickler_interval=0.002)
     producer, infos = create_collections(store, settings, count=1, shards=1)
     vchannel = infos[0].vchannels[0]
-    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         ChannelManager(store, settings).reconcile()
         key = store.keys.channel_watch(node.node_id, vchannel)
@@ -563,7 +568,7 @@ def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
     v0, v1 = infos[0].vchannels
-    node = DataNode(settings, store, engine="local", poll_interval=0.1).start()
+    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
     releasing, finish = threading.Event(), threading.Event()
     try:
         node.lanes.submit(v0, lambda: (releasing.set(), finish.wait(60)))
@@ -600,7 +605,7 @@ def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_read
     found = (one.info, one.version)
     assigned = one.info.vchan
     (segment_id,) = assigned.unflushed_segment_ids
-    ctx = NodeContext(store, Storage.from_settings(settings), settings, a)
+    ctx = NodeContext(_system(store, settings), a)
 
     # Older than meta: the previous holder's last checkpoint landed after the coordinator read.
     store.put(store.keys.channel_checkpoint(vchannel), encode(MsgPosition(vchannel, 41, 4100)))
@@ -628,6 +633,6 @@ def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_read
     assert (vchannel, b) in report.assigned
     again = _watch(store, b, vchannel)
     assert again is not None and again[0].vchan.seek_position == MsgPosition(vchannel, 41, 4100)
-    ctx_b = NodeContext(store, Storage.from_settings(settings), settings, b)
+    ctx_b = NodeContext(_system(store, settings), b)
     result = watch_channel(ctx_b, store.keys.channel_watch(b, vchannel), again[1], again[0])
     assert result.state is WatchState.WATCH_SUCCESS

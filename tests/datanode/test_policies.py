@@ -17,6 +17,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
 
@@ -72,5 +73,5 @@ def test_flush_fires_sealed_and_flush_policies_until_a_sync_passes_it(
     assert any(r.startswith("flush requested") for r in reasons)
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
-    SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+    SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
     assert _reasons(store, storage, settings, collection) == []

@@ -31,6 +31,7 @@ from vchan_assets.meta.errors import LeaseLostError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, RecoveryInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.format import (
     CorruptLogError,
     SchemaMismatchError,
@@ -64,7 +65,7 @@ def sync_all(
 ) -> None:
     for vchannel in info.vchannels:
         lease = store.read_lease(vchannel) or grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-        SyncTask(store, storage, settings, info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
 
 
 def _meta_versions(store: MetaStore) -> dict[str, int]:
@@ -122,7 +123,7 @@ def test_second_sync_appends_new_rows_and_a_sync_with_nothing_new_is_a_no_op(
     vchannel = collection.vchannels[0]
     lease = store.read_lease(vchannel)
     assert lease is not None
-    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert result.skipped and store.revision() == revision
     assert_exactly_once(store, storage, collection, produced)
 
@@ -211,7 +212,7 @@ def test_growing_segment_is_sealed_by_binlog_file_count_before_its_meta_outgrows
         produced = Produced()
         for i in range(60):  # one segment would pass the limit after ~35 syncs
             produce(producer, info.name, produced, 10, start_pk=i * 10)
-            SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+            SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
         assert_exactly_once(store, storage, info, produced)
         l1 = [s for s in segments(store, info) if s.level is SegmentLevel.L1]
         assert len(l1) >= 60 // 9
@@ -328,7 +329,7 @@ def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     first = sync_stopped_at(settings, collection.name, vchannel, lease.lease_id, step, tmp_path)
-    second = SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+    second = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
     if step == "after_binlogs":
         assert second.rows > 0 and second.deletes > 0
     first.send_signal(signal.SIGCONT)
@@ -348,7 +349,7 @@ def test_sync_with_a_lease_that_is_not_current_writes_nothing(
     stale = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     grant_channel_lease(store, _ids(store), vchannel, node_id=2)
     with pytest.raises(LeaseLostError) as err:
-        SyncTask(store, storage, settings, collection, vchannel, stale, engine="local").run()
+        SyncTask(System(settings, store, storage), collection, vchannel, stale, engine="local").run()
     assert err.value.channel == vchannel and err.value.expected == stale.lease_id
     assert checkpoint(store, vchannel) is None
 
@@ -371,7 +372,7 @@ def test_truncated_log_file_gives_corrupt_log_error_and_checkpoint_unchanged(
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     with pytest.raises(CorruptLogError) as err:
-        SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+        SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert err.value.path == storage.path(victim)
     assert checkpoint(store, vchannel) is None
 
@@ -382,12 +383,12 @@ def test_a_damaged_file_below_the_checkpoint_does_not_stop_the_channel(
     produce(producer, collection.name, Produced(), 100, start_pk=0)
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+    SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
     synced = WalReader(storage, vchannel, collection).files()[1].key  # the insert batch
     Path(storage.path(synced)).write_bytes(b"damaged after it was synced")
     produce(producer, collection.name, Produced(), 100, start_pk=100)
 
-    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="local").run()
+    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
 
     assert result.synced and result.rows > 0
     assert checkpoint(store, vchannel) == result.end
@@ -437,7 +438,7 @@ def test_unknown_message_type_gives_a_clear_error_and_checkpoint_unchanged(
     _append_raw(storage, collection, vchannel, bad)
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     with pytest.raises(UnknownMessageTypeError) as err:
-        SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+        SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert err.value.msg_type == "bogus"
     assert checkpoint(store, vchannel) is None
 
@@ -453,7 +454,7 @@ def test_log_file_with_another_schema_gives_schema_mismatch_and_checkpoint_uncha
     _append_raw(storage, collection, vchannel, wrong)
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     with pytest.raises(SchemaMismatchError, match="missing \\['s'\\]"):
-        SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+        SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert checkpoint(store, vchannel) is None
 
 
@@ -464,7 +465,7 @@ def test_channel_without_any_log_sync_is_a_clean_no_op(
     storage.filesystem.delete_dir(storage.path(f"wal/{vchannel}"))  # as a channel nobody wrote to
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     revision = store.revision()
-    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert result.skipped and result.rows == 0
     assert store.revision() == revision and checkpoint(store, vchannel) is None
 
@@ -475,7 +476,7 @@ def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(
     producer.time_tick(collection.name)
     vchannel = collection.vchannels[1]
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    result = SyncTask(store, storage, settings, collection, vchannel, lease, engine="spark").run()
+    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert result.rows == 0 and result.files == 0
     assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
     assert not list_orphans(store, storage) and read_inserted(store, storage, collection).num_rows == 0
@@ -532,7 +533,9 @@ def test_a_small_sync_skips_the_spark_job_and_a_larger_one_runs_it(
         lease = grant_channel_lease(store, ids, vchannel, node_id=1)
         task_settings = replace(settings, sync_in_process_mb=limit)
         jobs = _spark_jobs_started()
-        result = SyncTask(store, storage, task_settings, collection, vchannel, lease, engine="spark").run()
+        result = SyncTask(
+            System(task_settings, store, storage), collection, vchannel, lease, engine="spark"
+        ).run()
         results[vchannel] = (result.in_process, _spark_jobs_started() - jobs, result.written_by)
         # The sync says where its time went, whichever way it wrote.
         assert result.phases is not None and min(asdict(result.phases).values()) >= 0

@@ -14,6 +14,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 
@@ -27,7 +28,7 @@ def test_the_vchan_source_reads_through_spark_connect(
     ids = IdAllocator(store)
     for vchannel in collection.vchannels:
         lease = grant_channel_lease(store, ids, vchannel, node_id=1)
-        SyncTask(store, storage, dsettings, collection, vchannel, lease, engine="local").run()
+        SyncTask(System(dsettings, store, storage), collection, vchannel, lease, engine="local").run()
 
     catalog = Catalog(store, storage, dsettings)
     remote = get_spark(dsettings)

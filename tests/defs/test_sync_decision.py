@@ -38,9 +38,9 @@ def _decisions(
 ) -> tuple[list[str], list[str]]:
     vchannel = info.vchannels[0]
     now = time.time()  # one clock for both hosts
-    node = NodeContext(store, storage, settings, node_id=1)
-    standalone = sync_reasons(channel_backlog(node, info, vchannel), settings, now)
     runtime = VchanRuntime(settings, store, storage)
+    node = NodeContext(runtime, node_id=1)
+    standalone = sync_reasons(channel_backlog(node, info, vchannel), settings, now)
     dagster = runtime.sync_reasons(runtime.status(vchannel, info), now)
     return standalone, dagster
 

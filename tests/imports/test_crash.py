@@ -22,6 +22,7 @@ from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import (
@@ -51,7 +52,7 @@ def vchan_import(settings: Settings, *args: str, **env: str) -> subprocess.Compl
 
 def collect_garbage(store: MetaStore, storage: Storage, settings: Settings) -> None:
     quick = replace(settings, gc_missing_tolerance=1.0, gc_drop_tolerance=1.0)
-    GarbageCollector(store, storage, quick, clock=lambda: time.time() + 5).run()
+    GarbageCollector(System(quick, store, storage), clock=lambda: time.time() + 5).run()
 
 
 @pytest.mark.parametrize("restart", ["same command", "datacoord step"])
@@ -85,7 +86,7 @@ def test_import_killed_at_a_step_then_restarted_imports_exactly_once(
         again = vchan_import(settings, *args)
         assert again.returncode == 0, again.stderr
     else:
-        report = import_step(store, storage, replace(settings, import_timeout=0.001), engine="local")
+        report = import_step(System(replace(settings, import_timeout=0.001), store, storage), engine="local")
         assert report.resumed == [77] and report.completed == [77]
 
     assert get_job(store, 77).model.state is ImportState.COMPLETED
@@ -107,7 +108,7 @@ def test_a_stuck_job_whose_collection_was_dropped_fails_with_its_segments_droppe
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     producer.drop_collection(info.name)
 
-    report = import_step(store, storage, replace(settings, import_timeout=0.001), engine="local")
+    report = import_step(System(replace(settings, import_timeout=0.001), store, storage), engine="local")
 
     job = get_job(store, 5).model
     assert report.failed == [5] and job.state is ImportState.FAILED
@@ -127,7 +128,7 @@ def test_a_job_out_of_attempts_fails_instead_of_retrying_forever(
         )
         assert crashed.returncode == -signal.SIGKILL, crashed.stderr
 
-    report = import_step(store, storage, quick, engine="local")
+    report = import_step(System(quick, store, storage), engine="local")
 
     job = get_job(store, 9).model
     assert report.failed == [9] and job.state is ImportState.FAILED
@@ -163,7 +164,7 @@ def test_the_deletes_of_an_upsert_not_yet_committed_apply_to_no_read_and_no_comp
     assert pending, "the killed upsert left its deletes in an Importing L0 segment"
 
     assert_imported_once(visible(store, storage, settings, info), old)
-    outcomes = sort_step(store, storage, settings, engine="local")
+    outcomes = sort_step(System(settings, store, storage), engine="local")
     assert outcomes and all(o.state.value == "Completed" for o in outcomes), outcomes
-    ImportExecutor(store, storage, settings).fail(get_job(store, 78), "given up by the test")
+    ImportExecutor(System(settings, store, storage)).fail(get_job(store, 78), "given up by the test")
     assert_imported_once(visible(store, storage, settings, info), old)

@@ -15,6 +15,7 @@ from vchan_assets.imports.jobs import ImportJobConflictError, ImportState, get_j
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import assert_imported_once, new_collection, rows, segments, visible, write_parquet
@@ -165,7 +166,7 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
 
     for vchannel in info.vchannels:
         assert check_log_rows(store, storage, info, vchannel).passed
-    lifecycle_step(store, storage, settings, engine="local", collect=False)
+    lifecycle_step(System(settings, store, storage), engine="local", collect=False)
 
     live = [s for s in segments(store, info) if s.state is SegmentState.FLUSHED and s.level.value == "L1"]
     assert all(s.is_sorted for s in live)

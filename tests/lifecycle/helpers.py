@@ -18,6 +18,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 __all__ = ["SCHEMA", "Produced", "segments"]
@@ -28,7 +29,7 @@ def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: Colle
         lease = store.read_lease(vchannel) or grant_channel_lease(
             store, IdAllocator(store), vchannel, node_id=1
         )
-        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def flushed_batches(

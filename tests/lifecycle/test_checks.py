@@ -24,6 +24,7 @@ from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import SCHEMA, Produced, flushed_batches, live_l1, sync_all
@@ -39,8 +40,8 @@ def merged(
 ) -> tuple[Produced, CompactionPlan]:
     """Two flushed rounds with deletes merged into one segment: the produced rows and the plan."""
     produced = flushed_batches(store, storage, settings, producer, info, batches=2)
-    [plan] = CompactionTrigger(store, storage, settings).trigger(info, CompactionType.MIX)
-    [outcome] = CompactionExecutor(store, storage, settings, "local").run_pending()
+    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX)
+    [outcome] = CompactionExecutor(System(settings, store, storage), "local").run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
     done = store.get_model(store.keys.compaction_plan(plan.plan_id), CompactionPlan)
     assert done is not None
@@ -109,7 +110,7 @@ def test_a_pk_deleted_then_inserted_again_is_one_live_row_for_the_pk_check_and_a
     # The old rows of 0..4 are still in the first segment's files, deleted: not a duplicate.
     outcome = check_unique_live_pks(store, storage)
     assert outcome.passed, outcome.description
-    report = lifecycle_step(store, storage, settings, engine="local", collect=False)  # L0, then merge
+    report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)  # L0, then merge
     assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
     assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     assert check_unique_live_pks(store, storage).passed

@@ -24,6 +24,7 @@ from vchan_assets.lifecycle.plans import (
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, segments, sync_all
@@ -35,7 +36,7 @@ def collection(producer: Producer) -> CollectionInfo:
 
 
 def executor(store: MetaStore, storage: Storage, settings: Settings) -> CompactionExecutor:
-    return CompactionExecutor(store, storage, settings, engine="local")
+    return CompactionExecutor(System(settings, store, storage), engine="local")
 
 
 def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_commit(
@@ -44,7 +45,7 @@ def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
     before = live_l1(store, collection)
     assert before and not any(s.is_sorted for s in before)
-    plans = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.SORT)
+    plans = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
     assert sorted(p.input_ids[0] for p in plans) == sorted(s.id for s in before)
     outcomes = executor(store, storage, settings).run_pending()
     assert [o.state for o in outcomes] == [PlanState.COMPLETED] * len(before)
@@ -63,7 +64,7 @@ def test_mix_merges_small_segments_removing_deleted_rows_into_one_sorted_segment
     produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
     before = live_l1(store, collection)
     assert len(before) == 3
-    plans = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    plans = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     assert len(plans) == 1 and sorted(plans[0].input_ids) == sorted(s.id for s in before)
     [outcome] = executor(store, storage, settings).run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
@@ -84,7 +85,9 @@ def test_mix_output_is_cut_at_the_max_segment_size(
     produced = flushed_batches(store, storage, settings, producer, collection, batches=3, deletes=0)
     row_mb = collection.schema.row_bytes() / (1 << 20)
     small = replace(settings, segment_max_size_mb=250 * row_mb)  # 250 rows per segment
-    plans = CompactionTrigger(store, storage, small).trigger(collection, CompactionType.MIX, manual=True)
+    plans = CompactionTrigger(System(small, store, storage)).trigger(
+        collection, CompactionType.MIX, manual=True
+    )
     assert plans
     outcomes = executor(store, storage, small).run_pending()
     assert all(o.state is PlanState.COMPLETED for o in outcomes)
@@ -103,7 +106,7 @@ def test_compaction_never_plans_growing_sealed_or_flushing_segments(
     sync_all(store, storage, settings, collection)
     growing = [s.id for s in segments(store, collection) if s.state is not SegmentState.FLUSHED]
     assert growing
-    trigger = CompactionTrigger(store, storage, settings)
+    trigger = CompactionTrigger(System(settings, store, storage))
     planned = {
         i
         for kind in CompactionType
@@ -127,7 +130,7 @@ def test_compaction_whose_input_changed_after_its_files_were_written_aborts_and_
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
     before = live_l1(store, collection)
-    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     ex = executor(store, storage, settings)
     [pending] = [d for d in list_plans(store) if d.model.plan_id == plan.plan_id]
     started = ex.start(pending)
@@ -147,7 +150,7 @@ def test_two_plans_of_the_same_segments_the_second_commit_aborts(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    trigger = CompactionTrigger(store, storage, settings)
+    trigger = CompactionTrigger(System(settings, store, storage))
     [first] = trigger.trigger(collection, CompactionType.MIX)
     # The trigger never plans a busy segment; force a rival plan on the same inputs.
     rival = replace(first, plan_id=first.plan_id + 10_000_000, output_ids=(first.output_ids[0] + 10_000_000,))
@@ -171,7 +174,7 @@ def test_corrupt_input_binlog_fails_that_plan_naming_the_file_and_other_plans_go
     before = live_l1(store, collection)
     bad = before[0].binlogs[0].logs[0].path
     storage.write_atomic(bad, b"not parquet")
-    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.SORT)
+    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
     outcomes = {o.state: o for o in executor(store, storage, settings).run_pending()}
     assert set(outcomes) == {PlanState.FAILED, PlanState.COMPLETED}
     assert bad in outcomes[PlanState.FAILED].reason
@@ -184,8 +187,8 @@ def test_sort_and_mix_run_as_one_spark_job(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.SORT)
-    outcomes = CompactionExecutor(store, storage, settings, engine="spark").run_pending()
+    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
+    outcomes = CompactionExecutor(System(settings, store, storage), engine="spark").run_pending()
     assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
 
@@ -194,7 +197,7 @@ def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_outpu
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     flushed_batches(store, storage, settings, producer, collection, batches=2)
-    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     [outcome] = executor(store, storage, settings).run_pending()
     catalog = Catalog(store, storage, settings)
     plans = catalog.compactions(collection.name)
@@ -218,7 +221,7 @@ def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_dro
         if s.level is SegmentLevel.L0 and s.state is SegmentState.FLUSHED
     ]
     assert len(l0) == 3
-    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0)
+    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.L0)
     [outcome] = executor(store, storage, settings).run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
     after = {s.id: s for s in segments(store, collection)}
@@ -233,7 +236,7 @@ def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_dro
     assert moved == sorted(produced.deleted)
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
     # then a mix compaction removes the rows physically and keeps nothing deleted
-    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
 
@@ -245,7 +248,7 @@ def test_l0_compaction_waits_while_a_segment_that_may_hold_older_rows_is_not_flu
     producer.insert(collection.name, generate_rows(SCHEMA, 50, start_pk=99_000))
     producer.delete(collection.name, [99_000], partition="_default")
     sync_all(store, storage, settings, collection)  # the deleted row sits in a Growing segment
-    assert CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0) == []
+    assert CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.L0) == []
 
 
 def test_l0_compaction_under_continuous_writes_takes_the_deletes_older_than_every_unflushed_segment(
@@ -259,7 +262,7 @@ def test_l0_compaction_under_continuous_writes_takes_the_deletes_older_than_ever
     sync_all(store, storage, settings, collection)  # the rows sit in a Growing segment, the deletes in L0
     newest = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0} - older
     assert newest and any(s.state is SegmentState.GROWING for s in segments(store, collection))
-    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.L0)
+    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.L0)
     assert older <= set(plan.input_ids) and not newest & set(plan.input_ids)
 
 
@@ -271,7 +274,7 @@ def test_status_lists_the_compaction_plans(
     from vchan_assets.status import collect_status, render_status
 
     flushed_batches(store, storage, settings, producer, collection, batches=2)
-    CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     report = collect_status(Catalog(store, storage, settings), orphans=False)
     [plan] = report["compactions"]
     assert plan["state"] == "Pending" and plan["type"] == "mix" and len(plan["inputs"]) == 2

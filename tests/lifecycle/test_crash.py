@@ -19,6 +19,7 @@ from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, run_vchan, segments
@@ -33,8 +34,8 @@ def recover(store: MetaStore, storage: Storage, settings: Settings) -> None:
     """What the DataCoord does next: time out the dead executor's plan, clean up, GC."""
     quick = replace(settings, compaction_timeout=0.001, gc_missing_tolerance=1.0, gc_drop_tolerance=1.0)
     time.sleep(0.01)
-    lifecycle_step(store, storage, quick, engine="local", compact=False, collect=False)
-    GarbageCollector(store, storage, quick, clock=lambda: time.time() + 5).run()
+    lifecycle_step(System(quick, store, storage), engine="local", compact=False, collect=False)
+    GarbageCollector(System(quick, store, storage), clock=lambda: time.time() + 5).run()
 
 
 STEPS = ["compaction_after_files", "compaction_after_commit", "compaction_before_cleanup"]

@@ -17,6 +17,7 @@ from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
@@ -38,14 +39,14 @@ def collector(
     `at` a moment (taken before the files were written: they are younger whatever the load)."""
     tolerant = replace(settings, gc_missing_tolerance=5.0, gc_drop_tolerance=5.0, wal_retention=5.0)
     clock = (lambda: at) if at is not None else (lambda: time.time() + ahead)
-    return GarbageCollector(store, storage, tolerant, clock=clock)
+    return GarbageCollector(System(tolerant, store, storage), clock=clock)
 
 
 def compact_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
-    CompactionTrigger(store, storage, settings).trigger(info, CompactionType.MIX, manual=True)
+    CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX, manual=True)
     assert all(
         o.state is PlanState.COMPLETED
-        for o in CompactionExecutor(store, storage, settings, "local").run_pending()
+        for o in CompactionExecutor(System(settings, store, storage), "local").run_pending()
     )
 
 
@@ -101,8 +102,8 @@ def test_gc_never_deletes_a_file_named_by_live_meta_nor_one_a_running_plan_reser
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
-    ex = CompactionExecutor(store, storage, settings, "local")
+    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
+    ex = CompactionExecutor(System(settings, store, storage), "local")
     started = ex.start(list_plans(store)[-1])
     assert isinstance(started, tuple)
     [result] = ex._run([started[1]])  # outputs written, not committed: a GC pass now

@@ -22,6 +22,7 @@ from vchan_assets.lifecycle.step import lifecycle_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import assert_lifecycle_invariants
@@ -121,7 +122,7 @@ def test_compactions_and_gc_killed_mid_commit_beside_a_syncing_datanode_lose_and
         assert survivor.terminate() == 0
     finally:
         cluster.cleanup()
-    lifecycle_step(store, storage, cluster.settings, engine="local", compact=False)  # a last GC pass
+    lifecycle_step(System(cluster.settings, store, storage), engine="local", compact=False)  # a last GC pass
     assert_lifecycle_invariants(store, storage, cluster.settings, info, rounds.produced)
     for vchannel in info.vchannels:
         outcome = check_log_rows(store, storage, info, vchannel)

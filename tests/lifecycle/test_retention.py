@@ -19,6 +19,7 @@ from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
 
@@ -39,7 +40,7 @@ def list_plans_of(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]
 def retain(store: MetaStore, storage: Storage, settings: Settings) -> list[str]:
     """One GC pass with a clock past the log retention: the log files it deleted."""
     gc = GarbageCollector(
-        store, storage, replace(settings, wal_retention=5.0), clock=lambda: time.time() + 10
+        System(replace(settings, wal_retention=5.0), store, storage), clock=lambda: time.time() + 10
     )
     deleted = gc.run().wal_files
     assert deleted, "nothing was old enough to delete: the test proves nothing"
@@ -120,7 +121,7 @@ def test_log_rows_check_passes_once_compaction_applied_the_deletes_an_l0_compact
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
     [vchannel] = collection.vchannels
-    report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+    report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
     assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
     assert not any(s.deltalogs for s in live(store, collection)), "every delete applied and gone"
     outcome = check_log_rows(store, storage, collection, vchannel)

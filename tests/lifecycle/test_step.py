@@ -21,6 +21,7 @@ from vchan_assets.lifecycle.step import LifecycleReport, lifecycle_step, sort_st
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1, sync_all
@@ -35,7 +36,7 @@ def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
-    report = lifecycle_step(store, storage, settings, engine="local")
+    report = lifecycle_step(System(settings, store, storage), engine="local")
     assert report.planned and all(o.state is PlanState.COMPLETED for o in report.outcomes)
     [merged] = live_l1(store, collection)
     assert merged.is_sorted and len(merged.compaction_from) == 3
@@ -45,7 +46,7 @@ def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_
     produced.rows += more.rows
     produced.deleted += more.deleted
     single = replace(settings, compaction_small_proportion=1e-9)  # nothing is "small" now
-    lifecycle_step(store, storage, single, engine="local")
+    lifecycle_step(System(single, store, storage), engine="local")
     assert all(s.is_sorted for s in live_l1(store, collection))
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
@@ -81,12 +82,12 @@ def test_sort_step_sorts_each_newly_flushed_segment_and_merges_nothing(
     assert [s.id for s in unsorted_segments(store) if s.collection_id == collection.id] == [
         s.id for s in flushed
     ]
-    outcomes = sort_step(store, storage, settings, engine="local")
+    outcomes = sort_step(System(settings, store, storage), engine="local")
     assert len(outcomes) == 2 and all(o.state is PlanState.COMPLETED for o in outcomes)
     now = live_l1(store, collection)
     assert sorted(s.compaction_from for s in now) == [(s.id,) for s in flushed]
     assert all(s.is_sorted for s in now)
-    assert sort_step(store, storage, settings, engine="local") == []  # nothing new: no plan
+    assert sort_step(System(settings, store, storage), engine="local") == []  # nothing new: no plan
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
 
 
@@ -125,14 +126,16 @@ def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_reten
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
     inputs = {s.id for s in live_l1(store, collection)}
-    [plan] = CompactionTrigger(store, storage, settings).trigger(collection, CompactionType.MIX)
+    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     [pending] = list_plans(store)
-    assert isinstance(CompactionExecutor(store, storage, settings, "local").start(pending), tuple)
+    assert isinstance(CompactionExecutor(System(settings, store, storage), "local").start(pending), tuple)
     started = time.time()  # the plan is Executing now; its executor never finishes it
     timing = replace(settings, compaction_timeout=60.0, compaction_plan_retention=600.0)
 
     def step(now: float) -> LifecycleReport:
-        return lifecycle_step(store, storage, timing, engine="local", now=now, compact=False, collect=False)
+        return lifecycle_step(
+            System(timing, store, storage), engine="local", now=now, compact=False, collect=False
+        )
 
     assert step(started + 30).timed_out == []
     [running] = list_plans(store)
@@ -158,7 +161,7 @@ def test_the_demo_check_reads_a_segment_the_sort_replaced_from_the_sorted_one(
     options = DemoOptions(rows=600, batch=200, deletes=12, channels=2)
     deleted, _ = produce_demo_data(producer, info.name, options, Console(quiet=True))
     sync_all(store, storage, settings, info)
-    outcomes = sort_step(store, storage, settings, engine="local")
+    outcomes = sort_step(System(settings, store, storage), engine="local")
     assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
     states = [s.model.state for v in info.vchannels for s in channel_segments(store, info.id, v)]
     assert SegmentState.DROPPED in states

@@ -18,6 +18,7 @@ from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live, live_l1
@@ -40,7 +41,7 @@ def test_a_merged_segment_waits_until_newer_ones_reach_its_size_tier(
         )
         produced.rows += more.rows
         produced.deleted += more.deleted
-        report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+        report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
         assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
         return sorted((s.num_rows, s.id) for s in live_l1(store, collection))
 
@@ -64,7 +65,7 @@ def test_a_segment_many_deletes_hit_is_rewritten_alone_and_its_bytes_reclaimed(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=3, deletes=0)
-    lifecycle_step(store, storage, settings, engine="local", collect=False)
+    lifecycle_step(System(settings, store, storage), engine="local", collect=False)
     [big] = live_l1(store, collection)
     # 30% of its rows deleted; a new small segment beside it (its own tier: not merged)
     doomed = list(range(10_000, 10_180))
@@ -74,7 +75,7 @@ def test_a_segment_many_deletes_hit_is_rewritten_alone_and_its_bytes_reclaimed(
         store, storage, settings, producer, collection, batches=1, first_batch=5, deletes=0
     )
     produced.rows += more.rows
-    report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+    report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
     assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     [rewritten] = [s for s in live_l1(store, collection) if big.id in s.compaction_from]
     assert rewritten.compaction_from == (big.id,), "rewritten alone"
@@ -94,7 +95,7 @@ def test_many_l0_and_small_segments_are_compacted_in_plans_small_enough_for_one_
     # write ~140 keys, over etcd's 128 operations per transaction.
     produced = flushed_batches(store, storage, settings, producer, collection, batches=70, rows=20, deletes=2)
     for _ in range(4):
-        report = lifecycle_step(store, storage, settings, engine="local", collect=False)
+        report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
         assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     left = [s for s in live(store, collection) if s.level is SegmentLevel.L0]
     assert not left, f"{len(left)} L0 segments left"
@@ -114,8 +115,8 @@ def test_a_commit_etcd_refuses_fails_its_plan_and_leaves_the_inputs_live(
         info = producer.create_collection("c", SCHEMA, num_channels=1)
         produced = flushed_batches(store, storage, settings, producer, info, batches=8, rows=20, deletes=0)
         before = {s.id for s in live_l1(store, info)}
-        CompactionTrigger(store, storage, settings).trigger(info, CompactionType.MIX, manual=True)
-        [outcome] = CompactionExecutor(store, storage, settings, "local").run_pending()
+        CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX, manual=True)
+        [outcome] = CompactionExecutor(System(settings, store, storage), "local").run_pending()
         assert outcome.state is PlanState.FAILED and "commit refused" in outcome.reason
         assert {s.id for s in live_l1(store, info)} == before
         assert_lifecycle_invariants(store, storage, settings, info, produced)

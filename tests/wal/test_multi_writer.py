@@ -32,6 +32,7 @@ from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.format import data_prefix
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
@@ -120,7 +121,7 @@ def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: Colle
     ids = IdAllocator(store)
     for vchannel in info.vchannels:
         lease = store.read_lease(vchannel) or grant_channel_lease(store, ids, vchannel, node_id=1)
-        SyncTask(store, storage, settings, info, vchannel, lease, engine="local").run()
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def segments(store: MetaStore, info: CollectionInfo) -> dict[int, SegmentInfo]:

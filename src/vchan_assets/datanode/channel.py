@@ -13,17 +13,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vchan_assets.config import Settings
 from vchan_assets.datacoord.watchers import NotWatcherError, lease_for_watcher
 from vchan_assets.datanode import policies
 from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.policies import ChannelBacklog, sync_reasons
 from vchan_assets.datanode.sync import SyncResult, SyncTask
 from vchan_assets.meta.errors import LeaseLostError, MetaUnavailableError, SyncSupersededError
-from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionInfo
 from vchan_assets.spark import Engine
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
@@ -34,9 +32,7 @@ class NodeContext:
     """What the per-event functions need: a DataNode process passes its own; a Dagster
     sensor or run builds one from its resources."""
 
-    store: MetaStore
-    storage: Storage
-    settings: Settings
+    system: System
     node_id: int
     engine: Engine = "local"
     poll_interval: float = 1.0
@@ -45,7 +41,7 @@ class NodeContext:
 def channel_backlog(ctx: NodeContext, collection: CollectionInfo, vchannel: str) -> ChannelBacklog:
     """The channel's state as the sync policies see it."""
     return policies.channel_backlog(
-        read_channel_state(ctx.store, WalReader(ctx.storage, vchannel, collection))
+        read_channel_state(ctx.system.store, WalReader(ctx.system.storage, vchannel, collection))
     )
 
 
@@ -55,7 +51,7 @@ def resolve_lease(ctx: NodeContext, vchannel: str, lease: ChannelLease | None) -
     if lease is not None:
         return lease
     try:
-        return lease_for_watcher(ctx.store, vchannel, ctx.node_id)
+        return lease_for_watcher(ctx.system.store, vchannel, ctx.node_id)
     except NotWatcherError as exc:
         # Same consequence as a lost lease: this node must not write the channel.
         raise LeaseLostError(vchannel, -1, None) from exc
@@ -73,12 +69,12 @@ def sync_once(
     Raises LeaseLostError (nothing committed) when the lease is gone or, without a lease
     id, when DataCoord says this node is not the channel's watcher."""
     backlog = channel_backlog(ctx, collection, vchannel)
-    reasons = sync_reasons(backlog, ctx.settings)
+    reasons = sync_reasons(backlog, ctx.system.settings)
     if not reasons and not (force and (backlog.has_unsynced or backlog.sealed_segments)):
         return None
     used = resolve_lease(ctx, vchannel, lease)
     log.info("node %s syncing %s: %s", ctx.node_id, vchannel, "; ".join(reasons) or "forced")
-    return SyncTask(ctx.store, ctx.storage, ctx.settings, collection, vchannel, used, engine=ctx.engine).run()
+    return SyncTask(ctx.system, collection, vchannel, used, engine=ctx.engine).run()
 
 
 class ChannelWorker:

@@ -52,7 +52,7 @@ from vchan_assets.model import (
     WatchState,
 )
 from vchan_assets.spark import Engine
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +164,11 @@ def watch_channel(
     step failed). Returns what was written. Raises CasConflictError if the key changed
     since `version` (the coordinator moved on; the caller must undo `start`)."""
     vchannel = info.vchan.channel_name
-    with Tickler(ctx.store, key, version, info, ctx.settings) as tickler:
+    with Tickler(ctx.system.store, key, version, info, ctx.system.settings) as tickler:
         try:
             lease = _take_lease(ctx, info)
-            collection = CollectionRegistry(ctx.store).get(info.vchan.collection_id)
-            recovery = recovery_info(ctx.store, collection, vchannel)
+            collection = CollectionRegistry(ctx.system.store).get(info.vchan.collection_id)
+            recovery = recovery_info(ctx.system.store, collection, vchannel)
             _check_assignment(ctx, info.vchan, recovery)
             vchan = replace(
                 info.vchan,
@@ -185,7 +185,7 @@ def watch_channel(
             result = replace(tickler.info, state=WatchState.WATCH_FAILURE, reason=str(exc))
         with tickler._lock:
             tickler.lost = True  # no more ticks: the final state is written now
-            ctx.store.cas(key, tickler.version, result)
+            ctx.system.store.cas(key, tickler.version, result)
     log.info("node %s: %s -> %s (lease %s)", ctx.node_id, vchannel, result.state.value, info.lease_id)
     return result
 
@@ -218,7 +218,7 @@ def _take_lease(ctx: NodeContext, info: ChannelWatchInfo) -> ChannelLease | None
     vchannel = info.vchan.channel_name
     if info.lease_id is None:
         return None  # older coordinator: commits go through DataCoord's watcher check
-    current = ctx.store.read_lease(vchannel)
+    current = ctx.system.store.read_lease(vchannel)
     if current is None or current.lease_id != info.lease_id:
         found = None if current is None else current.lease_id
         raise WatchFailedError(f"channel {vchannel}: lease {info.lease_id} is not current (found {found})")
@@ -238,7 +238,7 @@ def release_channel(
     if stop is not None:
         stop(vchannel)
     result = replace(info, state=WatchState.RELEASE_SUCCESS, progress=100)
-    ctx.store.cas(key, version, result)
+    ctx.system.store.cas(key, version, result)
     log.info("node %s: released %s", ctx.node_id, vchannel)
     return result
 
@@ -308,18 +308,15 @@ class DataNode:
 
     def __init__(
         self,
-        settings: Settings,
-        store: MetaStore,
-        storage: Storage | None = None,
+        system: System,
         engine: Engine = "local",
         poll_interval: float = 1.0,
         address: str = "",
         on_session_lost: Callable[[], None] | None = None,
         resync_interval: float = 5.0,
     ) -> None:
-        self.settings = settings
-        self.store = store
-        self.storage = storage or Storage.from_settings(settings)
+        self.system = system
+        self.store, self.settings = system.store, system.settings
         self.engine = engine
         self.poll_interval = poll_interval
         self.address = address
@@ -343,9 +340,7 @@ class DataNode:
 
     @property
     def ctx(self) -> NodeContext:
-        return NodeContext(
-            self.store, self.storage, self.settings, self.node_id, self.engine, self.poll_interval
-        )
+        return NodeContext(self.system, self.node_id, self.engine, self.poll_interval)
 
     @property
     def channels(self) -> list[str]:

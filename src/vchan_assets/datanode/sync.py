@@ -51,7 +51,7 @@ from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import CasConflictError, CheckpointRegressionError, SyncSupersededError
 from vchan_assets.meta.retry import retry_on_conflict
-from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
     Binlog,
     ChannelLease,
@@ -64,7 +64,7 @@ from vchan_assets.model import (
     SyncClaim,
 )
 from vchan_assets.spark import Engine
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.reader import WalFile, WalReader
 
 log = logging.getLogger(__name__)
@@ -150,29 +150,24 @@ class SyncTask:
 
     def __init__(
         self,
-        store: MetaStore,
-        storage: Storage,
-        settings: Settings,
+        system: System,
         collection: CollectionInfo,
         vchannel: str,
         lease: ChannelLease,
         engine: Engine = "spark",
         job_timeout: float = 600.0,
-        spark: Any = None,
     ) -> None:
         if vchannel not in collection.vchannels:
             raise VchannelNotFoundError(vchannel, collection.name)
-        self.store = store
-        self.storage = storage
-        self.settings = settings
+        self.system = system
+        self.store, self.storage, self.settings = system.store, system.storage, system.settings
         self.collection = collection
         self.vchannel = vchannel
         self.lease = lease
         self.engine = engine
         self.job_timeout = job_timeout
-        self.spark = spark  # a session to run on (None: the process's, get_spark)
-        self.ids = IdAllocator(store)
-        self.reader = WalReader(storage, vchannel, collection)
+        self.ids = IdAllocator(system.store)
+        self.reader = WalReader(system.storage, vchannel, collection)
         self._claimed: dict[str, int] = {}  # the claim key and the version this sync left it at
 
     # --- public -------------------------------------------------------------------
@@ -327,7 +322,7 @@ class SyncTask:
         ]
         if in_process:
             return run_tasks_in_process(specs)
-        return _run_on_spark(self.settings, specs, self.job_timeout, self.vchannel, self.spark)
+        return _run_on_spark(self.settings, specs, self.job_timeout, self.vchannel, self.system.spark)
 
     # --- step 2: segment meta --------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """What the Dagster layer asks of the system, as a plain class (no Dagster import).
 
-`VchanRuntime` holds the metastore, storage and settings of one run or sensor tick
-(`open_runtime` opens them through `Stack`) and passes each question on to the layer
+`VchanRuntime` is the `System` of one run or sensor tick (`open_runtime` opens it
+through `Stack`) and passes each question on to the layer
 that answers it: collections (`datacoord.collections`), a channel's state and sync
 decision (`datanode.channel_state`, `datanode.policies`), the sync itself
 (`datanode.sync`), the invariant checks (`datanode.checks`) and the segment table
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
@@ -25,11 +24,10 @@ from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.policies import ChannelBacklog, channel_backlog, sync_reasons
 from vchan_assets.datanode.sync import SyncResult, SyncTask
-from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo
 from vchan_assets.spark import Engine
 from vchan_assets.stack import Stack
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.reader import WalReader
 
 # A Spark job of a sync that takes longer is cancelled (a hung Python worker must not
@@ -46,13 +44,9 @@ class ChannelStatus:
     lease_node: int | None
 
 
-class VchanRuntime:
-    """Metastore + storage + settings; one per run or sensor tick (`open_runtime`)."""
-
-    def __init__(self, settings: Settings, store: MetaStore, storage: Storage) -> None:
-        self.settings = settings
-        self.store = store
-        self.storage = storage
+@dataclass(frozen=True)
+class VchanRuntime(System):
+    """The system of one run or sensor tick (`open_runtime`), and the questions Dagster asks it."""
 
     # --- channels ---------------------------------------------------------------------
 
@@ -84,14 +78,12 @@ class VchanRuntime:
     def sync_reasons(self, status: ChannelStatus, now: float | None = None) -> list[str]:
         return sync_reasons(status.backlog, self.settings, now)
 
-    def sync(self, vchannel: str, lease_id: int, engine: Engine = "spark", spark: Any = None) -> SyncResult:
+    def sync(self, vchannel: str, lease_id: int, engine: Engine = "spark") -> SyncResult:
         """One sync of `vchannel` by the holder of `lease_id` (LeaseLostError if it moved),
-        on `spark` (the pyspark resource's session) when given."""
+        on this system's Spark session (`with_spark`: the pyspark resource's) when it has one."""
         info = self.collection_of(vchannel)
         lease = current_lease(self.store, vchannel, lease_id)
-        task = SyncTask(
-            self.store, self.storage, self.settings, info, vchannel, lease, engine, SYNC_JOB_TIMEOUT, spark
-        )
+        task = SyncTask(self, info, vchannel, lease, engine, SYNC_JOB_TIMEOUT)
         return task.run()
 
     def checkpoint(self, vchannel: str) -> MsgPosition | None:

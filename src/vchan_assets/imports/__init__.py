@@ -117,11 +117,12 @@ def run(
     """Run the job here until Completed or Failed; its final meta. If another executor
     (the DataCoord) took the job meanwhile, wait for that one to finish it."""
     from vchan_assets.storage import Storage
+    from vchan_assets.system import System
 
     with _store(store, settings) as (meta, conf):
-        storage = Storage.from_settings(conf)
+        system = System(conf, meta, Storage.from_settings(conf))
         try:
-            return ImportExecutor(meta, storage, conf, engine, on_progress=on_progress).run(job_id)
+            return ImportExecutor(system, engine, on_progress=on_progress).run(job_id)
         except ImportJobTakenError:
             return wait(
                 job_id, timeout=conf.import_timeout * conf.import_max_attempts, store=meta, settings=conf

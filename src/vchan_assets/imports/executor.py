@@ -48,10 +48,11 @@ from vchan_assets.imports.task import (
     run_tasks_arrow,
 )
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
-from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.meta.store import Decoded
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark import Engine
-from vchan_assets.storage import Storage, StorageError
+from vchan_assets.storage import StorageError
+from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +82,17 @@ class ImportExecutor:
 
     def __init__(
         self,
-        store: MetaStore,
-        storage: Storage,
-        settings: Settings,
+        system: System,
         engine: Engine = "spark",
         timeout: float = 3600.0,
-        spark: Any = None,
         on_progress: Progress | None = None,
     ) -> None:
-        self.store, self.storage, self.settings = store, storage, settings
-        self.engine, self.timeout, self.spark = engine, timeout, spark
+        self.store, self.storage, self.settings = system.store, system.storage, system.settings
+        self.engine, self.timeout, self.spark = engine, timeout, system.spark
         self.on_progress = on_progress or (lambda job: None)
-        self.ids = IdAllocator(store)
-        self.tso = TimestampOracle(store)
-        self.source = FileSource(settings.s3_endpoint, settings.s3_region)
+        self.ids = IdAllocator(system.store)
+        self.tso = TimestampOracle(system.store)
+        self.source = FileSource(system.settings.s3_endpoint, system.settings.s3_region)
 
     def run(self, job_id: int) -> ImportJob:
         """Drive the job to Completed or Failed; returns its final meta. Raises

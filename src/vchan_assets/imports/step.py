@@ -14,12 +14,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from vchan_assets.config import Settings
 from vchan_assets.imports.executor import ImportExecutor
 from vchan_assets.imports.jobs import ImportJobTakenError, ImportState, list_jobs
-from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark import Engine
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +30,11 @@ class ImportStepReport:
     failed: list[int] = field(default_factory=list)
 
 
-def import_step(
-    store: MetaStore, storage: Storage, settings: Settings, engine: Engine = "spark", now: float | None = None
-) -> ImportStepReport:
+def import_step(system: System, engine: Engine = "spark", now: float | None = None) -> ImportStepReport:
+    store, settings = system.store, system.settings
     now = time.time() if now is None else now
     report = ImportStepReport()
-    executor = ImportExecutor(store, storage, settings, engine)
+    executor = ImportExecutor(system, engine)
     for d in list_jobs(store):
         j = d.model
         if j.done:

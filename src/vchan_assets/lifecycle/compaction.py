@@ -62,6 +62,7 @@ from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
@@ -234,9 +235,9 @@ def _seconds(ts: int) -> float:
 class CompactionTrigger:
     """Turns candidates into Pending plans in etcd (output ids reserved up front)."""
 
-    def __init__(self, store: MetaStore, storage: Storage, settings: Settings) -> None:
-        self.store, self.storage, self.settings = store, storage, settings
-        self.ids = IdAllocator(store)
+    def __init__(self, system: System) -> None:
+        self.store, self.storage, self.settings = system.store, system.storage, system.settings
+        self.ids = IdAllocator(system.store)
 
     def trigger(
         self,
@@ -308,18 +309,11 @@ class PlanOutcome:
 class CompactionExecutor:
     """Runs Pending plans: every plan's task in one Spark job (or in-process)."""
 
-    def __init__(
-        self,
-        store: MetaStore,
-        storage: Storage,
-        settings: Settings,
-        engine: Engine = "spark",
-        timeout: float = 600.0,
-    ) -> None:
-        self.store, self.storage, self.settings = store, storage, settings
+    def __init__(self, system: System, engine: Engine = "spark", timeout: float = 600.0) -> None:
+        self.store, self.storage, self.settings = system.store, system.storage, system.settings
         self.engine, self.timeout = engine, timeout
-        self.ids = IdAllocator(store)
-        self.collections = CollectionRegistry(store)
+        self.ids = IdAllocator(system.store)
+        self.collections = CollectionRegistry(system.store)
 
     def run_pending(self, plan_ids: Sequence[int] | None = None) -> list[PlanOutcome]:
         pending = [

@@ -26,17 +26,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import busy_segments, list_plans
 from vchan_assets.meta.codec import decode_dict
 from vchan_assets.meta.errors import CasConflictError
-from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.meta.store import Decoded
 from vchan_assets.model import SegmentInfo, SegmentState, physical_ms
-from vchan_assets.storage import Storage
 from vchan_assets.storage.layout import BINLOG_ROOTS, segment_of
+from vchan_assets.system import System
 from vchan_assets.wal.format import data_prefix, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
@@ -74,10 +73,9 @@ def dropped_since(seg: SegmentInfo) -> float:
 
 
 class GarbageCollector:
-    def __init__(
-        self, store: MetaStore, storage: Storage, settings: Settings, clock: Callable[[], float] = time.time
-    ) -> None:
-        self.store, self.storage, self.settings, self.clock = store, storage, settings, clock
+    def __init__(self, system: System, clock: Callable[[], float] = time.time) -> None:
+        self.store, self.storage, self.settings = system.store, system.storage, system.settings
+        self.clock = clock
 
     # --- pause / resume (seed: garbage_collection/pause, /resume) -----------------------
 

@@ -34,7 +34,7 @@ from vchan_assets.lifecycle.plans import (
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo
 from vchan_assets.spark import Engine
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ def expire_plans(store: MetaStore, settings: Settings, now: float, report: Lifec
 
 
 def lifecycle_step(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
+    system: System,
     engine: Engine = "spark",
     now: float | None = None,
     compact: bool = True,
@@ -77,18 +75,18 @@ def lifecycle_step(
 ) -> LifecycleReport:
     now = time.time() if now is None else now
     report = LifecycleReport()
-    expire_plans(store, settings, now, report)
+    expire_plans(system.store, system.settings, now, report)
     if compact:
         # L0 first (deletes into the segments that hold their pks), then merge and sort:
         # a round of each, so neither keeps the other's segments busy forever.
-        trigger = CompactionTrigger(store, storage, settings)
-        executor = CompactionExecutor(store, storage, settings, engine)
+        trigger = CompactionTrigger(system)
+        executor = CompactionExecutor(system, engine)
         for kinds in ((CompactionType.L0,), (CompactionType.MIX, CompactionType.SORT)):
-            for info in CollectionRegistry(store).list():
+            for info in CollectionRegistry(system.store).list():
                 for kind in kinds:
                     report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
             report.outcomes += executor.run_pending()
-    gc = GarbageCollector(store, storage, settings)
+    gc = GarbageCollector(system)
     if collect and gc.due():
         report.gc = gc.run()
     return report
@@ -104,24 +102,18 @@ def unsorted_segments(store: MetaStore, vchannel: str | None = None) -> list[Seg
     return [c.segments[0].model for c in sort_candidates(found) if c.segments[0].model.id not in busy]
 
 
-def sort_step(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    engine: Engine = "spark",
-    vchannel: str | None = None,
-) -> list[PlanOutcome]:
+def sort_step(system: System, engine: Engine = "spark", vchannel: str | None = None) -> list[PlanOutcome]:
     """The stats task after flush: plan a sort of every newly flushed segment (of
     `vchannel` if given) and run those plans (one job). Cheap when there is none: one
     listing of segment meta."""
-    waiting = {s.collection_id for s in unsorted_segments(store, vchannel)}
+    waiting = {s.collection_id for s in unsorted_segments(system.store, vchannel)}
     if not waiting:
         return []
-    trigger = CompactionTrigger(store, storage, settings)
+    trigger = CompactionTrigger(system)
     planned = [
         p.plan_id
-        for info in CollectionRegistry(store).list()
+        for info in CollectionRegistry(system.store).list()
         if info.id in waiting
         for p in trigger.trigger(info, CompactionType.SORT, vchannel=vchannel)
     ]
-    return CompactionExecutor(store, storage, settings, engine).run_pending(planned) if planned else []
+    return CompactionExecutor(system, engine).run_pending(planned) if planned else []

@@ -128,7 +128,7 @@ class DagsterDataNode:
 
     def tick(self, cursor: NodeCursor) -> NodeTick:
         cursor, new = self.ensure_session(cursor)
-        ctx = NodeContext(self.store, self.runtime.storage, self.runtime.settings, cursor.node_id, "spark")
+        ctx = NodeContext(self.runtime, cursor.node_id, "spark")
         prefix = self.store.keys.channel_watch_prefix(cursor.node_id)
         changes = poll_changes(self.store, prefix, cursor.revision or None)
         out = NodeTick(NodeCursor(cursor.node_id, cursor.session_lease, changes.revision), new_session=new)

@@ -44,7 +44,7 @@ def imported_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -
         store, storage, settings = runtime.store, runtime.storage, runtime.settings
         started = time.monotonic()
         try:
-            job = ImportExecutor(store, storage, settings).run(job_id)
+            job = ImportExecutor(runtime).run(job_id)
         except ImportJobTakenError:
             context.log.info("import job %d is run by another executor: waiting for it", job_id)
             while not (job := get_job(store, job_id).model).done:

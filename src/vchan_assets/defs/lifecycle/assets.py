@@ -90,7 +90,7 @@ def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> 
     with vchan.open() as runtime:
         store, storage = runtime.store, runtime.storage
         flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in unsorted_segments(store, vchannel)}
-        outcomes = sort_step(store, storage, runtime.settings, vchannel=vchannel)
+        outcomes = sort_step(runtime, vchannel=vchannel)
         done = time.time()
         completed = [o.plan_id for o in outcomes if o.state is PlanState.COMPLETED]
         plans = _plans(store, completed)
@@ -183,7 +183,7 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
     """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect."""
     with vchan.open() as runtime:
         store, storage = runtime.store, runtime.storage
-        report = lifecycle_step(store, storage, runtime.settings)
+        report = lifecycle_step(runtime)
         completed = [o.plan_id for o in report.outcomes if o.state is PlanState.COMPLETED]
         plans = _plans(store, completed)
         figures = storage_figures(store, storage)

@@ -204,7 +204,7 @@ def sync_vchannel(
             lease_id = status.lease_id
         previous = _previous_checkpoint(context, vchannel)
         try:
-            result = runtime.sync(vchannel, lease_id, spark=pyspark.spark_session)
+            result = runtime.with_spark(pyspark.spark_session).sync(vchannel, lease_id)
         except LeaseLostError as exc:
             # The channel moved to another writer: this run stops its work (no partial commit).
             if not config.release:
@@ -240,7 +240,7 @@ def _release(runtime: VchanRuntime, config: SyncConfig) -> None:
     info = parse_watch_info(config.watch_key, found.value)
     if info.state is not WatchState.TO_RELEASE:
         return
-    ctx = NodeContext(runtime.store, runtime.storage, runtime.settings, config.node_id, "spark")
+    ctx = NodeContext(runtime, config.node_id, "spark")
     release_channel(ctx, config.watch_key, found.version, info)
 
 
