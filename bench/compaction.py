@@ -109,7 +109,7 @@ def restore(store: MetaStore, saved: dict[str, bytes], info: CollectionInfo) -> 
 def throughput(
     store: MetaStore, storage: Storage, settings: Settings, rows: int, repeat: int
 ) -> dict[str, Any]:
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     info = make_segments(producer, store, storage, settings, rows)
     saved = snapshot(store, info)
     segments = [d.model for d in store.list_models(store.keys.segments(info.id), SegmentInfo)[0]]
@@ -150,7 +150,7 @@ def soak(settings: Settings, seconds: float, lifecycle: bool) -> dict[str, Any]:
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     info = producer.create_collection(f"soak{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
     quick = replace(
         settings, gc_interval=1.0, gc_missing_tolerance=2.0, gc_drop_tolerance=2.0, wal_retention=2.0

@@ -35,6 +35,7 @@ from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionSchema, MsgPosition, WatchState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 32}, {"n": "int64"})
@@ -100,7 +101,7 @@ def one_round(etcd: EmbeddedEtcd, work: Path, ttl: float) -> dict[str, float]:
         session_ttl=ttl,
     )
     store = MetaStore.connect(settings)
-    producer = Producer(store, Storage.from_settings(settings), settings)
+    producer = Producer(System(settings, store, Storage.from_settings(settings)))
     info = producer.create_collection("bench", SCHEMA, num_channels=4)
     env = _env(settings, ttl)
     procs: list[subprocess.Popen[str]] = []

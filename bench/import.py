@@ -162,7 +162,7 @@ def run_import(
 def measure(
     work: Path, store: MetaStore, storage: Storage, settings: Settings, rows: int, files: int
 ) -> dict[str, Any]:
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     info = producer.create_collection(f"bench{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
     paths = make_files(work / f"input-{rows}", rows, files)
     input_bytes = sum(Path(p).stat().st_size for p in paths)

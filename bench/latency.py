@@ -30,6 +30,7 @@ from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelLease, CollectionSchema
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("id", {"embedding": 128}, {"age": "int64", "label": "string"})
@@ -62,7 +63,7 @@ def main() -> None:
         print(f"stack up in {time.monotonic() - t0:.1f}s; UI {url}", flush=True)
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        producer = Producer(store, storage, settings)
+        producer = Producer(System(settings, store, storage))
         info = producer.create_collection("latency", SCHEMA, [], num_channels=1)
         vchannel = info.vchannels[0]
         lease_key = store.keys.channel_lease(vchannel)

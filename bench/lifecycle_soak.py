@@ -140,7 +140,9 @@ def datacoord(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
 def check(
     store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo, live: set[int]
 ) -> bool:
-    rows = Catalog(store, storage, settings).read_collection(info.name, as_arrow=True, with_vectors=False)
+    rows = Catalog(System(settings, store, storage)).read_collection(
+        info.name, as_arrow=True, with_vectors=False
+    )
     assert isinstance(rows, pa.Table)
     pks = rows["pk"].to_pylist()
     ok = len(pks) == len(set(pks)) and set(pks) == live
@@ -154,7 +156,7 @@ def soak(settings: Settings, seconds: float, rows: int, period: float, lifecycle
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     info = producer.create_collection("soak", SCHEMA, num_channels=2)
     coord = datacoord(settings, Path(settings.home) / f"datacoord-{settings.root}.log") if lifecycle else None
     latency = SortLatency(settings) if lifecycle else None

@@ -104,7 +104,7 @@ def measure(
 ) -> dict[str, Any]:  # fmt: skip
     """One channel per log length; then rounds of 1-row syncs over every channel and
     engine in turn, so that the machine's load falls on every length alike."""
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     channels = {}
     out: dict[str, Any] = {}
     for files in lengths:

@@ -62,7 +62,7 @@ def _batches(rows: int, start_pk: int) -> list[pa.Table]:
 def child(settings: Settings, collection: str, rows: int, start_pk: int, go: Path) -> None:
     """One producer process: prepare, wait for `go`, insert, print start and end times."""
     store = MetaStore.connect(settings)
-    producer = Producer(store, Storage.from_settings(settings), settings)
+    producer = Producer(System(settings, store, Storage.from_settings(settings)))
     producer.collection(collection)
     batches = _batches(rows, start_pk)
     print("ready", flush=True)
@@ -114,7 +114,7 @@ def run_producers(
 
 def run_baseline(settings: Settings, store: MetaStore, storage: Storage, collection: str, rows: int) -> float:
     """The single-writer path: route, build, `WalWriter.append`; no etcd per batch."""
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     info = producer.collection(collection)
     writers = {v: WalWriter(storage, v, info) for v in info.vchannels}
     batches = _batches(rows, 5 * 10**9)
@@ -143,7 +143,7 @@ def end_to_end(
 ) -> float:
     """Seconds from the first insert until `flush_state` is true (inserts by `producers`
     processes, then flush, then the local sync of every channel)."""
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     info = producer.create_collection(f"e2e{producers}_{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
     started = time.perf_counter()
     run_producers(settings, work, info.name, producers, rows)
@@ -173,7 +173,7 @@ def main() -> None:
         store = MetaStore.connect(settings)
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        producer = Producer(store, storage, settings)
+        producer = Producer(System(settings, store, storage))
         counts = [int(x) for x in args.producers.split(",")]
         runs: dict[str, list[float]] = {"baseline": [], **{f"{n} producers": [] for n in counts}}
         locks: dict[str, list[float]] = {

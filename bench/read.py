@@ -42,6 +42,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 
@@ -149,8 +150,8 @@ def main() -> None:
         store = MetaStore.connect(settings)
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        catalog = Catalog(store, storage, settings)
-        producer = Producer(store, storage, settings)
+        catalog = Catalog(System(settings, store, storage))
+        producer = Producer(System(settings, store, storage))
         results = []
         for rows in (args.rows // 4, args.rows):
             info = make_segments(producer, store, storage, settings, rows)

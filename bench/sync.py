@@ -351,7 +351,7 @@ def main() -> None:
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     report: dict[str, Any] = {
         "sizes": {},
         "spark_partitions": settings.spark_partitions,

@@ -17,6 +17,7 @@ from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 
@@ -67,7 +68,7 @@ def storage(settings: Settings) -> Storage:
 
 @pytest.fixture
 def producer(store: MetaStore, storage: Storage, settings: Settings) -> Producer:
-    return Producer(store, storage, settings)
+    return Producer(System(settings, store, storage))
 
 
 @pytest.fixture

@@ -48,7 +48,6 @@ from vchan_assets.lifecycle.rows import (
 )
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
-from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     ChannelLease,
     CollectionInfo,
@@ -59,7 +58,8 @@ from vchan_assets.model import (
     SegmentState,
     physical_ms,
 )
-from vchan_assets.storage import Storage, StorageError
+from vchan_assets.storage import StorageError
+from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
 from vchan_assets.wal.reader import WalReader
 
@@ -104,12 +104,9 @@ def _utc(seconds: float | None) -> pd.Timestamp | None:
 class Catalog:
     """Read-only access to collections, vchannels, segments, binlogs and their rows."""
 
-    def __init__(
-        self, store: MetaStore, storage: Storage, settings: Settings, stack: Any | None = None
-    ) -> None:
-        self.store = store
-        self.storage = storage
-        self.settings = settings
+    def __init__(self, system: System, stack: Any | None = None) -> None:
+        self.system = system
+        self.store, self.storage, self.settings = system.store, system.storage, system.settings
         self._stack = stack  # a Stack this catalog opened (closed by close())
         self._readers: dict[str, WalReader] = {}
 
@@ -123,7 +120,7 @@ class Catalog:
 
         settings = settings or Settings.from_env()
         stack = Stack.open(settings)
-        return cls(stack.store, stack.storage, settings, stack)
+        return cls(stack, stack)
 
     def close(self) -> None:
         if self._stack is not None:

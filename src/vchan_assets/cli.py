@@ -105,7 +105,7 @@ def opened_collection(settings: Settings, name: str) -> Iterator[tuple[Stack, Co
 @contextlib.contextmanager
 def open_producer(settings: Settings) -> Iterator[Producer]:
     with opened(settings) as stack:
-        producer = Producer(stack.store, stack.storage, settings)
+        producer = Producer(stack)
         try:
             yield producer
         finally:

@@ -56,7 +56,7 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
             f"[bold]embedded stack healthy[/]: etcd {health['etcd_version']} at {health['etcd_endpoints']}, "
             f"Spark {health['spark_version']} ({health['spark_master']}), storage {health['storage']}"
         )
-        producer = Producer(stack.store, stack.storage, settings)
+        producer = Producer(stack)
         info = create_demo_collection(producer, options.channels, console)
         name = info.name
 
@@ -184,7 +184,7 @@ def check_lifecycle(
     """Through the catalog after compaction and GC: every live row once, every delete applied."""
     from vchan_assets.catalog import Catalog
 
-    table = Catalog(stack.store, stack.storage, settings).read_collection(info.name, with_vectors=False)
+    table = Catalog(stack).read_collection(info.name, with_vectors=False)
     pks = table[info.schema.primary.name]
     expected = set(range(rows)) - set(deleted)
     if len(pks) != len(expected) or set(pks) != expected:

@@ -51,6 +51,7 @@ from vchan_assets.model import (
     WatchState,
 )
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
@@ -190,7 +191,7 @@ class Cluster:
 def create_collections(
     store: MetaStore, settings: Settings, count: int = 2, shards: int = 4
 ) -> tuple[Producer, list[CollectionInfo]]:
-    producer = Producer(store, Storage.from_settings(settings), settings)
+    producer = Producer(System(settings, store, Storage.from_settings(settings)))
     infos = [producer.create_collection(f"c{i}", SCHEMA, num_channels=shards) for i in range(count)]
     return producer, infos
 

@@ -10,6 +10,7 @@ from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 from .helpers import Known, produce_known
 
@@ -24,4 +25,4 @@ def known(settings: Settings, store: MetaStore) -> Known:
 
 @pytest.fixture
 def catalog(settings: Settings, store: MetaStore) -> Catalog:
-    return Catalog(store, Storage.from_settings(settings), settings)
+    return Catalog(System(settings, store, Storage.from_settings(settings)))

@@ -42,7 +42,7 @@ def produce_known(
 ) -> tuple[Producer, Known]:
     """600 rows in `_default`, 200 in `p1` over 2 vchannels; deletes of 50 pks in `_default`
     and 10 in `p1`; pk 0..4 re-inserted after their delete; everything synced and flushed."""
-    producer = Producer(store, storage, settings)
+    producer = Producer(System(settings, store, storage))
     producer.create_collection(name, SCHEMA, partitions=["p1"], num_channels=2)
     producer.insert(name, generate_rows(SCHEMA, 600, start_pk=0, seed=1))
     producer.insert(name, generate_rows(SCHEMA, 200, start_pk=1000, seed=2), partition="p1")

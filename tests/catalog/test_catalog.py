@@ -13,6 +13,7 @@ from vchan_assets.catalog import Catalog, SegmentNotFoundError, apply_deletes_to
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import SCHEMA, Known, produce_known, sync_all
@@ -98,7 +99,7 @@ def test_vchannel_lag_counts_log_messages_after_the_checkpoint(
     # 100 new rows: a batch of inserts plus a time tick per vchannel, not yet synced.
     from vchan_assets.wal.producer import Producer
 
-    producer = Producer(store, Storage.from_settings(settings), settings)
+    producer = Producer(System(settings, store, Storage.from_settings(settings)))
     appended = producer.insert(known.info.name, generate_rows(SCHEMA, 100, start_pk=5000, seed=9))
     df = catalog.vchannels(known.info.name).set_index("vchannel")
     for vchannel, result in appended.items():
@@ -145,21 +146,24 @@ def test_a_corrupt_log_file_is_reported_on_its_channel_and_the_others_still_show
 def test_a_damaged_file_the_sync_needs_makes_the_lag_unknown_not_zero(
     catalog: Catalog, known: Known, settings: Settings, store: MetaStore
 ) -> None:
-    producer = Producer(store, catalog.storage, settings)
+    producer = Producer(System(settings, store, catalog.storage))
     producer.insert(known.info.name, generate_rows(SCHEMA, 30, start_pk=5000, seed=9))
     broken = known.info.vchannels[0]
     waiting = catalog.reader(known.info, broken).files()[-1]  # after the checkpoint
     catalog.storage.write_atomic(waiting.key, b"damaged")
 
     row = (
-        Catalog(store, catalog.storage, settings).vchannels(known.info.name).set_index("vchannel").loc[broken]
+        Catalog(System(settings, store, catalog.storage))
+        .vchannels(known.info.name)
+        .set_index("vchannel")
+        .loc[broken]
     )
 
     assert waiting.key in row["log_error"]
     assert pd.isna(row["lag_rows"]) and pd.isna(row["end_offset"])
     from vchan_assets.status import collect_status, render_status
 
-    report = collect_status(Catalog(store, catalog.storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, catalog.storage)), orphans=False)
     channel = next(c for c in report["channels"] if c["vchannel"] == broken)
     assert channel["lag_rows"] is None
     console = Console(width=200, record=True)
@@ -176,7 +180,7 @@ def test_a_damaged_file_below_the_checkpoint_is_a_warning_and_the_lag_is_known(
     catalog.storage.write_atomic(synced.key, b"damaged")
     from vchan_assets.status import collect_status
 
-    report = collect_status(Catalog(store, catalog.storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, catalog.storage)), orphans=False)
 
     channel = next(c for c in report["channels"] if c["vchannel"] == vchannel)
     assert channel["log_error"] == "" and channel["lag_rows"] == 0

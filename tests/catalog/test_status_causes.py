@@ -17,6 +17,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState, VchannelInfo, WatchState
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA
@@ -25,7 +26,7 @@ DEAD_NODE = 424242
 
 
 def dead_owner_messages(settings: Settings, store: MetaStore, storage: Storage) -> list[str]:
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
     return [w["message"] for w in report["warnings"] if w["kind"] == "dead_owner"]
 
 
@@ -64,7 +65,7 @@ def test_a_dead_dagster_daemon_is_a_warning_that_says_to_run_vchan_up(
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"url": "http://127.0.0.1:1", "pids": [gone.pid, os.getpid()]}))
 
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
 
     assert report["services"] == {
         "dagster_daemon": f"down (pid {gone.pid} died)",

@@ -22,6 +22,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.metrics import parse
 from vchan_assets.model import ChannelWatchInfo, NodeSession, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 from .helpers import VCHAN, Known, cli_env
 
@@ -140,7 +141,9 @@ def test_status_warns_of_stuck_watches_timetick_lag_and_orphan_binlogs(
 
     from .helpers import SCHEMA
 
-    Producer(store, storage, settings).insert(known.info.name, generate_rows(SCHEMA, 10, start_pk=9000))
+    Producer(System(settings, store, storage)).insert(
+        known.info.name, generate_rows(SCHEMA, 10, start_pk=9000)
+    )
     report = status_json(settings)
     kinds = {w["kind"] for w in report["warnings"]}
     assert {"stuck_watch", "orphan_binlogs"} <= kinds

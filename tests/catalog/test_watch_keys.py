@@ -14,6 +14,7 @@ from vchan_assets.metrics import exposition
 from vchan_assets.model import CollectionInfo, VchannelInfo
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA
@@ -32,7 +33,7 @@ def waiting(store: MetaStore, producer: Producer) -> CollectionInfo:
 def test_a_remaining_channel_is_unassigned_not_malformed(
     settings: Settings, store: MetaStore, storage: Storage, waiting: CollectionInfo
 ) -> None:
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
 
     kinds = {(w["kind"], w.get("vchannel")) for w in report["warnings"]}
     for vchannel in waiting.vchannels:
@@ -46,7 +47,7 @@ def test_a_remaining_channel_is_unassigned_not_malformed(
 def test_remaining_channels_are_not_counted_as_malformed_watch_infos(
     settings: Settings, store: MetaStore, storage: Storage, waiting: CollectionInfo
 ) -> None:
-    text = exposition(Catalog(store, storage, settings))
+    text = exposition(Catalog(System(settings, store, storage)))
 
     assert 'state="Malformed"' not in text
 
@@ -57,7 +58,7 @@ def test_a_watch_key_of_the_wrong_shape_is_reported(
     bad = store.keys.channel_watch_root() + "not-a-node/" + waiting.vchannels[0]
     store.put(bad, {"anything": 1})
 
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
 
     malformed = [w for w in report["warnings"] if w["kind"] == "malformed_watch"]
     assert [w["vchannel"] for w in malformed] == [waiting.vchannels[0]]

@@ -22,6 +22,7 @@ from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import PATIENCE, advanced, checkpoints
@@ -136,7 +137,7 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
 ) -> None:
     settings = cluster3.settings
     storage = Storage.from_settings(settings)
-    producer = Producer(store3, storage, settings, seal_after_insert=False)
+    producer = Producer(System(settings, store3, storage), seal_after_insert=False)
     infos = [producer.create_collection(f"c{i}", SCHEMA, num_channels=1) for i in range(4)]
     channels = [v for info in infos for v in info.vchannels]
     nodes = [cluster3.node() for _ in range(2)]

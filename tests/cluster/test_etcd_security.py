@@ -25,6 +25,7 @@ from vchan_assets.defs.sync.assets import segment_table
 from vchan_assets.deploy.etcd_cluster import EtcdCluster, EtcdTls
 from vchan_assets.meta.errors import MetaAccessError
 from vchan_assets.stack import Stack
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .certs import make_ca, make_server_tls
@@ -109,7 +110,7 @@ def test_the_pipeline_runs_on_etcd_with_tls_and_a_user_limited_to_the_root_prefi
         s3_endpoint=s3_server["endpoint"],
     )
     stack = Stack.open(secure)
-    producer = Producer(stack.store, stack.storage, secure)
+    producer = Producer(System(secure, stack.store, stack.storage))
     info = producer.create_collection(f"tls{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
     produced = Produced()
     produce(producer, info.name, produced, 500, 1, deletes=5)

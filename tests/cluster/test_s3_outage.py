@@ -28,6 +28,7 @@ from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import PATIENCE, advanced, checkpoints
@@ -92,11 +93,11 @@ def _caught_up_exactly_once(
 ) -> None:
     """After the load: every channel caught up, the node alive, every row and delete once
     in the binlogs, and what an analyst reads through the catalog: every live row once."""
-    Producer(store, storage, settings).time_tick(info.name)
+    Producer(System(settings, store, storage)).time_tick(info.name)
     wait_until(lambda: all_synced(store, storage, [info]), PATIENCE, "every channel caught up")
     assert node.process.poll() is None, "the node died during the outage"
     assert_exactly_once(store, storage, info, produced)
-    table = Catalog(store, storage, settings).read_collection(info.name, with_vectors=False)
+    table = Catalog(System(settings, store, storage)).read_collection(info.name, with_vectors=False)
     assert sorted(table["pk"]) == sorted(set(produced.table["pk"].to_pylist()) - set(produced.deleted))
 
 
@@ -110,7 +111,7 @@ def test_the_s3_endpoint_down_mid_sync_and_back_loses_and_duplicates_nothing(
     )
     through_proxy = replace(direct, s3_endpoint=endpoint.url)
     storage = Storage.from_settings(direct)  # the producer and the checks reach moto directly
-    producer = Producer(store, storage, direct)
+    producer = Producer(System(direct, store, storage))
     infos = [producer.create_collection(f"s3out{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)]
     channels = list(infos[0].vchannels)
     cluster = Cluster(through_proxy, tmp_path)
@@ -158,7 +159,7 @@ def test_the_s3_server_killed_mid_sync_and_restarted_loses_and_duplicates_nothin
             s3_endpoint=server.endpoint,
         )
         storage = Storage.from_settings(direct)
-        producer = Producer(store, storage, direct)
+        producer = Producer(System(direct, store, storage))
         infos = [producer.create_collection(f"s3srv{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)]
         channels = list(infos[0].vchannels)
         cluster = Cluster(direct, tmp_path)

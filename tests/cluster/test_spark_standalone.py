@@ -41,7 +41,7 @@ COLUMNS = ("pk", "n", "f", "s", "b", "vec")
 def _fill(
     store: MetaStore, settings: Settings, shards: int, name: str = "c0"
 ) -> tuple[CollectionInfo, Produced]:
-    producer = Producer(store, Storage.from_settings(settings), settings)
+    producer = Producer(System(settings, store, Storage.from_settings(settings)))
     info = producer.create_collection(name, SCHEMA, num_channels=shards)
     produced = Produced()
     produce(producer, info.name, produced, 600, 1, deletes=7)

@@ -205,7 +205,7 @@ def test_growing_segment_is_sealed_by_binlog_file_count_before_its_meta_outgrows
     settings = replace(settings, etcd_endpoints=(small_etcd.endpoint,), segment_max_binlog_files=8)
     store = MetaStore.connect(settings)
     try:
-        producer = Producer(store, storage, settings)
+        producer = Producer(System(settings, store, storage))
         info = producer.create_collection("small", SCHEMA, num_channels=1)
         vchannel = info.vchannels[0]
         lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)

@@ -17,6 +17,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage, StorageError
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import SCHEMA, Produced, assert_exactly_once, checkpoint, produce, run_sync_process
@@ -35,7 +36,7 @@ def test_sync_on_s3_killed_at_a_commit_step_then_resynced_persists_every_row_exa
     store = MetaStore.connect(s3_settings)
     storage = Storage.from_settings(s3_settings)
     assert storage.is_s3
-    producer = Producer(store, storage, s3_settings)
+    producer = Producer(System(s3_settings, store, storage))
     info = producer.create_collection(f"s3{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     produced = Produced()
     produce(producer, info.name, produced, 1500, start_pk=0, deletes=20)

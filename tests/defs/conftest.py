@@ -18,6 +18,7 @@ from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "s": "string"})
@@ -43,7 +44,7 @@ def runtime(dsettings: Settings, store: MetaStore) -> VchanRuntime:
 
 @pytest.fixture
 def producer(dsettings: Settings, store: MetaStore) -> Producer:
-    return Producer(store, Storage.from_settings(dsettings), dsettings)
+    return Producer(System(dsettings, store, Storage.from_settings(dsettings)))
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .browser import FLAGS, chromium
@@ -92,7 +93,7 @@ def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory
         url = service.start()
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        producer = Producer(store, storage, settings)
+        producer = Producer(System(settings, store, storage))
         collection = producer.create_collection("e2e", SCHEMA, [], num_channels=2)
         producer.insert(collection.name, generate_rows(SCHEMA, ROWS, start_pk=1, seed=1))
         heads = {
@@ -151,7 +152,9 @@ def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deploy
     heartbeat; looked at from HEARTBEAT_STALE_AFTER + 60 s later (the clock moved, the
     heartbeats not: a daemon alive but stopped), it is "hung" with a warning saying what
     to do."""
-    catalog = Catalog(deployment.store, Storage.from_settings(deployment.settings), deployment.settings)
+    catalog = Catalog(
+        System(deployment.settings, deployment.store, Storage.from_settings(deployment.settings))
+    )
 
     def daemon() -> str:
         return str(collect_status(catalog, orphans=False)["services"]["dagster_daemon"])

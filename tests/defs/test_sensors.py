@@ -17,6 +17,7 @@ from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionInfo, NodeSession, WatchState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
@@ -128,7 +129,7 @@ def test_compacted_cursor_relists_the_watch_prefix(
     private = replace(dsettings, etcd_endpoints=(private_etcd.endpoint,))
     vchan = VchanResource.from_settings(private)
     store = MetaStore.connect(private)
-    producer = Producer(store, Storage.from_settings(private), private)
+    producer = Producer(System(private, store, Storage.from_settings(private)))
     collection = producer.create_collection("compacted", SCHEMA, [], num_channels=2)
     node = start_node(instance, vchan)
     CoordinatorTicks(instance, vchan).tick()

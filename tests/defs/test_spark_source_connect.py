@@ -30,7 +30,7 @@ def test_the_vchan_source_reads_through_spark_connect(
         lease = grant_channel_lease(store, ids, vchannel, node_id=1)
         SyncTask(System(dsettings, store, storage), collection, vchannel, lease, engine="local").run()
 
-    catalog = Catalog(store, storage, dsettings)
+    catalog = Catalog(System(dsettings, store, storage))
     remote = get_spark(dsettings)
     assert type(remote).__module__.startswith("pyspark.sql.connect")
     got = catalog.read_collection(collection.name, engine="spark").toPandas().sort_values("pk")

@@ -20,6 +20,7 @@ from vchan_assets.imports.jobs import ImportJob
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 __all__ = ["SCHEMA", "VCHAN", "cli_env", "segments"]
@@ -58,7 +59,7 @@ def run_import(
 
 
 def visible(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> pa.Table:
-    table = Catalog(store, storage, settings).read_collection(info.name, as_arrow=True)
+    table = Catalog(System(settings, store, storage)).read_collection(info.name, as_arrow=True)
     assert isinstance(table, pa.Table)
     return table
 

@@ -13,6 +13,7 @@ from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportJob, ImportState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 from .helpers import (
@@ -207,7 +208,7 @@ def test_status_lists_import_jobs_with_the_reason_of_a_failed_one(
     info = new_collection(producer)
     job = run_import(store, settings, info, [_null_pk(tmp_path)])
 
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
     [listed] = [j for j in report["imports"] if j["job_id"] == job.job_id]
     assert listed["state"] == "Failed" and "is null at row 2" in listed["reason"]
     console = Console(width=250, record=True)

@@ -40,7 +40,7 @@ def test_parquet_files_become_flushed_segments_readable_by_read_collection(
     assert {s.vchannel for s in segs} == set(info.vchannels)  # routed by pk % K, as the producer
     for s in segs:
         k = info.vchannels.index(s.vchannel)
-        pks = Catalog(store, storage, settings).read_segment(s.id)["pk"]
+        pks = Catalog(System(settings, store, storage)).read_segment(s.id)["pk"]
         assert (pks % len(info.vchannels) == k).all()
         assert len(s.binlogs) == 2 and s.statslogs and s.import_job == job_id
         assert all(b.ts_from == job.timestamp for b in s.binlog_files)
@@ -109,7 +109,7 @@ def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
 
     assert job.state is ImportState.COMPLETED, job.reason
     assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
-    listed = Catalog(store, storage, settings).imports(info.name)
+    listed = Catalog(System(settings, store, storage)).imports(info.name)
     row = listed.set_index("job_id").loc[job_id]
     assert (row["state"], row["rows"], row["imported_rows"], row["files"]) == ("Completed", 450, 450, 3)
     assert get_job(store, job_id).model.segment_ids == tuple(row["segments"])

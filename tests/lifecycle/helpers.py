@@ -71,7 +71,7 @@ def assert_lifecycle_invariants(
 ) -> None:
     """Every live row in exactly one live segment, every delete applied, no live meta
     naming a missing file."""
-    rows = Catalog(store, storage, settings).read_collection(info.name, as_arrow=True)
+    rows = Catalog(System(settings, store, storage)).read_collection(info.name, as_arrow=True)
     assert isinstance(rows, pa.Table)
     counts = Counter(rows["pk"].to_pylist())
     dup = [pk for pk, c in counts.items() if c > 1]

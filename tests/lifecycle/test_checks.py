@@ -114,7 +114,7 @@ def test_a_pk_deleted_then_inserted_again_is_one_live_row_for_the_pk_check_and_a
     assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
     assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     assert check_unique_live_pks(store, storage).passed
-    rows = Catalog(store, storage, settings).read_collection(collection.name, as_arrow=True)
+    rows = Catalog(System(settings, store, storage)).read_collection(collection.name, as_arrow=True)
     assert isinstance(rows, pa.Table)
     visible = sorted(rows["pk"].to_pylist())
     first = sorted(set(produced.table["pk"].to_pylist()) - set(produced.deleted))

@@ -199,7 +199,7 @@ def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_outpu
     flushed_batches(store, storage, settings, producer, collection, batches=2)
     CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
     [outcome] = executor(store, storage, settings).run_pending()
-    catalog = Catalog(store, storage, settings)
+    catalog = Catalog(System(settings, store, storage))
     plans = catalog.compactions(collection.name)
     assert list(plans["plan_id"]) == [outcome.plan_id]
     assert plans.iloc[0]["type"] == "mix" and plans.iloc[0]["state"] == "Cleaned"
@@ -275,7 +275,7 @@ def test_status_lists_the_compaction_plans(
 
     flushed_batches(store, storage, settings, producer, collection, batches=2)
     CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
     [plan] = report["compactions"]
     assert plan["state"] == "Pending" and plan["type"] == "mix" and len(plan["inputs"]) == 2
     console = Console(width=200, record=True)
@@ -284,7 +284,7 @@ def test_status_lists_the_compaction_plans(
     assert "compaction plans" in text and f"{plan['plan_id']:,}" in text
     # once run: the merged segment counts as sorted and compacted, its inputs as Dropped
     assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
-    report = collect_status(Catalog(store, storage, settings), orphans=False)
+    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
     by_state = {(s["state"], s["level"]): s for s in report["segments"] if s["collection"] == collection.name}
     assert by_state[("Flushed", "L1")]["segments"] == by_state[("Flushed", "L1")]["sorted"] == 1
     assert by_state[("Flushed", "L1")]["compacted"] == 1 and by_state[("Dropped", "L1")]["segments"] == 2

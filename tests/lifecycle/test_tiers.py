@@ -111,7 +111,7 @@ def test_a_commit_etcd_refuses_fails_its_plan_and_leaves_the_inputs_live(
     settings = replace(settings, etcd_endpoints=(server.endpoint,))
     store = MetaStore.connect(settings)
     try:
-        producer = Producer(store, storage, settings)
+        producer = Producer(System(settings, store, storage))
         info = producer.create_collection("c", SCHEMA, num_channels=1)
         produced = flushed_batches(store, storage, settings, producer, info, batches=8, rows=20, deletes=0)
         before = {s.id for s in live_l1(store, info)}

@@ -30,6 +30,7 @@ from vchan_assets.failpoints import ENV
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionSchema
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "f": "float", "s": "string", "b": "bool"})
@@ -107,7 +108,7 @@ def main(mode: str, collection: str, *args: str) -> int:
     logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(levelname)s %(message)s")
     settings = Settings.from_env()
     store = MetaStore.connect(settings)
-    producer = Producer(store, Storage.from_settings(settings), settings)
+    producer = Producer(System(settings, store, Storage.from_settings(settings)))
     if mode == "insert":
         insert(producer, collection, list(args))
     else:

@@ -153,7 +153,7 @@ def fast(settings: Settings) -> Settings:
 def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consistent(
     store: MetaStore, storage: Storage, fast: Settings, tmp_path: Path
 ) -> None:
-    producer = Producer(store, storage, fast)
+    producer = Producer(System(fast, store, storage))
     info = producer.create_collection(f"c{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
     batches, rows = 12, 400
     stop, flush_count = tmp_path / "stop", tmp_path / "flushes"
@@ -203,7 +203,7 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
 def test_a_producer_killed_mid_append_leaves_no_hole_and_no_half_batch(
     store: MetaStore, storage: Storage, fast: Settings, failpoint: str
 ) -> None:
-    producer = Producer(store, storage, fast)
+    producer = Producer(System(fast, store, storage))
     info = producer.create_collection(f"k{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
     batches, rows, kill_at = 8, 300, 3
     victim = start(fast, "insert", info.name, 0, batches, rows, kill_at, failpoint)
@@ -235,7 +235,7 @@ def test_producers_retry_through_an_etcd_restart_and_write_every_batch_once(
     tmp_path: Path,
 ) -> None:
     settings = replace(private_settings, client_retry_timeout=60.0, etcd_timeout=2.0, append_lock_ttl=2.0)
-    producer = Producer(private_store, storage, settings)
+    producer = Producer(System(settings, private_store, storage))
     info = producer.create_collection(f"r{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
     batches, rows = 10, 200
     # Each producer writes 3 batches, then waits for `down` before its 4th: etcd is down
@@ -278,7 +278,7 @@ def test_producers_retry_through_an_s3_outage_and_write_every_batch_once(
     proxy = Endpoint(s3_server["endpoint"], tmp_path / "proxy.log")
     proxy.start()
     storage = Storage.from_settings(direct)  # the checks reach the server directly
-    info = Producer(store, storage, direct).create_collection(f"s{uuid.uuid4().hex[:6]}", SCHEMA)
+    info = Producer(System(direct, store, storage)).create_collection(f"s{uuid.uuid4().hex[:6]}", SCHEMA)
     batches, rows = 8, 200
     down = tmp_path / "s3-down"
     through_proxy = replace(direct, s3_endpoint=proxy.url)
@@ -311,7 +311,7 @@ def test_producers_retry_through_an_s3_outage_and_write_every_batch_once(
 def test_a_segment_flushed_by_another_client_receives_no_more_rows(
     store: MetaStore, storage: Storage, settings: Settings
 ) -> None:
-    inserter, flusher = Producer(store, storage, settings), Producer(store, storage, settings)
+    inserter, flusher = Producer(System(settings, store, storage)), Producer(System(settings, store, storage))
     info = inserter.create_collection(f"f{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
     first = inserter.insert(info.name, generate_rows(SCHEMA, 10, start_pk=0))[info.vchannels[0]]
 
@@ -332,7 +332,7 @@ def test_vchan_produce_and_a_flush_from_a_second_vchan_produce_both_succeed(
     the second client flushes in the middle of the first one's batches (the first is
     stopped with SIGSTOP once its log holds rows, resumed after the flush), and every
     row is in the log once, none after its segment's seal."""
-    info = Producer(store, storage, fast).create_collection(f"v{uuid.uuid4().hex[:6]}", SCHEMA)
+    info = Producer(System(fast, store, storage)).create_collection(f"v{uuid.uuid4().hex[:6]}", SCHEMA)
     env = child_env(fast)
     command = [sys.executable, "-m", "vchan_assets.cli", "produce", "--collection", info.name]
     loader = subprocess.Popen(
@@ -377,7 +377,7 @@ def test_a_producer_gives_up_after_its_retry_timeout_with_the_etcd_message_and_w
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings = replace(private_settings, client_retry_timeout=1.0, etcd_timeout=0.5)
-    producer = Producer(private_store, storage, settings)
+    producer = Producer(System(settings, private_store, storage))
     info = producer.create_collection(f"g{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
     files_before = WalReader(storage, info.vchannels[0], info).files()
     private_etcd.stop()

@@ -15,6 +15,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry, PartitionNotF
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
 from vchan_assets.wal import WalReader
 from vchan_assets.wal.producer import Producer, generate_rows
 
@@ -213,7 +214,7 @@ def test_segments_are_sealed_by_size_as_inserts_arrive(
     store: MetaStore, storage: Storage, settings: Settings
 ) -> None:
     small = replace(settings, segment_max_size_mb=100 * SCHEMA.row_bytes() / (1 << 20))
-    producer = Producer(store, storage, small)
+    producer = Producer(System(small, store, storage))
     producer.create_collection("small", SCHEMA, num_channels=1)
 
     producer.insert("small", generate_rows(SCHEMA, 250))
@@ -230,7 +231,7 @@ def test_a_collection_whose_create_message_was_lost_is_completed_on_first_use(
     # A crash after the meta was written but before the log: no create message, no start positions.
     info = CollectionRegistry(store).create("half", SCHEMA, num_channels=2)
 
-    completed = Producer(store, storage, settings).collection("half")
+    completed = Producer(System(settings, store, storage)).collection("half")
 
     assert len(completed.start_positions) == 2
     for vchannel in info.vchannels:

@@ -110,7 +110,7 @@ class VchanRuntime(System):
     # --- catalog ------------------------------------------------------------------------
 
     def catalog(self) -> Catalog:
-        return Catalog(self.store, self.storage, self.settings)
+        return Catalog(self)
 
 
 @contextmanager

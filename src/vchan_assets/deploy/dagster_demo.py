@@ -169,7 +169,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         _wait(lambda: len(_dagster_nodes(stack)) >= 2, 90, "2 Dagster-hosted DataNodes")
         console.print(f"DataNodes (sensors datanode_1, datanode_2): {_dagster_nodes(stack)}")
 
-        producer = Producer(stack.store, stack.storage, settings)
+        producer = Producer(stack)
         info = create_demo_collection(producer, options.channels, console)
         name = info.name
         manager = ChannelManager(stack.store, settings)

@@ -33,7 +33,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import (
     DEFAULT_PARTITION,
     CollectionRegistry,
@@ -44,9 +43,9 @@ from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
 from vchan_assets.meta.channel_head import HeldChannel
 from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.retry import retry_transient
-from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
-from vchan_assets.storage import Storage, StorageError
+from vchan_assets.storage import StorageError
+from vchan_assets.system import System
 from vchan_assets.wal.appender import Built, ChannelAppender, Prepared, Timing
 from vchan_assets.wal.format import SYSTEM_SCHEMA, MsgType, arrow_type, log_schema
 from vchan_assets.wal.reader import WalReader
@@ -77,9 +76,7 @@ class Producer:
 
     def __init__(
         self,
-        store: MetaStore,
-        storage: Storage,
-        settings: Settings,
+        system: System,
         *,
         ids: IdAllocator | None = None,
         tso: TimestampOracle | None = None,
@@ -89,9 +86,8 @@ class Producer:
     ) -> None:
         if segments is not None and tso is not None and tso is not segments.tso:
             raise ValueError("the producer must share the segment manager's timestamp oracle")
-        self.store = store
-        self.storage = storage
-        self.settings = settings
+        store, settings = system.store, system.settings
+        self.store, self.storage, self.settings = store, system.storage, settings
         self.ids = ids or (segments.ids if segments else IdAllocator(store))
         self.tso = segments.tso if segments else (tso or TimestampOracle(store))
         self.segments = segments or SegmentManager(store, settings, self.ids, self.tso)
