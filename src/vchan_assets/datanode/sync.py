@@ -80,6 +80,10 @@ class SyncPhases:
     binlogs: float
     commit: float
 
+    @property
+    def total(self) -> float:
+        return self.state + self.binlogs + self.commit
+
     def __str__(self) -> str:
         return f"state {self.state:.2f}s, binlogs {self.binlogs:.2f}s, commit {self.commit:.2f}s"
 
@@ -95,12 +99,15 @@ class SyncResult:
     bytes: int = 0
     segments: tuple[int, ...] = ()
     flushed_segments: tuple[int, ...] = ()
-    seconds: float = 0.0
     skipped: str = ""  # why nothing was done
     in_process: bool = False  # the binlogs were written in this process, not by a Spark job
     # Where the seconds went: reading the channel's state under the claim, writing the
     # binlogs (the Spark job or the in-process tasks), committing segments and checkpoint.
-    phases: SyncPhases | None = None
+    phases: SyncPhases | None = None  # None: nothing was synced
+
+    @property
+    def seconds(self) -> float:
+        return self.phases.total if self.phases else 0.0
 
     @property
     def synced(self) -> bool:
@@ -207,7 +214,6 @@ class SyncTask:
             bytes=sum(w.size_bytes for w in written),
             segments=tuple(sorted(updates)),
             flushed_segments=flushed,
-            seconds=done - started,
             in_process=in_process,
             phases=SyncPhases(read - started, wrote - read, done - wrote),
         )
