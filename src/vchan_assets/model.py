@@ -162,12 +162,14 @@ class MsgPosition(Record):
 
 
 class DataType(enum.StrEnum):
-    INT64 = "int64"
-    FLOAT = "float"
-    DOUBLE = "double"
-    STRING = "string"
-    BOOL = "bool"
-    FLOAT_VECTOR = "float_vector"
+    """A field's type; its value (the lower-case name, `auto()`) is what schemas store."""
+
+    INT64 = enum.auto()
+    FLOAT = enum.auto()
+    DOUBLE = enum.auto()
+    STRING = enum.auto()
+    BOOL = enum.auto()
+    FLOAT_VECTOR = enum.auto()
 
 
 @dataclass(frozen=True)
