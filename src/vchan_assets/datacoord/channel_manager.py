@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from vchan_assets.config import Settings
@@ -133,19 +133,11 @@ def _batches(pending: list[_Assignment]) -> Iterator[list[_Assignment]]:
 class ChannelManager:
     """Assigns vchannels to DataNodes through etcd; see the module docstring."""
 
-    def __init__(
-        self,
-        store: MetaStore,
-        settings: Settings,
-        ids: IdAllocator | None = None,
-        catalog: CollectionRegistry | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, store: MetaStore, settings: Settings, ids: IdAllocator | None = None) -> None:
         self.store = store
         self.settings = settings
         self.ids = ids or IdAllocator(store)
-        self.catalog = catalog or CollectionRegistry(store, self.ids)
-        self.clock = clock
+        self.catalog = CollectionRegistry(store, self.ids)
 
     # --- reading the picture -------------------------------------------------------------
 
@@ -190,7 +182,7 @@ class ChannelManager:
 
     def reconcile(self, now: float | None = None) -> ReconcileReport:
         """One step towards every channel watched by exactly one live node, balanced."""
-        now = self.clock() if now is None else now
+        now = time.time() if now is None else now
         view = self.view()
         report = ReconcileReport(live_nodes=tuple(sorted(view.nodes)))
         for kv in view.malformed:
@@ -374,11 +366,12 @@ class ChannelManager:
         return self.store.txn(expect, puts, deletes) is not None
 
     def _to_release(self, e: WatchEntry, why: str, report: ReconcileReport) -> bool:
+        now = time.time()
         info = replace(
             e.info,
             state=WatchState.TO_RELEASE,
-            start_ts=self.clock(),
-            timeout_ts=self.clock() + self.settings.watch_timeout,
+            start_ts=now,
+            timeout_ts=now + self.settings.watch_timeout,
             progress=0,
         )
         try:
