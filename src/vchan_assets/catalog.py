@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
@@ -509,20 +509,12 @@ class Catalog:
         return table if as_arrow else table.to_pandas()
 
     def read_collection(
-        self,
-        name: str,
-        apply_deletes: bool = True,
-        as_arrow: bool = False,
-        with_vectors: bool = True,
-        engine: Literal["pandas", "spark"] = "pandas",
-    ) -> Any:
+        self, name: str, apply_deletes: bool = True, as_arrow: bool = False, with_vectors: bool = True
+    ) -> pd.DataFrame | pa.Table:
         """Every persisted row of a collection (L1 and L2 segments, neither Dropped nor still
-        Importing), with
-        `segment_id` and `partition_id` columns, deletes applied per partition: a pandas
-        DataFrame (or an Arrow table with `as_arrow`), or with `engine="spark"` a Spark
-        DataFrame read by the `format("vchan")` data source (vectors as array<float>)."""
-        if engine == "spark":
-            return self.spark_collection(name, with_vectors=with_vectors, apply_deletes=apply_deletes)
+        Importing), with `segment_id` and `partition_id` columns, deletes applied per
+        partition: a pandas DataFrame (or an Arrow table with `as_arrow`). The same rows as
+        a Spark DataFrame: `spark_collection`."""
         info = self.collection(name)
         tables = []
         deletes: dict[int, pa.Table] = {}
@@ -545,20 +537,14 @@ class Catalog:
         return result if as_arrow else result.to_pandas()
 
     def spark_collection(
-        self,
-        name: str,
-        with_vectors: bool = True,
-        apply_deletes: bool = True,
-        spark: Any = None,
-        **options: str,
+        self, name: str, with_vectors: bool = True, spark: Any = None, **options: str
     ) -> Any:
-        """The collection as a Spark DataFrame (`format("vchan")` on this catalog's etcd and
-        storage); `options` are the data source's (partition, segments, fields, vectors)."""
+        """The rows of `read_collection` as a Spark DataFrame (`format("vchan")` on this
+        catalog's etcd and storage; deletes always applied, vectors as array<float>);
+        `options` are the data source's (partition, segments, fields, vectors, task_mb)."""
         from vchan_assets.spark.datasource import read_options, register
         from vchan_assets.spark.session import get_spark
 
-        if not apply_deletes:
-            raise ValueError("engine='spark' always applies deletes; read raw rows with engine='pandas'")
         info = self.collection(name)  # fails here, naming the collection, if it is unknown
         if not with_vectors and "fields" not in options:
             options["fields"] = ",".join(f.name for f in info.schema.fields if not f.is_vector)

@@ -38,7 +38,7 @@ def test_the_spark_source_returns_what_read_collection_returns(
     catalog: Catalog, known: Known, spark: object
 ) -> None:
     expected = _sorted(catalog.read_collection(known.info.name))
-    got = _sorted(catalog.read_collection(known.info.name, engine="spark").toPandas())
+    got = _sorted(catalog.spark_collection(known.info.name).toPandas())
     assert set(got["pk"]) == known.visible  # deletes applied per partition, re-inserts kept
     assert list(got.columns) == list(expected.columns)
     got["vec"] = _as_pandas_vectors(got, "vec")
@@ -75,7 +75,7 @@ def test_partition_and_field_options_prune_what_is_read(
     binary = catalog.spark_collection(known.info.name, fields="vec", vectors="binary").toPandas()
     expected = catalog.read_collection(known.info.name).set_index("pk")["vec"]
     assert all(bytes(v) == expected[pk] for pk, v in zip(binary["pk"], binary["vec"], strict=True))
-    no_vectors = catalog.read_collection(known.info.name, engine="spark", with_vectors=False)
+    no_vectors = catalog.spark_collection(known.info.name, with_vectors=False)
     assert "vec" not in no_vectors.columns
 
 
@@ -83,7 +83,7 @@ def test_bad_reads_fail_naming_the_collection_field_or_file(
     catalog: Catalog, known: Known, spark: object, settings: Settings, store: MetaStore
 ) -> None:
     with pytest.raises(LookupError, match="no_such_books"):
-        catalog.read_collection("no_such_books", engine="spark")
+        catalog.spark_collection("no_such_books")
     with pytest.raises(Exception, match="no_such_books"):  # straight through Spark's planner
         spark.read.format("vchan").option("collection", "no_such_books").options(  # type: ignore[attr-defined]
             VCHAN_ETCD_ENDPOINTS=",".join(store.endpoints), VCHAN_ROOT=settings.root
@@ -103,12 +103,12 @@ def test_bad_reads_fail_naming_the_collection_field_or_file(
 def test_a_collection_dropped_between_load_and_action_is_named(
     catalog: Catalog, known: Known, spark: object, store: MetaStore
 ) -> None:
-    df = catalog.read_collection(known.info.name, engine="spark")  # loaded while it exists
+    df = catalog.spark_collection(known.info.name)  # loaded while it exists
     CollectionRegistry(store).drop(known.info.name)
     with pytest.raises(Exception, match=f"no collection with name '{known.info.name}'"):
         df.count()  # planned at the action: the collection is gone
     with pytest.raises(LookupError, match=known.info.name):
-        catalog.read_collection(known.info.name, engine="spark")
+        catalog.spark_collection(known.info.name)
     with pytest.raises(LookupError, match=known.info.name):
         catalog.read_collection(known.info.name)  # pandas says the same
 

@@ -33,7 +33,7 @@ def test_the_vchan_source_reads_through_spark_connect(
     catalog = Catalog(System(dsettings, store, storage))
     remote = get_spark(dsettings)
     assert type(remote).__module__.startswith("pyspark.sql.connect")
-    got = catalog.read_collection(collection.name, engine="spark").toPandas().sort_values("pk")
+    got = catalog.spark_collection(collection.name).toPandas().sort_values("pk")
     expected = catalog.read_collection(collection.name).sort_values("pk")
     assert list(got["pk"]) == list(expected["pk"]) == [pk for pk in range(300) if pk % 7]
     vector = next(f.name for f in collection.schema.fields if f.is_vector)

@@ -24,7 +24,7 @@ batches segment by segment. Nothing goes through Python rows.
 
 Connection: options named like the environment variables (`VCHAN_ETCD_ENDPOINTS`,
 `VCHAN_STORAGE_URI`, ...; any case) override the worker's environment;
-`Catalog.read_collection(engine="spark")` passes its own. Spark redacts option values
+`Catalog.spark_collection` passes its own. Spark redacts option values
 whose names contain "password" or "secret" from plans and logs.
 """
 
