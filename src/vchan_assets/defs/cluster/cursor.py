@@ -17,7 +17,14 @@ class SensorCursor(Record):
     cursor). An unreadable cursor is logged and replaced by a fresh one: the sensor starts
     over, as a restarted process would, instead of failing every tick."""
 
-    AFRESH: ClassVar[str] = "starting afresh"  # what a fresh cursor means, for the log
+    # What a fresh cursor means for the sensor, for the log: a class keyword,
+    # `class NodeCursor(SensorCursor, afresh="starting a new node")`.
+    afresh: ClassVar[str] = "starting afresh"
+
+    def __init_subclass__(cls, afresh: str | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if afresh is not None:
+            cls.afresh = afresh
 
     @classmethod
     def parse(cls, raw: str | None) -> Self:
@@ -26,7 +33,7 @@ class SensorCursor(Record):
         try:
             return cls.from_dict(json.loads(raw))
         except (ValueError, TypeError, AttributeError) as exc:  # not JSON, not an object, a bad field
-            log.error("unreadable %s %r (%s): %s", cls.__name__, raw, exc, cls.AFRESH)
+            log.error("unreadable %s %r (%s): %s", cls.__name__, raw, exc, cls.afresh)
             return cls()
 
     def dump(self) -> str:

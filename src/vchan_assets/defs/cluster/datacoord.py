@@ -37,9 +37,7 @@ RELOAD_INTERVAL = 5.0
 
 
 @dataclass
-class CoordinatorCursor(SensorCursor):
-    AFRESH = "campaigning afresh"
-
+class CoordinatorCursor(SensorCursor, afresh="campaigning afresh"):
     server_id: int = 0
     lease_id: int = 0
     create_revision: int = 0

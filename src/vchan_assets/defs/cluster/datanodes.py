@@ -65,9 +65,7 @@ SESSION_TTL_FLOOR = 20.0
 
 
 @dataclass
-class NodeCursor(SensorCursor):
-    AFRESH = "starting a new node"
-
+class NodeCursor(SensorCursor, afresh="starting a new node"):
     node_id: int = 0
     session_lease: int = 0
     revision: int = 0
