@@ -19,6 +19,7 @@ import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -138,20 +139,27 @@ class ImportTask:
             seg_id = next(self.segment_ids, None)
             if seg_id is None:
                 raise ImportTaskError(f"import task {self.spec.task} used every segment id reserved for it")
+            vchannel = self.spec.vchannels[channel]
             self.open[channel] = _Open(
-                SegmentInfo(
-                    id=seg_id,
-                    collection_id=self.spec.collection_id,
-                    partition_id=self.spec.partition_id,
-                    vchannel=self.spec.vchannels[channel],
-                    state=SegmentState.IMPORTING,
-                    max_rows=self.spec.max_rows,
-                    created_at=time.time(),
-                    last_flush_ts=self.spec.timestamp,
-                    import_job=self.spec.job_id,
+                self._new_segment(
+                    seg_id, vchannel, max_rows=self.spec.max_rows, last_flush_ts=self.spec.timestamp
                 )
             )
         return self.open[channel]
+
+    def _new_segment(self, seg_id: int, vchannel: str, **fields: Any) -> SegmentInfo:
+        """A segment this task writes: Importing (invisible until the job commits), in the
+        job's collection and partition, created now."""
+        return SegmentInfo(
+            id=seg_id,
+            collection_id=self.spec.collection_id,
+            partition_id=self.spec.partition_id,
+            vchannel=vchannel,
+            state=SegmentState.IMPORTING,
+            created_at=time.time(),
+            import_job=self.spec.job_id,
+            **fields,
+        )
 
     def _close(self, channel: int) -> None:
         seg = self.open.pop(channel)
@@ -192,15 +200,8 @@ class ImportTask:
         """Upsert (as Milvus): a delete of each imported pk at the job's timestamp. A delete
         removes the rows of its pk with an older timestamp, so the rows already in the
         collection go and the imported ones (same timestamp) stay."""
-        l0 = self.deletes or SegmentInfo(
-            id=self.spec.upsert_segment,
-            collection_id=written.collection_id,
-            partition_id=written.partition_id,
-            vchannel=written.vchannel,
-            state=SegmentState.IMPORTING,
-            level=SegmentLevel.L0,
-            created_at=time.time(),
-            import_job=self.spec.job_id,
+        l0 = self.deletes or self._new_segment(
+            self.spec.upsert_segment, written.vchannel, level=SegmentLevel.L0
         )
         log_id = self._log_id()
         key = delta_log_key(l0.collection_id, l0.partition_id, l0.id, log_id)
