@@ -233,7 +233,6 @@ class SegmentManager:
                 partition_id=partition_id,
                 vchannel=head.vchannel,
                 state=SegmentState.GROWING,
-                level=SegmentLevel.L1,
                 max_rows=max_rows,
                 created_at=now,
                 last_insert_at=now,
