@@ -659,9 +659,13 @@ def datanode(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _datacoord_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between reconcile steps")
+    from vchan_assets.datacoord.coordinator import RELOAD_INTERVAL, TICK_INTERVAL
+
     parser.add_argument(
-        "--reload-interval", type=float, default=5.0, help="seconds between segment-meta reloads"
+        "--interval", type=float, default=TICK_INTERVAL, help="seconds between reconcile steps"
+    )
+    parser.add_argument(
+        "--reload-interval", type=float, default=RELOAD_INTERVAL, help="seconds between segment-meta reloads"
     )
     _engine_arg(parser, "compaction and import tasks")
 

@@ -61,6 +61,12 @@ class MetaReloader:
         return True
 
 
+# Defaults of `vchan datacoord --interval/--reload-interval`, and of the Dagster-hosted
+# coordinator (which ticks at its sensor's pace and reloads this often).
+TICK_INTERVAL = 0.5  # seconds between reconcile steps
+RELOAD_INTERVAL = 5.0  # seconds between reloads of segment meta
+
+
 @dataclass(frozen=True)
 class CoordinatorTick:
     channels: ReconcileReport
@@ -82,8 +88,8 @@ class DataCoordinator:
         self,
         settings: Settings,
         store: MetaStore,
-        interval: float = 0.5,
-        reload_interval: float = 5.0,
+        interval: float = TICK_INTERVAL,
+        reload_interval: float = RELOAD_INTERVAL,
         address: str = "",
         server_id: int | None = None,
     ) -> None:

@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 COORDINATOR_SENSOR_INTERVAL = 1
 COORDINATOR_ADDRESS = f"{DAGSTER_ADDRESS}datacoord"
-RELOAD_INTERVAL = 5.0
 
 
 @dataclass
@@ -68,7 +67,6 @@ def coordinate(
     coord = DataCoordinator(
         settings,
         runtime.store,
-        reload_interval=RELOAD_INTERVAL,
         address=COORDINATOR_ADDRESS,
         server_id=cursor.server_id or None,
     )
