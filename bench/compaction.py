@@ -96,12 +96,12 @@ def baseline(storage: Storage, info: CollectionInfo, segments: list[SegmentInfo]
 
 
 def snapshot(store: MetaStore, info: CollectionInfo) -> dict[str, bytes]:
-    return {kv.key: kv.value for kv in store.list_prefix(store.keys.segments(info.id)).items}
+    return {kv.key: kv.value for kv in store.list_prefix(store.keys.segment.under(info.id)).items}
 
 
 def restore(store: MetaStore, saved: dict[str, bytes], info: CollectionInfo) -> None:
-    store.delete_prefix(store.keys.segments(info.id))
-    store.delete_prefix(store.keys.compaction_plans())
+    store.delete_prefix(store.keys.segment.under(info.id))
+    store.delete_prefix(store.keys.compaction_plan.prefix)
     for key, value in saved.items():
         store.put(key, value)
 
@@ -112,7 +112,7 @@ def throughput(
     producer = Producer(System(settings, store, storage))
     info = make_segments(producer, store, storage, settings, rows)
     saved = snapshot(store, info)
-    segments = [d.model for d in store.list_models(store.keys.segments(info.id), SegmentInfo)[0]]
+    segments = [d.model for d in store.list_models(store.keys.segment.under(info.id), SegmentInfo)[0]]
     runs: dict[str, list[float]] = {"baseline": [], "compaction": []}
     for i in range(repeat):
         started = time.perf_counter()
@@ -124,7 +124,7 @@ def throughput(
         outcomes = CompactionExecutor(System(settings, store, storage), engine="spark").run_pending()
         runs["compaction"].append(time.perf_counter() - started)
         assert all(o.state is PlanState.COMPLETED for o in outcomes), outcomes
-        live = [d.model for d in store.list_models(store.keys.segments(info.id), SegmentInfo)[0]]
+        live = [d.model for d in store.list_models(store.keys.segment.under(info.id), SegmentInfo)[0]]
         out_rows = sum(s.num_rows for s in live if s.compaction_from and s.state.value == "Flushed")
         assert out_rows == kept, (out_rows, kept)
     base, comp = statistics.median(runs["baseline"]), statistics.median(runs["compaction"])

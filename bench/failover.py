@@ -67,7 +67,7 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.
 
 
 def _owners(store: MetaStore) -> dict[str, tuple[int, WatchState]]:
-    root = store.keys.channel_watch_root()
+    root = store.keys.channel_watch.prefix
     out = {}
     for kv in store.list_prefix(root).items:
         node, _, vchannel = kv.key[len(root) :].partition("/")

@@ -65,7 +65,7 @@ LIFECYCLE_ENV = {
 
 
 def _segments(store: MetaStore) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
     return [d.model for d in found]
 
 

@@ -176,7 +176,7 @@ def make_log(producer: Producer, rows: int) -> CollectionInfo:
 def reset_channel(store: MetaStore, storage: Storage, info: CollectionInfo) -> None:
     """Forget every sync of the collection: its segment meta, checkpoint and binlogs,
     so the next sync starts from the beginning of the same log."""
-    store.delete_prefix(store.keys.segments(info.id))
+    store.delete_prefix(store.keys.segment.under(info.id))
     store.delete(store.keys.channel_checkpoint(info.vchannels[0]))
     for root in ("insert_log", "delta_log", "stats_log"):
         storage.filesystem.delete_dir_contents(storage.path(root), missing_dir_ok=True)
@@ -270,7 +270,7 @@ def measure_size(
         summary[f"{name}_written_vs_disk"] = (
             summary[name]["written_mb_per_s"] / summary["disk_write_mb_per_s"]
         )
-    store.delete_prefix(store.keys.segments(info.id))
+    store.delete_prefix(store.keys.segment.under(info.id))
     for root in ("wal", "wal-data"):  # the log files and (log format 2) their data files
         storage.filesystem.delete_dir_contents(
             storage.path(f"{root}/{info.vchannels[0]}"), missing_dir_ok=True

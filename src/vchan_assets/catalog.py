@@ -143,12 +143,14 @@ class Catalog:
         return CollectionRegistry(self.store).get_by_name(name)
 
     def segment_infos(self, collection_id: int | None = None) -> list[SegmentInfo]:
-        found, _ = self.store.list_models(self.store.keys.segments(collection_id), SegmentInfo, True)
+        segment = self.store.keys.segment
+        prefix = segment.prefix if collection_id is None else segment.under(collection_id)
+        found, _ = self.store.list_models(prefix, SegmentInfo, True)
         return [d.model for d in found]
 
     def sessions(self) -> list[NodeSession]:
         """Live DataNode sessions (a session key disappears with its etcd lease)."""
-        found, _ = self.store.list_models(self.store.keys.datanode_sessions(), NodeSession, True)
+        found, _ = self.store.list_models(self.store.keys.datanode_session.prefix, NodeSession, True)
         return [d.model for d in found]
 
     def watches(self) -> WatchListing:
@@ -157,13 +159,13 @@ class Catalog:
         return list_watches(self.store)
 
     def leases(self) -> dict[str, ChannelLease]:
-        root = self.store.keys.channel_leases()
+        root = self.store.keys.channel_lease.prefix
         found, _ = self.store.list_models(root, ChannelLease, True)
         return {d.kv.key[len(root) :]: d.model for d in found}
 
     def checkpoints(self) -> dict[str, tuple[MsgPosition, int]]:
         """vchannel -> (checkpoint, number of times it was committed: the key's version)."""
-        root = self.store.keys.channel_checkpoints()
+        root = self.store.keys.channel_checkpoint.prefix
         found, _ = self.store.list_models(root, MsgPosition, True)
         return {d.kv.key[len(root) :]: (d.model, d.kv.version) for d in found}
 

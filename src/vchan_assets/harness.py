@@ -222,8 +222,8 @@ class Watch:
 def watches(store: MetaStore) -> tuple[dict[str, list[Watch]], dict[str, ChannelLease]]:
     """Every channel's watch infos and its lease, read in ONE etcd snapshot of the root."""
     snap = store.list_prefix(store.keys.root + "/")
-    watch_root = store.keys.channel_watch_root()
-    lease_root = store.keys.channel_leases()
+    watch_root = store.keys.channel_watch.prefix
+    lease_root = store.keys.channel_lease.prefix
     out: dict[str, list[Watch]] = {}
     leases: dict[str, ChannelLease] = {}
     for kv in snap.items:
@@ -291,7 +291,7 @@ def produce(
 
 
 def segments(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segments(info.id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo)
     return [d.model for d in found]
 
 

@@ -55,7 +55,7 @@ def test_remaining_channels_are_not_counted_as_malformed_watch_infos(
 def test_a_watch_key_of_the_wrong_shape_is_reported(
     settings: Settings, store: MetaStore, storage: Storage, waiting: CollectionInfo
 ) -> None:
-    bad = store.keys.channel_watch_root() + "not-a-node/" + waiting.vchannels[0]
+    bad = store.keys.channel_watch.prefix + "not-a-node/" + waiting.vchannels[0]
     store.put(bad, {"anything": 1})
 
     report = collect_status(Catalog(System(settings, store, storage)), orphans=False)

@@ -119,7 +119,7 @@ def _rewrite_watch(
 def _answer(store: MetaStore, settings: Settings, node_id: int) -> None:
     """What a node does with its ToWatch/ToRelease infos (no channel work started)."""
     ctx = NodeContext(_system(store, settings), node_id)
-    for kv in store.list_prefix(store.keys.channel_watch_prefix(node_id)).items:
+    for kv in store.list_prefix(store.keys.channel_watch.under(node_id)).items:
         found = store.get_model(kv.key, ChannelWatchInfo)
         assert found is not None
         if found.model.state is WatchState.TO_WATCH:
@@ -136,12 +136,12 @@ def test_with_no_live_node_channels_wait_as_remaining_and_go_to_the_first_node(
     manager = ChannelManager(store, settings)
     report = manager.reconcile()
     assert sorted(report.remaining) == sorted(infos[0].vchannels)
-    assert len(store.list_prefix(store.keys.remaining_channel("")).items) == 3
+    assert len(store.list_prefix(store.keys.remaining_channel.prefix).items) == 3
     node = nodes.up(7001)
     report = manager.reconcile()
     assert sorted(v for v, _ in report.assigned) == sorted(infos[0].vchannels)
     assert {n for _, n in report.assigned} == {node}
-    assert store.list_prefix(store.keys.remaining_channel("")).items == []
+    assert store.list_prefix(store.keys.remaining_channel.prefix).items == []
     for vchannel in infos[0].vchannels:
         found = _watch(store, node, vchannel)
         assert found is not None
@@ -326,7 +326,7 @@ def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
         store.delete(store.keys.channel_watch(node.node_id, v1))
         assert node.watcher is not None
         node.watcher.stop()
-        node._on_relist(store.list_prefix(store.keys.channel_watch_prefix(node.node_id)))
+        node._on_relist(store.list_prefix(store.keys.channel_watch.under(node.node_id)))
         assert node.lanes.wait_idle(30)
         assert node.channels == [v0]
     finally:
@@ -344,7 +344,7 @@ def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_tha
     _, infos = create_collections(store, settings, count=1, shards=2)
     node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
-        stale = store.list_prefix(store.keys.channel_watch_prefix(node.node_id))  # nothing yet
+        stale = store.list_prefix(store.keys.channel_watch.under(node.node_id))  # nothing yet
         ChannelManager(store, settings).reconcile()
         deadline = time.monotonic() + 10
         while node.channels != sorted(infos[0].vchannels) and time.monotonic() < deadline:

@@ -160,7 +160,7 @@ def test_standby_coordinator_takes_over_and_finishes_a_pending_move(
     assert "won the election" not in standby.log()
     first.signal(signal.SIGSTOP)
     second = cluster.node()
-    first_prefix = store.keys.channel_watch_prefix(first.id)
+    first_prefix = store.keys.channel_watch.under(first.id)
     wait_until(
         lambda: b"ToRelease" in b"".join(kv.value for kv in store.list_prefix(first_prefix).items),
         20,

@@ -39,12 +39,12 @@ def test_a_coordinator_deposed_mid_tick_writes_nothing(store: MetaStore, setting
     try:
         store.revoke(session.lease_id)  # as etcd expiring the paused leader's lease
         assert new.election.campaign(timeout=10)
-        watch_root = store.keys.channel_watch_root()
+        watch_root = store.keys.channel_watch.prefix
 
         with pytest.raises(MetaError, match="not the leader"):
             old.tick()  # the deposed one resumes mid-term
         assert store.list_prefix(watch_root).items == []
-        assert store.list_prefix(store.keys.channel_leases()).items == []
+        assert store.list_prefix(store.keys.channel_lease.prefix).items == []
 
         report = new.tick().channels
         assert sorted(v for v, _ in report.assigned) == sorted(infos[0].vchannels)
@@ -66,7 +66,7 @@ def test_the_meta_reload_notices_a_deleted_segment(store: MetaStore, settings: S
         coord.activate()
         assert coord.reloader is not None
         assert not coord.reloader.reload()
-        found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+        found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
         assert len(found) >= 2
         oldest = min(found, key=lambda d: d.kv.mod_revision)
         store.delete(oldest.kv.key)  # as GC removing a dropped segment's meta

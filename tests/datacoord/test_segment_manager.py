@@ -46,7 +46,7 @@ def manager(store: MetaStore, dc_settings: Settings, collection: CollectionInfo)
 
 
 def segments(store: MetaStore, collection: CollectionInfo) -> dict[int, SegmentInfo]:
-    found, _ = store.list_models(store.keys.segments(collection.id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(collection.id), SegmentInfo)
     return {d.model.id: d.model for d in found}
 
 

@@ -32,7 +32,7 @@ def watched_by_a_dagster_node(
     node = NodeCursor.parse(evaluate(NODE1, instance, vchan).cursor)
     CoordinatorTicks(instance, vchan).tick()
     evaluate(NODE1, instance, vchan, node.dump())
-    found, _ = store.list_models(store.keys.channel_watch_prefix(node.node_id), ChannelWatchInfo)
+    found, _ = store.list_models(store.keys.channel_watch.under(node.node_id), ChannelWatchInfo)
     return node, {d.model.vchan.channel_name: d.model for d in found}
 
 

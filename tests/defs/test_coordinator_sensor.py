@@ -20,7 +20,7 @@ from .helpers import NODE1, CoordinatorTicks, evaluate, skip_message
 
 
 def segment_states(store: MetaStore, collection: CollectionInfo) -> dict[int, SegmentState]:
-    found, _ = store.list_models(store.keys.segments(collection.id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(collection.id), SegmentInfo)
     return {d.model.id: d.model.state for d in found}
 
 
@@ -46,7 +46,7 @@ def test_the_sensor_recovers_flushing_segments_and_seals_by_policy(
     result = CoordinatorTicks(instance, short_life).tick()
 
     states = segment_states(store, collection)
-    found, _ = store.list_models(store.keys.segments(collection.id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(collection.id), SegmentInfo)
     channel_of = {d.model.id: d.model.vchannel for d in found}
     done = {SegmentState.FLUSHED, SegmentState.DROPPED}  # Dropped: a segment with no rows
     for seg in flushing:
@@ -66,7 +66,7 @@ def test_the_sensor_stands_by_while_a_datacoord_process_leads_and_takes_over_aft
     process = DataCoordinator(dsettings, store)
     assert process.election.campaign(timeout=10)
     sensor = CoordinatorTicks(instance, vchan)
-    watch_root = store.keys.channel_watch_root()
+    watch_root = store.keys.channel_watch.prefix
     try:
         idle = sensor.tick()
         assert "standby" in skip_message(idle)

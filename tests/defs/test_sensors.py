@@ -34,7 +34,7 @@ def run_config(request: dg.RunRequest) -> dict[str, Any]:
 
 
 def watch_infos(store: MetaStore, node_id: int) -> dict[str, ChannelWatchInfo]:
-    found, _ = store.list_models(store.keys.channel_watch_prefix(node_id), ChannelWatchInfo)
+    found, _ = store.list_models(store.keys.channel_watch.under(node_id), ChannelWatchInfo)
     return {d.model.vchan.channel_name: d.model for d in found}
 
 
@@ -137,7 +137,7 @@ def test_compacted_cursor_relists_the_watch_prefix(
     stale = NodeCursor.parse(watched.cursor)
     # Move the store on and compact past the cursor (as etcd's auto-compaction would).
     for i in range(3):
-        store.put(f"{store.keys.channel_watch_root()}noise-{i}", b"{}")
+        store.put(f"{store.keys.channel_watch.prefix}noise-{i}", b"{}")
     store.compact(store.revision())
 
     relisted = evaluate(NODE1, instance, vchan, stale.dump())

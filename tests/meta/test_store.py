@@ -187,7 +187,7 @@ def test_get_model_of_a_value_missing_a_field_names_the_key_and_field(store: Met
 
 
 def test_list_models_skips_and_counts_malformed_values_when_asked(store: MetaStore) -> None:
-    prefix = store.keys.channel_checkpoints()
+    prefix = store.keys.channel_checkpoint.prefix
     good = MsgPosition("ch-a", 1, 2)
     store.put(store.keys.channel_checkpoint("ch-a"), good)
     store.put(store.keys.channel_checkpoint("ch-b"), b"garbage")

@@ -17,7 +17,7 @@ NODE = 7
 
 
 def _prefix(store: MetaStore) -> str:
-    return store.keys.channel_watch_prefix(NODE)
+    return store.keys.channel_watch.under(NODE)
 
 
 def _key(store: MetaStore, channel: str) -> str:

@@ -125,7 +125,7 @@ def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: Colle
 
 
 def segments(store: MetaStore, info: CollectionInfo) -> dict[int, SegmentInfo]:
-    found, _ = store.list_models(store.keys.segments(info.id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo)
     return {d.model.id: d.model for d in found}
 
 

@@ -87,7 +87,7 @@ def test_inserted_rows_carry_segments_assigned_by_the_segment_manager(
 ) -> None:
     results = producer.insert("docs", generate_rows(SCHEMA, 60), partition="news")
 
-    segments, _ = store.list_models(store.keys.segments(docs.id), SegmentInfo)
+    segments, _ = store.list_models(store.keys.segment.under(docs.id), SegmentInfo)
     by_id = {d.model.id: d.model for d in segments}
     for vchannel, result in results.items():
         [(segment_id, rows)] = result.segments
@@ -189,7 +189,7 @@ def test_drop_collection_writes_its_message_and_drops_its_segments(
     for vchannel in docs.vchannels:
         log = channel_log(storage, docs, vchannel)
         assert log["msg_type"].to_pylist()[-2:] == ["drop_collection", "timetick"]
-    segments, _ = store.list_models(store.keys.segments(docs.id), SegmentInfo)
+    segments, _ = store.list_models(store.keys.segment.under(docs.id), SegmentInfo)
     assert segments and all(d.model.state is SegmentState.DROPPED for d in segments)
     assert producer.catalog.find("docs") is None
 
@@ -202,7 +202,7 @@ def test_flush_seals_segments_and_ticks_every_channel_past_the_flush_ts(
     flush_ts = producer.flush("docs")
 
     assert flush_ts > max(r.timestamp for r in inserted.values())
-    segments, _ = store.list_models(store.keys.segments(docs.id), SegmentInfo)
+    segments, _ = store.list_models(store.keys.segment.under(docs.id), SegmentInfo)
     assert {(d.model.state, d.model.seal_ts) for d in segments} == {(SegmentState.FLUSHING, flush_ts)}
     for vchannel in docs.vchannels:
         head = WalReader(storage, vchannel, docs).head()
@@ -219,7 +219,7 @@ def test_segments_are_sealed_by_size_as_inserts_arrive(
 
     producer.insert("small", generate_rows(SCHEMA, 250))
 
-    segments, _ = store.list_models(store.keys.segments(producer.collection("small").id), SegmentInfo)
+    segments, _ = store.list_models(store.keys.segment.under(producer.collection("small").id), SegmentInfo)
     # Two segments sealed full at 100 rows, the third by the size policy (50 >= 12% of 100).
     assert [d.model.state for d in segments] == [SegmentState.SEALED] * 3
     assert producer.last_sealed[0].reason.startswith("capacity")

@@ -144,7 +144,7 @@ class ChannelManager:
     def live_nodes(self) -> dict[int, NodeSession]:
         """HEALTHY DataNodes by their sessions; malformed session values are logged, skipped."""
         found, _ = self.store.list_models(
-            self.store.keys.datanode_sessions(), NodeSession, skip_malformed=True
+            self.store.keys.datanode_session.prefix, NodeSession, skip_malformed=True
         )
         nodes = {}
         for d in found:
@@ -170,7 +170,7 @@ class ChannelManager:
         return ChannelView(nodes, channels, entries, listing.remaining, malformed, self._leases())
 
     def _leases(self) -> dict[str, ChannelLease]:
-        prefix = self.store.keys.channel_leases()
+        prefix = self.store.keys.channel_lease.prefix
         found, _ = self.store.list_models(prefix, ChannelLease, skip_malformed=True)
         return {d.kv.key[len(prefix) :]: d.model for d in found}
 
@@ -187,7 +187,7 @@ class ChannelManager:
         report = ReconcileReport(live_nodes=tuple(sorted(view.nodes)))
         for kv in view.malformed:
             report.malformed.append(kv.key)
-            node = kv.key[len(self.store.keys.channel_watch_root()) :].split("/")[0]
+            node = kv.key[len(self.store.keys.channel_watch.prefix) :].split("/")[0]
             if not node.isdigit() or int(node) not in view.nodes:
                 self._delete(kv, report)  # garbage of a dead node: nobody will ever answer it
         load = {n: 0 for n in view.nodes}
@@ -243,7 +243,7 @@ class ChannelManager:
         """Take every channel away from `node_id` now (its session is known to be gone):
         its watch infos are deleted and the channels assigned elsewhere with new leases."""
         report = ReconcileReport()
-        for kv in self.store.list_prefix(self.store.keys.channel_watch_prefix(node_id)).items:
+        for kv in self.store.list_prefix(self.store.keys.channel_watch.under(node_id)).items:
             self._delete(kv, report)
         step = self.reconcile(now)
         step.removed[:0] = report.removed

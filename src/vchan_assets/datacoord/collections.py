@@ -156,7 +156,9 @@ class CollectionRegistry:
 
     def list(self, include_dropped: bool = False) -> list[CollectionInfo]:
         """Every collection, by id; malformed values are logged and skipped."""
-        found, _ = self.store.list_models(self.store.keys.collections(), CollectionInfo, skip_malformed=True)
+        found, _ = self.store.list_models(
+            self.store.keys.collection.prefix, CollectionInfo, skip_malformed=True
+        )
         return [d.model for d in found if include_dropped or not d.model.dropped_at]
 
     # --- collections -------------------------------------------------------------------

@@ -48,10 +48,10 @@ class MetaReloader:
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded."""
         found, _ = self.store.list_models(
-            self.store.keys.channel_checkpoints(), MsgPosition, skip_malformed=True
+            self.store.keys.channel_checkpoint.prefix, MsgPosition, skip_malformed=True
         )
         self.checkpoints = {d.kv.key.rsplit("/", 1)[-1]: d.model for d in found}
-        snap = self.store.list_prefix(self.store.keys.segments())
+        snap = self.store.list_prefix(self.store.keys.segment.prefix)
         seen = (max((kv.mod_revision for kv in snap.items), default=0), len(snap.items))
         if seen == self.seen:
             return False

@@ -30,7 +30,7 @@ def channel_checkpoint(store: MetaStore, vchannel: str) -> Decoded[MsgPosition] 
 
 def channel_segments(store: MetaStore, collection_id: int, vchannel: str) -> list[Decoded[SegmentInfo]]:
     """Every segment of the collection on this vchannel, with its etcd version."""
-    found, _ = store.list_models(store.keys.segments(collection_id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(collection_id), SegmentInfo)
     return [d for d in found if d.model.vchannel == vchannel]
 
 
@@ -88,13 +88,13 @@ class RecoverySnapshot:
         if vchannel not in collection.vchannels:
             raise VchannelNotFoundError(vchannel, collection.name)
         if self._checkpoints is None:
-            snap = self.store.list_prefix(self.store.keys.channel_checkpoints())
+            snap = self.store.list_prefix(self.store.keys.channel_checkpoint.prefix)
             self._checkpoints = {kv.key: kv.value for kv in snap.items}
         key = self.store.keys.channel_checkpoint(vchannel)
         raw = self._checkpoints.get(key)
         checkpoint = None if raw is None else decode(key, raw, MsgPosition)  # only this channel's
         if collection.id not in self._segments:
-            found, _ = self.store.list_models(self.store.keys.segments(collection.id), SegmentInfo)
+            found, _ = self.store.list_models(self.store.keys.segment.under(collection.id), SegmentInfo)
             self._segments[collection.id] = [d.model for d in found]
         segments = [s for s in self._segments[collection.id] if s.vchannel == vchannel]
         return _recovery(collection, vchannel, checkpoint, segments)
@@ -149,7 +149,7 @@ def _stage_name(stage: int) -> str:
 
 def referenced_paths(store: MetaStore) -> set[str]:
     """Every binlog, delta log and stats log key that segment meta points to."""
-    segments, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    segments, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
     paths: set[str] = set()
     for decoded in segments:
         seg = decoded.model

@@ -360,7 +360,7 @@ class DataNode:
         ).register()
         self.watcher = PrefixWatcher(
             self.store,
-            self.store.keys.channel_watch_prefix(self.node_id),
+            self.store.keys.channel_watch.under(self.node_id),
             on_event=self._on_event,
             on_relist=self._on_relist,
         ).start()
@@ -452,7 +452,7 @@ class DataNode:
         self._stop_channel(vchannel)
 
     def _resync_loop(self) -> None:
-        prefix = self.store.keys.channel_watch_prefix(self.node_id)
+        prefix = self.store.keys.channel_watch.under(self.node_id)
         while not self.stopped.wait(self.resync_interval) and not self.session_lost.is_set():
             try:
                 snapshot = self.store.list_prefix(prefix)

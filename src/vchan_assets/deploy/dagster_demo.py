@@ -76,7 +76,7 @@ def latest_checks(instance: dg.DagsterInstance, vchannels: list[str]) -> dict[tu
 
 def _dagster_nodes(stack: Stack) -> list[int]:
     store = stack.store
-    found, _ = store.list_models(store.keys.datanode_sessions(), NodeSession, skip_malformed=True)
+    found, _ = store.list_models(store.keys.datanode_session.prefix, NodeSession, skip_malformed=True)
     return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
 
 

@@ -24,7 +24,7 @@ from vchan_assets.storage import Storage
 
 
 def _job_segments(store: MetaStore, job: ImportJob) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segments(job.collection_id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(job.collection_id), SegmentInfo)
     return [d.model for d in found if d.model.id in job.segment_ids]
 
 
@@ -60,7 +60,7 @@ def check_rows_match_files(
 def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) -> CheckOutcome:
     info = CollectionRegistry(store).get(job.collection_id, include_dropped=True)
     pk = info.schema.primary.name
-    found, _ = store.list_models(store.keys.segments(job.collection_id), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.under(job.collection_id), SegmentInfo)
     every = [d.model for d in found]
     mine = {s.id for s in every if s.id in job.segment_ids}
     others = [s for s in every if s.id not in mine and s.partition_id == job.partition_id and readable(s)]

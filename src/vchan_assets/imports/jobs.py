@@ -119,7 +119,7 @@ def get_job(store: MetaStore, job_id: int) -> Decoded[ImportJob]:
 
 
 def list_jobs(store: MetaStore) -> list[Decoded[ImportJob]]:
-    found, _ = store.list_models(store.keys.import_jobs(), ImportJob)
+    found, _ = store.list_models(store.keys.import_job.prefix, ImportJob)
     return sorted(found, key=lambda d: d.model.job_id)
 
 

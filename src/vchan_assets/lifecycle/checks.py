@@ -28,7 +28,7 @@ from vchan_assets.storage.layout import BINLOG_ROOTS
 
 
 def _segments(store: MetaStore) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
     return [d.model for d in found]
 
 

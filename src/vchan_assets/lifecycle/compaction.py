@@ -247,7 +247,7 @@ class CompactionTrigger:
         vchannel: str | None = None,
     ) -> list[CompactionPlan]:
         """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given)."""
-        found, _ = self.store.list_models(self.store.keys.segments(collection.id), SegmentInfo)
+        found, _ = self.store.list_models(self.store.keys.segment.under(collection.id), SegmentInfo)
         if vchannel is not None:
             found = [d for d in found if d.model.vchannel == vchannel]
         busy = busy_segments(list_plans(self.store))
@@ -351,7 +351,7 @@ class CompactionExecutor:
         if bad:
             return self.fail(executing, f"segments {bad} are not Flushed L1 segments with rows")
         info = self.collections.get(p.collection_id, include_dropped=True)
-        found, _ = self.store.list_models(self.store.keys.segments(p.collection_id), SegmentInfo)
+        found, _ = self.store.list_models(self.store.keys.segment.under(p.collection_id), SegmentInfo)
         spec = CompactionSpec(
             plan_id=p.plan_id,
             storage=self.storage,

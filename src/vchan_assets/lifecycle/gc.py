@@ -114,7 +114,7 @@ class GarbageCollector:
             return report
         # Meta is read before files are listed: a file written after this read is younger
         # than the tolerance, so it is never taken for an orphan.
-        found, _ = self.store.list_models(self.store.keys.segments(), SegmentInfo)
+        found, _ = self.store.list_models(self.store.keys.segment.prefix, SegmentInfo)
         busy = busy_segments(list_plans(self.store))
         self._orphans(found, busy, report)
         self._dropped(found, report)

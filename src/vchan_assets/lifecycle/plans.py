@@ -96,7 +96,7 @@ class CompactionConflictError(DeclaredError, MetaError):
 
 
 def list_plans(store: MetaStore) -> list[Decoded[CompactionPlan]]:
-    found, _ = store.list_models(store.keys.compaction_plans(), CompactionPlan)
+    found, _ = store.list_models(store.keys.compaction_plan.prefix, CompactionPlan)
     return sorted(found, key=lambda d: d.model.plan_id)
 
 

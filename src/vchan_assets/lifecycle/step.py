@@ -95,7 +95,7 @@ def lifecycle_step(
 def unsorted_segments(store: MetaStore, vchannel: str | None = None) -> list[SegmentInfo]:
     """Flushed L1 segments not sorted by pk and in no active plan (of `vchannel` if given):
     the stats task's work."""
-    found, _ = store.list_models(store.keys.segments(), SegmentInfo)
+    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
     if vchannel is not None:
         found = [d for d in found if d.model.vchannel == vchannel]
     busy = busy_segments(list_plans(store))

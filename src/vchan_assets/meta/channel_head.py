@@ -241,5 +241,5 @@ class ChannelHeads:
         return None if found is None else found.model
 
     def all(self) -> list[ChannelHead]:
-        found, _ = self.store.list_models(self.store.keys.wal_heads(), ChannelHead, skip_malformed=True)
+        found, _ = self.store.list_models(self.store.keys.wal_head.prefix, ChannelHead, skip_malformed=True)
         return [d.model for d in found]

@@ -62,7 +62,7 @@ def vchannel_of(key: str) -> str:
 
 
 def list_watches(store: MetaStore) -> WatchListing:
-    root = store.keys.channel_watch_root()
+    root = store.keys.channel_watch.prefix
     listing = WatchListing()
     for kv in store.list_prefix(root).items:
         node, _, vchannel = kv.key[len(root) :].partition("/")

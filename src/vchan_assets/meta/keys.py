@@ -1,79 +1,84 @@
-"""The etcd key layout (docs/architecture.md, "Keys in etcd"), in one place."""
+"""The etcd key layout (docs/architecture.md, "Keys in etcd"), in one place.
+
+Most keys come in families that share a prefix, declared once each as a template:
+`keys.segment(c, p, s)` is one key, `keys.segment.prefix` the prefix of all of them (to
+list or watch) and `keys.segment.under(c)` the prefix of one collection's.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self, overload
+
+
+@dataclass(frozen=True)
+class KeyFamily:
+    """The keys `{prefix}{id}/{id}/...`, one id for each name in `ids`."""
+
+    prefix: str  # ends in "/"
+    ids: tuple[str, ...]  # what the ids of a key are, outermost first: ("node", "vchannel")
+
+    def __call__(self, *ids: int | str) -> str:
+        """The key of these ids (all of them)."""
+        if len(ids) != len(self.ids):
+            raise TypeError(f"a key {self.template()} takes {len(self.ids)} ids, not {len(ids)}: {ids!r}")
+        return self.prefix + "/".join(str(i) for i in ids)
+
+    def under(self, *ids: int | str) -> str:
+        """The prefix of the keys whose outer ids are these (fewer than a key has)."""
+        if len(ids) >= len(self.ids):
+            raise TypeError(f"a range of {self.template()} takes fewer than {len(self.ids)} ids: {ids!r}")
+        return self.prefix + "".join(f"{i}/" for i in ids)
+
+    def template(self) -> str:
+        return self.prefix + "/".join(f"{{{name}}}" for name in self.ids)
+
+
+class _Family:
+    """Declares a KeyFamily on `Keys` by its template below the root, as the docs write it
+    ("meta/segment/{collection}/{partition}/{segment}"); each `Keys` gets it under its root."""
+
+    def __init__(self, template: str) -> None:
+        path, _, ids = template.partition("/{")
+        self.path, self.ids = path, tuple(ids.removesuffix("}").split("}/{"))
+        if not path or not ids or any(not i or "/" in i for i in self.ids):
+            raise ValueError(f"key family {template!r} is not path/{{id}}/...")
+
+    @overload
+    def __get__(self, keys: None, owner: type[Keys]) -> Self: ...
+    @overload
+    def __get__(self, keys: Keys, owner: type[Keys]) -> KeyFamily: ...
+    def __get__(self, keys: Keys | None, owner: type[Keys]) -> KeyFamily | Self:
+        return self if keys is None else KeyFamily(f"{keys.root}/{self.path}/", self.ids)
 
 
 @dataclass(frozen=True)
 class Keys:
     root: str = "vchan"
 
-    def _k(self, *parts: object) -> str:
-        return "/".join([self.root, *(str(p) for p in parts)])
+    def _k(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
 
     # sessions
-    def datanode_sessions(self) -> str:
-        return self._k("session", "datanode") + "/"
-
-    def datanode_session(self, node_id: int) -> str:
-        return self._k("session", "datanode", node_id)
+    datanode_session = _Family("session/datanode/{node}")
 
     def datacoord_session(self) -> str:
         return self._k("session", "datacoord")
 
-    # channel watch
-    def channel_watch_root(self) -> str:
-        return self._k("channelwatch") + "/"
-
-    def channel_watch_prefix(self, node_id: int | str) -> str:
-        return self._k("channelwatch", node_id) + "/"
-
-    def channel_watch(self, node_id: int | str, vchannel: str) -> str:
-        return self._k("channelwatch", node_id, vchannel)
-
-    def remaining_channel(self, vchannel: str) -> str:
-        return self._k("channelwatch", "remaining", vchannel)
+    # channel watch: a vchannel waiting for a live node sits under the node name "remaining"
+    channel_watch = _Family("channelwatch/{node}/{vchannel}")
+    remaining_channel = _Family("channelwatch/remaining/{vchannel}")
 
     # meta
-    def collections(self) -> str:
-        return self._k("meta", "collection") + "/"
-
-    def collection(self, collection_id: int) -> str:
-        return self._k("meta", "collection", collection_id)
-
-    def segments(self, collection_id: int | None = None) -> str:
-        if collection_id is None:
-            return self._k("meta", "segment") + "/"
-        return self._k("meta", "segment", collection_id) + "/"
-
-    def segment(self, collection_id: int, partition_id: int, segment_id: int) -> str:
-        return self._k("meta", "segment", collection_id, partition_id, segment_id)
-
-    def channel_checkpoints(self) -> str:
-        return self._k("meta", "channel-cp") + "/"
-
-    def channel_checkpoint(self, vchannel: str) -> str:
-        return self._k("meta", "channel-cp", vchannel)
-
-    def channel_leases(self) -> str:
-        return self._k("meta", "channel-lease") + "/"
-
-    def channel_lease(self, vchannel: str) -> str:
-        return self._k("meta", "channel-lease", vchannel)
-
-    def channel_sync(self, vchannel: str) -> str:
-        return self._k("meta", "channel-sync", vchannel)
+    collection = _Family("meta/collection/{collection}")
+    segment = _Family("meta/segment/{collection}/{partition}/{segment}")
+    channel_checkpoint = _Family("meta/channel-cp/{vchannel}")
+    channel_lease = _Family("meta/channel-lease/{vchannel}")
+    channel_sync = _Family("meta/channel-sync/{vchannel}")
 
     # multi-writer log: per-channel head and append lock
-    def wal_heads(self) -> str:
-        return self._k("wal-head") + "/"
-
-    def wal_head(self, vchannel: str) -> str:
-        return self._k("wal-head", vchannel)
-
-    def wal_lock(self, vchannel: str) -> str:
-        return self._k("wal-lock", vchannel)
+    wal_head = _Family("wal-head/{vchannel}")
+    wal_lock = _Family("wal-lock/{vchannel}")
 
     def id_allocator(self) -> str:
         return self._k("meta", "id")
@@ -82,18 +87,10 @@ class Keys:
         return self._k("meta", "tso")
 
     # segment lifecycle
-    def compaction_plans(self) -> str:
-        return self._k("meta", "compaction") + "/"
-
-    def compaction_plan(self, plan_id: int) -> str:
-        return self._k("meta", "compaction", plan_id)
+    compaction_plan = _Family("meta/compaction/{plan}")
 
     # bulk import
-    def import_jobs(self) -> str:
-        return self._k("meta", "import") + "/"
-
-    def import_job(self, job_id: int) -> str:
-        return self._k("meta", "import", job_id)
+    import_job = _Family("meta/import/{job}")
 
     def gc_pause(self) -> str:
         return self._k("meta", "gc", "pause")

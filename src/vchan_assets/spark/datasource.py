@@ -309,7 +309,7 @@ class VchanReader(DataSourceReader):
         settings = settings_from_options(options)
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
-            found, _ = stack.store.list_models(stack.store.keys.segments(info.id), SegmentInfo, True)
+            found, _ = stack.store.list_models(stack.store.keys.segment.under(info.id), SegmentInfo, True)
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
         self.parts = plan_partitions(

@@ -127,7 +127,7 @@ class DagsterDataNode:
     def tick(self, cursor: NodeCursor) -> NodeTick:
         cursor, new = self.ensure_session(cursor)
         ctx = NodeContext(self.runtime, cursor.node_id, "spark")
-        prefix = self.store.keys.channel_watch_prefix(cursor.node_id)
+        prefix = self.store.keys.channel_watch.under(cursor.node_id)
         changes = poll_changes(self.store, prefix, cursor.revision or None)
         out = NodeTick(NodeCursor(cursor.node_id, cursor.session_lease, changes.revision), new_session=new)
         out.relisted = changes.reason if changes.relisted else ""

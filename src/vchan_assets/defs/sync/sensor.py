@@ -47,7 +47,7 @@ class SyncPlan:
 def dagster_nodes(runtime: VchanRuntime) -> set[int]:
     """Live DataNodes hosted by Dagster sensors (session address `dagster:*`)."""
     found, _ = runtime.store.list_models(
-        runtime.store.keys.datanode_sessions(), NodeSession, skip_malformed=True
+        runtime.store.keys.datanode_session.prefix, NodeSession, skip_malformed=True
     )
     return {d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS)}
 
