@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
-from vchan_assets.meta.store import MetaStore, Value
+from vchan_assets.meta.store import KeyValue, MetaStore, Value
 from vchan_assets.model import ChannelHead
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,7 @@ class HeldChannel:
 
     vchannel: str
     head: ChannelHead
-    lock_key: str
-    lock_revision: int  # create revision of the lock key: the fencing token of this hold
+    lock: KeyValue  # the lock key as this hold created it: its create revision fences the hold
     valid_until: float  # monotonic: the lease cannot expire before this
     store: MetaStore
     released: bool = False
@@ -102,8 +101,8 @@ class HeldChannel:
         lock is deleted in the same transaction. AppendLockLostError otherwise."""
         writes: dict[str, Value] = {self.store.keys.wal_head(self.vchannel): head}
         writes.update(puts or {})
-        deletes = [self.lock_key] if release else []
-        if not self.store.locked_txn(self.lock_key, self.lock_revision, writes, deletes):
+        deletes = [self.lock.key] if release else []
+        if not self.store.locked_txn(self.lock, writes, deletes):
             raise AppendLockLostError(self.vchannel, "its commit")
         self.head = head
         self.released = release
@@ -192,8 +191,7 @@ class ChannelHeads:
         return HeldChannel(
             vchannel,
             head,
-            lock_key,
-            lock.create_revision,
+            lock,
             refreshed + ttl,
             self.store,
             granted_at=refreshed,
@@ -209,7 +207,7 @@ class ChannelHeads:
             return
         held.released = True
         try:
-            self.store.locked_txn(held.lock_key, held.lock_revision, {}, [held.lock_key])
+            self.store.locked_txn(held.lock, {}, [held.lock.key])
         except MetaError as exc:
             log.warning("could not release the append lock of %s (%s); retrying later", held.vchannel, exc)
             with self._lock:

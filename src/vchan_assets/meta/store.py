@@ -392,18 +392,15 @@ class MetaStore:
             return ranges[0], None
         return ranges[1], ranges[0]
 
-    def locked_txn(
-        self,
-        key: str,
-        create_revision: int,
-        puts: Mapping[str, Value],
-        deletes: Sequence[str] = (),
-    ) -> bool:
-        """Every put and delete in one transaction, only if `key` is still the one created
-        at `create_revision` (a lock this client holds); False (nothing written) otherwise."""
+    def locked_txn(self, lock: KeyValue, puts: Mapping[str, Value], deletes: Sequence[str] = ()) -> bool:
+        """Every put and delete in one transaction, only if the key of `lock` (a lock this
+        client holds, as `try_lock` created it) is still that one: its create revision is
+        the hold's fencing token. False (nothing written) otherwise."""
         tx = self.client.transactions
         ok, _ = self._transaction(
-            f"commit under {key}", [tx.create(key) == create_revision], _write_ops(tx, puts, deletes)
+            f"commit under {lock.key}",
+            [tx.create(lock.key) == lock.create_revision],
+            _write_ops(tx, puts, deletes),
         )
         return bool(ok)
 
