@@ -70,15 +70,15 @@ def test_sync_materializes_binlogs_segments_checkpoints_with_metadata_and_passin
     result = materialize_sync(instance, vchan, dsettings, vchannel, config)
     assert result.success
     by_asset = {m.asset_key: m for m in result.asset_materializations_for_node("sync_vchannel")}
-    assert set(by_asset) == {BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS}
+    assert set(by_asset) == {BINLOGS.key, SEGMENTS.key, CHANNEL_CHECKPOINTS.key}
     assert all(m.partition == vchannel for m in by_asset.values())
-    binlogs = by_asset[BINLOGS].metadata
+    binlogs = by_asset[BINLOGS.key].metadata
     assert binlogs["rows"].value > 0 and binlogs["files"].value > 0 and binlogs["bytes"].value > 0
     assert binlogs["deletes"].value > 0
     assert binlogs["written_by"].value == "Spark job"  # the test settings pin Spark
     phases = [binlogs[f"seconds_{p}"].value for p in ("state", "binlogs", "commit")]
     assert min(phases) >= 0 and sum(phases) == pytest.approx(binlogs["seconds"].value, abs=0.005)
-    cp = by_asset[CHANNEL_CHECKPOINTS].metadata
+    cp = by_asset[CHANNEL_CHECKPOINTS.key].metadata
     assert cp["checkpoint_offset"].value == store_checkpoint(store, vchannel)
     assert cp["checkpoint_lag_messages"].value == 0
     assert str(cp["position_range"].value).startswith("(")
@@ -91,7 +91,7 @@ def test_sync_materializes_binlogs_segments_checkpoints_with_metadata_and_passin
     second = materialize_sync(instance, vchan, dsettings, vchannel, config)
     assert second.success
     cp2 = {m.asset_key: m for m in second.asset_materializations_for_node("sync_vchannel")}[
-        CHANNEL_CHECKPOINTS
+        CHANNEL_CHECKPOINTS.key
     ]
     assert cp2.metadata["previous_checkpoint_offset"].value == cp["checkpoint_offset"].value
     assert cp2.metadata["checkpoint_offset"].value > cp["checkpoint_offset"].value

@@ -37,7 +37,7 @@ def _number(metadata: dict[str, dg.MetadataValue], key: str) -> float | None:
 
 def sync_history(instance: dg.DagsterInstance, limit: int = 10_000) -> pd.DataFrame:
     """Each sync's rows, deletes, bytes and seconds, newest last (skipped syncs left out)."""
-    records = instance.fetch_materializations(BINLOGS, limit=limit).records
+    records = instance.fetch_materializations(BINLOGS.key, limit=limit).records
     rows = []
     for record in records:
         mat = record.asset_materialization

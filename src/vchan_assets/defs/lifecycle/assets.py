@@ -41,24 +41,6 @@ CHECK_ROWS = "rows_conserved"
 CHECK_UNIQUE = "no_pk_in_two_live_segments"
 CHECK_FILES = "live_meta_files_exist"
 
-LIFECYCLE_CHECKS = [
-    dg.AssetCheckSpec(
-        CHECK_ROWS,
-        asset=COMPACTED_SEGMENTS,
-        description="Per compaction of the step: rows in = rows out + rows its deletes removed (recomputed).",
-    ),
-    dg.AssetCheckSpec(
-        CHECK_UNIQUE,
-        asset=COMPACTED_SEGMENTS,
-        description="No primary key visible in two live segments of a vchannel (rows a newer delete removes do not count).",
-    ),
-    dg.AssetCheckSpec(
-        CHECK_FILES,
-        asset=GARBAGE_COLLECTION,
-        description="Every file named by the meta of a live segment exists after the GC pass.",
-    ),
-]
-
 
 def _plans(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
     return [
@@ -177,7 +159,23 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
             kinds={"parquet"},
         ),
     ],
-    check_specs=LIFECYCLE_CHECKS,
+    check_specs=[
+        dg.AssetCheckSpec(
+            CHECK_ROWS,
+            asset=COMPACTED_SEGMENTS,
+            description="Per compaction of the step: rows in = rows out + rows its deletes removed (recomputed).",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_UNIQUE,
+            asset=COMPACTED_SEGMENTS,
+            description="No primary key visible in two live segments of a vchannel (rows a newer delete removes do not count).",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_FILES,
+            asset=GARBAGE_COLLECTION,
+            description="Every file named by the meta of a live segment exists after the GC pass.",
+        ),
+    ],
 )
 def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect."""

@@ -28,37 +28,43 @@ from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import LeaseLostError, SyncSupersededError
 from vchan_assets.model import WatchState, physical_ms
 
-BINLOGS = dg.AssetKey("binlogs")
-SEGMENTS = dg.AssetKey("segments")
-CHANNEL_CHECKPOINTS = dg.AssetKey("channel_checkpoints")
 SYNC_GROUP = "vchannel_sync"
+
+
+def _commit_step(
+    key: str, description: str, kinds: set[str], after: dg.AssetSpec | None = None
+) -> dg.AssetSpec:
+    """One commit step of a sync, downstream of the step before it. Skippable: a run may
+    end without materializing the steps (a release run whose lease moved on)."""
+    deps = [after] if after is not None else []
+    return dg.AssetSpec(
+        key, deps=deps, description=description, group_name=SYNC_GROUP, kinds=kinds, skippable=True
+    )
+
+
+# The three commit steps, in commit order.
+BINLOGS = _commit_step(
+    "binlogs",
+    "Insert, delta and stats logs of the vchannel in object storage (commit step 1).",
+    {"spark", "parquet"},
+)
+SEGMENTS = _commit_step(
+    "segments",
+    "Segment meta in etcd pointing at the binlogs (commit step 2, lease-guarded).",
+    {"etcd"},
+    after=BINLOGS,
+)
+CHANNEL_CHECKPOINTS = _commit_step(
+    "channel_checkpoints",
+    "The vchannel's checkpoint in etcd: only forward, never past binlogs (step 3).",
+    {"etcd"},
+    after=SEGMENTS,
+)
 
 CHECK_LOG_ROWS = "binlog_rows_match_log"
 CHECK_UNIQUE_PKS = "no_duplicate_pks"
 CHECK_BINLOG_PATHS = "binlog_paths_exist"
 CHECK_MONOTONIC = "checkpoint_monotonic"
-
-SYNC_CHECKS = [
-    dg.AssetCheckSpec(
-        CHECK_LOG_ROWS,
-        asset=BINLOGS,
-        description="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
-        "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
-    ),
-    dg.AssetCheckSpec(
-        CHECK_UNIQUE_PKS, asset=BINLOGS, description="No primary key twice in the vchannel's insert binlogs."
-    ),
-    dg.AssetCheckSpec(
-        CHECK_BINLOG_PATHS,
-        asset=SEGMENTS,
-        description="Every binlog/delta/stats path in segment meta exists.",
-    ),
-    dg.AssetCheckSpec(
-        CHECK_MONOTONIC,
-        asset=CHANNEL_CHECKPOINTS,
-        description="The checkpoint is at or after the one of the previous materialization of this partition.",
-    ),
-]
 
 
 class SyncConfig(dg.Config):
@@ -78,7 +84,7 @@ def sync_run_config(config: SyncConfig) -> dg.RunConfig:
 
 def _previous_checkpoint(context: dg.AssetExecutionContext, vchannel: str) -> int | None:
     records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=CHANNEL_CHECKPOINTS, asset_partitions=[vchannel]), limit=1
+        dg.AssetRecordsFilter(asset_key=CHANNEL_CHECKPOINTS.key, asset_partitions=[vchannel]), limit=1
     ).records
     if not records or records[0].asset_materialization is None:
         return None
@@ -134,8 +140,8 @@ def _materializations(
         "checkpoint_lag_seconds": round(lag_seconds, 3),
     }
     return [
-        dg.MaterializeResult(asset_key=key, metadata=typed({**common, **metadata}))
-        for key, metadata in ((BINLOGS, binlogs), (SEGMENTS, segments), (CHANNEL_CHECKPOINTS, checkpoint))
+        dg.MaterializeResult(asset_key=spec.key, metadata=typed({**common, **metadata}))
+        for spec, metadata in ((BINLOGS, binlogs), (SEGMENTS, segments), (CHANNEL_CHECKPOINTS, checkpoint))
     ]
 
 
@@ -147,47 +153,39 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
         {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
     )
     return [
-        check_result(CHECK_LOG_ROWS, BINLOGS, runtime.check_log_rows(vchannel)),
-        check_result(CHECK_UNIQUE_PKS, BINLOGS, runtime.check_unique_pks(vchannel)),
-        check_result(CHECK_BINLOG_PATHS, SEGMENTS, runtime.check_binlog_paths(vchannel)),
-        check_result(CHECK_MONOTONIC, CHANNEL_CHECKPOINTS, monotonic),
+        check_result(CHECK_LOG_ROWS, BINLOGS.key, runtime.check_log_rows(vchannel)),
+        check_result(CHECK_UNIQUE_PKS, BINLOGS.key, runtime.check_unique_pks(vchannel)),
+        check_result(CHECK_BINLOG_PATHS, SEGMENTS.key, runtime.check_binlog_paths(vchannel)),
+        check_result(CHECK_MONOTONIC, CHANNEL_CHECKPOINTS.key, monotonic),
     ]
-
-
-def _commit_step(
-    key: dg.AssetKey, description: str, kinds: set[str], after: dg.AssetKey | None
-) -> dg.AssetSpec:
-    """One commit step of a sync, downstream of the step before it. Skippable: a run may
-    end without materializing the steps (a release run whose lease moved on)."""
-    deps = [after] if after is not None else []
-    return dg.AssetSpec(
-        key, deps=deps, description=description, group_name=SYNC_GROUP, kinds=kinds, skippable=True
-    )
 
 
 @dg.multi_asset(
     name="sync_vchannel",
-    specs=[
-        _commit_step(
-            BINLOGS,
-            "Insert, delta and stats logs of the vchannel in object storage (commit step 1).",
-            {"spark", "parquet"},
-            after=None,
+    specs=[BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS],
+    check_specs=[
+        dg.AssetCheckSpec(
+            CHECK_LOG_ROWS,
+            asset=BINLOGS.key,
+            description="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
+            "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
         ),
-        _commit_step(
-            SEGMENTS,
-            "Segment meta in etcd pointing at the binlogs (commit step 2, lease-guarded).",
-            {"etcd"},
-            after=BINLOGS,
+        dg.AssetCheckSpec(
+            CHECK_UNIQUE_PKS,
+            asset=BINLOGS.key,
+            description="No primary key twice in the vchannel's insert binlogs.",
         ),
-        _commit_step(
-            CHANNEL_CHECKPOINTS,
-            "The vchannel's checkpoint in etcd: only forward, never past binlogs (step 3).",
-            {"etcd"},
-            after=SEGMENTS,
+        dg.AssetCheckSpec(
+            CHECK_BINLOG_PATHS,
+            asset=SEGMENTS.key,
+            description="Every binlog/delta/stats path in segment meta exists.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_MONOTONIC,
+            asset=CHANNEL_CHECKPOINTS.key,
+            description="The checkpoint is at or after the one of the previous materialization of this partition.",
         ),
     ],
-    check_specs=SYNC_CHECKS,
     partitions_def=vchannels,
 )
 def sync_vchannel(

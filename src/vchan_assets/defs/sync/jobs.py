@@ -17,7 +17,7 @@ REASON_TAG = "vchan/reason"
 
 sync_job = dg.define_asset_job(
     "sync",
-    selection=dg.AssetSelection.assets(BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS),
+    selection=dg.AssetSelection.assets(BINLOGS.key, SEGMENTS.key, CHANNEL_CHECKPOINTS.key),
     executor_def=dg.in_process_executor,
     description="Sync one vchannel: binlogs, then segment meta, then the channel checkpoint.",
 )
