@@ -24,7 +24,7 @@ from vchan_assets.datanode.channel_state import read_channel_state
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.policies import ChannelBacklog, channel_backlog, sync_reasons
 from vchan_assets.datanode.sync import SyncResult, SyncTask
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo
+from vchan_assets.model import ChannelLease, CollectionInfo, MsgPosition, SegmentInfo
 from vchan_assets.spark import Engine
 from vchan_assets.stack import Stack
 from vchan_assets.system import System
@@ -40,8 +40,7 @@ class ChannelStatus:
     vchannel: str
     collection: CollectionInfo
     backlog: ChannelBacklog
-    lease_id: int | None
-    lease_node: int | None
+    lease: ChannelLease | None  # who may write the channel's meta; None: no node watches it
 
 
 @dataclass(frozen=True)
@@ -66,14 +65,7 @@ class VchanRuntime(System):
         """The channel's backlog for the sync policies, and its current lease."""
         info = collection or self.collection_of(vchannel)
         state = read_channel_state(self.store, WalReader(self.storage, vchannel, info))
-        lease = self.store.read_lease(vchannel)
-        return ChannelStatus(
-            vchannel,
-            info,
-            channel_backlog(state),
-            lease.lease_id if lease else None,
-            lease.node_id if lease else None,
-        )
+        return ChannelStatus(vchannel, info, channel_backlog(state), self.store.read_lease(vchannel))
 
     def sync_reasons(self, status: ChannelStatus, now: float | None = None) -> list[str]:
         return sync_reasons(status.backlog, self.settings, now)

@@ -196,10 +196,10 @@ def sync_vchannel(
     with vchan.open() as runtime:
         lease_id = config.lease_id
         if not lease_id:
-            status = runtime.status(vchannel)
-            if status.lease_id is None:
+            lease = runtime.status(vchannel).lease
+            if lease is None:
                 raise dg.Failure(f"{vchannel} has no channel lease: no node watches it")
-            lease_id = status.lease_id
+            lease_id = lease.lease_id
         previous = _previous_checkpoint(context, vchannel)
         try:
             result = runtime.with_spark(pyspark.spark_session).sync(vchannel, lease_id)

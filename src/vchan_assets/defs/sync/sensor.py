@@ -24,7 +24,7 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
-from vchan_assets.model import ChannelWatchInfo, NodeSession, WatchState
+from vchan_assets.model import ChannelLease, ChannelWatchInfo, NodeSession, WatchState
 
 SYNC_SENSOR_INTERVAL = 1  # seconds: the latency budget of a change is ~10 s
 IN_FLIGHT = [
@@ -38,8 +38,7 @@ IN_FLIGHT = [
 @dataclass(frozen=True)
 class SyncPlan:
     vchannel: str
-    lease_id: int
-    node_id: int
+    lease: ChannelLease  # the writer the sync runs as
     reasons: tuple[str, ...]
     run_key: str
 
@@ -66,18 +65,18 @@ def plan_syncs(runtime: VchanRuntime, busy: set[str], now: float | None = None) 
         if vchannel in busy:
             continue
         status = runtime.status(vchannel, info)
-        if status.lease_id is None or status.lease_node not in nodes:
+        lease = status.lease
+        if lease is None or lease.node_id not in nodes:
             continue  # nobody owns it, or a standalone `vchan datanode` does
-        assert status.lease_node is not None
-        if not watching(runtime, status.lease_node, vchannel):
+        if not watching(runtime, lease.node_id, vchannel):
             continue
         reasons = runtime.sync_reasons(status, now)
         if not reasons:
             continue
         b = status.backlog
         head = b.head.offset if b.head else -1
-        key = f"sync:{vchannel}:{status.lease_id}:{b.checkpoint.offset}:{head}:{b.sealed_segments}"
-        plans.append(SyncPlan(vchannel, status.lease_id, status.lease_node, tuple(reasons), key))
+        key = f"sync:{vchannel}:{lease.lease_id}:{b.checkpoint.offset}:{head}:{b.sealed_segments}"
+        plans.append(SyncPlan(vchannel, lease, tuple(reasons), key))
     return plans
 
 
@@ -102,13 +101,13 @@ def busy_channels(instance: dg.DagsterInstance) -> set[str]:
 
 
 def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
+    lease = plan.lease
+    config = SyncConfig(lease_id=lease.lease_id, node_id=lease.node_id, reason="; ".join(plan.reasons))
     return dg.RunRequest(
         run_key=plan.run_key,
         partition_key=plan.vchannel,
-        run_config=sync_run_config(
-            SyncConfig(lease_id=plan.lease_id, node_id=plan.node_id, reason="; ".join(plan.reasons))
-        ),
-        tags={CHANNEL_TAG: plan.vchannel, NODE_TAG: str(plan.node_id), REASON_TAG: plan.reasons[0][:60]},
+        run_config=sync_run_config(config),
+        tags={CHANNEL_TAG: plan.vchannel, NODE_TAG: str(lease.node_id), REASON_TAG: plan.reasons[0][:60]},
     )
 
 
