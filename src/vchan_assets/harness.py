@@ -32,7 +32,6 @@ from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.processes import wait_until
@@ -302,15 +301,15 @@ def live_segments(segs: list[SegmentInfo]) -> list[SegmentInfo]:
 
 def insert_rows(storage: Storage, segs: list[SegmentInfo]) -> pa.Table:
     """Every row of the L1 segments' binlogs, scalar group joined with the vector group,
-    read with plain pyarrow (as any engine could)."""
+    each file read whole as Parquet (as any engine could)."""
     tables = []
     for seg in segs:
         if seg.level is SegmentLevel.L0:
             continue
         groups = {g.group: g for g in seg.binlogs}
         for scalar_log, vector_log in zip(groups[0].logs, groups[max(groups)].logs, strict=True):
-            scalars = pq.read_table(storage.path(scalar_log.path), filesystem=storage.filesystem)
-            vectors = pq.read_table(storage.path(vector_log.path), filesystem=storage.filesystem)
+            scalars = storage.read_parquet(scalar_log.path)
+            vectors = storage.read_parquet(vector_log.path)
             assert scalars["row_id"].equals(vectors["row_id"]), "column groups are not aligned"
             tables.append(scalars.append_column("vec", vectors["vec"]))
     return pa.concat_tables(tables) if tables else pa.table({"pk": pa.array([], pa.int64())})
@@ -320,7 +319,7 @@ def delete_pks(storage: Storage, segs: list[SegmentInfo]) -> list[int]:
     pks: list[int] = []
     for seg in segs:
         for delta in seg.deltalogs:
-            pks += pq.read_table(storage.path(delta.path), filesystem=storage.filesystem)["pk"].to_pylist()
+            pks += storage.read_parquet(delta.path, ["pk"])["pk"].to_pylist()
     return pks
 
 
