@@ -30,10 +30,19 @@ def typed(values: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
     return out
 
 
-def check_result(name: str, asset: dg.AssetKey, outcome: CheckOutcome) -> dg.AssetCheckResult:
+def asset_checks(asset: dg.AssetKey, **descriptions: str) -> tuple[dg.AssetCheckSpec, ...]:
+    """The checks of one asset, declared as check name = description, in that order."""
+    return tuple(
+        dg.AssetCheckSpec(name, asset=asset, description=text) for name, text in descriptions.items()
+    )
+
+
+def check_result(check: dg.AssetCheckSpec, outcome: CheckOutcome) -> dg.AssetCheckResult:
+    """The outcome of `check` as Dagster's result; its asset and name come from the spec
+    the asset declared, so they cannot be paired wrongly."""
     return dg.AssetCheckResult(
-        check_name=name,
-        asset_key=asset,
+        check_name=check.name,
+        asset_key=check.asset_key,
         passed=outcome.passed,
         description=outcome.description,
         metadata=typed(outcome.metadata),

@@ -8,7 +8,7 @@ import time
 
 import dagster as dg
 
-from vchan_assets.defs.checks import check_result, typed
+from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.imports.checks import check_no_existing_pks, check_rows_match_files
 from vchan_assets.imports.executor import ImportExecutor
@@ -19,8 +19,11 @@ IMPORTED_SEGMENTS = dg.AssetKey("imported_segments")
 IMPORT_JOBS = "import_jobs"
 import_jobs = dg.DynamicPartitionsDefinition(name=IMPORT_JOBS)
 
-CHECK_ROWS = "rows_in_files_equal_rows_in_segments"
-CHECK_PKS = "no_pk_already_in_collection"
+CHECK_ROWS, CHECK_PKS = asset_checks(
+    IMPORTED_SEGMENTS,
+    rows_in_files_equal_rows_in_segments="Rows in the files = rows in the job's segments (counted again from both sides' footers).",
+    no_pk_already_in_collection="No imported primary key was already live in the partition (unless the job upserts).",
+)
 
 
 @dg.asset(
@@ -28,13 +31,8 @@ CHECK_PKS = "no_pk_already_in_collection"
     partitions_def=import_jobs,
     group_name="bulk_import",
     kinds={"spark", "parquet", "etcd"},
-    check_specs=[
-        dg.AssetCheckSpec(CHECK_ROWS, asset=IMPORTED_SEGMENTS, description="Rows in the files = rows in "
-                          "the job's segments (counted again from both sides' footers)."),
-        dg.AssetCheckSpec(CHECK_PKS, asset=IMPORTED_SEGMENTS, description="No imported primary key was "
-                          "already live in the partition (unless the job upserts)."),
-    ],
-)  # fmt: skip
+    check_specs=[CHECK_ROWS, CHECK_PKS],
+)
 def imported_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """Files imported straight into Flushed segments by one import job (meta/import/{jobID}):
     pre-import checks, binlogs per column group + stats logs written by Spark, all segments
@@ -68,8 +66,8 @@ def imported_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -
             }
         )
     )
-    yield check_result(CHECK_ROWS, IMPORTED_SEGMENTS, rows)
-    yield check_result(CHECK_PKS, IMPORTED_SEGMENTS, pks)
+    yield check_result(CHECK_ROWS, rows)
+    yield check_result(CHECK_PKS, pks)
 
 
 import_job = dg.define_asset_job(

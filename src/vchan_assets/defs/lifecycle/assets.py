@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import dagster as dg
 
-from vchan_assets.defs.checks import check_result, typed
+from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
@@ -36,10 +36,19 @@ COMPACTED_SEGMENTS = dg.AssetKey("compacted_segments")
 GARBAGE_COLLECTION = dg.AssetKey("garbage_collection")
 LIFECYCLE_GROUP = "segment_lifecycle"
 
-CHECK_SORTED_ROWS = "sorted_rows_conserved"
-CHECK_ROWS = "rows_conserved"
-CHECK_UNIQUE = "no_pk_in_two_live_segments"
-CHECK_FILES = "live_meta_files_exist"
+(CHECK_SORTED_ROWS,) = asset_checks(
+    SORTED_SEGMENTS,
+    sorted_rows_conserved="Per sort: rows in = rows out + rows its deletes removed (recomputed).",
+)
+CHECK_ROWS, CHECK_UNIQUE = asset_checks(
+    COMPACTED_SEGMENTS,
+    rows_conserved="Per compaction of the step: rows in = rows out + rows its deletes removed (recomputed).",
+    no_pk_in_two_live_segments="No primary key visible in two live segments of a vchannel (rows a newer delete removes do not count).",
+)
+(CHECK_FILES,) = asset_checks(
+    GARBAGE_COLLECTION,
+    live_meta_files_exist="Every file named by the meta of a live segment exists after the GC pass.",
+)
 
 
 def _plans(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
@@ -58,13 +67,7 @@ def _plans(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
     kinds={"spark", "etcd"},
     description="The stats task after flush: each newly flushed segment of the vchannel rewritten sorted "
     "by pk with a fresh stats log (pk range, bloom filter), swapped for it in one etcd transaction.",
-    check_specs=[
-        dg.AssetCheckSpec(
-            CHECK_SORTED_ROWS,
-            asset=SORTED_SEGMENTS,
-            description="Per sort: rows in = rows out + rows its deletes removed (recomputed).",
-        )
-    ],
+    check_specs=[CHECK_SORTED_ROWS],
 )
 def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """Sort the vchannel's newly flushed segments (one job); how long each waited since its flush."""
@@ -92,7 +95,7 @@ def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> 
             }
         )
     )
-    yield check_result(CHECK_SORTED_ROWS, SORTED_SEGMENTS, rows)
+    yield check_result(CHECK_SORTED_ROWS, rows)
 
 
 def lifecycle_elsewhere(store: MetaStore) -> str:
@@ -159,23 +162,7 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
             kinds={"parquet"},
         ),
     ],
-    check_specs=[
-        dg.AssetCheckSpec(
-            CHECK_ROWS,
-            asset=COMPACTED_SEGMENTS,
-            description="Per compaction of the step: rows in = rows out + rows its deletes removed (recomputed).",
-        ),
-        dg.AssetCheckSpec(
-            CHECK_UNIQUE,
-            asset=COMPACTED_SEGMENTS,
-            description="No primary key visible in two live segments of a vchannel (rows a newer delete removes do not count).",
-        ),
-        dg.AssetCheckSpec(
-            CHECK_FILES,
-            asset=GARBAGE_COLLECTION,
-            description="Every file named by the meta of a live segment exists after the GC pass.",
-        ),
-    ],
+    check_specs=[CHECK_ROWS, CHECK_UNIQUE, CHECK_FILES],
 )
 def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect."""
@@ -219,9 +206,9 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
                 }
             ),
         ),
-        check_result(CHECK_ROWS, COMPACTED_SEGMENTS, rows),
-        check_result(CHECK_UNIQUE, COMPACTED_SEGMENTS, unique),
-        check_result(CHECK_FILES, GARBAGE_COLLECTION, files),
+        check_result(CHECK_ROWS, rows),
+        check_result(CHECK_UNIQUE, unique),
+        check_result(CHECK_FILES, files),
     ]
 
 

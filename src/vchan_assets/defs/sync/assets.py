@@ -20,7 +20,7 @@ from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
-from vchan_assets.defs.checks import check_result, typed
+from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
@@ -61,10 +61,20 @@ CHANNEL_CHECKPOINTS = _commit_step(
     after=SEGMENTS,
 )
 
-CHECK_LOG_ROWS = "binlog_rows_match_log"
-CHECK_UNIQUE_PKS = "no_duplicate_pks"
-CHECK_BINLOG_PATHS = "binlog_paths_exist"
-CHECK_MONOTONIC = "checkpoint_monotonic"
+CHECK_LOG_ROWS, CHECK_UNIQUE_PKS = asset_checks(
+    BINLOGS.key,
+    binlog_rows_match_log="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
+    "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
+    no_duplicate_pks="No primary key twice in the vchannel's insert binlogs.",
+)
+(CHECK_BINLOG_PATHS,) = asset_checks(
+    SEGMENTS.key,
+    binlog_paths_exist="Every binlog/delta/stats path in segment meta exists.",
+)
+(CHECK_MONOTONIC,) = asset_checks(
+    CHANNEL_CHECKPOINTS.key,
+    checkpoint_monotonic="The checkpoint is at or after the one of the previous materialization of this partition.",
+)
 
 
 class SyncConfig(dg.Config):
@@ -153,39 +163,17 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
         {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
     )
     return [
-        check_result(CHECK_LOG_ROWS, BINLOGS.key, runtime.check_log_rows(vchannel)),
-        check_result(CHECK_UNIQUE_PKS, BINLOGS.key, runtime.check_unique_pks(vchannel)),
-        check_result(CHECK_BINLOG_PATHS, SEGMENTS.key, runtime.check_binlog_paths(vchannel)),
-        check_result(CHECK_MONOTONIC, CHANNEL_CHECKPOINTS.key, monotonic),
+        check_result(CHECK_LOG_ROWS, runtime.check_log_rows(vchannel)),
+        check_result(CHECK_UNIQUE_PKS, runtime.check_unique_pks(vchannel)),
+        check_result(CHECK_BINLOG_PATHS, runtime.check_binlog_paths(vchannel)),
+        check_result(CHECK_MONOTONIC, monotonic),
     ]
 
 
 @dg.multi_asset(
     name="sync_vchannel",
     specs=[BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS],
-    check_specs=[
-        dg.AssetCheckSpec(
-            CHECK_LOG_ROWS,
-            asset=BINLOGS.key,
-            description="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
-            "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
-        ),
-        dg.AssetCheckSpec(
-            CHECK_UNIQUE_PKS,
-            asset=BINLOGS.key,
-            description="No primary key twice in the vchannel's insert binlogs.",
-        ),
-        dg.AssetCheckSpec(
-            CHECK_BINLOG_PATHS,
-            asset=SEGMENTS.key,
-            description="Every binlog/delta/stats path in segment meta exists.",
-        ),
-        dg.AssetCheckSpec(
-            CHECK_MONOTONIC,
-            asset=CHANNEL_CHECKPOINTS.key,
-            description="The checkpoint is at or after the one of the previous materialization of this partition.",
-        ),
-    ],
+    check_specs=[CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC],
     partitions_def=vchannels,
 )
 def sync_vchannel(
