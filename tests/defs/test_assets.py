@@ -164,6 +164,36 @@ def test_release_run_syncs_then_answers_release_success(
     assert store_checkpoint(store, vchannel) > 0
 
 
+def test_a_sync_run_without_a_lease_in_its_config_runs_as_the_channels_current_writer(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    # A materialization launched by hand from the UI has the default config (lease_id 0).
+    watched_by_a_dagster_node(instance, vchan, store)
+    producer.insert(collection.name, generate_rows(SCHEMA, 200, start_pk=1, seed=1))
+    vchannel = collection.vchannels[0]
+    assert materialize_sync(instance, vchan, dsettings, vchannel, {}).success
+    assert store_checkpoint(store, vchannel) > 0
+    lease = store.read_lease(vchannel)
+    assert lease is not None
+    store.delete(store.keys.channel_lease(vchannel))  # nobody may write it now
+    instance.add_dynamic_partitions("vchannels", [vchannel])
+    result = dg.materialize(
+        [sync_vchannel],
+        partition_key=vchannel,
+        instance=instance,
+        resources={"vchan": vchan, "pyspark": pyspark_resource(dsettings)},
+        raise_on_error=False,
+    )
+    assert not result.success
+    failure = result.failure_data_for_node("sync_vchannel")
+    assert failure is not None and f"{vchannel} has no channel lease" in str(failure.error)
+
+
 def test_segment_table_writes_one_parquet_table_of_all_segments(
     instance: dg.DagsterInstance,
     vchan: VchanResource,

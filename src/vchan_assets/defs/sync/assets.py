@@ -184,7 +184,7 @@ def sync_vchannel(
     with vchan.open() as runtime:
         lease_id = config.lease_id
         if not lease_id:
-            lease = runtime.status(vchannel).lease
+            lease = runtime.store.read_lease(vchannel)  # one etcd read, not the channel's status
             if lease is None:
                 raise dg.Failure(f"{vchannel} has no channel lease: no node watches it")
             lease_id = lease.lease_id
