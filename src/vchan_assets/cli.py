@@ -28,6 +28,7 @@ import numpy as np
 
 from vchan_assets.config import ConfigError, Settings
 from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionExistsError, CollectionRegistry
+from vchan_assets.datacoord.coordinator import RELOAD_INTERVAL, TICK_INTERVAL
 from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError
 from vchan_assets.meta.errors import MetaError
@@ -659,8 +660,6 @@ def datanode(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _datacoord_args(parser: argparse.ArgumentParser) -> None:
-    from vchan_assets.datacoord.coordinator import RELOAD_INTERVAL, TICK_INTERVAL
-
     parser.add_argument(
         "--interval", type=float, default=TICK_INTERVAL, help="seconds between reconcile steps"
     )
