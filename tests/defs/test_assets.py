@@ -42,6 +42,7 @@ def materialize_sync(
     settings: Settings,
     vchannel: str,
     config: dict[str, object],
+    raise_on_error: bool = True,
 ) -> dg.ExecuteInProcessResult:
     instance.add_dynamic_partitions("vchannels", [vchannel])
     return dg.materialize(
@@ -50,6 +51,7 @@ def materialize_sync(
         instance=instance,
         resources={"vchan": vchan, "pyspark": pyspark_resource(settings)},
         run_config={"ops": {"sync_vchannel": {"config": config}}},
+        raise_on_error=raise_on_error,
     )
 
 
@@ -181,14 +183,7 @@ def test_a_sync_run_without_a_lease_in_its_config_runs_as_the_channels_current_w
     lease = store.read_lease(vchannel)
     assert lease is not None
     store.delete(store.keys.channel_lease(vchannel))  # nobody may write it now
-    instance.add_dynamic_partitions("vchannels", [vchannel])
-    result = dg.materialize(
-        [sync_vchannel],
-        partition_key=vchannel,
-        instance=instance,
-        resources={"vchan": vchan, "pyspark": pyspark_resource(dsettings)},
-        raise_on_error=False,
-    )
+    result = materialize_sync(instance, vchan, dsettings, vchannel, {}, raise_on_error=False)
     assert not result.success
     failure = result.failure_data_for_node("sync_vchannel")
     assert failure is not None and f"{vchannel} has no channel lease" in str(failure.error)
