@@ -56,3 +56,18 @@ def test_a_holder_whose_lock_was_lost_commits_nothing(store: MetaStore) -> None:
     with pytest.raises(AppendLockLostError):
         held.check()
     assert other.read(CH) == ChannelHead(CH, 5)
+
+
+def test_a_lock_this_client_took_but_lost_track_of_does_not_block_it(store: MetaStore) -> None:
+    """An acquire's transaction applied but its answer was lost (etcd timed out): the
+    caller retries with a new token and finds its own lock, on the lease it keeps alive.
+    It used to wait on it until the wait ran out (the failover test's producer stalled)."""
+    heads = ChannelHeads(store, ttl=30, wait=3)
+    lease = store.grant(30)
+    lost, _ = store.try_lock(store.keys.wal_lock(CH), f"{heads.client}:99".encode(), lease, "unused")
+    assert lost is not None
+    with heads.hold(CH) as held:
+        assert held.lock.value != lost.value
+        held.commit(replace(held.head, next_offset=3))
+    assert heads.read(CH) == ChannelHead(CH, 3)
+    assert store.get(store.keys.wal_lock(CH)) is None

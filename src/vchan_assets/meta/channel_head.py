@@ -124,6 +124,7 @@ class ChannelHeads:
         self._granted_ttl = 0.0
         self._lock = threading.Lock()
         self._unreleased: list[HeldChannel] = []  # releases that failed (etcd down): retried
+        self._live: set[bytes] = set()  # the lock values of this client's holds not yet released
 
     # --- lease -----------------------------------------------------------------------------
 
@@ -176,6 +177,9 @@ class ChannelHeads:
                 if head_kv is None:
                     head_kv = self.store.get(head_key)
                 break
+            if lock is not None and self._orphaned(lock):
+                self._drop(lock)
+                continue
             waited = time.monotonic() - started
             if waited > (self.wait if wait is None else wait):
                 holder = lock.value.decode(errors="replace") if lock else None
@@ -184,6 +188,8 @@ class ChannelHeads:
             pause = min(pause * 2, MAX_LOCK_POLL)
         self.acquired += 1
         self.waited_seconds += time.monotonic() - started
+        with self._lock:
+            self._live.add(token)
         if head_kv is not None:
             head = decode(head_key, head_kv.value, ChannelHead)
         else:
@@ -203,6 +209,8 @@ class ChannelHeads:
         """Delete the lock if it is still this hold's. A release that fails (etcd down) is
         retried before this client's next acquire: it is not left to the lease, which this
         client keeps alive as long as it runs."""
+        with self._lock:
+            self._live.discard(held.lock.value)
         if held.released:
             return
         held.released = True
@@ -219,6 +227,21 @@ class ChannelHeads:
         for held in leftovers:
             held.released = False
             self.release(held)
+
+    def _orphaned(self, lock: KeyValue) -> bool:
+        """A lock this client took but holds no more: an acquire whose answer was lost (its
+        caller retried with a new token), or a hold whose release failed. The client keeps
+        its lease alive, so without this it would wait on its own lock until the wait ran out."""
+        client, _, _ = lock.value.partition(b":")
+        with self._lock:
+            return client == self.client.encode() and lock.value not in self._live
+
+    def _drop(self, lock: KeyValue) -> None:
+        log.warning(
+            "dropping the append lock %s that this client took but no longer holds",
+            lock.value.decode(errors="replace"),
+        )
+        self.store.locked_txn(lock, {}, [lock.key])  # only that lock: its create revision
 
     @contextlib.contextmanager
     def hold(
