@@ -18,8 +18,9 @@ from datanode.helpers import SCHEMA, Produced, assert_exactly_once
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.etcd_cluster import EtcdCluster
+from vchan_assets.meta.channel_head import ChannelHeads
 from vchan_assets.meta.errors import MetaUnavailableError
-from vchan_assets.meta.store import MetaStore
+from vchan_assets.meta.store import ENDPOINT_RETRY_SECONDS, MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
@@ -88,6 +89,17 @@ class FailoverLoad(threading.Thread):
         except BaseException as exc:
             self.error = exc
 
+    def while_alive(self, condition: Callable[[], object]) -> Callable[[], object]:
+        """`condition`, failing at once if the producer died (the checkpoints would stop
+        advancing, and the wait would time out with the cause hidden)."""
+
+        def check() -> object:
+            if self.error is not None:
+                raise AssertionError(f"producer failed: {self.error!r}") from self.error
+            return condition()
+
+        return check
+
     def stop(self) -> None:
         self._halt.set()
         self.join(60)
@@ -154,7 +166,11 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     before = checkpoints(store3, channels)
     etcd3.kill(first)
     etcd3.wait_healthy()  # the two others elect a leader
-    wait_until(_advanced(store3, before), PATIENCE, "every channel synced again after the leader died")
+    wait_until(
+        load.while_alive(_advanced(store3, before)),
+        PATIENCE,
+        "every channel synced again after the leader died",
+    )
     etcd3.restart(first)
 
     # 2. The active coordinator dies, and the etcd leader dies while the standby campaigns.
@@ -168,7 +184,11 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     wait_until(lambda: "won the election" in standby.log(), PATIENCE, "the standby won the election")
     before = retrying(lambda: checkpoints(store3, channels))
     assert isinstance(before, dict)
-    wait_until(_advanced(store3, before), PATIENCE, "every channel synced under the new coordinator")
+    wait_until(
+        load.while_alive(_advanced(store3, before)),
+        PATIENCE,
+        "every channel synced under the new coordinator",
+    )
     etcd3.restart(second)
 
     load.stop()
@@ -178,3 +198,28 @@ def test_kill_9_of_the_etcd_leader_mid_sync_and_during_a_coordinator_election_lo
     for info in infos:
         assert_exactly_once(store3, storage, info, load.produced[info.name])
     assert all(role.process.poll() is None for role in [*nodes, standby]), "a process died on the way"
+
+
+def test_an_append_lock_whose_release_failed_twice_does_not_block_its_own_client(
+    etcd3: EtcdCluster, store3: MetaStore
+) -> None:
+    """The release of a hold fails on a dead member, and so does its retry at the next
+    acquire (the client went back to that member once its retry pause was over); the
+    lock is then taken through another member. The client must not wait on its own
+    stale lock until the wait runs out (it did: the producer of the failover test stalled)."""
+    used = [m.endpoint for m in etcd3.members].index(store3.client.endpoint_in_use.netloc)
+    etcd3.move_leader((used + 1) % len(etcd3.members))  # a follower dies: the others keep quorum
+    heads = ChannelHeads(store3, ttl=30, wait=10)
+    held = heads.acquire("v-stale")
+    etcd3.kill(used)
+    try:
+        heads.release(held)  # fails: the lock stays, queued for a retry
+        assert store3.client.endpoint_in_use.netloc == etcd3.members[used].endpoint
+        time.sleep(ENDPOINT_RETRY_SECONDS + 0.2)  # the dead member is tried again first
+        again = heads.acquire("v-stale", wait=5)
+        assert again.lock.value != held.lock.value
+        heads.release(again)
+        assert store3.get(store3.keys.wal_lock("v-stale")) is None
+    finally:
+        heads.close()
+        etcd3.restart(used)
