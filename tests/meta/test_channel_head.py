@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
 import pytest
 
-from vchan_assets.meta.channel_head import AppendLockLostError, AppendLockTimeoutError, ChannelHeads
+from vchan_assets.meta.channel_head import (
+    AppendLockLostError,
+    AppendLockTimeoutError,
+    ChannelHeads,
+    HeldChannel,
+)
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelHead
 
@@ -70,4 +76,20 @@ def test_a_lock_this_client_took_but_lost_track_of_does_not_block_it(store: Meta
         assert held.lock.value != lost.value
         held.commit(replace(held.head, next_offset=3))
     assert heads.read(CH) == ChannelHead(CH, 3)
+    assert store.get(store.keys.wal_lock(CH)) is None
+
+
+def test_two_threads_of_one_client_take_the_lock_in_turn(store: MetaStore) -> None:
+    """A lock of this client that a hold still has open is not one to drop."""
+    heads = ChannelHeads(store, ttl=30, wait=10)
+    first = heads.acquire(CH)
+    second: list[HeldChannel] = []
+    waiter = threading.Thread(target=lambda: second.append(heads.acquire(CH)))
+    waiter.start()
+    waiter.join(1.0)
+    assert not second, "the second thread took a lock the first still held"
+    heads.release(first)
+    waiter.join(10)
+    assert second and second[0].lock.value != first.lock.value
+    heads.release(second[0])
     assert store.get(store.keys.wal_lock(CH)) is None

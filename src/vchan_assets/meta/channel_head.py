@@ -168,32 +168,31 @@ class ChannelHeads:
         lock_key, head_key = keys.wal_lock(vchannel), keys.wal_head(vchannel)
         token = f"{self.client}:{next(self._holds)}".encode()
         self._release_leftovers()
-        started = time.monotonic()
-        pause = 0.001
-        while True:
-            lease_id, refreshed, ttl = self._lease()
-            lock, head_kv = self.store.try_lock(lock_key, token, lease_id, head_key)
-            if lock is not None and lock.value == token:  # ours (maybe from an answer lost before)
-                if head_kv is None:
-                    head_kv = self.store.get(head_key)
-                break
-            if lock is not None and self._orphaned(lock):
-                self._drop(lock)
-                continue
-            waited = time.monotonic() - started
-            if waited > (self.wait if wait is None else wait):
-                holder = lock.value.decode(errors="replace") if lock else None
-                raise AppendLockTimeoutError(vchannel, waited, holder)
-            time.sleep(pause * (0.5 + random.random()))
-            pause = min(pause * 2, MAX_LOCK_POLL)
-        self.acquired += 1
-        self.waited_seconds += time.monotonic() - started
-        with self._lock:
-            self._live.add(token)
-        if head_kv is not None:
-            head = decode(head_key, head_kv.value, ChannelHead)
-        else:
-            head = init() if init else ChannelHead(vchannel, next_offset=-1)
+        with self._claiming(token):
+            started = time.monotonic()
+            pause = 0.001
+            while True:
+                lease_id, refreshed, ttl = self._lease()
+                lock, head_kv = self.store.try_lock(lock_key, token, lease_id, head_key)
+                if lock is not None and lock.value == token:  # ours (maybe from an answer lost before)
+                    if head_kv is None:
+                        head_kv = self.store.get(head_key)
+                    break
+                if lock is not None and self._orphaned(lock):
+                    self._drop(lock)
+                    continue
+                waited = time.monotonic() - started
+                if waited > (self.wait if wait is None else wait):
+                    holder = lock.value.decode(errors="replace") if lock else None
+                    raise AppendLockTimeoutError(vchannel, waited, holder)
+                time.sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, MAX_LOCK_POLL)
+            self.acquired += 1
+            self.waited_seconds += time.monotonic() - started
+            if head_kv is not None:
+                head = decode(head_key, head_kv.value, ChannelHead)
+            else:
+                head = init() if init else ChannelHead(vchannel, next_offset=-1)
         return HeldChannel(
             vchannel,
             head,
@@ -227,6 +226,20 @@ class ChannelHeads:
         for held in leftovers:
             held.released = False
             self.release(held)
+
+    @contextlib.contextmanager
+    def _claiming(self, token: bytes) -> Iterator[None]:
+        """The token counts as held from its first lock attempt (another thread of this
+        client must not drop the lock it may have just taken); an acquire that fails gives
+        it up, so that a lock taken under it (an answer lost) is dropped by the next acquire."""
+        with self._lock:
+            self._live.add(token)
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._live.discard(token)
+            raise
 
     def _orphaned(self, lock: KeyValue) -> bool:
         """A lock this client took but holds no more: an acquire whose answer was lost (its
