@@ -44,11 +44,18 @@ lab: $(LAB_STAMP)
 
 # tests/defs run Dagster in-process against a Spark Connect server; PySpark allows no
 # Connect session in a process that already has a classic one (the other tests'), so
-# they get a pytest process of their own.
+# they get a pytest process of their own. It runs alongside the main one (most tests
+# wait on etcd, JVMs and child processes, so two processes share the 2 cores well);
+# its report is printed after the main one's, and `make test` fails if either failed.
 test: $(STAMP) browser
 ifeq ($(strip $(ARGS)),)
-	$(PY) -m pytest --ignore=tests/defs
-	$(PY) -m pytest tests/defs
+	@defs_log=$$(mktemp); \
+	$(PY) -m pytest -p no:cacheprovider tests/defs > $$defs_log 2>&1 & defs=$$!; \
+	$(PY) -m pytest --ignore=tests/defs; main=$$?; \
+	wait $$defs; defs_rc=$$?; \
+	echo "=== tests/defs (ran alongside the tests above; exit $$defs_rc) ==="; \
+	cat $$defs_log; rm -f $$defs_log; \
+	test $$main -eq 0 && test $$defs_rc -eq 0
 else
 	$(PY) -m pytest $(ARGS)
 endif
