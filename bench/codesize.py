@@ -8,6 +8,7 @@ it measures the code, not the system.
 from __future__ import annotations
 
 import ast
+import signal
 import sys
 from pathlib import Path
 
@@ -68,4 +69,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the report quietly
     main()
