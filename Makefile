@@ -42,20 +42,22 @@ $(LAB_STAMP): $(STAMP)
 lab: $(LAB_STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ARGS)
 
-# tests/defs run Dagster in-process against a Spark Connect server; PySpark allows no
-# Connect session in a process that already has a classic one (the other tests'), so
-# they get a pytest process of their own. It runs alongside the main one (most tests
-# wait on etcd, JVMs and child processes, so two processes share the 2 cores well);
-# its report is printed after the main one's, and `make test` fails if either failed.
+# Two pytest processes side by side: most tests wait on etcd, JVMs and child processes, so
+# the two share the 2 cores well. tests/defs run Dagster in-process against a Spark Connect
+# server, and PySpark allows no Connect session in a process that already has a classic one
+# (the other tests'): they are in the second process, with the notebook tests (each runs in
+# a kernel of its own) to even out the two. The second's report is printed after the
+# first's; `make test` fails if either failed.
+SIDE_TESTS := tests/defs tests/catalog/test_notebooks.py
 test: $(STAMP) browser
 ifeq ($(strip $(ARGS)),)
-	@defs_log=$$(mktemp); \
-	$(PY) -m pytest -p no:cacheprovider tests/defs > $$defs_log 2>&1 & defs=$$!; \
-	$(PY) -m pytest --ignore=tests/defs; main=$$?; \
-	wait $$defs; defs_rc=$$?; \
-	echo "=== tests/defs (ran alongside the tests above; exit $$defs_rc) ==="; \
-	cat $$defs_log; rm -f $$defs_log; \
-	test $$main -eq 0 && test $$defs_rc -eq 0
+	@side_log=$$(mktemp); \
+	$(PY) -m pytest -p no:cacheprovider $(SIDE_TESTS) > $$side_log 2>&1 & side=$$!; \
+	$(PY) -m pytest $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
+	wait $$side; side_rc=$$?; \
+	echo "=== $(SIDE_TESTS), run alongside the tests above (exit $$side_rc) ==="; \
+	cat $$side_log; rm -f $$side_log; \
+	test $$main -eq 0 && test $$side_rc -eq 0
 else
 	$(PY) -m pytest $(ARGS)
 endif
