@@ -42,20 +42,22 @@ $(LAB_STAMP): $(STAMP)
 lab: $(LAB_STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ARGS)
 
-# Two pytest processes side by side: most tests wait on etcd, JVMs and child processes, so
-# the two share the 2 cores well. tests/defs run Dagster in-process against a Spark Connect
-# server, and PySpark allows no Connect session in a process that already has a classic one
-# (the other tests'): they are in the second process, with the notebook tests (each runs in
-# a kernel of its own) to even out the two. The second's report is printed after the
-# first's; `make test` fails if either failed.
-SIDE_TESTS := tests/defs tests/catalog/test_notebooks.py
+# Two lanes side by side: most tests wait on etcd, JVMs and child processes, so two pytest
+# processes share the 2 cores well. The side lane runs tests/defs, then the notebook and
+# cluster tests in a second process: tests/defs run Dagster in-process against a Spark Connect
+# server, which cannot share a process with a classic Spark session (the other tests'), and
+# it leaves Spark Connect variables in its environment that a notebook kernel started from it
+# would inherit. The side lane's reports are printed after the main lane's; `make test` fails
+# if any of the three failed.
+SIDE_TESTS := tests/catalog/test_notebooks.py tests/cluster
 test: $(STAMP) browser
 ifeq ($(strip $(ARGS)),)
 	@side_log=$$(mktemp); \
-	$(PY) -m pytest -p no:cacheprovider $(SIDE_TESTS) > $$side_log 2>&1 & side=$$!; \
-	$(PY) -m pytest $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
+	{ $(PY) -m pytest -p no:cacheprovider tests/defs; defs=$$?; \
+	  $(PY) -m pytest -p no:cacheprovider $(SIDE_TESTS); exit $$((defs | $$?)); } > $$side_log 2>&1 & side=$$!; \
+	$(PY) -m pytest --ignore=tests/defs $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
 	wait $$side; side_rc=$$?; \
-	echo "=== $(SIDE_TESTS), run alongside the tests above (exit $$side_rc) ==="; \
+	echo "=== side lane: tests/defs, then $(SIDE_TESTS) (exit $$side_rc) ==="; \
 	cat $$side_log; rm -f $$side_log; \
 	test $$main -eq 0 && test $$side_rc -eq 0
 else
