@@ -207,14 +207,14 @@ def test_an_append_lock_whose_release_failed_twice_does_not_block_its_own_client
     acquire (the client went back to that member once its retry pause was over); the
     lock is then taken through another member. The client must not wait on its own
     stale lock until the wait runs out (it did: the producer of the failover test stalled)."""
-    used = [m.endpoint for m in etcd3.members].index(store3.client.endpoint_in_use.netloc)
+    used = etcd3.endpoints.index(store3.client.endpoint_in_use.netloc)
     etcd3.move_leader((used + 1) % len(etcd3.members))  # a follower dies: the others keep quorum
     heads = ChannelHeads(store3, ttl=30, wait=10)
     held = heads.acquire("v-stale")
     etcd3.kill(used)
     try:
         heads.release(held)  # fails: the lock stays, queued for a retry
-        assert store3.client.endpoint_in_use.netloc == etcd3.members[used].endpoint
+        assert store3.client.endpoint_in_use.netloc == etcd3.endpoints[used]
         time.sleep(ENDPOINT_RETRY_SECONDS + 0.2)  # the dead member is tried again first
         again = heads.acquire("v-stale", wait=5)
         assert again.lock.value != held.lock.value

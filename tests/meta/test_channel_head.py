@@ -70,7 +70,8 @@ def test_a_lock_this_client_took_but_lost_track_of_does_not_block_it(store: Meta
     It used to wait on it until the wait ran out (the failover test's producer stalled)."""
     heads = ChannelHeads(store, ttl=30, wait=3)
     lease = store.grant(30)
-    lost, _ = store.try_lock(store.keys.wal_lock(CH), f"{heads.client}:99".encode(), lease, "unused")
+    keys = store.keys
+    lost, _ = store.try_lock(keys.wal_lock(CH), f"{heads.client}:99".encode(), lease, keys.wal_head(CH))
     assert lost is not None
     with heads.hold(CH) as held:
         assert held.lock.value != lost.value
