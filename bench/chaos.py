@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import bench_stack
-from vchan_assets.harness import (
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import (
     FAULTS,
     ChaosSchedule,
     Cluster,
@@ -52,8 +54,6 @@ from vchan_assets.harness import (
     owners,
     wait_until,
 )
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
 
 RESULTS = Path(__file__).with_name("results") / "chaos.json"
 SEED = 20261123

@@ -39,13 +39,13 @@ from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.lifecycle.checks import storage_figures
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
-from vchan_assets.lifecycle.rows import apply_deletes_to, read_files, segment_rows
 from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentLevel
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.storage.rows import apply_deletes_to, read_files, segment_rows
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 

@@ -37,11 +37,11 @@ import pyarrow.dataset as ds
 from bench import bench_stack
 from bench.compaction import make_segments
 from vchan_assets.catalog import Catalog
-from vchan_assets.lifecycle.rows import apply_deletes_to
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
+from vchan_assets.storage.rows import apply_deletes_to
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 

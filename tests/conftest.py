@@ -150,7 +150,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
 @pytest.fixture(scope="session")
 def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One long-lived local Spark Connect server for the session (what `vchan up` runs)."""
-    from vchan_assets.spark.connect import LocalSparkConnect
+    from vchan_assets.deploy.spark_connect import LocalSparkConnect
 
     server = LocalSparkConnect(tmp_path_factory.mktemp("spark-connect"))
     url = server.start()

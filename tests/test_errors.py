@@ -53,7 +53,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "meta.errors.SegmentNotFoundError": (14,),
     "meta.errors.SyncSupersededError": ("c_0",),
     "meta.session.SessionConflictError": ("session/1", 0),
-    "spark.datasource.SegmentColumnError": (_SEGMENT, "vec", ["pk"]),
+    "query.spark_source.SegmentColumnError": (_SEGMENT, "vec", ["pk"]),
     "spark.session.SparkJobTimeoutError": ("sync c_0", 600.0),
     "storage.fs.ObjectExistsError": ("a/b",),
     "storage.fs.StorageError": ("a/b", "permission denied"),
@@ -100,7 +100,7 @@ def test_error_round_trips_through_pickle(cls: type[BaseException]) -> None:
     err = _sample(cls)
     copy = pickle.loads(pickle.dumps(err))
     assert str(copy) == str(err)
-    if _name(cls) == "spark.datasource.SegmentColumnError":
+    if _name(cls) == "query.spark_source.SegmentColumnError":
         # Leaves a Spark Python worker as a plain LookupError: the message is what crosses.
         assert type(copy) is LookupError
         return

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import Settings
+from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
 
 VCHAN = Path(sys.executable).parent / "vchan"
@@ -169,7 +169,7 @@ EXIT_AFTER_STOP = """
 import sys
 from pathlib import Path
 from vchan_assets.config import Settings
-from vchan_assets.spark.connect import LocalSparkConnect
+from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.spark.session import get_spark
 
 server = LocalSparkConnect(Path(sys.argv[1]))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,15 +37,6 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
 from vchan_assets.lifecycle.plans import list_plans
-from vchan_assets.lifecycle.rows import (
-    apply_deletes_to,
-    delete_paths,
-    empty_deletes,
-    read_deletes,
-    read_files,
-    readable,
-    segment_rows,
-)
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
 from vchan_assets.model import (
@@ -58,6 +49,7 @@ from vchan_assets.model import (
     SegmentState,
     physical_ms,
 )
+from vchan_assets.query import reads
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
@@ -495,48 +487,24 @@ class Catalog:
     def read_segment(
         self, segment_id: int, apply_deletes: bool = True, as_arrow: bool = False
     ) -> pd.DataFrame | pa.Table:
-        """The rows of one segment's binlogs (column groups joined on row_id): row_id,
-        timestamp, the primary key, scalars and vectors (fixed_size_binary, little-endian
-        float32). With `apply_deletes`, rows deleted later in the same partition are
-        removed. An L0 segment returns its deletes (pk, timestamp, offset)."""
+        """The rows of one segment (`query.reads.read_segment`): row_id, timestamp, the
+        primary key, scalars and vectors (fixed_size_binary, little-endian float32); with
+        `apply_deletes`, rows deleted later in the same partition are removed. An L0
+        segment returns its deletes (pk, timestamp, offset)."""
         seg = self.segment(segment_id)
         info = CollectionRegistry(self.store).get(seg.collection_id, include_dropped=True)
-        if seg.level is SegmentLevel.L0:
-            table = self._read_files(b.path for b in seg.deltalogs) or empty_deletes()
-        else:
-            table = self._segment_rows(seg, info)
-            if apply_deletes:
-                deletes = self._partition_deletes(seg.collection_id, seg.partition_id)
-                table = apply_deletes_to(table, deletes, info.schema.primary.name)
+        table = reads.read_segment(self.system, info, seg, apply_deletes)
         return table if as_arrow else table.to_pandas()
 
     def read_collection(
         self, name: str, apply_deletes: bool = True, as_arrow: bool = False, with_vectors: bool = True
     ) -> pd.DataFrame | pa.Table:
-        """Every persisted row of a collection (L1 and L2 segments, neither Dropped nor still
-        Importing), with `segment_id` and `partition_id` columns, deletes applied per
-        partition: a pandas DataFrame (or an Arrow table with `as_arrow`). The same rows as
-        a Spark DataFrame: `spark_collection`."""
-        info = self.collection(name)
-        tables = []
-        deletes: dict[int, pa.Table] = {}
-        for seg in self.segment_infos(info.id):
-            if not readable(seg):
-                continue
-            table = self._segment_rows(seg, info, with_vectors)
-            if apply_deletes:
-                if seg.partition_id not in deletes:
-                    deletes[seg.partition_id] = self._partition_deletes(info.id, seg.partition_id)
-                table = apply_deletes_to(table, deletes[seg.partition_id], info.schema.primary.name)
-            n = table.num_rows
-            table = table.append_column("segment_id", pa.array([seg.id] * n, pa.int64()))
-            table = table.append_column("partition_id", pa.array([seg.partition_id] * n, pa.int64()))
-            tables.append(table)
-        if tables:
-            result = pa.concat_tables(tables)
-        else:
-            result = pa.table({info.schema.primary.name: pa.array([], pa.int64())})
-        return result if as_arrow else result.to_pandas()
+        """Every persisted row of a collection (`query.reads.read_collection`: L1 and L2
+        segments, neither Dropped nor still Importing), with `segment_id` and
+        `partition_id` columns, deletes applied per partition: a pandas DataFrame (or an
+        Arrow table with `as_arrow`). The same rows as a Spark DataFrame: `spark_collection`."""
+        table = reads.read_collection(self.system, self.collection(name), apply_deletes, with_vectors)
+        return table if as_arrow else table.to_pandas()
 
     def spark_collection(
         self, name: str, with_vectors: bool = True, spark: Any = None, **options: str
@@ -544,25 +512,14 @@ class Catalog:
         """The rows of `read_collection` as a Spark DataFrame (`format("vchan")` on this
         catalog's etcd and storage; deletes always applied, vectors as array<float>);
         `options` are the data source's (partition, segments, fields, vectors, task_mb)."""
-        from vchan_assets.spark.datasource import read_options, register
-        from vchan_assets.spark.session import get_spark
+        from vchan_assets.query.spark_source import read_options, spark_session
 
         info = self.collection(name)  # fails here, naming the collection, if it is unknown
         if not with_vectors and "fields" not in options:
             options["fields"] = ",".join(f.name for f in info.schema.fields if not f.is_vector)
-        spark = spark or get_spark(self.settings)
-        register(spark)
+        spark = spark_session(self.system.with_spark(spark) if spark else self.system)
         reader = spark.read.format("vchan").options(**read_options(self.settings, self.store.endpoints))
         return reader.options(collection=name, **options).load()
-
-    def _segment_rows(self, seg: SegmentInfo, info: CollectionInfo, with_vectors: bool = True) -> pa.Table:
-        return segment_rows(self.storage, seg, with_vectors)
-
-    def _partition_deletes(self, collection_id: int, partition_id: int) -> pa.Table:
-        return read_deletes(self.storage, delete_paths(self.segment_infos(collection_id), partition_id))
-
-    def _read_files(self, paths: Iterable[str], columns: list[str] | None = None) -> pa.Table | None:
-        return read_files(self.storage, paths, columns)
 
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())

@@ -14,15 +14,15 @@ from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.spark.datasource import ReadOptionError, ReadRequest, vectors_as_lists
-from vchan_assets.spark.session import get_spark
+from vchan_assets.query.spark_source import ReadOptionError, ReadRequest, spark_session, vectors_as_lists
 
 from .helpers import Known
 
 
 @pytest.fixture
-def spark(settings: Settings) -> object:
-    return get_spark(settings)
+def spark(catalog: Catalog) -> object:
+    """The process's session with format("vchan") registered."""
+    return spark_session(catalog.system)
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:

@@ -23,12 +23,12 @@ from datanode.helpers import SCHEMA, assert_exactly_once
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.deploy.s3_server import S3Server
-from vchan_assets.harness import PausableLoad, Produced, Role
 from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import PausableLoad, Produced, Role
 from vchan_assets.wal.producer import Producer
 
 from .helpers import PATIENCE, advanced, checkpoints

@@ -23,11 +23,11 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.deploy.processes import descendants
+from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.deploy.spark_standalone import SparkStandalone
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo
-from vchan_assets.spark.connect import LocalSparkConnect
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer

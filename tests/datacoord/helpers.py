@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from vchan_assets.harness import (
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, WatchState
+from vchan_assets.testing.harness import (
     FAST,
     Cluster,
     Produced,
@@ -21,8 +23,6 @@ from vchan_assets.harness import (
     wait_until,
     watches,
 )
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, WatchState
 from vchan_assets.wal.producer import Producer
 
 __all__ = [

@@ -9,10 +9,10 @@ import os
 
 from datanode.helpers import assert_exactly_once
 
-from vchan_assets.harness import ChaosSchedule, PausableLoad
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import ChaosSchedule, PausableLoad
 
 from .helpers import Cluster, all_synced, create_collections, owners, wait_until
 

@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 
 from vchan_assets.config import Settings
-from vchan_assets.harness import (
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, MsgPosition
+from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import (
     SCHEMA,
     VCHAN,
     Produced,
@@ -19,9 +22,6 @@ from vchan_assets.harness import (
     read_inserted,
     segments,
 )
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition
-from vchan_assets.storage import Storage
 
 __all__ = [
     "SCHEMA",

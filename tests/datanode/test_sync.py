@@ -24,7 +24,6 @@ from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import RecoverySnapshot, list_orphans, recovery_info
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.datanode.sync import SyncTask
-from vchan_assets.harness import VCHAN, cli_env
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.errors import LeaseLostError
@@ -32,6 +31,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, RecoveryInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import VCHAN, cli_env
 from vchan_assets.wal.format import (
     CorruptLogError,
     SchemaMismatchError,

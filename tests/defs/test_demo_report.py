@@ -8,7 +8,7 @@ import io
 import pytest
 from rich.console import Console
 
-from vchan_assets.deploy.dagster_demo import DemoCheckError, _report_checks
+from vchan_assets.demo.via_dagster import DemoCheckError, _report_checks
 from vchan_assets.model import CollectionInfo, CollectionSchema
 
 

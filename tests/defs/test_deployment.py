@@ -35,14 +35,14 @@ from vchan_assets.deploy.service import (
     daemon_state,
     graphql,
 )
-from vchan_assets.harness import SCHEMA as HARNESS_SCHEMA
-from vchan_assets.harness import PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA as HARNESS_SCHEMA
+from vchan_assets.testing.harness import PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .browser import FLAGS, chromium

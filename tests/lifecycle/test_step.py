@@ -13,8 +13,8 @@ from rich.console import Console
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_segments
-from vchan_assets.demo import SCHEMA as DEMO_SCHEMA
-from vchan_assets.demo import DemoCheckError, DemoOptions, check_binlogs, produce_demo_data
+from vchan_assets.demo.direct import SCHEMA as DEMO_SCHEMA
+from vchan_assets.demo.direct import DemoCheckError, DemoOptions, check_binlogs, produce_demo_data
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
 from vchan_assets.lifecycle.step import LifecycleReport, lifecycle_step, sort_step, unsorted_segments

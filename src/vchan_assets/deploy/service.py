@@ -2,7 +2,7 @@
 server they run syncs on), as child processes we own by pid.
 
 `DagsterService(settings, dagster_home, workspace).start()` starts
-  - the local Spark Connect server (spark/connect.py), unless VCHAN_SPARK_REMOTE is set,
+  - the local Spark Connect server (deploy/spark_connect.py), unless VCHAN_SPARK_REMOTE is set,
   - `dagster-daemon run` (sensors, run queue) and
   - `dagster-webserver` on a free loopback port,
 with DAGSTER_HOME and the VCHAN_* settings in their environment, waits until the
@@ -30,8 +30,8 @@ from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.processes import ServiceError
+from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.meta.embedded import free_port, pid_alive, read_record
-from vchan_assets.spark.connect import LocalSparkConnect
 
 log = logging.getLogger(__name__)
 

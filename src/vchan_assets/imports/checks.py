@@ -17,10 +17,10 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
 from vchan_assets.imports.jobs import ImportFormat, ImportJob
-from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, read_files, readable
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
+from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_deletes, read_files, readable
 
 
 def _job_segments(store: MetaStore, job: ImportJob) -> list[SegmentInfo]:

@@ -20,11 +20,11 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome, files_exist_outcome
 from vchan_assets.lifecycle.gc import segment_paths
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
-from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, read_files
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.storage.layout import BINLOG_ROOTS
+from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_deletes, read_files
 
 
 def _segments(store: MetaStore) -> list[SegmentInfo]:

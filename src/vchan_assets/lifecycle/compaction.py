@@ -44,7 +44,6 @@ from vchan_assets.lifecycle.plans import (
     read_inputs,
     transition,
 )
-from vchan_assets.lifecycle.rows import DELETE_COLUMNS, delete_paths, read_files
 from vchan_assets.lifecycle.task import (
     LOG_IDS_PER_PLAN,
     RESULT_SCHEMA,
@@ -62,6 +61,7 @@ from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
+from vchan_assets.storage.rows import DELETE_COLUMNS, delete_paths, read_files
 from vchan_assets.system import System
 
 log = logging.getLogger(__name__)

@@ -22,13 +22,6 @@ import pyarrow as pa
 from vchan_assets.datanode.binlog_writer import SCALAR_GROUP, column_groups, group_field_ids, write_parquet
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.errors import DeclaredError
-from vchan_assets.lifecycle.rows import (
-    apply_deletes_to,
-    empty_deletes,
-    read_deletes,
-    read_files,
-    segment_rows,
-)
 from vchan_assets.model import (
     Binlog,
     CollectionSchema,
@@ -40,6 +33,13 @@ from vchan_assets.model import (
 )
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.layout import delta_log_key, insert_log_key, stats_log_key
+from vchan_assets.storage.rows import (
+    apply_deletes_to,
+    empty_deletes,
+    read_deletes,
+    read_files,
+    segment_rows,
+)
 
 
 class CompactionInputError(DeclaredError, ValueError):

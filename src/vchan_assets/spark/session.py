@@ -24,7 +24,6 @@ from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import ENV as FAILPOINT_ENV
 from vchan_assets.failpoints import MARKER_ENV as FAILPOINT_MARKER_ENV
-from vchan_assets.spark.datasource import register
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,7 +87,6 @@ def get_spark(settings: Settings) -> SparkSession:
     spark = _get_or_create(builder)
     if not settings.spark_remote:
         spark.sparkContext.setLogLevel("WARN")
-    register(spark)  # format("vchan")
     return spark
 
 

@@ -28,7 +28,7 @@ from vchan_assets.defs.lifecycle.assets import segment_lifecycle
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import segment_table
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG
-from vchan_assets.demo import (
+from vchan_assets.demo.direct import (
     DemoCheckError,
     DemoOptions,
     _summary,

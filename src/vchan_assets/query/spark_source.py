@@ -1,6 +1,6 @@
 """`spark.read.format("vchan")`: a collection's live rows as a Spark DataFrame.
 
-    register(spark)                      # get_spark() does it for its sessions
+    register(spark)                      # spark_session(system) does it for its sessions
     df = (spark.read.format("vchan")
           .option("collection", "books")
           .option("partition", "_default")   # optional: partition names, comma-separated
@@ -58,10 +58,13 @@ from pyspark.sql.types import (
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
-from vchan_assets.lifecycle.rows import apply_deletes_to, delete_paths, read_deletes, readable, segment_rows
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
+from vchan_assets.query.reads import collection_segments
+from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
+from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_deletes, readable, segment_rows
+from vchan_assets.system import System
 
 SOURCE_NAME = "vchan"
 VECTOR_MODES = ("array", "binary")
@@ -309,12 +312,12 @@ class VchanReader(DataSourceReader):
         settings = settings_from_options(options)
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
-            found, _ = stack.store.list_models(stack.store.keys.segment.under(info.id), SegmentInfo, True)
+            segments = collection_segments(stack.store, info.id)
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
         self.parts = plan_partitions(
             info,
-            [d.model for d in found],
+            segments,
             self.request,
             min_tasks=TASKS_PER_CORE * settings.spark_partitions,
             with_vectors=any(f.is_vector for f in self.fields),
@@ -359,6 +362,14 @@ def register(spark: Any) -> None:
     if spark not in _registered:
         spark.dataSource.register(VchanDataSource)
         _registered.add(spark)
+
+
+def spark_session(system: System) -> Any:
+    """The system's Spark session (the one it was given, else the process's own,
+    `spark.session.get_spark`), with `format("vchan")` registered on it."""
+    spark = system.spark or get_spark(system.settings)
+    register(spark)
+    return spark
 
 
 def read_options(settings: Settings, endpoints: Sequence[str]) -> dict[str, str]:

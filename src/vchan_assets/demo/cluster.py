@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vchan_assets.config import Settings
-from vchan_assets.demo import DemoOptions, run_demo
+from vchan_assets.demo.direct import DemoOptions, run_demo
 from vchan_assets.deploy.etcd_cluster import EtcdCluster
 from vchan_assets.deploy.s3_server import S3Server
 from vchan_assets.deploy.spark_standalone import SparkStandalone

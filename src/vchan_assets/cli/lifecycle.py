@@ -1,0 +1,84 @@
+"""The segment lifecycle by hand: `vchan compact` and `vchan gc`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from vchan_assets.cli.base import command, engine_arg, opened, opened_collection
+from vchan_assets.config import Settings
+
+# --- segment lifecycle ------------------------------------------------------------------
+
+
+def _compact_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    parser.add_argument(
+        "--type",
+        choices=("sort", "l0", "mix"),
+        default="mix",
+        help="sort by pk, move L0 deletes into the segments they hit (l0), or merge (mix)",
+    )
+    parser.add_argument("--wait", action="store_true", help="run the plans here and wait for each to finish")
+    engine_arg(parser, "tasks")
+
+
+@command("compact", "plan (and with --wait run) a manual compaction of a collection", _compact_args)
+def compact(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+    from vchan_assets.lifecycle.plans import CompactionType, PlanState
+
+    with opened_collection(settings, args.collection) as (stack, info):
+        kind = CompactionType(args.type)
+        plans = CompactionTrigger(stack).trigger(info, kind, manual=True)
+        for p in plans:
+            print(f"plan {p.plan_id}: {p.type} of segments {list(p.input_ids)} -> {p.state}", flush=True)
+        if not plans:
+            print(f"{args.collection}: nothing to compact ({kind})")
+        if not args.wait or not plans:
+            return 0
+        executor = CompactionExecutor(stack, engine=args.engine)
+        outcomes = executor.run_pending([p.plan_id for p in plans])
+        for i, o in enumerate(outcomes, 1):
+            detail = f"-> segments {list(o.outputs)}" if o.state is PlanState.COMPLETED else o.reason
+            print(f"[{i}/{len(outcomes)}] plan {o.plan_id}: {o.state} {detail}", flush=True)
+        return 0 if all(o.state is PlanState.COMPLETED for o in outcomes) else 1
+
+
+def _gc_args(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--once", action="store_true", help="one pass now (the default)")
+    what.add_argument("--pause", type=float, metavar="S", help="pause garbage collection for S seconds")
+    what.add_argument("--resume", action="store_true", help="resume a paused garbage collection")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list what a pass would delete, delete nothing"
+    )
+
+
+@command("gc", "garbage-collect orphan binlogs, dropped segments and old log files", _gc_args)
+def gc(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.lifecycle.gc import GarbageCollector
+
+    with opened(settings) as stack:
+        collector = GarbageCollector(stack)
+        if args.pause is not None:
+            print(f"garbage collection paused for {args.pause:g}s")
+            collector.pause(args.pause)
+            return 0
+        if args.resume:
+            collector.resume()
+            print("garbage collection resumed")
+            return 0
+        report = collector.run(dry_run=args.dry_run)
+        if report.paused_until:
+            print(f"garbage collection is paused ({report.paused_until - time.time():.0f}s left)")
+            return 0
+        verb = "would delete" if args.dry_run else "deleted"
+        for key in [*report.orphans, *report.segment_files, *report.wal_files]:
+            print(f"{verb} {key}")
+        print(
+            f"gc: {verb} {len(report.orphans)} orphans, {len(report.dropped_segments)} dropped segments "
+            f"({len(report.segment_files)} files), {len(report.wal_files)} log files, "
+            f"{report.bytes / 1e6:.1f} MB"
+        )
+        return 0

@@ -1,0 +1,21 @@
+"""The read side: what a reader sees of a collection, and the ways it is read.
+
+Owns:
+- `reads`: rows of one segment or of a whole collection as Arrow tables, deletes applied
+  (Milvus' rule: a delete removes the older rows of its pk in its partition). The
+  catalog's `read_segment` / `read_collection` and the Spark source read through it.
+- `spark_source`: `spark.read.format("vchan")`, PySpark's Python data source over the same
+  rows; `spark_source.spark_session(system)` is a session with it registered, and
+  `spark_source.register(spark)` registers it on any other session. (Imported on its
+  own: it imports pyspark, which the pandas readers do not need.)
+- Next here: the query view of a vchannel (which segments are served, and as what), reads
+  at a timestamp, pruning by segment stats, streaming reads and search.
+
+May import: the domain below it (datacoord, datanode, lifecycle, imports, wal, meta,
+storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.
+Never `catalog`, `status`, `defs`, `deploy`, `demo` or `cli`: those read through here.
+"""
+
+from vchan_assets.query.reads import read_collection, read_segment
+
+__all__ = ["read_collection", "read_segment"]
