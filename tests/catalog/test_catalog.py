@@ -9,10 +9,11 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from vchan_assets.catalog import Catalog, SegmentNotFoundError, apply_deletes_to
+from vchan_assets.catalog import Catalog, SegmentNotFoundError
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.storage.rows import apply_deletes_to
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
