@@ -4,7 +4,8 @@ Every record stored in etcd is a frozen dataclass deriving from `Record`, whose
 `to_dict` / `from_dict` are generic over the dataclass fields and their type hints:
 ints, floats, strings, bools, enums (by value), nested records, tuples of those and
 `X | None`. `from_dict` checks every field's type, fills in a field's default when a
-value written by an older version lacks it, runs the record's `validate()`, and raises
+value written by an older version lacks it (so a field added with a default needs no
+migration), runs the record's `validate()`, and raises
 `ValueError` naming the field (with its path inside nested records). `meta.codec` adds
 the schema version and turns that error into one that names the etcd key.
 
@@ -32,12 +33,17 @@ class Record:
 
     # Fields left out of the dict when they are None (as the records were always written).
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
+    # Fields left out when they hold their default: a field added later, so the values
+    # that never set it are written exactly as before it existed.
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if value is None and f.name in self.OMIT_WHEN_NONE:
+                continue
+            if f.name in self.OMIT_WHEN_DEFAULT and value == f.default:
                 continue
             out[f.name] = _dump(value)
         return out
@@ -348,9 +354,14 @@ class SegmentInfo(Record):
     seal_ts: int = 0  # TSO timestamp of the seal (policy or flush); 0: not sealed
     dropped_at: float | None = None  # when it became Dropped (garbage collection waits a tolerance)
     import_job: int | None = None  # the bulk import job that wrote it (None: written from the log)
+    # Flushed but not yet served as flushed: readers see it as growing, and a compaction
+    # output that is invisible is not served at all (its inputs are), see query/view.py.
+    is_invisible: bool = False
 
     # Left out when None: as written before they existed.
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job"})
+    # Left out when False: as written before it existed.
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible"})
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)

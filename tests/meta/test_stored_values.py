@@ -128,6 +128,21 @@ def test_optional_fields_written_by_older_versions_may_be_missing() -> None:
     assert decode("k", raw, SegmentInfo) == SegmentInfo(13, 7, 9, "c", SegmentState.GROWING)
 
 
+def test_a_segment_written_before_is_invisible_existed_decodes_as_visible() -> None:
+    raw = b'{"v":1,"id":13,"collection_id":7,"partition_id":9,"vchannel":"c","state":"Flushed"}'
+
+    assert decode("k", raw, SegmentInfo).is_invisible is False
+
+
+def test_is_invisible_is_written_only_when_set() -> None:
+    visible = SegmentInfo(13, 7, 9, "c", SegmentState.FLUSHED)
+    invisible = SegmentInfo(13, 7, 9, "c", SegmentState.FLUSHED, is_invisible=True)
+
+    assert "is_invisible" not in json.loads(encode(visible))
+    assert json.loads(encode(invisible))["is_invisible"] is True
+    assert decode("k", encode(invisible), SegmentInfo) == invisible
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
