@@ -1,6 +1,9 @@
 """The read side: what a reader sees of a collection, and the ways it is read.
 
 Owns:
+- `view`: the query view of a vchannel (Milvus' GetQueryVChanPositions): which segments
+  a reader may see and as what (flushed, growing, L0, dropped; compaction lineage
+  resolved) and the seek position. Every reader selects its segments through it.
 - `reads`: rows of one segment or of a whole collection as Arrow tables, deletes applied
   (Milvus' rule: a delete removes the older rows of its pk in its partition). The
   catalog's `read_segment` / `read_collection` and the Spark source read through it.
@@ -8,8 +11,7 @@ Owns:
   rows; `spark_source.spark_session(system)` is a session with it registered, and
   `spark_source.register(spark)` registers it on any other session. (Imported on its
   own: it imports pyspark, which the pandas readers do not need.)
-- Next here: the query view of a vchannel (which segments are served, and as what), reads
-  at a timestamp, pruning by segment stats, streaming reads and search.
+- Next here: reads at a timestamp, pruning by segment stats, streaming reads and search.
 
 May import: the domain below it (datacoord, datanode, lifecycle, imports, wal, meta,
 storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.
@@ -17,5 +19,6 @@ Never `catalog`, `status`, `defs`, `deploy`, `demo` or `cli`: those read through
 """
 
 from vchan_assets.query.reads import read_collection, read_segment
+from vchan_assets.query.view import QueryView, query_view, read_query_view
 
-__all__ = ["read_collection", "read_segment"]
+__all__ = ["QueryView", "query_view", "read_collection", "read_query_view", "read_segment"]

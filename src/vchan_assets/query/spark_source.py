@@ -10,12 +10,13 @@
           .option("task_mb", "128")          # binlog MB per Spark task; 0: one task per segment
           .load())
 
-The rows are what `Catalog.read_collection` returns: every L1/L2 segment that is not
-Dropped, with Milvus' delete rule applied per partition (a delete removes the rows of its
-pk in its partition that are older than it), plus `segment_id` and `partition_id`.
+The rows are what `Catalog.read_collection` returns: the segments the query views of the
+collection's vchannels serve (`query.view`), with Milvus' delete rule applied per
+partition (a delete removes the rows of its pk in its partition that are older than it),
+plus `segment_id` and `partition_id`.
 
-Layout: planning (in a Spark Python worker) reads the segment meta from etcd once and
-groups the segments into Spark partitions of about `task_mb` of binlogs each, at least
+Layout: planning (in a Spark Python worker) reads the segment meta from etcd once, makes
+the query views, and groups the segments they serve into Spark partitions of about `task_mb` of binlogs each, at least
 two per Spark core (`VCHAN_SPARK_PARTITIONS`) while there are segments: a Python task
 costs a few hundred milliseconds however little it reads, so small segments share one.
 Each task reads only its segments' binlogs (the vector column groups only when a vector
@@ -59,11 +60,11 @@ from pyspark.sql.types import (
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
-from vchan_assets.query.reads import collection_segments
+from vchan_assets.query.view import QueryView, collection_views, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
-from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_deletes, readable, segment_rows
+from vchan_assets.storage.rows import apply_deletes_to, read_deletes, segment_rows
 from vchan_assets.system import System
 
 SOURCE_NAME = "vchan"
@@ -178,36 +179,35 @@ class SegmentsPartition(InputPartition):
 
 def plan_partitions(
     info: CollectionInfo,
-    segments: Sequence[SegmentInfo],
+    views: Sequence[QueryView],
     request: ReadRequest,
     min_tasks: int = 1,
     with_vectors: bool = True,
 ) -> list[SegmentsPartition]:
-    """The readable segments asked for, grouped into tasks of about `request.task_mb` of
-    binlogs (counting the vector groups only `with_vectors`), at least `min_tasks` of
-    them while there are segments; `task_mb` 0 makes one task per segment."""
+    """The segments the query `views` serve that are asked for, grouped into tasks of about
+    `request.task_mb` of binlogs (counting the vector groups only `with_vectors`), at
+    least `min_tasks` of them while there are segments; `task_mb` 0 makes one task per
+    segment."""
     partition_ids = _partition_ids(info, request.partitions)
     chosen = [
         s
-        for s in segments
-        if readable(s)
-        and (not partition_ids or s.partition_id in partition_ids)
+        for view in views
+        for s in view.readable
+        if (not partition_ids or s.partition_id in partition_ids)
         and (not request.segments or s.id in request.segments)
     ]
     missing = sorted(set(request.segments) - {s.id for s in chosen})
     if missing:
         raise ReadOptionError(
-            f"collection {info.name!r} has no readable segment {missing} "
-            f"(in the partitions asked for, not L0, not Dropped, with binlogs)"
+            f"collection {info.name!r} has no readable segment {missing} (in the partitions asked "
+            f"for, served by the query view: not L0, not Dropped, not Importing, with binlogs)"
         )
     sizes = {s.id: _read_bytes(s, with_vectors) for s in chosen}
     task_bytes = request.task_mb * 2**20
     wanted = math.ceil(sum(sizes.values()) / task_bytes) if task_bytes else len(chosen)
     tasks = _balance(chosen, sizes, min(len(chosen), max(min_tasks, wanted)))
     return [
-        SegmentsPartition(
-            task, {p: delete_paths(segments, p) for p in sorted({s.partition_id for s in task})}
-        )
+        SegmentsPartition(task, {p: delete_paths(views, p) for p in sorted({s.partition_id for s in task})})
         for task in tasks
     ]
 
@@ -312,12 +312,12 @@ class VchanReader(DataSourceReader):
         settings = settings_from_options(options)
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
-            segments = collection_segments(stack.store, info.id)
+            views = collection_views(stack.store, info)
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
         self.parts = plan_partitions(
             info,
-            segments,
+            views,
             self.request,
             min_tasks=TASKS_PER_CORE * settings.spark_partitions,
             with_vectors=any(f.is_vector for f in self.fields),
