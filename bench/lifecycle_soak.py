@@ -55,10 +55,10 @@ from vchan_assets.wal.producer import Producer, generate_rows
 SCHEMA = CollectionSchema.build("pk", {"vec": 32}, {"n": "int64", "f": "float", "s": "string"})
 SAMPLE_EVERY = 30.0
 LIFECYCLE_ENV = {
-    "VCHAN_SORT_POLL_INTERVAL": "1",
     "VCHAN_LIFECYCLE_INTERVAL": "10",
     "VCHAN_GC_INTERVAL": "10",
     "VCHAN_GC_DROP_TOLERANCE": "30",
+    "VCHAN_TIME_TRAVEL": "30",
     "VCHAN_GC_MISSING_TOLERANCE": "60",
     "VCHAN_WAL_RETENTION": "30",
 }

@@ -48,6 +48,9 @@ def settings(etcd: EmbeddedEtcd, tmp_path: Path) -> Settings:
         storage_uri=str(tmp_path / "storage"),
         etcd_timeout=5.0,
         sync_in_process_mb=0.0,  # tests of the Spark engine run on Spark, however small their data
+        # GC keeps a dropped segment's files for the time-travel window too: tests of GC
+        # shorten the drop tolerance, tests of reads in the past widen this.
+        time_travel=0.001,
     )
 
 

@@ -82,6 +82,15 @@ def _owners(watches: WatchListing) -> list[_Owner]:
     return owners
 
 
+def flush_to_sorted(seg: SegmentInfo) -> float | None:
+    """Seconds from the flush that left `seg` invisible to the commit of the sort that
+    replaced it (None unless its sort replaced it)."""
+    replaced = seg.state is SegmentState.DROPPED and seg.is_invisible
+    if not replaced or seg.flushed_at is None or seg.dropped_at is None:
+        return None
+    return max(0.0, seg.dropped_at - seg.flushed_at)
+
+
 def _ts_seconds(ts: int) -> float:
     """A hybrid timestamp as Unix seconds."""
     return physical_ms(ts) / 1000.0
@@ -303,7 +312,10 @@ class Catalog:
 
     def segments(self, collection: str | None = None, include_dropped: bool = True) -> pd.DataFrame:
         """One row per segment: state, level, rows, bytes (insert, delta, stats), file
-        counts, sorted or not, positions, lineage (`compaction_from`)."""
+        counts, sorted or not, invisible (flushed, served as growing until its sorted copy
+        replaces it), positions, lineage (`compaction_from`), when its flush made it
+        Flushed and, for one its sort replaced, the seconds from that flush to the sort's
+        commit (`flush_to_sorted_s`)."""
         names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
         rows = []
         for seg in self._segments_of(collection):
@@ -329,19 +341,23 @@ class Catalog:
                     "statslog_count": len(seg.statslogs),
                     "column_groups": len(seg.binlogs),
                     "is_sorted": seg.is_sorted,
+                    "invisible": seg.is_invisible,
                     "compaction_from": list(seg.compaction_from),
                     "start_offset": seg.start_position.offset if seg.start_position else None,
                     "dml_offset": seg.dml_position.offset if seg.dml_position else None,
                     "dml_ts": seg.dml_position.timestamp if seg.dml_position else None,
                     "created_at": _utc(seg.created_at),
                     "last_flush_time": _utc(_ts_seconds(seg.last_flush_ts)) if seg.last_flush_ts else None,
+                    "flushed_at": _utc(seg.flushed_at),
+                    "flush_to_sorted_s": flush_to_sorted(seg),
                 }
             )
         columns = [
             "segment_id", "collection", "collection_id", "partition_id", "vchannel", "state", "level",
             "num_rows", "max_rows", "size_bytes", "delta_bytes", "stats_bytes", "binlog_count",
-            "deltalog_count", "statslog_count", "column_groups", "is_sorted", "compaction_from",
-            "start_offset", "dml_offset", "dml_ts", "created_at", "last_flush_time",
+            "deltalog_count", "statslog_count", "column_groups", "is_sorted", "invisible", "compaction_from",
+            "start_offset", "dml_offset", "dml_ts", "created_at", "last_flush_time", "flushed_at",
+            "flush_to_sorted_s",
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 
@@ -497,13 +513,21 @@ class Catalog:
         return table if as_arrow else table.to_pandas()
 
     def read_collection(
-        self, name: str, apply_deletes: bool = True, as_arrow: bool = False, with_vectors: bool = True
+        self,
+        name: str,
+        apply_deletes: bool = True,
+        as_arrow: bool = False,
+        with_vectors: bool = True,
+        as_of: Any = None,
     ) -> pd.DataFrame | pa.Table:
-        """Every persisted row of a collection (`query.reads.read_collection`: L1 and L2
-        segments, neither Dropped nor still Importing), with `segment_id` and
-        `partition_id` columns, deletes applied per partition: a pandas DataFrame (or an
-        Arrow table with `as_arrow`). The same rows as a Spark DataFrame: `spark_collection`."""
-        table = reads.read_collection(self.system, self.collection(name), apply_deletes, with_vectors)
+        """Every row of a collection at `as_of` (None: now; a hybrid timestamp, an ISO-8601
+        time or a datetime within VCHAN_TIME_TRAVEL), wherever it lives: the segments the
+        query views serve and the log after each checkpoint (`query.reads.read_collection`),
+        with `segment_id` and `partition_id` columns, deletes at or before `as_of` applied
+        per partition: a pandas DataFrame (or an Arrow table with `as_arrow`). The persisted
+        rows as a Spark DataFrame: `spark_collection`."""
+        info = self.collection(name)
+        table = reads.read_collection(self.system, info, apply_deletes, with_vectors, as_of=as_of)
         return table if as_arrow else table.to_pandas()
 
     def spark_collection(

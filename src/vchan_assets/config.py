@@ -278,7 +278,8 @@ class Settings:
     gc_drop_tolerance: float = FROM_TABLE
     wal_retention: float = FROM_TABLE
     lifecycle_interval: float = FROM_TABLE
-    sort_poll_interval: float = FROM_TABLE
+    time_travel: float = FROM_TABLE
+    sort_scan_interval: float = FROM_TABLE
     compaction_small_proportion: float = FROM_TABLE
     compaction_tier_factor: float = FROM_TABLE
     compaction_delete_ratio: float = FROM_TABLE

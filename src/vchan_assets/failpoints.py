@@ -14,8 +14,9 @@ and inside each sync task (a Spark Python worker, or the local engine's process)
   task_written         the task wrote its files, their paths not yet returned
 
 by bulk import (imports/executor.py): import_after_preimport, import_after_binlogs,
-import_before_commit; by the lifecycle: compaction_after_files, compaction_after_commit,
-compaction_before_cleanup, gc_after_files.
+import_before_commit; by the lifecycle: handoff_taken (the DataCoord got a flush's push, no
+sort planned yet), compaction_after_files, compaction_after_commit, compaction_before_cleanup,
+gc_after_files.
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

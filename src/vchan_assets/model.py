@@ -357,9 +357,10 @@ class SegmentInfo(Record):
     # Flushed but not yet served as flushed: readers see it as growing, and a compaction
     # output that is invisible is not served at all (its inputs are), see query/view.py.
     is_invisible: bool = False
+    flushed_at: float | None = None  # when the flush made it Flushed (None: before it was recorded)
 
     # Left out when None: as written before they existed.
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job", "flushed_at"})
     # Left out when False: as written before it existed.
     OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible"})
 

@@ -36,7 +36,7 @@ from vchan_assets.deploy.service import daemon_state, instance_home
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.model import NodeSession
+from vchan_assets.model import NodeSession, SegmentState
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
 DAGSTER_COORDINATOR = "dagster:datacoord"
@@ -107,9 +107,42 @@ def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> l
     ]
 
 
+def _handoff(segments: pd.DataFrame, settings: Settings, now: float) -> dict[str, Any]:
+    """The hand-off after flush: segments invisible now (served as growing until sorted),
+    the oldest of them, and the flush -> sorted latency of the sorts still in meta."""
+    live = segments[segments["state"] != SegmentState.DROPPED.value]
+    waiting = live[live["invisible"].astype(bool)]
+    ages = [now - ts.timestamp() for ts in waiting["flushed_at"] if ts is not None and not pd.isna(ts)]
+    latency = segments["flush_to_sorted_s"].dropna()
+    return {
+        "invisible": len(waiting),
+        "oldest_invisible_s": round(max(ages), 1) if ages else None,
+        "sorted": len(latency),
+        "flush_to_sorted_p50_s": round(float(latency.quantile(0.5)), 2) if len(latency) else None,
+        "flush_to_sorted_p95_s": round(float(latency.quantile(0.95)), 2) if len(latency) else None,
+        # Past this an invisible segment means the sort is not running or not keeping up.
+        "late_after_s": max(120.0, 2 * settings.sort_scan_interval),
+    }
+
+
+def _handoff_warnings(handoff: dict[str, Any]) -> list[dict[str, Any]]:
+    oldest = handoff["oldest_invisible_s"]
+    if oldest is None or oldest <= handoff["late_after_s"]:
+        return []
+    return [
+        {
+            "kind": "sort_behind",
+            "count": handoff["invisible"],
+            "message": f"{handoff['invisible']} flushed segments still invisible (waiting for their sort), "
+            f"the oldest for {oldest:.0f}s: is an active DataCoord running, and keeping up?",
+        }
+    ]
+
+
 def _segment_rows(segments: pd.DataFrame) -> list[dict[str, Any]]:
-    """Per (collection, state, level): segments, rows, how many are sorted by pk and how many
-    a compaction wrote (their `compaction_from` names the segments they replaced)."""
+    """Per (collection, state, level): segments, rows, how many are sorted by pk, how many
+    are invisible (flushed, waiting for their sort) and how many a compaction wrote (their
+    `compaction_from` names the segments they replaced)."""
     counts: dict[tuple[str, str, str], Counter[str]] = defaultdict(Counter)
     for _, seg in segments.iterrows():
         key = (str(seg["collection"]), str(seg["state"]), str(seg["level"]))
@@ -117,6 +150,7 @@ def _segment_rows(segments: pd.DataFrame) -> list[dict[str, Any]]:
             segments=1,
             rows=int(seg["num_rows"]),
             sorted=int(bool(seg["is_sorted"])),
+            invisible=int(bool(seg["invisible"]) and seg["state"] != SegmentState.DROPPED.value),
             compacted=int(len(seg["compaction_from"]) > 0),
         )
     return [
@@ -125,7 +159,7 @@ def _segment_rows(segments: pd.DataFrame) -> list[dict[str, Any]]:
     ]
 
 
-SEGMENT_COUNTS = ("segments", "rows", "sorted", "compacted")
+SEGMENT_COUNTS = ("segments", "rows", "sorted", "invisible", "compacted")
 
 
 def _channel_warnings(
@@ -262,13 +296,16 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     channel_rows = _records(channels, JSON_CHANNEL_COLUMNS)
     live = {str(s.node_id) for s in sessions}
     nodes = _nodes(sessions, channels, now)
-    segment_rows = _segment_rows(catalog.segments(include_dropped=True))
+    segment_table = catalog.segments(include_dropped=True)
+    segment_rows = _segment_rows(segment_table)
+    handoff = _handoff(segment_table, settings, now)
     coordinator = active_coordinator(catalog)
     services = dagster_services(settings, now)
     warnings = [
         *_service_warnings(services),
         *_channel_warnings(channel_rows, live, settings, coordinator),
         *_watch_warnings(catalog.watches(), now),
+        *_handoff_warnings(handoff),
     ]
     orphan_count = None
     if orphans:
@@ -294,6 +331,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "nodes": nodes,
         "channels": channel_rows,
         "segments": segment_rows,
+        "handoff": handoff,
         "orphan_binlogs": orphan_count,
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
         "imports": _records(catalog.imports(), IMPORT_COLUMNS),
@@ -369,7 +407,15 @@ def render_status(report: dict[str, Any]) -> Group:
             _lag_cell(c, "lag_seconds"),
         )
 
-    segments = Table(title="segments by state", title_justify="left")
+    h = report["handoff"]
+    latency = (
+        f"flush -> sorted p50 {h['flush_to_sorted_p50_s']}s p95 {h['flush_to_sorted_p95_s']}s over {h['sorted']}"
+        if h["sorted"]
+        else "no sort in meta yet"
+    )
+    oldest = f", oldest {h['oldest_invisible_s']}s" if h["invisible"] else ""
+    title = f"segments by state (hand-off: {h['invisible']} invisible{oldest}; {latency})"
+    segments = Table(title=title, title_justify="left")
     for column in ("collection", "state", "level", *SEGMENT_COUNTS):
         segments.add_column(column, justify="right" if column in SEGMENT_COUNTS else "left")
     for s in report["segments"]:

@@ -27,10 +27,9 @@ from vchan_assets.wal.producer import Producer
 
 from .helpers import assert_lifecycle_invariants
 
-# The lifecycle at test speed: sort right after flush, a full step and a GC pass every
-# second, dropped segments and old log files collected one second after.
+# The lifecycle at test speed: a full step and a GC pass every second (the sort follows
+# each flush by itself), dropped segments and old log files collected one second after.
 LIFECYCLE = {
-    "VCHAN_SORT_POLL_INTERVAL": "0.3",
     "VCHAN_LIFECYCLE_INTERVAL": "1",
     "VCHAN_GC_INTERVAL": "1",
     "VCHAN_GC_DROP_TOLERANCE": "1",

@@ -94,7 +94,7 @@ def test_sort_step_sorts_each_newly_flushed_segment_and_merges_nothing(
 def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifecycle_interval(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_POLL_INTERVAL="0.5")
+    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
     proc = subprocess.Popen(
         [str(VCHAN), "datacoord", "--engine", "local"],
         env=env,

@@ -217,8 +217,11 @@ def test_the_view_of_synced_and_sorted_segments_and_the_rows_read_through_it(
     expected = {pk for pk in produced.table["pk"].to_pylist() if pk not in set(produced.deleted)}
 
     before = read_query_view(store, info, vchannel)
-    assert len(before.flushed) == 2 and len(before.l0) == 2 and len(before.growing) == 1
-    assert not any(s.is_sorted for s in before.flushed)
+    # The flush left both L1 segments Flushed and invisible: served as growing until sorted.
+    flushed_invisible = {s.id for s in before.growing if s.state is FLUSHED and s.is_invisible}
+    assert not before.flushed and len(before.l0) == 2 and len(before.growing) == 3
+    assert len(flushed_invisible) == 2
+    assert not any(s.is_invisible for s in before.l0)
     checkpoint = store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
     assert checkpoint is not None and before.seek_position == checkpoint.model
     counts = read_pks(system, info)
@@ -230,9 +233,9 @@ def test_the_view_of_synced_and_sorted_segments_and_the_rows_read_through_it(
     assert [o.state for o in outcomes] == [PlanState.COMPLETED] * 2
 
     after = read_query_view(store, info, vchannel)
-    assert all(s.is_sorted for s in after.flushed)
-    assert {s.compaction_from[0] for s in after.flushed} == before.flushed_ids
-    assert before.flushed_ids <= after.dropped_ids
-    assert after.growing_ids == before.growing_ids and after.l0_ids == before.l0_ids
+    assert len(after.flushed) == 2 and all(s.is_sorted and not s.is_invisible for s in after.flushed)
+    assert {s.compaction_from[0] for s in after.flushed} == flushed_invisible
+    assert flushed_invisible <= after.dropped_ids
+    assert after.growing_ids == before.growing_ids - flushed_invisible and after.l0_ids == before.l0_ids
     counts = read_pks(system, info)
     assert set(counts) == expected and set(counts.values()) == {1}

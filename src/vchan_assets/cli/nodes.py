@@ -7,7 +7,6 @@ import argparse
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 from vchan_assets.cli.base import (
@@ -26,7 +25,6 @@ from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.system import System
-from vchan_assets.wal.format import LogError
 
 log = logging.getLogger("vchan")
 
@@ -124,35 +122,6 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
     engine_arg(parser, "compaction and import tasks")
 
 
-def _run_lifecycle(
-    settings: Settings, writer: Callable[[], MetaStore | None], stop: threading.Event, engine: str
-) -> None:
-    """The segment lifecycle beside the coordinator while this DataCoord is the active one
-    (`writer()`: the store fenced by its term, None while standing by): newly flushed
-    segments sorted every VCHAN_SORT_POLL_INTERVAL (the stats task after flush), the whole
-    step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL."""
-    from vchan_assets.lifecycle.step import lifecycle_step, sort_step
-
-    storage = Storage.from_settings(settings)
-    next_step = time.monotonic() + settings.lifecycle_interval
-    while not stop.wait(min(settings.sort_poll_interval, settings.lifecycle_interval)):
-        store = writer()
-        if store is None:
-            continue
-        system = System(settings, store, storage)  # its writes fenced by this DataCoord's term
-        try:
-            if time.monotonic() >= next_step:
-                next_step = time.monotonic() + settings.lifecycle_interval
-                report = lifecycle_step(system, engine=engine)  # type: ignore[arg-type]
-                log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
-            else:
-                sorted_now = sort_step(system, engine=engine)  # type: ignore[arg-type]
-                if sorted_now:
-                    log.info("sorted %d newly flushed segments", len(sorted_now))
-        except (MetaError, StorageError, LogError) as exc:
-            log.warning("lifecycle step failed (%s); trying again", exc)
-
-
 def _run_imports(
     settings: Settings, writer: Callable[[], MetaStore | None], stop: threading.Event, engine: str
 ) -> None:
@@ -176,6 +145,7 @@ def _run_imports(
 @command("datacoord", "run a DataCoord (active-standby by election) until SIGTERM", _datacoord_args)
 def datacoord(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.datacoord.coordinator import DataCoordinator
+    from vchan_assets.lifecycle.handoff import run_lifecycle
 
     logging.getLogger().setLevel(logging.INFO)
     stop = stop_on_signals()
@@ -185,7 +155,7 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
         runner = threading.Thread(target=coord.run, args=(stop,), name="datacoord", daemon=True)
         runner.start()
         lifecycle = threading.Thread(
-            target=_run_lifecycle, args=(settings, lambda: coord.writer, stop, args.engine), daemon=True
+            target=run_lifecycle, args=(settings, lambda: coord.writer, stop, args.engine), daemon=True
         )
         lifecycle.start()
         importer = threading.Thread(

@@ -7,9 +7,14 @@ theirs). Callers apply operations inside a compare-and-swap retry, so an operati
 always sees the latest version:
 
     Growing --seal--------> Sealed   --+
-       |                               +--complete_flush--> Flushed (Dropped if empty)
-       +-----mark_flushing-> Flushing -+
-    any but Dropped --drop--> Dropped
+       |                               +--complete_flush--> Flushed + invisible (Dropped if empty)
+       +-----mark_flushing-> Flushing -+                       |
+    any but Dropped --drop--> Dropped                         sort commit (lifecycle): Dropped,
+                                                              its sorted copy Flushed and visible
+
+A flushed L1/L2 segment is written Flushed **and invisible** in that one update (Milvus'
+postFlush, "hand-off growing segment after sorted"): readers serve it as growing until the
+sort replaces it with its sorted copy. L0 segments (deletes only) are never invisible.
 """
 
 from __future__ import annotations
@@ -56,8 +61,17 @@ def ready_to_flush(seg: SegmentInfo, position: MsgPosition) -> bool:
 
 def complete_flush(seg: SegmentInfo, position: MsgPosition) -> SegmentInfo | None:
     """Sealed/Flushing -> Flushed (Dropped if it has no rows) once `position` holds
-    all its rows; the dml position stays, or becomes `position`."""
+    all its rows; the dml position stays, or becomes `position`. An L1/L2 segment is
+    Flushed invisible (served as growing until its sorted copy replaces it), stamped with
+    the time of its flush."""
     if not ready_to_flush(seg, position):
         return None
-    state = SegmentState.FLUSHED if seg.num_rows else SegmentState.DROPPED
-    return seg.with_changes(state=state, dml_position=seg.dml_position or position)
+    dml_position = seg.dml_position or position
+    if not seg.num_rows:
+        return seg.with_changes(state=SegmentState.DROPPED, dml_position=dml_position)
+    return seg.with_changes(
+        state=SegmentState.FLUSHED,
+        dml_position=dml_position,
+        is_invisible=seg.level is not SegmentLevel.L0,
+        flushed_at=time.time(),
+    )

@@ -170,7 +170,9 @@ def _lifecycle(
                 f"compaction plan {o.plan_id}: {o.state.value} {o.reason} -> segments {list(o.outputs)}"
             )
     time.sleep(1.0)
-    gc = GarbageCollector(replace(stack, settings=replace(settings, gc_drop_tolerance=0.5))).run()
+    gc = GarbageCollector(
+        replace(stack, settings=replace(settings, gc_drop_tolerance=0.5, time_travel=0.5))
+    ).run()
     console.print(
         f"garbage collection: {len(gc.dropped_segments)} dropped segments removed ({len(gc.segment_files)} files, "
         f"{gc.bytes / 1e6:.1f} MB), {len(gc.orphans)} orphans, {len(gc.wal_files)} log files"

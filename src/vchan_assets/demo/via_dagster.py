@@ -123,7 +123,9 @@ def _spark_remote(service: DagsterService, settings: Settings) -> str | None:
 def _lifecycle_assets(console: Console, settings: Settings) -> None:
     """Materialize the segment lifecycle twice (sort/mix, then L0 into the sorted
     segments), GC with a short drop tolerance, and print what each step did."""
-    quick = VchanResource.from_settings(replace(settings, gc_interval=0.5, gc_drop_tolerance=0.5))
+    quick = VchanResource.from_settings(
+        replace(settings, gc_interval=0.5, gc_drop_tolerance=0.5, time_travel=0.5)
+    )
     with dg.DagsterInstance.ephemeral() as instance:
         for step in (1, 2):
             time.sleep(1.0)  # the dropped segments pass the drop tolerance

@@ -1,10 +1,12 @@
 """Compaction triggers (which segments to merge or sort) and the executor of plans.
 
 Triggers, as Milvus' compaction trigger: a Flushed L1 segment that is not sorted gets a
-**sort** plan (the stats task after flush); Flushed L1 segments of one (collection,
+**sort** plan (the stats task after flush: the flush left it invisible, the sort's commit
+puts its sorted copy in its place, visible); Flushed L1 segments of one (collection,
 partition, vchannel) below a fraction of the max size and of one size tier get **mix**
 plans that merge them up to the max size, and one with more deleted rows than a ratio is
-rewritten without them; a manual trigger merges every Flushed segment of the collection. Only Flushed segments are ever planned (never
+rewritten without them; a manual trigger merges every Flushed segment of the collection. A mix output is sorted and visible too, so it replaces
+invisible inputs as their sort would. Only Flushed segments are ever planned (never
 Growing, Sealed or Flushing ones: a sync may still write those), and never one another
 active plan holds.
 

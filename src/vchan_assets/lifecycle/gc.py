@@ -147,7 +147,9 @@ class GarbageCollector:
 
     def _dropped(self, found: list[Decoded[SegmentInfo]], report: GcReport) -> None:
         live = {p for d in found if d.model.state is not SegmentState.DROPPED for p in segment_paths(d.model)}
-        oldest = self.clock() - self.settings.gc_drop_tolerance
+        # A read at a timestamp within the time-travel window may serve a dropped segment
+        # again (query.asof.segments_at): its files stay at least that long.
+        oldest = self.clock() - max(self.settings.gc_drop_tolerance, self.settings.time_travel)
         for d in found:
             seg = d.model
             if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest:

@@ -3,14 +3,15 @@ or the Dagster lifecycle assets): time out and clean up plans, trigger sort (the
 task after flush) and mix compaction, run Pending plans, and garbage-collect once the
 interval has passed.
 
-`sort_step` is the stats task alone, for the seed's postFlush hand-off: run every few
-seconds (VCHAN_SORT_POLL_INTERVAL), it sorts segments soon after their flush instead of
-at the next lifecycle step."""
+`sort_step` is the stats task alone, for the seed's postFlush hand-off: the DataCoord runs
+it as soon as a flush commits (`handoff.run_lifecycle`, pushed by a watch), the Dagster
+`sorted_segments` asset on its sensor's tick."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
@@ -102,11 +103,19 @@ def unsorted_segments(store: MetaStore, vchannel: str | None = None) -> list[Seg
     return [c.segments[0].model for c in sort_candidates(found) if c.segments[0].model.id not in busy]
 
 
-def sort_step(system: System, engine: Engine = "spark", vchannel: str | None = None) -> list[PlanOutcome]:
-    """The stats task after flush: plan a sort of every newly flushed segment (of
-    `vchannel` if given) and run those plans (one job). Cheap when there is none: one
-    listing of segment meta."""
-    waiting = {s.collection_id for s in unsorted_segments(system.store, vchannel)}
+def sort_step(
+    system: System,
+    engine: Engine = "spark",
+    vchannel: str | None = None,
+    collections: Collection[int] | None = None,
+) -> list[PlanOutcome]:
+    """The stats task after flush: plan a sort of every unsorted flushed segment (of
+    `vchannel` if given; of the `collections` given, which a push named, else of those a
+    listing of all segment meta finds) and run those plans (one job)."""
+    if collections is None:
+        waiting = {s.collection_id for s in unsorted_segments(system.store, vchannel)}
+    else:
+        waiting = set(collections)
     if not waiting:
         return []
     trigger = CompactionTrigger(system)

@@ -63,6 +63,13 @@ class IdAllocator:
             return
 
 
+def timestamp_ceiling(store: MetaStore, key: str | None = None) -> int:
+    """A hybrid timestamp at or above every one any oracle has issued so far: below the
+    window the oracles persisted last (0 when none has issued any)."""
+    mark, _ = _read_mark(store, key or store.keys.tso())
+    return compose_ts(mark) - 1 if mark else 0
+
+
 class TimestampOracle:
     """Hybrid timestamps (physical ms << 18 | logical), strictly increasing.
 

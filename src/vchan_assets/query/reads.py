@@ -11,9 +11,13 @@ the catalog and the Spark data source (`spark_source`) read through these rules.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
+from vchan_assets.query.asof import log_tail, resolve_as_of, segments_at
 from vchan_assets.query.view import collection_segments, collection_views, delete_paths, readable_ids
 from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
 from vchan_assets.system import System
@@ -39,28 +43,53 @@ def read_segment(
 
 
 def read_collection(
-    system: System, info: CollectionInfo, apply_deletes: bool = True, with_vectors: bool = True
+    system: System,
+    info: CollectionInfo,
+    apply_deletes: bool = True,
+    with_vectors: bool = True,
+    as_of: Any = None,
 ) -> pa.Table:
-    """Every persisted row of a collection (the segments its query views serve, with
-    binlogs), with `segment_id` and `partition_id` columns, deletes applied per partition."""
-    segments = collection_segments(system.store, info.id)
+    """Every row of a collection at `as_of` (None: now; see `query.asof`): the rows of the
+    segments its query views serve (as the views stood at that time) and of the log after
+    each checkpoint that no segment holds yet, inserted at or before it, with `segment_id`
+    and `partition_id` columns, deletes at or before it applied per partition."""
+    ts = resolve_as_of(system.store, system.settings, info, as_of)
+    segments = segments_at(collection_segments(system.store, info.id), ts)
     views = collection_views(system.store, info, segments)
     served = readable_ids(views)
-    tables = []
-    deletes: dict[int, pa.Table] = {}
+    pieces: list[tuple[int, pa.Table]] = []  # (partition, rows)
     for seg in segments:  # in key order, as listed
         if seg.id not in served:
             continue
-        table = segment_rows(system.storage, seg, with_vectors)
-        if apply_deletes:
-            if seg.partition_id not in deletes:
-                paths = delete_paths(views, seg.partition_id)
-                deletes[seg.partition_id] = read_deletes(system.storage, paths)
-            table = apply_deletes_to(table, deletes[seg.partition_id], info.schema.primary.name)
+        table = _at_or_before(segment_rows(system.storage, seg, with_vectors), ts)
         n = table.num_rows
         table = table.append_column("segment_id", pa.array([seg.id] * n, pa.int64()))
         table = table.append_column("partition_id", pa.array([seg.partition_id] * n, pa.int64()))
-        tables.append(table)
-    if tables:
-        return pa.concat_tables(tables)
+        pieces.append((seg.partition_id, table))
+    tail_deletes: dict[int, list[pa.Table]] = {}
+    for view in views:
+        after = view.checkpoint.offset if view.checkpoint else -1
+        tail = log_tail(system.storage, info, view.vchannel, after, segments, ts, with_vectors)
+        for part in pc.unique(tail.rows["partition_id"]).to_pylist():
+            pieces.append((part, tail.rows.filter(pc.equal(tail.rows["partition_id"], part))))
+        for part, found in tail.deletes.items():
+            tail_deletes.setdefault(part, []).append(found)
+    if apply_deletes:
+        deletes: dict[int, pa.Table] = {}
+        for part in {p for p, _ in pieces}:
+            persisted = read_deletes(system.storage, delete_paths(views, part))
+            both = pa.concat_tables([persisted, *tail_deletes.get(part, [])], promote_options="permissive")
+            deletes[part] = _at_or_before(both, ts)
+        pk = info.schema.primary.name
+        pieces = [(part, apply_deletes_to(table, deletes[part], pk)) for part, table in pieces]
+    if pieces:
+        return pa.concat_tables([t for _, t in pieces], promote_options="permissive")
     return pa.table({info.schema.primary.name: pa.array([], pa.int64())})
+
+
+def _at_or_before(table: pa.Table, ts: int) -> pa.Table:
+    """The rows (or deletes) with a timestamp at or before `ts`."""
+    if table.num_rows == 0:
+        return table
+    keep = pc.less_equal(table["timestamp"], ts)
+    return table if pc.all(keep).as_py() else table.filter(keep)

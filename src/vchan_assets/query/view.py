@@ -55,6 +55,7 @@ class QueryView:
 
     vchannel: str
     seek_position: MsgPosition
+    checkpoint: MsgPosition | None = None  # everything at or below it is in segments
     flushed: tuple[SegmentInfo, ...] = ()
     growing: tuple[SegmentInfo, ...] = ()
     l0: tuple[SegmentInfo, ...] = ()
@@ -133,6 +134,7 @@ def query_view(
     return QueryView(
         vchannel=vchannel,
         seek_position=checkpoint or _earliest_position(live) or start_position,
+        checkpoint=checkpoint,
         flushed=of(served),
         growing=of(growing),
         l0=of(l0),

@@ -83,6 +83,7 @@ def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
         VCHAN_HOME=str(settings.home),
         VCHAN_SPARK_PARTITIONS=str(settings.spark_partitions),
         VCHAN_SYNC_IN_PROCESS_MB=str(settings.sync_in_process_mb),
+        VCHAN_TIME_TRAVEL=str(settings.time_travel),  # GC keeps dropped files for it
     )
     if settings.s3_endpoint:
         env["VCHAN_S3_ENDPOINT"] = settings.s3_endpoint

@@ -1,0 +1,138 @@
+"""The hand-off after flush, pushed: a flushed segment is sorted as soon as it is flushed.
+
+The flush writes a segment Flushed **and invisible** in one meta update
+(`datacoord.segment_ops.complete_flush`, Milvus' postFlush); readers serve it as growing
+until its sorted copy replaces it (`query.view`). `SortQueue` learns of each such segment
+from an etcd watch on segment meta the moment the flush commits, and the DataCoord's
+lifecycle loop (`run_lifecycle`) plans and runs its sort at once. Nothing is lost between
+the write and the push: the push *is* the write, seen through the watch, and a watcher that
+(re)starts lists every segment first. A full scan every VCHAN_SORT_SCAN_INTERVAL (60 s) is
+only a safety net, as Milvus keeps one.
+
+The whole lifecycle step (L0 and mix compaction, plan cleanup, GC) still runs every
+VCHAN_LIFECYCLE_INTERVAL in the same loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from vchan_assets.config import Settings
+from vchan_assets.failpoints import failpoint
+from vchan_assets.lifecycle.compaction import compactable
+from vchan_assets.lifecycle.step import lifecycle_step, sort_step
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError, MetaError
+from vchan_assets.meta.store import MetaStore, Snapshot
+from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
+from vchan_assets.model import SegmentInfo
+from vchan_assets.spark import Engine
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.system import System
+from vchan_assets.wal.format import LogError
+
+log = logging.getLogger(__name__)
+
+
+def awaits_sort(seg: SegmentInfo) -> bool:
+    """A Flushed L1/L2 segment with rows that is not sorted by pk: the stats task's work."""
+    return compactable(seg) and not seg.is_sorted
+
+
+class SortQueue:
+    """Collections with segments waiting for their sort, fed by a watch on segment meta.
+
+    `watch(store)` gives the watcher that feeds it (`on_relist` at its start, `on_event`
+    for every change after); `take(timeout)` waits for work and hands it over."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, set[int]] = {}  # collection id -> segment ids
+        self._changed = threading.Condition()
+
+    def offer(self, seg: SegmentInfo) -> None:
+        if awaits_sort(seg):
+            self.put(seg.collection_id, {seg.id})
+
+    def put(self, collection_id: int, segment_ids: set[int]) -> None:
+        with self._changed:
+            self._waiting.setdefault(collection_id, set()).update(segment_ids)
+            self._changed.notify_all()
+
+    def on_event(self, event: WatchEvent) -> None:
+        if event.kind is EventKind.PUT:
+            self.offer(event.decode(SegmentInfo))  # a malformed value: logged and counted by the watcher
+
+    def on_relist(self, snapshot: Snapshot) -> None:
+        for kv in snapshot.items:
+            try:
+                self.offer(decode(kv.key, kv.value, SegmentInfo))
+            except MalformedValueError as exc:
+                log.warning("sort queue: skipping %s", exc)
+
+    def take(self, timeout: float) -> dict[int, set[int]]:
+        """The waiting segments by collection (emptied), after at most `timeout` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._waiting), timeout=max(0.0, timeout))
+            waiting, self._waiting = self._waiting, {}
+            return waiting
+
+    def watch(self, store: MetaStore) -> PrefixWatcher:
+        return PrefixWatcher(store, store.keys.segment.prefix, self.on_event, self.on_relist)
+
+
+def run_lifecycle(
+    settings: Settings,
+    writer: Callable[[], MetaStore | None],
+    stop: threading.Event,
+    engine: Engine = "spark",
+) -> None:
+    """The segment lifecycle beside a DataCoord while it is the active one (`writer()`:
+    the store fenced by its term, None while standing by): each segment sorted as soon as
+    its flush commits (a watch), a full scan for unsorted segments every
+    VCHAN_SORT_SCAN_INTERVAL, the whole step (plans, L0/mix compaction, GC) every
+    VCHAN_LIFECYCLE_INTERVAL. Returns when `stop` is set."""
+    storage = Storage.from_settings(settings)
+    queue = SortQueue()
+    watcher: PrefixWatcher | None = None
+    next_step = time.monotonic() + settings.lifecycle_interval
+    next_scan = time.monotonic() + settings.sort_scan_interval
+    try:
+        while not stop.is_set():
+            store = writer()
+            if watcher is not None and (store is None or watcher.store is not store):
+                watcher.stop()  # the term ended: the next one watches with its own fence
+                watcher = None
+            if store is None:
+                stop.wait(0.5)
+                continue
+            if watcher is None:
+                watcher = queue.watch(store).start()
+            waiting = queue.take(min(next_step, next_scan, time.monotonic() + 0.5) - time.monotonic())
+            if stop.is_set():
+                break
+            if waiting:
+                failpoint("handoff_taken")  # the push arrived, no sort planned yet
+            system = System(settings, store, storage)  # its writes fenced by this DataCoord's term
+            try:
+                if waiting:
+                    outcomes = sort_step(system, engine, collections=set(waiting))
+                    log.info("sorted %d flushed segments (pushed by their flush)", len(outcomes))
+                if time.monotonic() >= next_scan:
+                    next_scan = time.monotonic() + settings.sort_scan_interval
+                    if outcomes := sort_step(system, engine):
+                        log.info("the sort scan sorted %d segments", len(outcomes))
+                if time.monotonic() >= next_step:
+                    next_step = time.monotonic() + settings.lifecycle_interval
+                    report = lifecycle_step(system, engine=engine)
+                    log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
+            except (MetaError, StorageError, LogError) as exc:
+                log.warning("lifecycle step failed (%s); trying again", exc)
+                for collection_id, ids in waiting.items():  # not lost: the next round tries them again
+                    queue.put(collection_id, ids)
+                stop.wait(1.0)
+    finally:
+        if watcher is not None:
+            watcher.stop()

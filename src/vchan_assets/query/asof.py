@@ -1,0 +1,185 @@
+"""Reads at a timestamp: which segments were live at T, and the log tail a read adds.
+
+A read at T (a hybrid timestamp; default: now) returns every row inserted at or before T
+and not deleted at or before T, wherever the row lives when the read runs: in a flushed
+or growing segment's binlogs, or still only in the log after the channel checkpoint.
+
+- **The time**: `resolve_as_of` turns what a caller gives (None for now, a hybrid
+  timestamp, an ISO-8601 time or a datetime) into a hybrid timestamp, and refuses one in
+  the future or older than VCHAN_TIME_TRAVEL (default 1 h) with `TimeTravelError`,
+  naming the oldest readable time. "Now" is at or above every timestamp issued so far
+  (`now_ts`), so a row acknowledged before the read started is in it.
+- **Segments live at T** (`segments_at`): a compaction (sort, mix) swaps inputs for
+  outputs in one transaction that stamps the inputs' `dropped_at`. At a T before that
+  commit the inputs were live and the outputs did not exist yet: `segments_at` puts the
+  inputs back and leaves the outputs out, so a row a later compaction removed because of a
+  delete after T is still read at T. GC keeps a Dropped segment's files at least
+  VCHAN_TIME_TRAVEL for this.
+- **The log tail** (`log_tail`): the messages after a vchannel's checkpoint. Its inserts
+  not yet in their segment's binlogs (above the segment's dml position) are rows of the
+  read; its deletes are deletes of the read. Files that start after T are not opened.
+
+Rows are then kept when their timestamp is at or before T, and Milvus' delete rule
+applies with the deletes at or before T.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vchan_assets.config import Settings
+from vchan_assets.errors import DeclaredError
+from vchan_assets.meta.allocator import timestamp_ceiling
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
+from vchan_assets.storage import Storage
+from vchan_assets.wal.format import MsgType, user_fields
+from vchan_assets.wal.reader import WalReader
+
+# Hybrid timestamps are physical milliseconds << 18: anything below this is no such time.
+_SMALLEST_TS = compose_ts(1_000_000_000_000)  # 2001-09-09
+
+
+class TimeTravelError(DeclaredError, ValueError):
+    """A read's `as_of` cannot be served."""
+
+    as_of: str
+    reason: str
+    message = "cannot read as of {as_of}: {reason}"
+
+
+def iso(ts: int) -> str:
+    """A hybrid timestamp as an ISO-8601 UTC time (milliseconds)."""
+    seconds = physical_ms(ts) / 1000
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _parse(as_of: Any) -> int:
+    if isinstance(as_of, bool):
+        raise TimeTravelError(repr(as_of), "not a timestamp")
+    if isinstance(as_of, int):
+        return as_of
+    if isinstance(as_of, dt.datetime):
+        moment = as_of if as_of.tzinfo else as_of.replace(tzinfo=dt.UTC)
+        return compose_ts(int(moment.timestamp() * 1000))
+    if isinstance(as_of, str):
+        text = as_of.strip()
+        if text.isdigit():
+            return int(text)
+        try:
+            return _parse(dt.datetime.fromisoformat(text.replace("Z", "+00:00")))
+        except ValueError:
+            pass
+    raise TimeTravelError(repr(as_of), "not a timestamp (a hybrid timestamp, an ISO-8601 time or a datetime)")
+
+
+def now_ts(store: MetaStore) -> int:
+    """ "Now" for a read: at or above every timestamp issued so far, by any process (the
+    timestamp oracles' persisted window), and at least the wall clock. Every message
+    acknowledged before the call is at or before it. An oracle issues from a window it
+    persisted ahead (3 s), so a message appended within that window after the call can
+    still fall at or before it: to read exactly what one producer had written, read at the
+    timestamp its append returned."""
+    return max(compose_ts(int(time.time() * 1000)), timestamp_ceiling(store))
+
+
+def resolve_as_of(store: MetaStore, settings: Settings, info: CollectionInfo, as_of: Any = None) -> int:
+    """The hybrid timestamp of a read of `info` at `as_of` (None: now), checked against now
+    and the time-travel window."""
+    now = now_ts(store)
+    if as_of is None:
+        return now
+    ts = _parse(as_of)
+    if ts < _SMALLEST_TS:
+        raise TimeTravelError(str(as_of), "not a hybrid timestamp (physical milliseconds << 18)")
+    if ts > now:
+        raise TimeTravelError(str(as_of), f"{iso(ts)} is in the future (now is {iso(now)})")
+    oldest = compose_ts(physical_ms(now) - int(settings.time_travel * 1000))
+    if ts < oldest:
+        raise TimeTravelError(
+            str(as_of),
+            f"{iso(ts)} is older than the time-travel window (VCHAN_TIME_TRAVEL={settings.time_travel:g}s): "
+            f"the oldest readable time is {iso(oldest)}",
+        )
+    return ts
+
+
+def segments_at(segments: Iterable[SegmentInfo], ts: int) -> list[SegmentInfo]:
+    """The segment meta as it stood at `ts` as far as compactions go: a segment a
+    compaction dropped after `ts` is live again (Flushed, as it was), and the outputs of
+    that compaction are left out. Other segments stay as they are: their rows are filtered
+    by timestamp."""
+    at = physical_ms(ts) / 1000
+    by_id = {s.id: s for s in segments}
+
+    def committed_after(seg: SegmentInfo) -> bool:
+        stamps = [p.dropped_at for i in seg.compaction_from if (p := by_id.get(i)) and p.dropped_at]
+        return bool(stamps) and max(stamps) > at
+
+    out = []
+    for seg in by_id.values():
+        if seg.compaction_from and committed_after(seg):
+            continue  # made after `ts`
+        if seg.state is SegmentState.DROPPED and seg.dropped_at is not None and seg.dropped_at > at:
+            seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None)
+        out.append(seg)
+    return out
+
+
+@dataclass(frozen=True)
+class LogTail:
+    """What a vchannel's log holds after its checkpoint, up to a timestamp."""
+
+    rows: pa.Table  # row_id (the log offset), timestamp, the fields, segment_id, partition_id
+    deletes: Mapping[int, pa.Table]  # partition id -> pk, timestamp
+
+
+def log_tail(
+    storage: Storage,
+    info: CollectionInfo,
+    vchannel: str,
+    after_offset: int,
+    segments: Iterable[SegmentInfo],
+    ts: int,
+    with_vectors: bool = True,
+) -> LogTail:
+    """The inserts after `after_offset` (the checkpoint) that no segment's binlogs hold yet,
+    and the deletes after it, all at or before `ts`."""
+    reader = WalReader(storage, vchannel, info)
+    files = [
+        f for f in reader.files_after(after_offset) if f.first_timestamp is None or f.first_timestamp <= ts
+    ]
+    log = reader.read(after_offset, files[-1].last_offset) if files else reader.schema.empty_table()
+    log = log.filter(pc.less_equal(log["timestamp"], ts))
+    pk = info.schema.primary.name
+    deletes_of = log.filter(pc.equal(log["msg_type"], MsgType.DELETE.value))
+    deletes = {
+        int(part): deletes_of.filter(pc.equal(deletes_of["partition_id"], part))
+        .select([pk, "timestamp"])
+        .rename_columns(["pk", "timestamp"])
+        for part in pc.unique(deletes_of["partition_id"]).to_pylist()
+    }
+    inserts = log.filter(pc.equal(log["msg_type"], MsgType.INSERT.value))
+    persisted = {s.id: s.dml_position.offset for s in segments if s.vchannel == vchannel and s.dml_position}
+    if persisted and inserts.num_rows:
+        seg_ids = pa.array(list(persisted), pa.int64())
+        dml = pa.array(list(persisted.values()), pa.int64()).take(pc.index_in(inserts["segment_id"], seg_ids))
+        fresh = pc.or_kleene(pc.is_null(dml), pc.greater(inserts["offset"], dml))
+        inserts = inserts.filter(pc.fill_null(fresh, True))
+    # In the order of a segment's column groups: the pk and the scalars, then each vector.
+    scalars = [f.name for f in user_fields(info.schema) if not _is_vector(info, f.name)]
+    vectors = [f.name for f in user_fields(info.schema) if with_vectors and _is_vector(info, f.name)]
+    fields = scalars + vectors
+    rows = inserts.select(["offset", "timestamp", *fields, "segment_id", "partition_id"])
+    return LogTail(rows.rename_columns(["row_id", *rows.column_names[1:]]), deletes)
+
+
+def _is_vector(info: CollectionInfo, name: str) -> bool:
+    return any(f.name == name and f.is_vector for f in info.schema.fields)

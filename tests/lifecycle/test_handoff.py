@@ -1,0 +1,203 @@
+"""The hand-off after flush (Milvus' postFlush): a flush leaves an L1 segment Flushed and
+invisible, readers serve it as growing, and its sorted copy replaces it in one commit; the
+DataCoord hears of each flush from an etcd watch on segment meta, not from a poll."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from datanode.helpers import VCHAN, cli_env
+from rich.console import Console
+
+from vchan_assets.catalog import Catalog
+from vchan_assets.config import Settings
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.handoff import SortQueue
+from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.lifecycle.step import sort_step
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
+from vchan_assets.query.view import read_query_view
+from vchan_assets.status import collect_status, render_status
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.wal.producer import Producer
+
+from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, segments
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def invisible_ids(store: MetaStore, info: CollectionInfo) -> set[int]:
+    return {s.id for s in live_l1(store, info) if s.is_invisible}
+
+
+def wait_until_sorted(
+    store: MetaStore, info: CollectionInfo, proc: subprocess.Popen[bytes], timeout: float
+) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        live = live_l1(store, info)
+        if live and all(s.is_sorted and not s.is_invisible for s in live):
+            return time.monotonic() - start
+        assert proc.poll() is None, f"vchan datacoord exited with {proc.returncode}"
+        time.sleep(0.1)
+    raise AssertionError(f"not sorted after {timeout}s: {live_l1(store, info)}")
+
+
+def test_a_flush_leaves_l1_segments_flushed_and_invisible_and_l0_segments_visible(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    segs = segments(store, collection)
+    l1 = [s for s in segs if s.level is not SegmentLevel.L0]
+    l0 = [s for s in segs if s.level is SegmentLevel.L0]
+    assert l1 and all(s.state is SegmentState.FLUSHED and s.is_invisible for s in l1)
+    assert all(s.flushed_at is not None and s.flushed_at <= time.time() for s in l1)
+    assert l0 and all(s.state is SegmentState.FLUSHED and not s.is_invisible for s in l0)
+    view = read_query_view(store, collection, collection.vchannels[0])
+    assert {s.id for s in l1} <= view.growing_ids and not view.flushed_ids
+
+
+def test_the_sort_replaces_the_invisible_segment_with_a_visible_sorted_copy_in_one_commit(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    system = System(settings, store, storage)
+    before = invisible_ids(store, collection)
+    rows_before = Catalog(system).read_collection(collection.name)["pk"].sort_values().tolist()
+    assert len(before) == 2
+    outcomes = sort_step(system, engine="local")
+    assert [o.state for o in outcomes] == [PlanState.COMPLETED] * 2
+    now = live_l1(store, collection)
+    assert all(s.is_sorted and not s.is_invisible for s in now)
+    assert {s.compaction_from for s in now} == {(i,) for i in before}
+    parents = {s.id: s for s in segments(store, collection) if s.id in before}
+    assert all(p.state is SegmentState.DROPPED and p.dropped_at for p in parents.values())
+    view = read_query_view(store, collection, collection.vchannels[0])
+    assert view.flushed_ids == {s.id for s in now} and not view.growing_ids
+    assert Catalog(system).read_collection(collection.name)["pk"].sort_values().tolist() == rows_before
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_a_mix_of_invisible_segments_replaces_them_with_one_visible_sorted_segment(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    system = System(settings, store, storage)
+    invisible = invisible_ids(store, collection)
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
+    assert {i.segment_id for i in plan.inputs} == invisible and len(invisible) == 2
+    [outcome] = CompactionExecutor(system, "local").run_pending()
+    assert outcome.state is PlanState.COMPLETED
+    [merged] = live_l1(store, collection)
+    assert merged.is_sorted and not merged.is_invisible
+    view = read_query_view(store, collection, collection.vchannels[0])
+    assert view.flushed_ids == {merged.id} and not view.growing_ids
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_the_sort_queue_hears_of_each_flush_through_the_watch(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    first = invisible_ids(store, collection)
+    queue = SortQueue()
+    with queue.watch(store):  # flushed before the watcher started: found by its first listing
+        assert queue.take(10) == {collection.id: first}
+        flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=1)
+        pushed = queue.take(10)
+        assert pushed == {collection.id: invisible_ids(store, collection) - first}
+        sort_step(System(settings, store, storage), engine="local", collections=set(pushed))
+        time.sleep(0.5)  # the sort's commit: its visible, sorted outputs need no sort
+        assert queue.take(0.5) == {}
+
+
+def test_datacoord_sorts_a_flush_it_was_not_running_for_at_its_start_not_at_the_scan(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
+    proc = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=env)
+    try:
+        wait_until_sorted(store, collection, proc, timeout=60)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert len(live_l1(store, collection)) == 2, "sorted one by one (no lifecycle step ran)"
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisible(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    timing = {"VCHAN_LIFECYCLE_INTERVAL": "3600", "VCHAN_SORT_SCAN_INTERVAL": "3600"}
+    marker = tmp_path / "failpoint"
+    first = subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"],
+        env=cli_env(
+            settings, VCHAN_FAILPOINT="handoff_taken=kill", VCHAN_FAILPOINT_MARKER=str(marker), **timing
+        ),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while first.poll() is None and store.get(store.keys.datacoord_session()) is None:
+            assert time.monotonic() < deadline, "the first DataCoord never became active"
+            time.sleep(0.1)
+        produced = flushed_batches(store, storage, settings, producer, collection, batches=1)
+        assert first.wait(60) == -signal.SIGKILL, "killed at the failpoint, right after the push"
+        assert marker.read_text().startswith("handoff_taken")
+        assert invisible_ids(store, collection), "not sorted by the killed DataCoord"
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGKILL)
+    second = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(settings, **timing))
+    try:
+        wait_until_sorted(store, collection, second, timeout=90)
+    finally:
+        second.terminate()
+        second.wait(30)
+    assert not invisible_ids(store, collection)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_status_and_the_catalog_show_invisible_segments_the_flush_to_sorted_latency_and_a_late_sort(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    system = System(settings, store, storage)
+    catalog = Catalog(system)
+    report = collect_status(catalog, orphans=False)
+    assert report["handoff"]["invisible"] == 2 and report["handoff"]["sorted"] == 0
+    [row] = [s for s in report["segments"] if s["collection"] == collection.name and s["level"] == "L1"]
+    assert row["state"] == "Flushed" and row["invisible"] == 2
+    assert not [w for w in report["warnings"] if w["kind"] == "sort_behind"]
+    late = collect_status(catalog, now=time.time() + 3600, orphans=False)
+    [warning] = [w for w in late["warnings"] if w["kind"] == "sort_behind"]
+    assert "2 flushed segments still invisible" in warning["message"]
+
+    sort_step(system, engine="local")
+    report = collect_status(catalog, orphans=False)
+    handoff = report["handoff"]
+    assert handoff["invisible"] == 0 and handoff["sorted"] == 2
+    assert 0 <= handoff["flush_to_sorted_p50_s"] <= handoff["flush_to_sorted_p95_s"] < 600
+    table = catalog.segments(collection.name)
+    replaced = table[table["flush_to_sorted_s"].notna()]
+    assert len(replaced) == 2 and set(replaced["state"]) == {"Dropped"} and replaced["invisible"].all()
+    console = Console(record=True, width=200)
+    console.print(render_status(report))
+    assert "hand-off: 0 invisible; flush -> sorted p50" in console.export_text()

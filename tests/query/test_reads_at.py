@@ -1,0 +1,197 @@
+"""Reads at a timestamp: every row inserted at or before T and not deleted at or before
+T, once, wherever it lives when the read runs (the log after the checkpoint, a growing, an
+invisible or a sorted segment, a compaction's output); T defaults to now."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from vchan_assets.catalog import Catalog
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
+from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.lifecycle.step import sort_step
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentState, compose_ts
+from vchan_assets.query.asof import TimeTravelError, iso, now_ts
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, segments
+from vchan_assets.wal.producer import Producer, generate_rows
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+
+
+@pytest.fixture
+def travel(settings: Settings) -> Settings:
+    """Settings whose reads may go ten minutes back."""
+    return replace(settings, time_travel=600.0)
+
+
+def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
+    for vchannel in info.vchannels:
+        lease = store.read_lease(vchannel) or grant_channel_lease(
+            store, IdAllocator(store), vchannel, node_id=1
+        )
+        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
+
+
+def pks(catalog: Catalog, info: CollectionInfo, as_of: object = None) -> list[int]:
+    rows = catalog.read_collection(info.name, as_arrow=True, with_vectors=False, as_of=as_of)
+    assert isinstance(rows, pa.Table)
+    found = rows["pk"].to_pylist()
+    assert len(found) == len(set(found)), "a pk read twice"
+    return sorted(found)
+
+
+def live(produced: Produced) -> list[int]:
+    deleted = set(produced.deleted)
+    return sorted(pk for pk in produced.table["pk"].to_pylist() if pk not in deleted)
+
+
+def test_a_read_right_after_produce_returns_what_was_written_before_any_sync(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)
+    catalog = Catalog(System(settings, store, storage))
+    assert pks(catalog, collection) == live(produced)
+    rows = catalog.read_collection(collection.name)
+    assert set(rows["segment_id"]) and rows["vec"].map(len).eq(SCHEMA.fields[1].dim * 4).all()
+    # the same rows, column for column, once they are in binlogs
+    producer.flush(collection.name)
+    sync_all(store, storage, settings, collection)
+    after = catalog.read_collection(collection.name).sort_values("pk").reset_index(drop=True)
+    before = rows.sort_values("pk").reset_index(drop=True)
+    assert list(after.columns) == list(before.columns)
+    assert after.drop(columns=["segment_id"]).equals(before.drop(columns=["segment_id"]))
+
+
+def test_every_row_is_read_once_in_log_growing_invisible_and_sorted_segments(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    catalog = Catalog(System(settings, store, storage))
+    produce(producer, collection.name, produced, 200, start_pk=0, deletes=10)
+    producer.flush(collection.name)
+    sync_all(store, storage, settings, collection)  # flushed, invisible
+    produce(producer, collection.name, produced, 200, start_pk=10_000, deletes=5)
+    producer.flush(collection.name)
+    sync_all(store, storage, settings, collection)
+    sort_step(System(settings, store, storage), engine="local")  # sorted, visible
+    produce(producer, collection.name, produced, 200, start_pk=20_000)
+    sync_all(store, storage, settings, collection)  # growing, with binlogs
+    produce(producer, collection.name, produced, 200, start_pk=30_000, deletes=7)  # only in the log
+    states = {(s.state, s.is_invisible, s.is_sorted) for s in segments(store, collection)}
+    assert (SegmentState.GROWING, False, False) in states and (SegmentState.FLUSHED, False, True) in states
+    assert pks(catalog, collection) == live(produced)
+
+
+def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 500, start_pk=0, deletes=25)
+    env = cli_env(
+        settings, VCHAN_FAILPOINT="before_checkpoint=kill", VCHAN_FAILPOINT_MARKER=str(tmp_path / "fp")
+    )
+    done = subprocess.run(
+        [str(VCHAN), "sync", "--collection", collection.name, "--take-lease", "--engine", "local"],
+        env=env, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode < 0, "killed at the failpoint"
+    assert any(s.binlogs for s in segments(store, collection)), "segment meta committed"
+    # Rows now both in binlogs and in the log after the (old) checkpoint: read once.
+    assert pks(Catalog(System(settings, store, storage)), collection) == live(produced)
+
+
+def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
+    store: MetaStore, storage: Storage, travel: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    first = Produced()
+    rows = generate_rows(SCHEMA, 300, start_pk=0, seed=0)
+    appended = [*producer.insert(collection.name, rows).values()]
+    appended += producer.delete(collection.name, list(range(10)), partition="_default").values()
+    first.rows.append(rows)
+    first.deleted.extend(range(10))
+    t1 = max(a.timestamp for a in appended)  # what this producer had written, acknowledged
+    later = Produced()
+    produce(producer, collection.name, later, 300, start_pk=10_000)
+    producer.delete(collection.name, list(range(10, 40)), partition="_default")
+    producer.flush(collection.name)
+    sync_all(store, storage, travel, collection)
+    catalog = Catalog(System(travel, store, storage))
+    assert pks(catalog, collection, as_of=t1) == live(first)
+    assert pks(catalog, collection, as_of=iso(t1)) == pks(catalog, collection, as_of=t1 - (t1 & 0x3FFFF))
+    everything = set(live(first)) | set(live(later))
+    assert pks(catalog, collection) == sorted(everything - set(range(10, 40)))
+
+
+def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
+    store: MetaStore, storage: Storage, travel: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = Produced()
+    t1 = 0
+    for batch in range(2):
+        rows = generate_rows(SCHEMA, 200, start_pk=batch * 10_000, seed=batch)
+        t1 = max(a.timestamp for a in producer.insert(collection.name, rows).values())
+        produced.rows.append(rows)
+        producer.flush(collection.name)
+        sync_all(store, storage, travel, collection)
+    producer.delete(collection.name, list(range(0, 50)), partition="_default")
+    producer.flush(collection.name)
+    sync_all(store, storage, travel, collection)
+    system = System(travel, store, storage)
+    for kind in (CompactionType.L0, CompactionType.MIX):  # deletes into the segments, then merged away
+        assert CompactionTrigger(system).trigger(collection, kind, manual=True)
+        outcomes = CompactionExecutor(system, "local").run_pending()
+        assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
+    live_rows = sum(s.num_rows for s in segments(store, collection) if s.state is not SegmentState.DROPPED)
+    assert live_rows == 400 - 50, "the deleted rows were removed physically"
+    catalog = Catalog(system)
+    assert pks(catalog, collection, as_of=t1) == live(produced)
+    assert pks(catalog, collection) == [pk for pk in live(produced) if pk >= 50]
+    # GC keeps what a read in the window needs, even past its drop tolerance
+    GarbageCollector(replace(system, settings=replace(travel, gc_drop_tolerance=0.0))).run()
+    dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
+    assert dropped and all(storage.exists(p) for s in dropped for p in segment_paths(s))
+    assert pks(catalog, collection, as_of=t1) == live(produced)
+
+
+def test_bad_as_of_values_are_refused_naming_the_reason(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    catalog = Catalog(System(replace(settings, time_travel=60.0), store, storage))
+    now = now_ts(store)
+    future = compose_ts((now >> 18) + 60_000)
+    with pytest.raises(TimeTravelError, match="is in the future"):
+        catalog.read_collection(collection.name, as_of=future)
+    old = compose_ts((now >> 18) - 120_000)
+    with pytest.raises(
+        TimeTravelError,
+        match=r"older than the time-travel window \(VCHAN_TIME_TRAVEL=60s\): the oldest readable time is 20",
+    ):
+        catalog.read_collection(collection.name, as_of=old)
+    for bad in ("yesterday", 3.5, True):
+        with pytest.raises(TimeTravelError, match="not a timestamp"):
+            catalog.read_collection(collection.name, as_of=bad)
+    with pytest.raises(TimeTravelError, match="not a hybrid timestamp"):
+        catalog.read_collection(collection.name, as_of=12345)
