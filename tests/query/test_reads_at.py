@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from lifecycle.helpers import expected_pks
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
@@ -57,18 +58,13 @@ def pks(catalog: Catalog, info: CollectionInfo, as_of: object = None) -> list[in
     return sorted(found)
 
 
-def live(produced: Produced) -> list[int]:
-    deleted = set(produced.deleted)
-    return sorted(pk for pk in produced.table["pk"].to_pylist() if pk not in deleted)
-
-
 def test_a_read_right_after_produce_returns_what_was_written_before_any_sync(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)
     catalog = Catalog(System(settings, store, storage))
-    assert pks(catalog, collection) == live(produced)
+    assert pks(catalog, collection) == expected_pks(produced)
     rows = catalog.read_collection(collection.name)
     assert set(rows["segment_id"]) and rows["vec"].map(len).eq(SCHEMA.fields[1].dim * 4).all()
     # the same rows, column for column, once they are in binlogs
@@ -97,7 +93,7 @@ def test_every_row_is_read_once_in_log_growing_invisible_and_sorted_segments(
     produce(producer, collection.name, produced, 200, start_pk=30_000, deletes=7)  # only in the log
     states = {(s.state, s.is_invisible, s.is_sorted) for s in segments(store, collection)}
     assert (SegmentState.GROWING, False, False) in states and (SegmentState.FLUSHED, False, True) in states
-    assert pks(catalog, collection) == live(produced)
+    assert pks(catalog, collection) == expected_pks(produced)
 
 
 def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
@@ -120,7 +116,7 @@ def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
     assert done.returncode < 0, "killed at the failpoint"
     assert any(s.binlogs for s in segments(store, collection)), "segment meta committed"
     # Rows now both in binlogs and in the log after the (old) checkpoint: read once.
-    assert pks(Catalog(System(settings, store, storage)), collection) == live(produced)
+    assert pks(Catalog(System(settings, store, storage)), collection) == expected_pks(produced)
 
 
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
@@ -139,9 +135,9 @@ def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
     producer.flush(collection.name)
     sync_all(store, storage, travel, collection)
     catalog = Catalog(System(travel, store, storage))
-    assert pks(catalog, collection, as_of=t1) == live(first)
+    assert pks(catalog, collection, as_of=t1) == expected_pks(first)
     assert pks(catalog, collection, as_of=iso(t1)) == pks(catalog, collection, as_of=t1 - (t1 & 0x3FFFF))
-    everything = set(live(first)) | set(live(later))
+    everything = set(expected_pks(first)) | set(expected_pks(later))
     assert pks(catalog, collection) == sorted(everything - set(range(10, 40)))
 
 
@@ -167,13 +163,13 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
     live_rows = sum(s.num_rows for s in segments(store, collection) if s.state is not SegmentState.DROPPED)
     assert live_rows == 400 - 50, "the deleted rows were removed physically"
     catalog = Catalog(system)
-    assert pks(catalog, collection, as_of=t1) == live(produced)
-    assert pks(catalog, collection) == [pk for pk in live(produced) if pk >= 50]
+    assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
+    assert pks(catalog, collection) == [pk for pk in expected_pks(produced) if pk >= 50]
     # GC keeps what a read in the window needs, even past its drop tolerance
     GarbageCollector(replace(system, settings=replace(travel, gc_drop_tolerance=0.0))).run()
     dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
     assert dropped and all(storage.exists(p) for s in dropped for p in segment_paths(s))
-    assert pks(catalog, collection, as_of=t1) == live(produced)
+    assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
 
 
 def test_bad_as_of_values_are_refused_naming_the_reason(

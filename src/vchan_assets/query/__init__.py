@@ -7,11 +7,14 @@ Owns:
 - `reads`: rows of one segment or of a whole collection as Arrow tables, deletes applied
   (Milvus' rule: a delete removes the older rows of its pk in its partition). The
   catalog's `read_segment` / `read_collection` and the Spark source read through it.
+- `asof`: reads at a timestamp (`as_of`, default now): the time checked against the
+  time-travel window, segment meta as it stood then, and the log after each checkpoint.
 - `spark_source`: `spark.read.format("vchan")`, PySpark's Python data source over the same
   rows; `spark_source.spark_session(system)` is a session with it registered, and
   `spark_source.register(spark)` registers it on any other session. (Imported on its
   own: it imports pyspark, which the pandas readers do not need.)
-- Next here: reads at a timestamp, pruning by segment stats, streaming reads and search.
+- Next here: pruning by segment stats, the log tail in the Spark source, streaming reads
+  and search.
 
 May import: the domain below it (datacoord, datanode, lifecycle, imports, wal, meta,
 storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.
