@@ -8,9 +8,10 @@ directory, so both see the same machine load:
 - **without**: rounds only (insert `--rows` rows over 2 vchannels, delete 1% of the live
   pks chosen at random among all earlier rounds, flush, sync both channels);
 - **with**: the same rounds, and beside them a real `vchan datacoord --engine local`
-  process running the lifecycle: sort after flush every second, the full step (L0 and
-  size-tiered mix compaction) and garbage collection every 10 s, dropped segments
-  collected 30 s after their drop, log files 30 s after the checkpoint passed them.
+  process running the lifecycle: each flushed segment pushed to the sort by an etcd watch
+  as its flush commits, the full step (L0 and size-tiered mix compaction) and garbage
+  collection every 10 s, dropped segments collected 30 s after their drop (and the
+  time-travel window shortened to match), log files 30 s after the checkpoint passed them.
 
 One round starts every `--period` seconds (at once if the previous one took longer), so
 both runs write the same data. Every 30 s and at the end: live segments, binlog files
@@ -85,13 +86,16 @@ def figures(store: MetaStore, storage: Storage, live_rows: int) -> dict[str, Any
 
 class SortLatency(threading.Thread):
     """Polls segment meta: when a Flushed L1 segment first appears unsorted, and when it is
-    Dropped (replaced by a sorted or merged one): the flush-to-sorted time."""
+    Dropped (replaced by a sorted or merged one): the flush-to-sorted time. Also, from the
+    meta itself (no poller in it), its flush time to its replacement's commit
+    (`flushed_at` -> `dropped_at`)."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(daemon=True)
         self.store = MetaStore.connect(settings)
         self.seen: dict[int, float] = {}
         self.seconds: list[float] = []
+        self.exact: dict[int, float] = {}
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -104,6 +108,8 @@ class SortLatency(threading.Thread):
                     self.seen[s.id] = now
                 elif s.state is SegmentState.DROPPED and s.id in self.seen:
                     self.seconds.append(now - self.seen.pop(s.id))
+                if s.state is SegmentState.DROPPED and s.flushed_at and s.dropped_at:
+                    self.exact[s.id] = s.dropped_at - s.flushed_at
 
     def summary(self) -> dict[str, float | int]:
         self.halt.set()
@@ -112,12 +118,21 @@ class SortLatency(threading.Thread):
         xs = sorted(self.seconds)
         if not xs:
             return {"sorted": 0}
+        exact = sorted(self.exact.values())
         return {
             "sorted": len(xs),
             "median_s": round(statistics.median(xs), 2),
             "p95_s": round(xs[int(0.95 * (len(xs) - 1))], 2),
             "max_s": round(xs[-1], 2),
             "unsorted_at_end": len(self.seen),
+            **(
+                {
+                    "meta_median_s": round(statistics.median(exact), 2),
+                    "meta_p95_s": round(exact[int(0.95 * (len(exact) - 1))], 2),
+                }
+                if exact
+                else {}
+            ),
         }
 
 
