@@ -524,8 +524,8 @@ class Catalog:
         time or a datetime within VCHAN_TIME_TRAVEL), wherever it lives: the segments the
         query views serve and the log after each checkpoint (`query.reads.read_collection`),
         with `segment_id` and `partition_id` columns, deletes at or before `as_of` applied
-        per partition: a pandas DataFrame (or an Arrow table with `as_arrow`). The persisted
-        rows as a Spark DataFrame: `spark_collection`."""
+        per partition: a pandas DataFrame (or an Arrow table with `as_arrow`). The same rows
+        as a Spark DataFrame: `spark_collection(name, as_of=...)`."""
         info = self.collection(name)
         table = reads.read_collection(self.system, info, apply_deletes, with_vectors, as_of=as_of)
         return table if as_arrow else table.to_pandas()
@@ -535,7 +535,7 @@ class Catalog:
     ) -> Any:
         """The rows of `read_collection` as a Spark DataFrame (`format("vchan")` on this
         catalog's etcd and storage; deletes always applied, vectors as array<float>);
-        `options` are the data source's (partition, segments, fields, vectors, task_mb)."""
+        `options` are the data source's (partition, segments, fields, vectors, task_mb, as_of)."""
         from vchan_assets.query.spark_source import read_options, spark_session
 
         info = self.collection(name)  # fails here, naming the collection, if it is unknown

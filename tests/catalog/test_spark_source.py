@@ -3,6 +3,7 @@ etcd, real binlogs, a real local Spark (and a Spark Connect server)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,10 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.query.spark_source import ReadOptionError, ReadRequest, spark_session, vectors_as_lists
+from vchan_assets.system import System
+from vchan_assets.wal.producer import Producer, generate_rows
 
-from .helpers import Known
+from .helpers import SCHEMA, Known
 
 
 @pytest.fixture
@@ -133,3 +136,33 @@ def test_vectors_become_float_lists_without_copying_rows() -> None:
     assert lists.to_pylist() == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
     with_null = pa.array([floats[:4].tobytes(), None], pa.binary(16))
     assert vectors_as_lists(with_null, 4).to_pylist() == [[0.0, 1.0, 2.0, 3.0], None]
+
+
+def test_the_spark_source_reads_the_log_tail_and_reads_at_a_timestamp_like_read_collection(
+    catalog: Catalog, known: Known, spark: object, settings: Settings, store: MetaStore
+) -> None:
+    producer = Producer(catalog.system)
+    before = max(
+        a.timestamp
+        for a in producer.insert(known.info.name, generate_rows(SCHEMA, 5, start_pk=0, seed=3)).values()
+    )
+    # Not synced: new rows in both partitions, and deletes of persisted and of new rows.
+    producer.insert(known.info.name, generate_rows(SCHEMA, 40, start_pk=5000, seed=9))
+    producer.insert(known.info.name, generate_rows(SCHEMA, 10, start_pk=6000, seed=8), partition="p1")
+    producer.delete(known.info.name, [60, 61, 5000, 5001], partition="_default")
+    now = _sorted(catalog.read_collection(known.info.name))
+    assert {5002, 6000, 0} <= set(now["pk"]) and not {60, 61, 5000} & set(now["pk"])
+    got = _sorted(catalog.spark_collection(known.info.name).toPandas())
+    got["vec"] = _as_pandas_vectors(got, "vec")
+    pd.testing.assert_frame_equal(got, now, check_dtype=False)
+    p1 = catalog.spark_collection(known.info.name, partition="p1", fields="n").toPandas()
+    assert set(p1["pk"]) == set(now[now["partition_id"] == known.info.partitions[1]]["pk"])
+
+    travel = Catalog(System(replace(settings, time_travel=600.0), store, catalog.storage))
+    then = _sorted(travel.read_collection(known.info.name, as_of=before))
+    assert set(then["pk"]) == known.visible
+    at = _sorted(travel.spark_collection(known.info.name, as_of=str(before)).toPandas())
+    at["vec"] = _as_pandas_vectors(at, "vec")
+    pd.testing.assert_frame_equal(at, then, check_dtype=False)
+    with pytest.raises(Exception, match="cannot read as of 'yesterday': not a timestamp"):
+        catalog.spark_collection(known.info.name, as_of="yesterday").collect()

@@ -13,8 +13,7 @@ Owns:
   rows; `spark_source.spark_session(system)` is a session with it registered, and
   `spark_source.register(spark)` registers it on any other session. (Imported on its
   own: it imports pyspark, which the pandas readers do not need.)
-- Next here: pruning by segment stats, the log tail in the Spark source, streaming reads
-  and search.
+- Next here: pruning by segment stats, streaming reads and search.
 
 May import: the domain below it (datacoord, datanode, lifecycle, imports, wal, meta,
 storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.

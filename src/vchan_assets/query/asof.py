@@ -41,7 +41,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
-from vchan_assets.wal.reader import WalReader
+from vchan_assets.wal.reader import WalReader, read_log_file
 
 # Hybrid timestamps are physical milliseconds << 18: anything below this is no such time.
 _SMALLEST_TS = compose_ts(1_000_000_000_000)  # 2001-09-09
@@ -141,44 +141,110 @@ class LogTail:
     deletes: Mapping[int, pa.Table]  # partition id -> pk, timestamp
 
 
+def _tail_messages(
+    storage: Storage, info: CollectionInfo, vchannel: str, after_offset: int, ts: int, columns: list[str]
+) -> pa.Table:
+    """The messages after `after_offset` at or before `ts`: offset, msg_type, timestamp and
+    `columns`, validated; log files that start after `ts` are not opened."""
+    reader = WalReader(storage, vchannel, info)
+    tables = []
+    for f in reader.files_after(after_offset):
+        if f.first_timestamp is not None and f.first_timestamp > ts:
+            break  # timestamps grow with offsets on a channel
+        table = read_log_file(storage, f.key, info.schema, columns)
+        if f.first_offset <= after_offset:
+            table = table.slice(after_offset + 1 - f.first_offset)
+        tables.append(table)
+    if not tables:
+        return pa.schema(
+            [reader.schema.field(n) for n in ("offset", "msg_type", "timestamp", *columns)]
+        ).empty_table()
+    log = pa.concat_tables(tables)
+    return log.filter(pc.less_equal(log["timestamp"], ts))
+
+
+def _deletes_by_partition(log: pa.Table, pk: str) -> dict[int, pa.Table]:
+    deletes = log.filter(pc.equal(log["msg_type"], MsgType.DELETE.value))
+    parts = pc.fill_null(deletes["partition_id"], -1)
+    return {
+        int(part): deletes.filter(pc.equal(parts, part))
+        .select([pk, "timestamp"])
+        .rename_columns(["pk", "timestamp"])
+        for part in pc.unique(parts).to_pylist()
+    }
+
+
+@dataclass(frozen=True)
+class TailPlan:
+    """What a read plans from a vchannel's log tail without reading its fields: the deletes
+    by partition, and how many inserts no segment holds yet."""
+
+    deletes: Mapping[int, pa.Table]
+    inserts: int
+
+
+def plan_tail(
+    storage: Storage,
+    info: CollectionInfo,
+    vchannel: str,
+    after_offset: int,
+    persisted: Mapping[int, int],
+    ts: int,
+) -> TailPlan:
+    """The tail's deletes and its count of fresh inserts, at or before `ts` (only the pk,
+    partition and segment columns of the log are read)."""
+    pk = info.schema.primary.name
+    log = _tail_messages(storage, info, vchannel, after_offset, ts, [pk, "partition_id", "segment_id"])
+    inserts = _fresh_inserts(log, persisted)
+    return TailPlan(_deletes_by_partition(log, pk), inserts.num_rows)
+
+
+def _fresh_inserts(log: pa.Table, persisted: Mapping[int, int]) -> pa.Table:
+    """The inserts of `log` above their segment's dml offset (`persisted`): in no binlog yet."""
+    inserts = log.filter(pc.equal(log["msg_type"], MsgType.INSERT.value))
+    if not persisted or not inserts.num_rows:
+        return inserts
+    seg_ids = pa.array(list(persisted), pa.int64())
+    dml = pa.array(list(persisted.values()), pa.int64()).take(pc.index_in(inserts["segment_id"], seg_ids))
+    fresh = pc.or_kleene(pc.is_null(dml), pc.greater(inserts["offset"], dml))
+    return inserts.filter(pc.fill_null(fresh, True))
+
+
 def log_tail(
     storage: Storage,
     info: CollectionInfo,
     vchannel: str,
     after_offset: int,
-    segments: Iterable[SegmentInfo],
+    persisted: Mapping[int, int],
     ts: int,
     with_vectors: bool = True,
 ) -> LogTail:
-    """The inserts after `after_offset` (the checkpoint) that no segment's binlogs hold yet,
-    and the deletes after it, all at or before `ts`."""
-    reader = WalReader(storage, vchannel, info)
-    files = [
-        f for f in reader.files_after(after_offset) if f.first_timestamp is None or f.first_timestamp <= ts
-    ]
-    log = reader.read(after_offset, files[-1].last_offset) if files else reader.schema.empty_table()
-    log = log.filter(pc.less_equal(log["timestamp"], ts))
-    pk = info.schema.primary.name
-    deletes_of = log.filter(pc.equal(log["msg_type"], MsgType.DELETE.value))
-    deletes = {
-        int(part): deletes_of.filter(pc.equal(deletes_of["partition_id"], part))
-        .select([pk, "timestamp"])
-        .rename_columns(["pk", "timestamp"])
-        for part in pc.unique(deletes_of["partition_id"]).to_pylist()
-    }
-    inserts = log.filter(pc.equal(log["msg_type"], MsgType.INSERT.value))
-    persisted = {s.id: s.dml_position.offset for s in segments if s.vchannel == vchannel and s.dml_position}
-    if persisted and inserts.num_rows:
-        seg_ids = pa.array(list(persisted), pa.int64())
-        dml = pa.array(list(persisted.values()), pa.int64()).take(pc.index_in(inserts["segment_id"], seg_ids))
-        fresh = pc.or_kleene(pc.is_null(dml), pc.greater(inserts["offset"], dml))
-        inserts = inserts.filter(pc.fill_null(fresh, True))
+    """The inserts after `after_offset` (the checkpoint) that no segment's binlogs hold yet
+    (`persisted`: segment id -> its dml offset), and the deletes after it, all at or before
+    `ts`."""
     # In the order of a segment's column groups: the pk and the scalars, then each vector.
     scalars = [f.name for f in user_fields(info.schema) if not _is_vector(info, f.name)]
     vectors = [f.name for f in user_fields(info.schema) if with_vectors and _is_vector(info, f.name)]
     fields = scalars + vectors
+    log = _tail_messages(storage, info, vchannel, after_offset, ts, [*fields, "segment_id", "partition_id"])
+    inserts = _fresh_inserts(log, persisted)
     rows = inserts.select(["offset", "timestamp", *fields, "segment_id", "partition_id"])
-    return LogTail(rows.rename_columns(["row_id", *rows.column_names[1:]]), deletes)
+    rows = rows.rename_columns(["row_id", *rows.column_names[1:]])
+    return LogTail(rows, _deletes_by_partition(log, info.schema.primary.name))
+
+
+def persisted_offsets(segments: Iterable[SegmentInfo], vchannel: str) -> dict[int, int]:
+    """Segment id -> the offset up to which its binlogs hold its rows (its dml position),
+    for the segments of `vchannel`: a log insert at or below it is already read from there."""
+    return {s.id: s.dml_position.offset for s in segments if s.vchannel == vchannel and s.dml_position}
+
+
+def at_or_before(table: pa.Table, ts: int) -> pa.Table:
+    """The rows (or deletes) with a timestamp at or before `ts`."""
+    if table.num_rows == 0:
+        return table
+    keep = pc.less_equal(table["timestamp"], ts)
+    return table if pc.all(keep).as_py() else table.filter(keep)
 
 
 def _is_vector(info: CollectionInfo, name: str) -> bool:

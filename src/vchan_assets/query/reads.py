@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
-from vchan_assets.query.asof import log_tail, resolve_as_of, segments_at
+from vchan_assets.query.asof import at_or_before, log_tail, persisted_offsets, resolve_as_of, segments_at
 from vchan_assets.query.view import collection_segments, collection_views, delete_paths, readable_ids
 from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
 from vchan_assets.system import System
@@ -61,7 +61,7 @@ def read_collection(
     for seg in segments:  # in key order, as listed
         if seg.id not in served:
             continue
-        table = _at_or_before(segment_rows(system.storage, seg, with_vectors), ts)
+        table = at_or_before(segment_rows(system.storage, seg, with_vectors), ts)
         n = table.num_rows
         table = table.append_column("segment_id", pa.array([seg.id] * n, pa.int64()))
         table = table.append_column("partition_id", pa.array([seg.partition_id] * n, pa.int64()))
@@ -69,7 +69,8 @@ def read_collection(
     tail_deletes: dict[int, list[pa.Table]] = {}
     for view in views:
         after = view.checkpoint.offset if view.checkpoint else -1
-        tail = log_tail(system.storage, info, view.vchannel, after, segments, ts, with_vectors)
+        persisted = persisted_offsets(segments, view.vchannel)
+        tail = log_tail(system.storage, info, view.vchannel, after, persisted, ts, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
             pieces.append((part, tail.rows.filter(pc.equal(tail.rows["partition_id"], part))))
         for part, found in tail.deletes.items():
@@ -79,17 +80,9 @@ def read_collection(
         for part in {p for p, _ in pieces}:
             persisted = read_deletes(system.storage, delete_paths(views, part))
             both = pa.concat_tables([persisted, *tail_deletes.get(part, [])], promote_options="permissive")
-            deletes[part] = _at_or_before(both, ts)
+            deletes[part] = at_or_before(both, ts)
         pk = info.schema.primary.name
         pieces = [(part, apply_deletes_to(table, deletes[part], pk)) for part, table in pieces]
     if pieces:
         return pa.concat_tables([t for _, t in pieces], promote_options="permissive")
     return pa.table({info.schema.primary.name: pa.array([], pa.int64())})
-
-
-def _at_or_before(table: pa.Table, ts: int) -> pa.Table:
-    """The rows (or deletes) with a timestamp at or before `ts`."""
-    if table.num_rows == 0:
-        return table
-    keep = pc.less_equal(table["timestamp"], ts)
-    return table if pc.all(keep).as_py() else table.filter(keep)

@@ -8,12 +8,14 @@
           .option("fields", "pk,title")      # optional: the user fields to read
           .option("vectors", "array")        # array<float> (default) or binary (float32 LE)
           .option("task_mb", "128")          # binlog MB per Spark task; 0: one task per segment
+          .option("as_of", "2026-11-25T20:30:00Z")  # optional: a time or hybrid timestamp; default now
           .load())
 
-The rows are what `Catalog.read_collection` returns: the segments the query views of the
-collection's vchannels serve (`query.view`), with Milvus' delete rule applied per
+The rows are what `Catalog.read_collection` returns (`query.asof`): at `as_of`, the
+segments the query views of the collection's vchannels serve (`query.view`) and the log
+after each checkpoint that no segment holds yet, with Milvus' delete rule applied per
 partition (a delete removes the rows of its pk in its partition that are older than it),
-plus `segment_id` and `partition_id`.
+plus `segment_id` and `partition_id`. With `segments`, only those segments (no log).
 
 Layout: planning (in a Spark Python worker) reads the segment meta from etcd once, makes
 the query views, and groups the segments they serve into Spark partitions of about `task_mb` of binlogs each, at least
@@ -21,7 +23,9 @@ two per Spark core (`VCHAN_SPARK_PARTITIONS`) while there are segments: a Python
 costs a few hundred milliseconds however little it reads, so small segments share one.
 Each task reads only its segments' binlogs (the vector column groups only when a vector
 field is asked for) and, once, the delta logs of their partitions, then yields Arrow
-batches segment by segment. Nothing goes through Python rows.
+batches segment by segment. Each vchannel's log tail is one more task; the tail's deletes
+(the pk and partition columns of the log only) are read at planning and travel with every
+task. Nothing goes through Python rows.
 
 Connection: options named like the environment variables (`VCHAN_ETCD_ENDPOINTS`,
 `VCHAN_STORAGE_URI`, ...; any case) override the worker's environment;
@@ -41,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import (
     ArrayType,
@@ -60,7 +65,15 @@ from pyspark.sql.types import (
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
-from vchan_assets.query.view import QueryView, collection_views, delete_paths
+from vchan_assets.query.asof import (
+    at_or_before,
+    log_tail,
+    persisted_offsets,
+    plan_tail,
+    resolve_as_of,
+    segments_at,
+)
+from vchan_assets.query.view import QueryView, collection_segments, collection_views, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
@@ -98,6 +111,7 @@ class ReadRequest:
     fields: tuple[str, ...] = ()
     vectors: str = "array"
     task_mb: float = TASK_MB
+    as_of: str = ""  # empty: now
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ReadRequest:
@@ -126,6 +140,7 @@ class ReadRequest:
             _names(opts.get("fields", "")),
             vectors,
             mb,
+            opts.get("as_of", "").strip(),
         )
 
 
@@ -175,6 +190,15 @@ class SegmentsPartition(InputPartition):
         super().__init__(tuple(s.id for s in segments))
         self.segments = tuple(segments)
         self.delete_paths = {partition: tuple(paths) for partition, paths in delete_paths.items()}
+
+
+class TailPartition(InputPartition):
+    """One Spark partition: a vchannel's log after its checkpoint, the inserts no segment
+    holds yet (`persisted`: segment id -> dml offset)."""
+
+    def __init__(self, vchannel: str, after_offset: int, persisted: Mapping[int, int]) -> None:
+        super().__init__(vchannel)
+        self.vchannel, self.after_offset, self.persisted = vchannel, after_offset, dict(persisted)
 
 
 def plan_partitions(
@@ -260,23 +284,36 @@ def read_segment(
     fields: Sequence[FieldSchema],
     pk: str,
     vectors: str,
+    ts: int | None = None,
 ) -> pa.Table:
-    """The live rows of one segment (`deletes`: its partition's) as the Spark schema expects them."""
+    """The live rows of one segment (`deletes`: its partition's; rows after `ts` left out)
+    as the Spark schema expects them."""
     wants_vectors = any(f.is_vector for f in fields)
     table = segment_rows(storage, seg, with_vectors=wants_vectors)
+    if ts is not None:
+        table = at_or_before(table, ts)
     table = apply_deletes_to(table, deletes, pk)
+    missing = [f.name for f in fields if f.name not in table.column_names]
+    if missing:
+        raise SegmentColumnError(seg, missing[0], table.column_names)
     n = table.num_rows
+    table = table.append_column("segment_id", pa.array(np.full(n, seg.id, np.int64)))
+    table = table.append_column("partition_id", pa.array(np.full(n, seg.partition_id, np.int64)))
+    return spark_rows(table, fields, vectors)
+
+
+def spark_rows(table: pa.Table, fields: Sequence[FieldSchema], vectors: str) -> pa.Table:
+    """Rows (row_id, timestamp, the fields, segment_id, partition_id) as the Spark schema
+    expects them: the fields asked for, vectors as lists or plain binary."""
     columns: dict[str, pa.Array | pa.ChunkedArray] = {name: table[name] for name in META_COLUMNS}
     for f in fields:
-        if f.name not in table.column_names:
-            raise SegmentColumnError(seg, f.name, table.column_names)
         col = table[f.name]
         if f.is_vector:
             assert f.dim is not None
             col = vectors_as_lists(col, f.dim) if vectors == "array" else col.cast(pa.binary())
         columns[f.name] = col
-    columns["segment_id"] = pa.array(np.full(n, seg.id, np.int64))
-    columns["partition_id"] = pa.array(np.full(n, seg.partition_id, np.int64))
+    for name in LOCATION_COLUMNS:
+        columns[name] = table[name]
     return pa.table(columns)
 
 
@@ -310,32 +347,82 @@ class VchanReader(DataSourceReader):
     def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
         self.request = ReadRequest.from_options(options)
         settings = settings_from_options(options)
+        self.storage = Storage.from_settings(settings)
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
-            views = collection_views(stack.store, info)
+            self.ts = resolve_as_of(stack.store, settings, info, self.request.as_of or None)
+            segments = segments_at(collection_segments(stack.store, info.id), self.ts)
+            views = collection_views(stack.store, info, segments)
+        self.info = info
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
-        self.parts = plan_partitions(
-            info,
-            views,
-            self.request,
-            min_tasks=TASKS_PER_CORE * settings.spark_partitions,
-            with_vectors=any(f.is_vector for f in self.fields),
+        with_vectors = any(f.is_vector for f in self.fields)
+        parts: list[InputPartition] = list(
+            plan_partitions(
+                info,
+                views,
+                self.request,
+                min_tasks=TASKS_PER_CORE * settings.spark_partitions,
+                with_vectors=with_vectors,
+            )
         )
+        self.partition_ids = _partition_ids(info, self.request.partitions)
+        self.delete_paths = {p: tuple(delete_paths(views, p)) for p in info.partitions}
+        self.tail_deletes: dict[int, list[pa.Table]] = {}
+        if not self.request.segments:  # a read of chosen segments reads no log
+            for view in views:
+                after = view.checkpoint.offset if view.checkpoint else -1
+                persisted = persisted_offsets(segments, view.vchannel)
+                tail = plan_tail(self.storage, info, view.vchannel, after, persisted, self.ts)
+                for part, found in tail.deletes.items():
+                    self.tail_deletes.setdefault(part, []).append(found)
+                if tail.inserts:
+                    parts.append(TailPartition(view.vchannel, after, persisted))
+        self.parts = parts
         self.pk = info.schema.primary.name
-        self.storage = Storage.from_settings(settings)
 
     def partitions(self) -> Sequence[InputPartition]:
         return self.parts
 
+    def _deletes(self, partition_id: int) -> pa.Table:
+        persisted = read_deletes(self.storage, self.delete_paths.get(partition_id, ()))
+        found = pa.concat_tables(
+            [persisted, *self.tail_deletes.get(partition_id, [])], promote_options="permissive"
+        )
+        return at_or_before(found, self.ts)
+
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if isinstance(partition, TailPartition):
+            yield from self._read_tail(partition)
+            return
         assert isinstance(partition, SegmentsPartition)
-        deletes = {p: read_deletes(self.storage, paths) for p, paths in partition.delete_paths.items()}
+        deletes = {p: self._deletes(p) for p in partition.delete_paths}
         for seg in partition.segments:  # one segment's rows in memory at a time
             table = read_segment(
-                self.storage, seg, deletes[seg.partition_id], self.fields, self.pk, self.request.vectors
+                self.storage,
+                seg,
+                deletes[seg.partition_id],
+                self.fields,
+                self.pk,
+                self.request.vectors,
+                self.ts,
             )
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
+
+    def _read_tail(self, partition: TailPartition) -> Iterator[pa.RecordBatch]:
+        with_vectors = any(f.is_vector for f in self.fields)
+        tail = log_tail(
+            self.storage, self.info, partition.vchannel, partition.after_offset, partition.persisted, self.ts,
+            with_vectors,
+        )  # fmt: skip
+        for part in pc.unique(tail.rows["partition_id"]).to_pylist():
+            if self.partition_ids and part not in self.partition_ids:
+                continue
+            rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
+            rows = apply_deletes_to(rows, self._deletes(part), self.pk)
+            yield from spark_rows(rows, self.fields, self.request.vectors).to_batches(
+                max_chunksize=BATCH_ROWS
+            )
 
 
 class VchanDataSource(DataSource):
