@@ -38,7 +38,7 @@ from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState, compose_ts, physical_ms
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
 from vchan_assets.wal.reader import WalReader, read_log_file
@@ -141,26 +141,71 @@ class LogTail:
     deletes: Mapping[int, pa.Table]  # partition id -> pk, timestamp
 
 
-def _tail_messages(
-    storage: Storage, info: CollectionInfo, vchannel: str, after_offset: int, ts: int, columns: list[str]
-) -> pa.Table:
-    """The messages after `after_offset` at or before `ts`: offset, msg_type, timestamp and
-    `columns`, validated; log files that start after `ts` are not opened."""
-    reader = WalReader(storage, vchannel, info)
-    tables = []
-    for f in reader.files_after(after_offset):
-        if f.first_timestamp is not None and f.first_timestamp > ts:
-            break  # timestamps grow with offsets on a channel
-        table = read_log_file(storage, f.key, info.schema, columns)
-        if f.first_offset <= after_offset:
-            table = table.slice(after_offset + 1 - f.first_offset)
-        tables.append(table)
-    if not tables:
-        return pa.schema(
-            [reader.schema.field(n) for n in ("offset", "msg_type", "timestamp", *columns)]
-        ).empty_table()
-    log = pa.concat_tables(tables)
-    return log.filter(pc.less_equal(log["timestamp"], ts))
+@dataclass(frozen=True)
+class TailPlan:
+    """What a read plans from a vchannel's log tail without reading its fields: the deletes
+    by partition, and how many inserts no segment holds yet."""
+
+    deletes: Mapping[int, pa.Table]
+    inserts: int
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A vchannel's log after `after_offset` (its checkpoint) up to `ts`; `persisted`:
+    segment id -> the offset up to which its binlogs hold its rows."""
+
+    vchannel: str
+    after_offset: int
+    persisted: Mapping[int, int]
+    ts: int
+
+    def plan(self, storage: Storage, info: CollectionInfo) -> TailPlan:
+        """The deletes and the count of fresh inserts (only the pk, partition and segment
+        columns of the log are read)."""
+        pk = info.schema.primary.name
+        log = self._messages(storage, info, [pk, "partition_id", "segment_id"])
+        return TailPlan(_deletes_by_partition(log, pk), self._fresh_inserts(log).num_rows)
+
+    def read(self, storage: Storage, info: CollectionInfo, with_vectors: bool = True) -> LogTail:
+        """The inserts that no segment's binlogs hold yet, and the deletes."""
+        # In the order of a segment's column groups: the pk and the scalars, then each vector.
+        scalars = [f.name for f in user_fields(info.schema) if not _is_vector(info, f.name)]
+        vectors = [f.name for f in user_fields(info.schema) if with_vectors and _is_vector(info, f.name)]
+        fields = scalars + vectors
+        log = self._messages(storage, info, [*fields, "segment_id", "partition_id"])
+        rows = self._fresh_inserts(log).select(["offset", "timestamp", *fields, "segment_id", "partition_id"])
+        rows = rows.rename_columns(["row_id", *rows.column_names[1:]])
+        return LogTail(rows, _deletes_by_partition(log, info.schema.primary.name))
+
+    def _messages(self, storage: Storage, info: CollectionInfo, columns: list[str]) -> pa.Table:
+        """The messages at or before `ts`: offset, msg_type, timestamp and `columns`,
+        validated; log files that start after `ts` are not opened."""
+        reader = WalReader(storage, self.vchannel, info)
+        tables = []
+        for f in reader.files_after(self.after_offset):
+            if f.first_timestamp is not None and f.first_timestamp > self.ts:
+                break  # timestamps grow with offsets on a channel
+            table = read_log_file(storage, f.key, info.schema, columns)
+            if f.first_offset <= self.after_offset:
+                table = table.slice(self.after_offset + 1 - f.first_offset)
+            tables.append(table)
+        if not tables:
+            names = ("offset", "msg_type", "timestamp", *columns)
+            return pa.schema([reader.schema.field(n) for n in names]).empty_table()
+        log = pa.concat_tables(tables)
+        return log.filter(pc.less_equal(log["timestamp"], self.ts))
+
+    def _fresh_inserts(self, log: pa.Table) -> pa.Table:
+        """The inserts above their segment's dml offset: in no binlog yet."""
+        inserts = log.filter(pc.equal(log["msg_type"], MsgType.INSERT.value))
+        if not self.persisted or not inserts.num_rows:
+            return inserts
+        seg_ids = pa.array(list(self.persisted), pa.int64())
+        dml = pa.array(list(self.persisted.values()), pa.int64())
+        found = dml.take(pc.index_in(inserts["segment_id"], seg_ids))
+        fresh = pc.or_kleene(pc.is_null(found), pc.greater(inserts["offset"], found))
+        return inserts.filter(pc.fill_null(fresh, True))
 
 
 def _deletes_by_partition(log: pa.Table, pk: str) -> dict[int, pa.Table]:
@@ -174,63 +219,14 @@ def _deletes_by_partition(log: pa.Table, pk: str) -> dict[int, pa.Table]:
     }
 
 
-@dataclass(frozen=True)
-class TailPlan:
-    """What a read plans from a vchannel's log tail without reading its fields: the deletes
-    by partition, and how many inserts no segment holds yet."""
-
-    deletes: Mapping[int, pa.Table]
-    inserts: int
-
-
-def plan_tail(
-    storage: Storage,
-    info: CollectionInfo,
-    vchannel: str,
-    after_offset: int,
-    persisted: Mapping[int, int],
-    ts: int,
-) -> TailPlan:
-    """The tail's deletes and its count of fresh inserts, at or before `ts` (only the pk,
-    partition and segment columns of the log are read)."""
-    pk = info.schema.primary.name
-    log = _tail_messages(storage, info, vchannel, after_offset, ts, [pk, "partition_id", "segment_id"])
-    inserts = _fresh_inserts(log, persisted)
-    return TailPlan(_deletes_by_partition(log, pk), inserts.num_rows)
-
-
-def _fresh_inserts(log: pa.Table, persisted: Mapping[int, int]) -> pa.Table:
-    """The inserts of `log` above their segment's dml offset (`persisted`): in no binlog yet."""
-    inserts = log.filter(pc.equal(log["msg_type"], MsgType.INSERT.value))
-    if not persisted or not inserts.num_rows:
-        return inserts
-    seg_ids = pa.array(list(persisted), pa.int64())
-    dml = pa.array(list(persisted.values()), pa.int64()).take(pc.index_in(inserts["segment_id"], seg_ids))
-    fresh = pc.or_kleene(pc.is_null(dml), pc.greater(inserts["offset"], dml))
-    return inserts.filter(pc.fill_null(fresh, True))
-
-
-def log_tail(
-    storage: Storage,
-    info: CollectionInfo,
-    vchannel: str,
-    after_offset: int,
-    persisted: Mapping[int, int],
-    ts: int,
-    with_vectors: bool = True,
-) -> LogTail:
-    """The inserts after `after_offset` (the checkpoint) that no segment's binlogs hold yet
-    (`persisted`: segment id -> its dml offset), and the deletes after it, all at or before
-    `ts`."""
-    # In the order of a segment's column groups: the pk and the scalars, then each vector.
-    scalars = [f.name for f in user_fields(info.schema) if not _is_vector(info, f.name)]
-    vectors = [f.name for f in user_fields(info.schema) if with_vectors and _is_vector(info, f.name)]
-    fields = scalars + vectors
-    log = _tail_messages(storage, info, vchannel, after_offset, ts, [*fields, "segment_id", "partition_id"])
-    inserts = _fresh_inserts(log, persisted)
-    rows = inserts.select(["offset", "timestamp", *fields, "segment_id", "partition_id"])
-    rows = rows.rename_columns(["row_id", *rows.column_names[1:]])
-    return LogTail(rows, _deletes_by_partition(log, info.schema.primary.name))
+def tail_of(
+    view_checkpoint: MsgPosition | None, vchannel: str, segments: Iterable[SegmentInfo], ts: int
+) -> Tail:
+    """The tail a read at `ts` takes from `vchannel`, after its checkpoint (the whole log
+    without one)."""
+    return Tail(
+        vchannel, view_checkpoint.offset if view_checkpoint else -1, persisted_offsets(segments, vchannel), ts
+    )
 
 
 def persisted_offsets(segments: Iterable[SegmentInfo], vchannel: str) -> dict[int, int]:

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
-from vchan_assets.query.asof import at_or_before, log_tail, persisted_offsets, resolve_as_of, segments_at
+from vchan_assets.query.asof import at_or_before, resolve_as_of, segments_at, tail_of
 from vchan_assets.query.view import collection_segments, collection_views, delete_paths, readable_ids
 from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
 from vchan_assets.system import System
@@ -68,9 +68,7 @@ def read_collection(
         pieces.append((seg.partition_id, table))
     tail_deletes: dict[int, list[pa.Table]] = {}
     for view in views:
-        after = view.checkpoint.offset if view.checkpoint else -1
-        persisted = persisted_offsets(segments, view.vchannel)
-        tail = log_tail(system.storage, info, view.vchannel, after, persisted, ts, with_vectors)
+        tail = tail_of(view.checkpoint, view.vchannel, segments, ts).read(system.storage, info, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
             pieces.append((part, tail.rows.filter(pc.equal(tail.rows["partition_id"], part))))
         for part, found in tail.deletes.items():

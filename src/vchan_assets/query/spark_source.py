@@ -65,14 +65,7 @@ from pyspark.sql.types import (
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
-from vchan_assets.query.asof import (
-    at_or_before,
-    log_tail,
-    persisted_offsets,
-    plan_tail,
-    resolve_as_of,
-    segments_at,
-)
+from vchan_assets.query.asof import Tail, at_or_before, resolve_as_of, segments_at, tail_of
 from vchan_assets.query.view import QueryView, collection_segments, collection_views, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
@@ -194,11 +187,11 @@ class SegmentsPartition(InputPartition):
 
 class TailPartition(InputPartition):
     """One Spark partition: a vchannel's log after its checkpoint, the inserts no segment
-    holds yet (`persisted`: segment id -> dml offset)."""
+    holds yet."""
 
-    def __init__(self, vchannel: str, after_offset: int, persisted: Mapping[int, int]) -> None:
-        super().__init__(vchannel)
-        self.vchannel, self.after_offset, self.persisted = vchannel, after_offset, dict(persisted)
+    def __init__(self, tail: Tail) -> None:
+        super().__init__(tail.vchannel)
+        self.tail = tail
 
 
 def plan_partitions(
@@ -371,13 +364,12 @@ class VchanReader(DataSourceReader):
         self.tail_deletes: dict[int, list[pa.Table]] = {}
         if not self.request.segments:  # a read of chosen segments reads no log
             for view in views:
-                after = view.checkpoint.offset if view.checkpoint else -1
-                persisted = persisted_offsets(segments, view.vchannel)
-                tail = plan_tail(self.storage, info, view.vchannel, after, persisted, self.ts)
-                for part, found in tail.deletes.items():
+                tail = tail_of(view.checkpoint, view.vchannel, segments, self.ts)
+                plan = tail.plan(self.storage, info)
+                for part, found in plan.deletes.items():
                     self.tail_deletes.setdefault(part, []).append(found)
-                if tail.inserts:
-                    parts.append(TailPartition(view.vchannel, after, persisted))
+                if plan.inserts:
+                    parts.append(TailPartition(tail))
         self.parts = parts
         self.pk = info.schema.primary.name
 
@@ -411,10 +403,7 @@ class VchanReader(DataSourceReader):
 
     def _read_tail(self, partition: TailPartition) -> Iterator[pa.RecordBatch]:
         with_vectors = any(f.is_vector for f in self.fields)
-        tail = log_tail(
-            self.storage, self.info, partition.vchannel, partition.after_offset, partition.persisted, self.ts,
-            with_vectors,
-        )  # fmt: skip
+        tail = partition.tail.read(self.storage, self.info, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
             if self.partition_ids and part not in self.partition_ids:
                 continue
