@@ -285,6 +285,7 @@ class Settings:
     compaction_delete_ratio: float = FROM_TABLE
     compaction_timeout: float = FROM_TABLE
     compaction_plan_retention: float = FROM_TABLE
+    import_job_retention: float = FROM_TABLE
     import_interval: float = FROM_TABLE
     import_buffer_mb: float = FROM_TABLE
     import_timeout: float = FROM_TABLE

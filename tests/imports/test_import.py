@@ -3,6 +3,7 @@ readable like any other rows; the job's meta; the same job id imports once."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,7 +12,8 @@ import pytest
 from vchan_assets import imports
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
-from vchan_assets.imports.jobs import ImportJobConflictError, ImportState, get_job
+from vchan_assets.imports.jobs import ImportJobConflictError, ImportJobNotFoundError, ImportState, get_job
+from vchan_assets.imports.step import import_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
@@ -194,3 +196,20 @@ def test_progress_moves_with_the_finished_tasks_and_is_written_to_the_job(
     importing = [p for state, p in seen if state == "Importing"]
     assert {36, 63, 90} <= set(importing) and importing == sorted(importing)
     assert seen[-1] == ("Completed", 100)
+
+
+def test_a_finished_job_is_deleted_by_the_import_step_after_the_retention_and_kept_before(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer, channels=1)
+    path = write_parquet(tmp_path / "a.parquet", rows(20, 0))
+    job_id = imports.submit(info.name, [str(path)], store=store, settings=settings)
+    job = imports.run(job_id, engine="local", store=store, settings=settings)
+    assert job.state is ImportState.COMPLETED
+    system = System(replace(settings, import_job_retention=60.0), store, storage)
+    assert import_step(system, engine="local", now=job.finished_at + 59).deleted == []
+    assert get_job(store, job_id).model.state is ImportState.COMPLETED
+    assert import_step(system, engine="local", now=job.finished_at + 61).deleted == [job_id]
+    with pytest.raises(ImportJobNotFoundError):
+        get_job(store, job_id)
+    assert visible(store, storage, settings, info).num_rows == 20, "its rows stay"

@@ -1,6 +1,8 @@
 """The DataCoord's import step, the same whoever runs it (the `vchan datacoord` process or
 the Dagster import sensor): start Pending jobs, take over stuck ones, fail those that ran
-out of attempts (the seed's importScheduler and importChecker).
+out of attempts (the seed's importScheduler and importChecker), and delete finished jobs
+older than VCHAN_IMPORT_JOB_RETENTION (as compaction plans are), so meta does not grow with
+history.
 
 A job is stuck when it made no progress (`updated_at`) for VCHAN_IMPORT_TIMEOUT seconds:
 its executor died. Taking it over is safe at any step (see `executor`): a job whose
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from vchan_assets.imports.executor import ImportExecutor
 from vchan_assets.imports.jobs import ImportJobTakenError, ImportState, list_jobs
+from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
@@ -28,6 +31,7 @@ class ImportStepReport:
     resumed: list[int] = field(default_factory=list)  # stuck jobs taken over
     completed: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    deleted: list[int] = field(default_factory=list)  # finished jobs past the retention
 
 
 def import_step(system: System, engine: Engine = "spark", now: float | None = None) -> ImportStepReport:
@@ -38,6 +42,12 @@ def import_step(system: System, engine: Engine = "spark", now: float | None = No
     for d in list_jobs(store):
         j = d.model
         if j.done:
+            if now - j.finished_at > settings.import_job_retention:
+                try:
+                    store.cas(d.kv.key, d.kv.version, None)
+                    report.deleted.append(j.job_id)
+                except CasConflictError:
+                    pass  # changed meanwhile: looked at again by the next step
             continue
         stuck = j.state is not ImportState.PENDING and now - j.updated_at > settings.import_timeout
         if j.state is not ImportState.PENDING and not stuck:
