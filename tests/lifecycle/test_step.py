@@ -159,7 +159,7 @@ def test_the_demo_check_reads_a_segment_the_sort_replaced_from_the_sorted_one(
     Dropped after the flush") though every row was there once, in the sorted segment."""
     info = producer.create_collection(f"demo{uuid.uuid4().hex[:8]}", DEMO_SCHEMA, num_channels=2)
     options = DemoOptions(rows=600, batch=200, deletes=12, channels=2)
-    deleted, _ = produce_demo_data(producer, info.name, options, Console(quiet=True))
+    deleted, _, _ = produce_demo_data(producer, info.name, options, Console(quiet=True))
     sync_all(store, storage, settings, info)
     outcomes = sort_step(System(settings, store, storage), engine="local")
     assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)

@@ -60,8 +60,16 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
         info = create_demo_collection(producer, options.channels, console)
         name = info.name
 
-        deleted, flush_ts = produce_demo_data(producer, name, options, console)
+        deleted, flush_ts, inserted_ts = produce_demo_data(producer, name, options, console)
         console.print(f"produced {options.rows:,} rows and {len(deleted):,} deletes; flush at ts {flush_ts}")
+        check_read(
+            stack,
+            info,
+            "a fresh read, before any sync (every row still in the log)",
+            options.rows,
+            deleted,
+            console,
+        )
 
         ids = IdAllocator(stack.store)
         for vchannel in info.vchannels:
@@ -75,6 +83,15 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
             raise DemoCheckError(f"flush at ts {flush_ts} did not complete")
         check_binlogs(stack.store, stack.storage, info, options.rows, deleted)
         console.print(_summary(stack, info))
+        check_read(
+            stack,
+            info,
+            f"a read at ts {inserted_ts} (after the inserts, before the deletes)",
+            options.rows,
+            [],
+            console,
+            as_of=inserted_ts,
+        )
         _lifecycle(stack, settings, info, options.rows, deleted, console)
         console.print(_summary(stack, info))
         console.print(
@@ -100,20 +117,23 @@ def create_demo_collection(producer: Producer, channels: int, console: Console) 
 
 def produce_demo_data(
     producer: Producer, name: str, options: DemoOptions, console: Console
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int, int]:
     """Insert the demo's rows (with a progress bar), delete some, flush; returns the
-    deleted pks and the flush timestamp."""
+    deleted pks, the flush timestamp and the timestamp of the last insert (before the
+    deletes)."""
+    inserted_ts = 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("producing rows", total=options.rows)
         for start in range(0, options.rows, options.batch):
             n = min(options.batch, options.rows - start)
-            producer.insert(name, generate_rows(SCHEMA, n, start_pk=start, seed=start))
+            appended = producer.insert(name, generate_rows(SCHEMA, n, start_pk=start, seed=start))
+            inserted_ts = max([inserted_ts, *(a.timestamp for a in appended.values())])
             progress.advance(task, n)
     # An odd step spreads the deletes over every vchannel (pks are routed by pk % channels).
     step = max(1, options.rows // max(options.deletes, 1)) | 1
     deleted = list(range(0, options.rows, step))[: options.deletes]
     producer.delete(name, deleted, partition="_default")
-    return deleted, producer.flush(name)
+    return deleted, producer.flush(name), inserted_ts
 
 
 def check_binlogs(
@@ -178,6 +198,25 @@ def _lifecycle(
         f"{gc.bytes / 1e6:.1f} MB), {len(gc.orphans)} orphans, {len(gc.wal_files)} log files"
     )
     check_lifecycle(stack, settings, info, rows, deleted, console)
+
+
+def check_read(
+    stack: Stack,
+    info: CollectionInfo,
+    what: str,
+    rows: int,
+    deleted: list[int],
+    console: Console,
+    as_of: int | None = None,
+) -> None:
+    """Through the catalog, at `as_of` (None: now): the demo's rows, each once, less `deleted`."""
+    from vchan_assets.catalog import Catalog
+
+    pks = Catalog(stack).read_collection(info.name, with_vectors=False, as_of=as_of)[info.schema.primary.name]
+    expected = set(range(rows)) - set(deleted)
+    if len(pks) != len(expected) or set(pks) != expected:
+        raise DemoCheckError(f"{what}: the catalog reads {len(pks)} rows, expected {len(expected)}")
+    console.print(f"{what}: {len(pks):,} rows, each once")
 
 
 def check_lifecycle(

@@ -34,6 +34,7 @@ from vchan_assets.demo.direct import (
     _summary,
     check_binlogs,
     check_lifecycle,
+    check_read,
     create_demo_collection,
     produce_demo_data,
 )
@@ -180,8 +181,16 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
             f"the DataCoord sensor assigned every vchannel; nodes answered WatchSuccess ({took:.0f}s)"
         )
 
-        deleted, flush_ts = produce_demo_data(producer, name, options, console)
+        deleted, flush_ts, inserted_ts = produce_demo_data(producer, name, options, console)
         console.print(f"produced {options.rows:,} rows and {len(deleted):,} deletes; flush at ts {flush_ts}")
+        check_read(
+            stack,
+            info,
+            "a fresh read right after produce (in the log or in segments)",
+            options.rows,
+            deleted,
+            console,
+        )
         took = _wait(lambda: producer.flush_state(name, flush_ts), 240, f"the flush at ts {flush_ts}")
         console.print(f"flush state reached {took:.0f}s after the flush call (sensor-driven sync runs)")
 
@@ -200,6 +209,8 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         _report_checks(console, info, checks)
         check_binlogs(stack.store, stack.storage, info, options.rows, deleted)
         console.print(_summary(stack, info))
+        what = f"a read at ts {inserted_ts} (after the inserts, before the deletes)"
+        check_read(stack, info, what, options.rows, [], console, as_of=inserted_ts)
         _lifecycle_assets(console, replace(settings, spark_remote=_spark_remote(service, settings)))
         check_lifecycle(stack, settings, info, options.rows, deleted, console)
         console.print(_summary(stack, info))
