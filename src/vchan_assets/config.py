@@ -279,6 +279,7 @@ class Settings:
     wal_retention: float = FROM_TABLE
     lifecycle_interval: float = FROM_TABLE
     time_travel: float = FROM_TABLE
+    read_pin_ttl: float = FROM_TABLE
     sort_scan_interval: float = FROM_TABLE
     compaction_small_proportion: float = FROM_TABLE
     compaction_tier_factor: float = FROM_TABLE

@@ -430,6 +430,19 @@ class ChannelLease(Record):
 
 
 @dataclass(frozen=True)
+class ReadPin(Record):
+    """A running read: `meta/read-pin/{pin}`, on an etcd lease of VCHAN_READ_PIN_TTL. While
+    the key lives, GC keeps the files of every segment of the collection dropped at or after
+    the read's timestamp: any of them the read may open."""
+
+    collection_id: int
+    as_of: int  # the read's timestamp (hybrid)
+    host: str
+    pid: int
+    started_at: float
+
+
+@dataclass(frozen=True)
 class SyncClaim(Record):
     """The sync running now on a channel: `channel-sync/{vchannel}`. Every meta write of a
     sync compares this key's version with the one its own claim left, so of two syncs of

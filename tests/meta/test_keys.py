@@ -33,6 +33,8 @@ LAYOUT = [
     (KEYS.compaction_plan(5), "c1/vchan/meta/compaction/5"),
     (KEYS.import_job.prefix, "c1/vchan/meta/import/"),
     (KEYS.import_job(6), "c1/vchan/meta/import/6"),
+    (KEYS.read_pin.prefix, "c1/vchan/meta/read-pin/"),
+    (KEYS.read_pin(7), "c1/vchan/meta/read-pin/7"),
     (KEYS.gc_pause(), "c1/vchan/meta/gc/pause"),
     (KEYS.gc_last_run(), "c1/vchan/meta/gc/last-run"),
     (KEYS.id_allocator(), "c1/vchan/meta/id"),

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.read_pins import is_pinned, pinned_horizons
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import busy_segments, list_plans
@@ -147,12 +148,13 @@ class GarbageCollector:
 
     def _dropped(self, found: list[Decoded[SegmentInfo]], report: GcReport) -> None:
         live = {p for d in found if d.model.state is not SegmentState.DROPPED for p in segment_paths(d.model)}
+        pins = pinned_horizons(self.store)  # running reads may open these
         # A read at a timestamp within the time-travel window may serve a dropped segment
         # again (query.asof.segments_at): its files stay at least that long.
         oldest = self.clock() - max(self.settings.gc_drop_tolerance, self.settings.time_travel)
         for d in found:
             seg = d.model
-            if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest:
+            if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest or is_pinned(seg, pins):
                 continue
             if not self._checkpoint_past(seg):
                 continue

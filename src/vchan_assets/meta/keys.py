@@ -92,6 +92,9 @@ class Keys:
     # bulk import
     import_job = _Family("meta/import/{job}")
 
+    # reads that pin the segments they planned (GC keeps their files)
+    read_pin = _Family("meta/read-pin/{pin}")
+
     def gc_pause(self) -> str:
         return self._k("meta", "gc", "pause")
 

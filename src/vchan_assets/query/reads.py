@@ -16,9 +16,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
+from vchan_assets.failpoints import failpoint
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.query.asof import at_or_before, resolve_as_of, segments_at, tail_of
-from vchan_assets.query.view import collection_segments, collection_views, delete_paths, readable_ids
+from vchan_assets.query.view import (
+    QueryView,
+    collection_segments,
+    collection_views,
+    delete_paths,
+    readable_ids,
+)
 from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
 from vchan_assets.system import System
 
@@ -54,8 +62,23 @@ def read_collection(
     each checkpoint that no segment holds yet, inserted at or before it, with `segment_id`
     and `partition_id` columns, deletes at or before it applied per partition."""
     ts = resolve_as_of(system.store, system.settings, info, as_of)
-    segments = segments_at(collection_segments(system.store, info.id), ts)
-    views = collection_views(system.store, info, segments)
+    # Pinned before segment meta is listed: GC keeps every file this read may open.
+    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+        segments = segments_at(collection_segments(system.store, info.id), ts)
+        views = collection_views(system.store, info, segments)
+        failpoint("read_planned")  # segments chosen, no file opened yet
+        return _read_views(system, info, segments, views, ts, apply_deletes, with_vectors)
+
+
+def _read_views(
+    system: System,
+    info: CollectionInfo,
+    segments: list[SegmentInfo],
+    views: list[QueryView],
+    ts: int,
+    apply_deletes: bool,
+    with_vectors: bool,
+) -> pa.Table:
     served = readable_ids(views)
     pieces: list[tuple[int, pa.Table]] = []  # (partition, rows)
     for seg in segments:  # in key order, as listed

@@ -64,12 +64,13 @@ from pyspark.sql.types import (
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.read_pins import ReadPinLostError, pin_read
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
 from vchan_assets.query.asof import Tail, at_or_before, resolve_as_of, segments_at, tail_of
 from vchan_assets.query.view import QueryView, collection_segments, collection_views, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
-from vchan_assets.storage import Storage
+from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.rows import apply_deletes_to, read_deletes, segment_rows
 from vchan_assets.system import System
 
@@ -341,9 +342,13 @@ class VchanReader(DataSourceReader):
         self.request = ReadRequest.from_options(options)
         settings = settings_from_options(options)
         self.storage = Storage.from_settings(settings)
+        self.settings = settings
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
             self.ts = resolve_as_of(stack.store, settings, info, self.request.as_of or None)
+            # Pinned before segment meta is listed; the pin expires with its lease
+            # (VCHAN_READ_PIN_TTL): nothing tells the planner when the Spark job ends.
+            self.pin = pin_read(stack.store, settings, info.id, self.ts)
             segments = segments_at(collection_segments(stack.store, info.id), self.ts)
             views = collection_views(stack.store, info, segments)
         self.info = info
@@ -384,6 +389,16 @@ class VchanReader(DataSourceReader):
         return at_or_before(found, self.ts)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        try:
+            yield from self._read(partition)
+        except StorageError as exc:
+            with _meta(self.settings) as stack:
+                alive = self.pin.alive(stack.store)
+            if alive:
+                raise
+            raise ReadPinLostError(self.pin.pin_id, self.pin.ttl, exc.path) from exc
+
+    def _read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if isinstance(partition, TailPartition):
             yield from self._read_tail(partition)
             return

@@ -1,0 +1,117 @@
+"""Read pins: a running read holds a horizon, and GC keeps every file it may open.
+
+A read (the catalog's, or a Spark job's planning) puts `meta/read-pin/{pin}` (collection,
+the read's timestamp T) on an etcd lease of VCHAN_READ_PIN_TTL *before* it lists segment
+meta; the catalog revokes it when its read ends, a Spark job's pin expires with its lease
+(nothing tells the planner when the job is done). A read at T opens segments that were
+live at T, so any segment it may open was dropped at or after T (or not at all): GC does
+not remove the files of a segment of a pinned collection dropped at or after the oldest
+pinned T (`pinned_horizons`, `is_pinned`). A read that outlives its pin can find a file
+gone: it then fails with `ReadPinLostError`, naming the pin and its TTL, not with a
+missing-file error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from vchan_assets.config import Settings
+from vchan_assets.errors import DeclaredError
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.errors import MetaError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import ReadPin, SegmentInfo, physical_ms
+from vchan_assets.storage import StorageError
+
+log = logging.getLogger(__name__)
+
+
+class ReadPinLostError(DeclaredError, RuntimeError):
+    """A read needed a file after its pin had expired, and the file was gone."""
+
+    pin: int
+    ttl: float
+    path: str
+    message = (
+        "the read (pin {pin}) outlived its pin of {ttl:g}s (VCHAN_READ_PIN_TTL) and garbage "
+        "collection removed {path}: read again"
+    )
+
+
+@dataclass(frozen=True)
+class PinHandle:
+    """A pin a read holds: its id and lease."""
+
+    pin_id: int
+    lease_id: int
+    ttl: float
+
+    def alive(self, store: MetaStore) -> bool:
+        return store.get(store.keys.read_pin(self.pin_id)) is not None
+
+
+def pin_read(store: MetaStore, settings: Settings, collection_id: int, as_of: int) -> PinHandle:
+    """Pin what a read of `collection_id` at `as_of` may open, until the pin's lease
+    expires (VCHAN_READ_PIN_TTL) or `unpin`. Call it before listing segment meta."""
+    pin_id = IdAllocator(store).alloc()
+    ttl = settings.read_pin_ttl
+    lease_id = store.grant(ttl)
+    record = ReadPin(collection_id, as_of, socket.gethostname(), os.getpid(), time.time())
+    store.put(store.keys.read_pin(pin_id), record, lease=lease_id)
+    return PinHandle(pin_id, lease_id, ttl)
+
+
+def unpin(store: MetaStore, pin: PinHandle) -> None:
+    """End the pin now (a pin that expired already, or an etcd that is down: its lease
+    ends it anyway)."""
+    try:
+        store.revoke(pin.lease_id)
+    except MetaError as exc:
+        log.info("read pin %d: not revoked (%s); its lease ends it", pin.pin_id, exc)
+
+
+@contextmanager
+def pinned(store: MetaStore, settings: Settings, collection_id: int, as_of: int) -> Iterator[PinHandle]:
+    """A pin for the duration of a read in this process."""
+    pin = pin_read(store, settings, collection_id, as_of)
+    try:
+        yield pin
+    finally:
+        unpin(store, pin)
+
+
+@contextmanager
+def pin_or_lost(store: MetaStore, pin: PinHandle) -> Iterator[None]:
+    """Turns a file that went missing under a read whose pin expired into
+    `ReadPinLostError`; with the pin alive, the storage error stands."""
+    try:
+        yield
+    except StorageError as exc:
+        if pin.alive(store):
+            raise
+        raise ReadPinLostError(pin.pin_id, pin.ttl, exc.path) from exc
+
+
+def pinned_horizons(store: MetaStore) -> dict[int, float]:
+    """Collection id -> the oldest time (seconds) a live read of it may need segments from:
+    its timestamp, or when it pinned if earlier (a read "now" may be a little ahead of the
+    wall clock, and it lists segment meta after it pinned)."""
+    found, _ = store.list_models(store.keys.read_pin.prefix, ReadPin, True)
+    horizons: dict[int, float] = {}
+    for d in found:
+        at = min(physical_ms(d.model.as_of) / 1000, d.model.started_at)
+        horizons[d.model.collection_id] = min(at, horizons.get(d.model.collection_id, at))
+    return horizons
+
+
+def is_pinned(seg: SegmentInfo, horizons: dict[int, float]) -> bool:
+    """A running read may open the segment's files: it was dropped at or after the
+    timestamp of a read of its collection (or its drop time is unknown)."""
+    horizon = horizons.get(seg.collection_id)
+    return horizon is not None and (seg.dropped_at is None or seg.dropped_at >= horizon - 1.0)

@@ -1,0 +1,153 @@
+"""Reads pin what they may open: garbage collection keeps the files of segments dropped
+at or after a running read's timestamp, and a read that outlived its pin fails with
+`ReadPinLostError`, not a missing-file error. The read runs in a real process, stopped by a
+failpoint after it chose its segments and before it opened a file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.read_pins import pinned, pinned_horizons
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.gc import GarbageCollector
+from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, SegmentState
+from vchan_assets.query.asof import now_ts
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, Produced, cli_env, produce, segments
+from vchan_assets.wal.producer import Producer
+
+from .test_reads_at import sync_all
+
+READ = """
+import sys
+from vchan_assets.catalog import Catalog
+with Catalog.open() as catalog:
+    rows = catalog.read_collection(sys.argv[1], with_vectors=False)
+    print("ROWS", len(rows))
+"""
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+
+
+def two_flushed_segments(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, info: CollectionInfo
+) -> Produced:
+    produced = Produced()
+    for batch in range(2):
+        produce(producer, info.name, produced, 200, start_pk=batch * 10_000, deletes=5)
+        producer.flush(info.name)
+        sync_all(store, storage, settings, info)
+    return produced
+
+
+def merge(system: System, info: CollectionInfo) -> None:
+    """A merge: the collection's two segments Dropped, one new segment live."""
+    assert CompactionTrigger(system).trigger(info, CompactionType.MIX, manual=True)
+    assert [o.state for o in CompactionExecutor(system, "local").run_pending()] == [PlanState.COMPLETED]
+
+
+def collect(system: System) -> list[int]:
+    """A GC pass with no tolerance left: the dropped segments it removed."""
+    time.sleep(0.05)
+    quick = replace(system.settings, gc_drop_tolerance=0.001, time_travel=0.001)
+    return GarbageCollector(replace(system, settings=quick)).run().dropped_segments
+
+
+def stopped_read(settings: Settings, info: CollectionInfo, tmp_path: Path, ttl: str) -> subprocess.Popen[str]:
+    marker = tmp_path / "failpoint"
+    env = cli_env(
+        settings,
+        VCHAN_FAILPOINT="read_planned=stop",
+        VCHAN_FAILPOINT_MARKER=str(marker),
+        VCHAN_READ_PIN_TTL=ttl,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", READ, info.name],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (marker.exists() and marker.read_text().startswith("read_planned")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the read never reached its failpoint"
+        time.sleep(0.05)
+    return proc
+
+
+def test_gc_keeps_what_a_running_read_may_open_and_the_read_returns_every_row(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    produced = two_flushed_segments(store, storage, settings, producer, collection)
+    read = stopped_read(settings, collection, tmp_path, ttl="600")
+    try:
+        assert collection.id in pinned_horizons(store)
+        merge(System(settings, store, storage), collection)
+        assert collect(System(settings, store, storage)) == []  # pinned: kept
+    finally:
+        os.kill(read.pid, signal.SIGCONT)
+    out, err = read.communicate(timeout=120)
+    assert read.returncode == 0, err[-3000:]
+    assert f"ROWS {produced.row_count - len(produced.deleted)}" in out
+    assert collection.id not in pinned_horizons(store), "the pin ended with the read"
+    assert len(collect(System(settings, store, storage))) == 2, "unpinned: collected"
+
+
+def test_a_read_that_outlived_its_pin_fails_naming_the_pin_not_a_missing_file(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    two_flushed_segments(store, storage, settings, producer, collection)
+    read = stopped_read(settings, collection, tmp_path, ttl="1")
+    try:
+        deadline = time.monotonic() + 30
+        while collection.id in pinned_horizons(store):  # the lease expires
+            assert time.monotonic() < deadline, "the pin outlived its TTL"
+            time.sleep(0.2)
+        merge(System(settings, store, storage), collection)
+        removed = collect(System(settings, store, storage))
+        assert len(removed) == 2 and all(
+            s.state is not SegmentState.DROPPED for s in segments(store, collection)
+        )
+    finally:
+        os.kill(read.pid, signal.SIGCONT)
+    _, err = read.communicate(timeout=120)
+    assert read.returncode != 0
+    assert "ReadPinLostError" in err and "outlived its pin of 1s (VCHAN_READ_PIN_TTL)" in err, err[-3000:]
+
+
+def test_a_pin_holds_its_collection_back_from_its_timestamp_and_ends_with_its_read(
+    store: MetaStore, storage: Storage, settings: Settings, collection: CollectionInfo
+) -> None:
+    ts = now_ts(store)
+    with pinned(store, settings, collection.id, ts) as pin:
+        assert pin.alive(store)
+        [horizon] = pinned_horizons(store).values()
+        assert horizon <= (ts >> 18) / 1000 and horizon <= time.time()
+    assert not pin.alive(store) and pinned_horizons(store) == {}
