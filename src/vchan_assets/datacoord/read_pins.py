@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
-from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ReadPin, SegmentInfo, physical_ms
@@ -46,11 +45,14 @@ class ReadPinLostError(DeclaredError, RuntimeError):
 
 @dataclass(frozen=True)
 class PinHandle:
-    """A pin a read holds: its id and lease."""
+    """A pin a read holds: its etcd lease, whose id names the pin's key."""
 
-    pin_id: int
     lease_id: int
     ttl: float
+
+    @property
+    def pin_id(self) -> int:
+        return self.lease_id
 
     def alive(self, store: MetaStore) -> bool:
         return store.get(store.keys.read_pin(self.pin_id)) is not None
@@ -59,12 +61,11 @@ class PinHandle:
 def pin_read(store: MetaStore, settings: Settings, collection_id: int, as_of: int) -> PinHandle:
     """Pin what a read of `collection_id` at `as_of` may open, until the pin's lease
     expires (VCHAN_READ_PIN_TTL) or `unpin`. Call it before listing segment meta."""
-    pin_id = IdAllocator(store).alloc()
     ttl = settings.read_pin_ttl
-    lease_id = store.grant(ttl)
+    lease_id = store.grant(ttl)  # unique in the cluster: it names the pin
     record = ReadPin(collection_id, as_of, socket.gethostname(), os.getpid(), time.time())
-    store.put(store.keys.read_pin(pin_id), record, lease=lease_id)
-    return PinHandle(pin_id, lease_id, ttl)
+    store.put(store.keys.read_pin(lease_id), record, lease=lease_id)
+    return PinHandle(lease_id, ttl)
 
 
 def unpin(store: MetaStore, pin: PinHandle) -> None:

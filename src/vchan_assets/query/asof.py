@@ -38,7 +38,8 @@ from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState, compose_ts, physical_ms
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
+from vchan_assets.query.view import QueryView
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
 from vchan_assets.wal.reader import WalReader, read_log_file
@@ -90,9 +91,9 @@ def now_ts(store: MetaStore) -> int:
     return max(compose_ts(int(time.time() * 1000)), timestamp_ceiling(store))
 
 
-def resolve_as_of(store: MetaStore, settings: Settings, info: CollectionInfo, as_of: Any = None) -> int:
-    """The hybrid timestamp of a read of `info` at `as_of` (None: now), checked against now
-    and the time-travel window."""
+def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> int:
+    """The hybrid timestamp of a read at `as_of` (None: now), checked against now and the
+    time-travel window."""
     now = now_ts(store)
     if as_of is None:
         return now
@@ -219,14 +220,11 @@ def _deletes_by_partition(log: pa.Table, pk: str) -> dict[int, pa.Table]:
     }
 
 
-def tail_of(
-    view_checkpoint: MsgPosition | None, vchannel: str, segments: Iterable[SegmentInfo], ts: int
-) -> Tail:
-    """The tail a read at `ts` takes from `vchannel`, after its checkpoint (the whole log
-    without one)."""
-    return Tail(
-        vchannel, view_checkpoint.offset if view_checkpoint else -1, persisted_offsets(segments, vchannel), ts
-    )
+def tail_of(view: QueryView, segments: Iterable[SegmentInfo], ts: int) -> Tail:
+    """The tail a read at `ts` takes from the view's vchannel: after its checkpoint (the
+    whole log without one)."""
+    after = view.checkpoint.offset if view.checkpoint else -1
+    return Tail(view.vchannel, after, persisted_offsets(segments, view.vchannel), ts)
 
 
 def persisted_offsets(segments: Iterable[SegmentInfo], vchannel: str) -> dict[int, int]:

@@ -61,7 +61,7 @@ def read_collection(
     segments its query views serve (as the views stood at that time) and of the log after
     each checkpoint that no segment holds yet, inserted at or before it, with `segment_id`
     and `partition_id` columns, deletes at or before it applied per partition."""
-    ts = resolve_as_of(system.store, system.settings, info, as_of)
+    ts = resolve_as_of(system.store, system.settings, as_of)
     # Pinned before segment meta is listed: GC keeps every file this read may open.
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
         segments = segments_at(collection_segments(system.store, info.id), ts)
@@ -91,7 +91,7 @@ def _read_views(
         pieces.append((seg.partition_id, table))
     tail_deletes: dict[int, list[pa.Table]] = {}
     for view in views:
-        tail = tail_of(view.checkpoint, view.vchannel, segments, ts).read(system.storage, info, with_vectors)
+        tail = tail_of(view, segments, ts).read(system.storage, info, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
             pieces.append((part, tail.rows.filter(pc.equal(tail.rows["partition_id"], part))))
         for part, found in tail.deletes.items():

@@ -345,7 +345,7 @@ class VchanReader(DataSourceReader):
         self.settings = settings
         with _meta(settings) as stack:
             info = CollectionRegistry(stack.store).get_by_name(self.request.collection)
-            self.ts = resolve_as_of(stack.store, settings, info, self.request.as_of or None)
+            self.ts = resolve_as_of(stack.store, settings, self.request.as_of or None)
             # Pinned before segment meta is listed; the pin expires with its lease
             # (VCHAN_READ_PIN_TTL): nothing tells the planner when the Spark job ends.
             self.pin = pin_read(stack.store, settings, info.id, self.ts)
@@ -369,7 +369,7 @@ class VchanReader(DataSourceReader):
         self.tail_deletes: dict[int, list[pa.Table]] = {}
         if not self.request.segments:  # a read of chosen segments reads no log
             for view in views:
-                tail = tail_of(view.checkpoint, view.vchannel, segments, self.ts)
+                tail = tail_of(view, segments, self.ts)
                 plan = tail.plan(self.storage, info)
                 for part, found in plan.deletes.items():
                     self.tail_deletes.setdefault(part, []).append(found)
