@@ -36,6 +36,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionSchema, MsgPosition, WatchState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import cli_env
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 32}, {"n": "int64"})
@@ -44,16 +45,7 @@ RESULTS = Path(__file__).with_name("results") / "failover.json"
 
 
 def _env(settings: Settings, ttl: float) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    env.update(
-        VCHAN_ETCD_ENDPOINTS=",".join(settings.etcd_endpoints or ()),
-        VCHAN_ROOT=settings.root,
-        VCHAN_STORAGE_URI=settings.storage_uri,
-        VCHAN_HOME=str(settings.home),
-        VCHAN_SESSION_TTL=str(ttl),
-        VCHAN_SYNC_MAX_AGE="0.5",
-    )
-    return env
+    return cli_env(settings, VCHAN_SESSION_TTL=str(ttl), VCHAN_SYNC_MAX_AGE="0.5")
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import cli_env
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 4}, {"n": "int64", "s": "string"})
@@ -75,15 +75,4 @@ def sync_all(
 
 VCHAN = Path(sys.executable).parent / "vchan"
 
-
-def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """The environment of a `vchan` child process pointing at the test's etcd and storage."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    env.update(
-        VCHAN_ETCD_ENDPOINTS=",".join(settings.etcd_endpoints or ()),
-        VCHAN_ROOT=settings.root,
-        VCHAN_STORAGE_URI=settings.storage_uri,
-        VCHAN_HOME=str(settings.home),
-    )
-    env.update(extra)
-    return env
+__all__ = ["SCHEMA", "VCHAN", "Known", "cli_env", "produce_known", "sync_all"]

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from lifecycle.helpers import sync_all
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.read_pins import pinned, pinned_horizons
@@ -28,8 +29,6 @@ from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, cli_env, produce, segments
 from vchan_assets.wal.producer import Producer
-
-from .test_reads_at import sync_all
 
 READ = """
 import sys

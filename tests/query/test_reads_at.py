@@ -11,17 +11,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from lifecycle.helpers import expected_pks
+from lifecycle.helpers import expected_pks, sync_all
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import sort_step
-from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState, compose_ts
 from vchan_assets.query.asof import TimeTravelError, iso, now_ts
@@ -40,14 +37,6 @@ def collection(producer: Producer) -> CollectionInfo:
 def travel(settings: Settings) -> Settings:
     """Settings whose reads may go ten minutes back."""
     return replace(settings, time_travel=600.0)
-
-
-def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
-    for vchannel in info.vchannels:
-        lease = store.read_lease(vchannel) or grant_channel_lease(
-            store, IdAllocator(store), vchannel, node_id=1
-        )
-        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def pks(catalog: Catalog, info: CollectionInfo, as_of: object = None) -> list[int]:

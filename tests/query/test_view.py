@@ -10,14 +10,12 @@ import uuid
 from collections import Counter
 
 import pytest
+from lifecycle.helpers import sync_all
 
 from vchan_assets import model
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
-from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.query import view as view_module
@@ -185,14 +183,6 @@ def test_without_a_checkpoint_or_a_segment_position_the_seek_position_is_the_col
 
 
 # --- through etcd, with real segments ------------------------------------------------------------
-
-
-def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
-    for vchannel in info.vchannels:
-        lease = store.read_lease(vchannel) or grant_channel_lease(
-            store, IdAllocator(store), vchannel, node_id=1
-        )
-        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def read_pks(system: System, info: CollectionInfo) -> Counter[int]:

@@ -76,17 +76,8 @@ def fast_settings(settings: Settings) -> Settings:
 def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
     """The environment of a `vchan` process on `settings` (no VCHAN_* of this process's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    env.update(
-        VCHAN_ETCD_ENDPOINTS=",".join(settings.etcd_endpoints or ()),
-        VCHAN_ROOT=settings.root,
-        VCHAN_STORAGE_URI=settings.storage_uri,
-        VCHAN_HOME=str(settings.home),
-        VCHAN_SPARK_PARTITIONS=str(settings.spark_partitions),
-        VCHAN_SYNC_IN_PROCESS_MB=str(settings.sync_in_process_mb),
-        VCHAN_TIME_TRAVEL=str(settings.time_travel),  # GC keeps dropped files for it
-    )
+    env.update(settings.to_env())  # every setting, so the child runs on exactly these
     if settings.s3_endpoint:
-        env["VCHAN_S3_ENDPOINT"] = settings.s3_endpoint
         for key in (
             "AWS_ACCESS_KEY_ID",
             "AWS_SECRET_ACCESS_KEY",
