@@ -1,6 +1,6 @@
 """Soak: small syncs with 1% deletes for N minutes, with and without the segment lifecycle.
 
-    .venv/bin/python -m bench.lifecycle_soak [--minutes 10] [--rows 2000] [--period 1.0]
+    .venv/bin/python -m bench.lifecycle_soak [--minutes 10] [--rows 2000] [--period 1.0] [--defaults]
 
 Two runs at the same time, each in its own process on its own etcd root and storage
 directory, so both see the same machine load:
@@ -12,6 +12,11 @@ directory, so both see the same machine load:
   as its flush commits, the full step (L0 and size-tiered mix compaction) and garbage
   collection every 10 s, dropped segments collected 30 s after their drop (and the
   time-travel window shortened to match), log files 30 s after the checkpoint passed them.
+
+With `--defaults` only the second run, its DataCoord on the default settings (what a
+user gets: the compaction check every 10 s triggers L0 compaction past 10 L0 segments of a
+partition and merges small segments; the full step every 300 s; GC hourly): whether the
+lifecycle keeps up with ingest by itself. `--period 0` starts rounds back to back (full rate).
 
 One round starts every `--period` seconds (at once if the previous one took longer), so
 both runs write the same data. Every 30 s and at the end: live segments, binlog files
@@ -76,6 +81,9 @@ def figures(store: MetaStore, storage: Storage, live_rows: int) -> dict[str, Any
     l1 = [s for s in live if s.level is not SegmentLevel.L0]
     return {
         **storage_figures(store, storage),
+        "l0_segments": len(live) - len(l1),
+        "invisible_segments": sum(s.is_invisible for s in l1),
+        "live_files": sum(len(s.binlog_files) + len(s.deltalogs) + len(s.statslogs) for s in live),
         "live_binlog_bytes": sum(
             b.size_bytes for s in live for b in (*s.binlog_files, *s.deltalogs, *s.statslogs)
         ),
@@ -142,9 +150,11 @@ def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: Colle
         SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
-def datacoord(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+def datacoord(settings: Settings, log: Path, defaults: bool) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    env.update(settings.to_env(), **LIFECYCLE_ENV)
+    env.update(settings.to_env())
+    if not defaults:
+        env.update(LIFECYCLE_ENV)
     vchan = Path(sys.executable).with_name("vchan")
     with open(log, "wb") as out:
         return subprocess.Popen(
@@ -167,13 +177,16 @@ def check(
     )
 
 
-def soak(settings: Settings, seconds: float, rows: int, period: float, lifecycle: bool) -> dict[str, Any]:
+def soak(
+    settings: Settings, seconds: float, rows: int, period: float, lifecycle: bool, defaults: bool = False
+) -> dict[str, Any]:
     store = MetaStore.connect(settings)
     storage = Storage.from_settings(settings)
     storage.ensure_root()
     producer = Producer(System(settings, store, storage))
     info = producer.create_collection("soak", SCHEMA, num_channels=2)
-    coord = datacoord(settings, Path(settings.home) / f"datacoord-{settings.root}.log") if lifecycle else None
+    log = Path(settings.home) / f"datacoord-{settings.root}.log"
+    coord = datacoord(settings, log, defaults) if lifecycle else None
     latency = SortLatency(settings) if lifecycle else None
     if latency:
         latency.start()
@@ -216,8 +229,10 @@ def soak(settings: Settings, seconds: float, rows: int, period: float, lifecycle
     return result
 
 
-def _child(settings: Settings, seconds: float, rows: int, period: float, lifecycle: bool, out: Path) -> None:
-    out.write_text(json.dumps(soak(settings, seconds, rows, period, lifecycle)))
+def _child(
+    settings: Settings, seconds: float, rows: int, period: float, lifecycle: bool, defaults: bool, out: Path
+) -> None:
+    out.write_text(json.dumps(soak(settings, seconds, rows, period, lifecycle, defaults)))
 
 
 def main() -> None:
@@ -229,19 +244,33 @@ def main() -> None:
         "--rows", type=int, default=2000, help="rows inserted per round (1%% of that deleted)"
     )
     parser.add_argument("--period", type=float, default=1.0, help="seconds between round starts")
-    parser.add_argument("--out", default="bench/results/lifecycle_soak.json")
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="only the run with the lifecycle, its DataCoord on the default settings (compaction "
+        "check every 10 s, full step every 300 s, GC hourly, dropped files kept 3 h)",
+    )
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    out_path = args.out or f"bench/results/lifecycle_soak{'_defaults' if args.defaults else ''}.json"
     work, etcd, settings = bench_stack("vchan-soak-")
-    report: dict[str, Any] = {"minutes": args.minutes, "rows_per_round": args.rows, "period_s": args.period}
+    report: dict[str, Any] = {
+        "minutes": args.minutes,
+        "rows_per_round": args.rows,
+        "period_s": args.period,
+        "datacoord_settings": "defaults" if args.defaults else LIFECYCLE_ENV,
+    }
+    runs_of = (True,) if args.defaults else (False, True)
     try:
         spawn = multiprocessing.get_context("spawn")
         runs = {}
-        for lifecycle in (False, True):
+        for lifecycle in runs_of:
             root = f"soak{int(lifecycle)}"
             each = replace(settings, root=root, storage_uri=str(work / root))
             out = work / f"{root}.json"
             proc = spawn.Process(
-                target=_child, args=(each, args.minutes * 60, args.rows, args.period, lifecycle, out)
+                target=_child,
+                args=(each, args.minutes * 60, args.rows, args.period, lifecycle, args.defaults, out),
             )
             proc.start()
             runs[lifecycle] = (proc, out)
@@ -252,10 +281,10 @@ def main() -> None:
             )
     finally:
         etcd.stop()
-    path = Path(args.out)
+    path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
-    for lifecycle in (False, True):
+    for lifecycle in runs_of:
         run = report[f"lifecycle_{lifecycle}"]
         print(
             f"{'with' if lifecycle else 'without'} lifecycle: {run.get('final')} checks={run.get('checks_passed')}"

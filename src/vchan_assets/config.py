@@ -281,6 +281,9 @@ class Settings:
     time_travel: float = FROM_TABLE
     read_pin_ttl: float = FROM_TABLE
     sort_scan_interval: float = FROM_TABLE
+    compaction_check_interval: float = FROM_TABLE
+    l0_compaction_trigger_count: int = FROM_TABLE
+    l0_compaction_trigger_mb: float = FROM_TABLE
     compaction_small_proportion: float = FROM_TABLE
     compaction_tier_factor: float = FROM_TABLE
     compaction_delete_ratio: float = FROM_TABLE

@@ -90,3 +90,14 @@ def run_vchan(settings: Settings, *args: str, **env: str) -> subprocess.Complete
     return subprocess.run(
         [str(VCHAN), *args], env=cli_env(settings, **env), capture_output=True, text=True, timeout=300
     )
+
+
+def start_datacoord(settings: Settings, **env: str) -> subprocess.Popen[bytes]:
+    """A `vchan datacoord --engine local` process on `settings` and the variables `env`,
+    its output piped (read it with `communicate` after `terminate`)."""
+    return subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"],
+        env=cli_env(settings, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )

@@ -126,7 +126,12 @@ def test_datacoord_sorts_a_flush_it_was_not_running_for_at_its_start_not_at_the_
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
+    env = cli_env(
+        settings,
+        VCHAN_LIFECYCLE_INTERVAL="3600",
+        VCHAN_SORT_SCAN_INTERVAL="3600",
+        VCHAN_COMPACTION_CHECK_INTERVAL="3600",
+    )
     proc = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=env)
     try:
         wait_until_sorted(store, collection, proc, timeout=60)
@@ -145,7 +150,11 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
     collection: CollectionInfo,
     tmp_path: Path,
 ) -> None:
-    timing = {"VCHAN_LIFECYCLE_INTERVAL": "3600", "VCHAN_SORT_SCAN_INTERVAL": "3600"}
+    timing = {
+        "VCHAN_LIFECYCLE_INTERVAL": "3600",
+        "VCHAN_SORT_SCAN_INTERVAL": "3600",
+        "VCHAN_COMPACTION_CHECK_INTERVAL": "3600",
+    }
     marker = tmp_path / "failpoint"
     first = subprocess.Popen(
         [str(VCHAN), "datacoord", "--engine", "local"],

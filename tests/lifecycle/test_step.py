@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from dataclasses import replace
 
 import pytest
-from datanode.helpers import VCHAN, cli_env
 from rich.console import Console
 
 from vchan_assets.config import Settings
@@ -24,7 +22,15 @@ from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
-from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live_l1, sync_all
+from .helpers import (
+    SCHEMA,
+    Produced,
+    assert_lifecycle_invariants,
+    flushed_batches,
+    live_l1,
+    start_datacoord,
+    sync_all,
+)
 
 
 @pytest.fixture
@@ -56,13 +62,7 @@ def test_datacoord_process_runs_the_lifecycle_step_on_its_interval(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="0.5")
-    proc = subprocess.Popen(
-        [str(VCHAN), "datacoord", "--engine", "local"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_datacoord(settings, VCHAN_LIFECYCLE_INTERVAL="0.5")
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(s.is_sorted for s in live_l1(store, collection)):
@@ -94,12 +94,11 @@ def test_sort_step_sorts_each_newly_flushed_segment_and_merges_nothing(
 def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifecycle_interval(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    env = cli_env(settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
-    proc = subprocess.Popen(
-        [str(VCHAN), "datacoord", "--engine", "local"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    proc = start_datacoord(
+        settings,
+        VCHAN_LIFECYCLE_INTERVAL="3600",
+        VCHAN_SORT_SCAN_INTERVAL="3600",
+        VCHAN_COMPACTION_CHECK_INTERVAL="3600",  # no merge: each sorted on its own
     )
     produced = Produced()
     try:

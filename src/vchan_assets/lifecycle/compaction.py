@@ -44,6 +44,7 @@ from vchan_assets.lifecycle.plans import (
     create_plan,
     list_plans,
     read_inputs,
+    segment_key,
     transition,
 )
 from vchan_assets.lifecycle.task import (
@@ -74,6 +75,8 @@ log = logging.getLogger(__name__)
 # Inputs of one plan at most: its commit writes every input and output and the plan in one
 # etcd transaction, and etcd refuses more than 128 operations in one (--max-txn-ops).
 MAX_PLAN_SEGMENTS = 60
+# L0 segments of one L0 plan at most: the rest of its transaction holds targets.
+MAX_L0_PER_PLAN = MAX_PLAN_SEGMENTS // 2
 
 
 def compactable(seg: SegmentInfo) -> bool:
@@ -86,6 +89,7 @@ class Candidate:
     type: CompactionType
     segments: tuple[Decoded[SegmentInfo], ...]
     reason: str
+    chained: tuple[int, ...] = ()  # L0: targets of the later links
 
 
 def sort_candidates(segments: Sequence[Decoded[SegmentInfo]]) -> list[Candidate]:
@@ -184,13 +188,24 @@ def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int
 
 
 def l0_candidates(
-    segments: Sequence[Decoded[SegmentInfo]], busy: set[int], checkpoints: dict[str, int]
+    segments: Sequence[Decoded[SegmentInfo]],
+    busy: set[int],
+    checkpoints: dict[str, int],
+    min_count: int = 1,
+    min_bytes: int = 0,
 ) -> list[Candidate]:
     """Per partition: the Flushed L0 segments at or below their channel's checkpoint,
     with every live Flushed L1 segment of the partition as a target (inputs too: the
     commit checks their versions). Skipped while a target is in another plan; an L0 segment
     waits while a segment that may hold rows older than its deletes is not Flushed yet (a
-    sync still writes it: its rows would miss the deletes)."""
+    sync still writes it: its rows would miss the deletes). Only partitions with at least
+    `min_count` such L0 segments or `min_bytes` of their delta logs (the compaction check's
+    thresholds; the lifecycle step takes every one).
+
+    The oldest MAX_L0_PER_PLAN L0 segments go in one plan; when their targets do not fit in
+    the same transaction, the plan takes the first of them and the rest are chained: each
+    link's commit gives its targets the deletes and creates the next link, the last drops
+    the L0 segments."""
     groups: dict[int, list[Decoded[SegmentInfo]]] = defaultdict(list)
     for d in segments:
         s = d.model
@@ -203,7 +218,7 @@ def l0_candidates(
         same = [
             d for d in segments if d.model.partition_id == partition and d.model.level is not SegmentLevel.L0
         ]
-        targets = [d for d in same if compactable(d.model)]
+        targets = _by_id([d for d in same if compactable(d.model)])
         # A segment a sync still writes holds only rows newer than its creation: the deletes
         # older than every such segment (1 s margin for clocks) can go now, the others wait.
         unsettled = min(
@@ -222,11 +237,16 @@ def l0_candidates(
         ]
         if not l0 or any(d.model.id in busy for d in targets):
             continue
-        # The oldest first, as many as one commit can drop beside its targets; the rest next time.
-        l0 = sorted(l0, key=lambda d: d.model.id)[: max(1, MAX_PLAN_SEGMENTS - len(targets))]
-        out.append(
-            Candidate(CompactionType.L0, (*l0, *targets), f"{len(l0)} L0 segments below the checkpoint")
-        )
+        delta_bytes = sum(b.size_bytes for d in l0 for b in d.model.deltalogs)
+        if len(l0) < min_count and delta_bytes < min_bytes:
+            continue
+        l0 = _by_id(l0)[:MAX_L0_PER_PLAN]  # the oldest first; the rest next time
+        first = targets[: MAX_PLAN_SEGMENTS - len(l0)]
+        chained = tuple(d.model.id for d in targets[len(first) :])
+        reason = f"{len(l0)} L0 segments below the checkpoint"
+        if chained:
+            reason += f", {len(chained)} of its {len(targets)} targets in chained plans"
+        out.append(Candidate(CompactionType.L0, (*l0, *first), reason, chained))
     return out
 
 
@@ -247,8 +267,14 @@ class CompactionTrigger:
         kind: CompactionType,
         manual: bool = False,
         vchannel: str | None = None,
+        check: bool = False,
     ) -> list[CompactionPlan]:
-        """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given)."""
+        """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given).
+
+        `check`: the cheap compaction check between lifecycle steps: L0 compaction only of
+        partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
+        small segments (the delete ratios, which read every delta log and bloom filter of
+        the collection, wait for the lifecycle step)."""
         found, _ = self.store.list_models(self.store.keys.segment.under(collection.id), SegmentInfo)
         if vchannel is not None:
             found = [d for d in found if d.model.vchannel == vchannel]
@@ -258,7 +284,7 @@ class CompactionTrigger:
         if kind is CompactionType.SORT:
             candidates = sort_candidates(free)
         elif kind is CompactionType.MIX:
-            ratios = delete_ratios(self.storage, [d.model for d in found])
+            ratios = {} if check else delete_ratios(self.storage, [d.model for d in found])
             candidates = mix_candidates(
                 free,
                 max_rows,
@@ -271,7 +297,11 @@ class CompactionTrigger:
         else:
             checkpoints = {v: channel_checkpoint(self.store, v) for v in collection.vchannels}
             offsets = {v: cp.model.offset for v, cp in checkpoints.items() if cp is not None}
-            candidates = l0_candidates(found, busy, offsets)
+            if check:
+                count, mb = self.settings.l0_compaction_trigger_count, self.settings.l0_compaction_trigger_mb
+                candidates = l0_candidates(found, busy, offsets, count, int(mb * 2**20))
+            else:
+                candidates = l0_candidates(found, busy, offsets)
         return [self._plan(collection, c, max_rows) for c in candidates]
 
     def _plan(self, collection: CollectionInfo, c: Candidate, max_rows: int) -> CompactionPlan:
@@ -289,6 +319,7 @@ class CompactionTrigger:
             output_ids=tuple(range(first_output, first_output + n_out)),
             reason=c.reason,
             created_at=time.time(),
+            chained=c.chained,
         )
         create_plan(self.store, plan)
         log.info(
@@ -306,6 +337,7 @@ class PlanOutcome:
     state: PlanState
     reason: str = ""
     outputs: tuple[int, ...] = ()
+    next_link: int = 0  # a chained L0 plan: the plan its commit created (0: none)
 
 
 class CompactionExecutor:
@@ -318,6 +350,16 @@ class CompactionExecutor:
         self.collections = CollectionRegistry(system.store)
 
     def run_pending(self, plan_ids: Sequence[int] | None = None) -> list[PlanOutcome]:
+        """Run the Pending plans (those of `plan_ids` if given), then the links their
+        commits chained, round after round."""
+        latest = self._run_round(plan_ids)
+        outcomes = list(latest)
+        while links := [o.next_link for o in latest if o.next_link]:
+            latest = self._run_round(links)
+            outcomes += latest
+        return outcomes
+
+    def _run_round(self, plan_ids: Sequence[int] | None) -> list[PlanOutcome]:
         pending = [
             d
             for d in list_plans(self.store)
@@ -383,12 +425,15 @@ class CompactionExecutor:
             return self.fail(plan, str(result))
         failpoint("compaction_after_files")
         rows_out = sum(s.num_rows for s in result.segments)
+        kept, then = self._next_link(plan.model, result.changed)
         try:
             commit_compaction(
                 self.store,
                 plan,
                 result.segments,
                 changed_inputs=result.changed,
+                kept=kept,
+                then=then,
                 rows_in=result.rows_in,
                 rows_out=rows_out,
                 bytes_in=result.bytes_in,
@@ -416,8 +461,41 @@ class CompactionExecutor:
         failpoint("compaction_before_cleanup")
         cleanup_plan(self.store, plan.model.plan_id)
         return PlanOutcome(
-            plan.model.plan_id, PlanState.COMPLETED, outputs=tuple(s.id for s in result.segments)
+            plan.model.plan_id,
+            PlanState.COMPLETED,
+            outputs=tuple(s.id for s in result.segments),
+            next_link=then.plan_id if then else 0,
         )
+
+    def _next_link(
+        self, plan: CompactionPlan, targets: Sequence[SegmentInfo]
+    ) -> tuple[set[int], CompactionPlan | None]:
+        """A chained L0 plan: its L0 inputs, kept live by its commit, and the next link (the
+        same L0 inputs at the same versions, the next targets still live). Nothing to keep
+        and no link for any other plan, or when no chained target is left."""
+        if plan.type is not CompactionType.L0 or not plan.chained:
+            return set(), None
+        done = {t.id for t in targets}
+        l0 = tuple(i for i in plan.inputs if i.segment_id not in done)
+        rest = []
+        for seg_id in plan.chained:
+            found = self.store.get_model(segment_key(self.store, plan, seg_id), SegmentInfo)
+            if found is not None and compactable(found.model):
+                rest.append(PlanInput(seg_id, found.kv.version))
+        if not rest:
+            return set(), None
+        first = rest[: MAX_PLAN_SEGMENTS - len(l0)]
+        then = replace(
+            plan,
+            plan_id=self.ids.alloc(),
+            inputs=(*l0, *first),
+            chained=tuple(i.segment_id for i in rest[len(first) :]),
+            state=PlanState.PENDING,
+            reason=f"chained after plan {plan.plan_id}: {len(rest)} targets left",
+            created_at=time.time(),
+            started_at=0.0,
+        )
+        return {i.segment_id for i in l0}, then
 
     def fail(self, plan: Decoded[CompactionPlan], reason: str) -> PlanOutcome:
         """The plan failed: its inputs stay live, its files are orphans for GC."""

@@ -9,8 +9,10 @@ the write and the push: the push *is* the write, seen through the watch, and a w
 (re)starts lists every segment first. A full scan every VCHAN_SORT_SCAN_INTERVAL (60 s) is
 only a safety net, as Milvus keeps one.
 
-The whole lifecycle step (L0 and mix compaction, plan cleanup, GC) still runs every
-VCHAN_LIFECYCLE_INTERVAL in the same loop.
+The same loop runs the compaction check every VCHAN_COMPACTION_CHECK_INTERVAL (L0
+compaction of partitions past a count or size of L0 segments, mix compaction of small
+segments: compaction keeps up with ingest) and the whole lifecycle step (every trigger,
+plan cleanup, GC) every VCHAN_LIFECYCLE_INTERVAL.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from collections.abc import Callable
 from vchan_assets.config import Settings
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.compaction import compactable
-from vchan_assets.lifecycle.step import lifecycle_step, sort_step
+from vchan_assets.lifecycle.plans import PlanState
+from vchan_assets.lifecycle.step import compaction_check, lifecycle_step, sort_step
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError, MetaError
 from vchan_assets.meta.store import MetaStore, Snapshot
@@ -92,13 +95,15 @@ def run_lifecycle(
     """The segment lifecycle beside a DataCoord while it is the active one (`writer()`:
     the store fenced by its term, None while standing by): each segment sorted as soon as
     its flush commits (a watch), a full scan for unsorted segments every
-    VCHAN_SORT_SCAN_INTERVAL, the whole step (plans, L0/mix compaction, GC) every
-    VCHAN_LIFECYCLE_INTERVAL. Returns when `stop` is set."""
+    VCHAN_SORT_SCAN_INTERVAL, the compaction check every VCHAN_COMPACTION_CHECK_INTERVAL,
+    the whole step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL. Returns
+    when `stop` is set."""
     storage = Storage.from_settings(settings)
     queue = SortQueue()
     watcher: PrefixWatcher | None = None
     next_step = time.monotonic() + settings.lifecycle_interval
     next_scan = time.monotonic() + settings.sort_scan_interval
+    next_check = time.monotonic() + settings.compaction_check_interval
     try:
         while not stop.is_set():
             store = writer()
@@ -110,7 +115,9 @@ def run_lifecycle(
                 continue
             if watcher is None:
                 watcher = queue.watch(store).start()
-            waiting = queue.take(min(next_step, next_scan, time.monotonic() + 0.5) - time.monotonic())
+            waiting = queue.take(
+                min(next_step, next_scan, next_check, time.monotonic() + 0.5) - time.monotonic()
+            )
             if stop.is_set():
                 break
             if waiting:
@@ -126,8 +133,17 @@ def run_lifecycle(
                         log.info("the sort scan sorted %d segments", len(outcomes))
                 if time.monotonic() >= next_step:
                     next_step = time.monotonic() + settings.lifecycle_interval
+                    next_check = time.monotonic() + settings.compaction_check_interval
                     report = lifecycle_step(system, engine=engine)
                     log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
+                elif time.monotonic() >= next_check:
+                    next_check = time.monotonic() + settings.compaction_check_interval
+                    report = compaction_check(system, engine)
+                    if done := [o for o in report.outcomes if o.state is PlanState.COMPLETED]:
+                        log.info(
+                            "compaction check: %d of %d plans completed", len(done), len(report.outcomes)
+                        )
+                        next_check = time.monotonic()  # more may wait (a plan takes 30 L0 segments at most)
             except (MetaError, StorageError, LogError) as exc:
                 log.warning("lifecycle step failed (%s); trying again", exc)
                 for collection_id, ids in waiting.items():  # not lost: the next round tries them again

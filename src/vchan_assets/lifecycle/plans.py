@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -74,12 +74,22 @@ class CompactionPlan(Record):
     # The delta logs the compaction applied (set at commit; None on plans written before):
     # what the rows check recomputes with, not deletes synced since.
     deletes_applied: tuple[str, ...] | None = None
+    # L0 compaction chained over several plans (one transaction cannot hold every target of
+    # a partition): the targets later links will give these deletes to. Reserved like inputs;
+    # this link's commit keeps the L0 inputs live and creates the next link.
+    chained: tuple[int, ...] = ()
 
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deletes_applied"})
 
     @property
     def input_ids(self) -> tuple[int, ...]:
         return tuple(i.segment_id for i in self.inputs)
+
+    @property
+    def reserved(self) -> tuple[int, ...]:
+        """Every segment the plan holds while active: its inputs, its outputs, the targets
+        of its later links."""
+        return (*self.input_ids, *self.output_ids, *self.chained)
 
     def validate(self) -> None:
         if not self.inputs:
@@ -102,12 +112,7 @@ def list_plans(store: MetaStore) -> list[Decoded[CompactionPlan]]:
 
 def busy_segments(plans: Sequence[Decoded[CompactionPlan]]) -> set[int]:
     """Segments an active plan reads or will write: no other plan may take them."""
-    out: set[int] = set()
-    for d in plans:
-        if d.model.state in ACTIVE:
-            out.update(d.model.input_ids)
-            out.update(d.model.output_ids)
-    return out
+    return {seg for d in plans if d.model.state in ACTIVE for seg in d.model.reserved}
 
 
 def create_plan(store: MetaStore, plan: CompactionPlan) -> Decoded[CompactionPlan]:
@@ -155,19 +160,22 @@ def commit_compaction(
     plan: Decoded[CompactionPlan],
     outputs: Sequence[SegmentInfo],
     changed_inputs: Sequence[SegmentInfo] = (),
+    kept: Collection[int] = (),
+    then: CompactionPlan | None = None,
     **plan_changes: Any,
 ) -> int:
     """One transaction: every input still at its planned version and the plan unchanged,
     then the outputs added, the inputs Dropped (or replaced by `changed_inputs`, the L0
-    targets that gained delta logs) and the plan Completed. Returns the revision;
+    targets that gained delta logs; or left as they are if `kept`: the L0 inputs of a chained
+    link), the next link `then` created, and the plan Completed. Returns the revision;
     CompactionConflictError naming the changed key otherwise (nothing written)."""
     p = plan.model
     inputs = {s.id: s for s in read_inputs(store, p)}
     now = time.time()
     puts: dict[str, Any] = {}
     for seg in inputs.values():
-        dropped = segment_ops.drop(seg)
-        puts[segment_key(store, p, seg.id)] = dropped or seg
+        if seg.id not in kept:
+            puts[segment_key(store, p, seg.id)] = segment_ops.drop(seg) or seg
     for seg in changed_inputs:
         puts[segment_key(store, p, seg.id)] = seg
     expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}
@@ -175,6 +183,9 @@ def commit_compaction(
         key = segment_key(store, p, seg.id)
         puts[key] = seg
         expect[key] = 0
+    if then is not None:
+        puts[store.keys.compaction_plan(then.plan_id)] = then
+        expect[store.keys.compaction_plan(then.plan_id)] = 0
     expect[plan.kv.key] = plan.kv.version
     puts[plan.kv.key] = replace(p, state=PlanState.COMPLETED, finished_at=now, **plan_changes)
     revision = store.txn(expect, puts)

@@ -3,6 +3,10 @@ or the Dagster lifecycle assets): time out and clean up plans, trigger sort (the
 task after flush) and mix compaction, run Pending plans, and garbage-collect once the
 interval has passed.
 
+`compaction_check` is the cheap part of it the DataCoord runs in between (every
+VCHAN_COMPACTION_CHECK_INTERVAL): L0 compaction of partitions past a count or size of L0
+segments, mix compaction of small segments, as Milvus triggers them.
+
 `sort_step` is the stats task alone, for the seed's postFlush hand-off: the DataCoord runs
 it as soon as a flush commits (`handoff.run_lifecycle`, pushed by a watch), the Dagster
 `sorted_segments` asset on its sensor's tick."""
@@ -78,19 +82,47 @@ def lifecycle_step(
     report = LifecycleReport()
     expire_plans(system.store, system.settings, now, report)
     if compact:
-        # L0 first (deletes into the segments that hold their pks), then merge and sort:
-        # a round of each, so neither keeps the other's segments busy forever.
-        trigger = CompactionTrigger(system)
-        executor = CompactionExecutor(system, engine)
-        for kinds in ((CompactionType.L0,), (CompactionType.MIX, CompactionType.SORT)):
-            for info in CollectionRegistry(system.store).list():
-                for kind in kinds:
-                    report.planned += [p.plan_id for p in trigger.trigger(info, kind)]
-            report.outcomes += executor.run_pending()
+        _compact(system, engine, report, (CompactionType.MIX, CompactionType.SORT))
     gc = GarbageCollector(system)
     if collect and gc.due():
         report.gc = gc.run()
     return report
+
+
+def compaction_check(system: System, engine: Engine = "spark") -> LifecycleReport:
+    """The cheap check between lifecycle steps (every VCHAN_COMPACTION_CHECK_INTERVAL):
+    L0 compaction of the partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT or _MB, mix
+    compaction of small segments of one size tier, so compaction keeps up with ingest
+    instead of waiting for VCHAN_LIFECYCLE_INTERVAL. Only the plans it made are run."""
+    report = LifecycleReport()
+    _compact(system, engine, report, (CompactionType.MIX,), check=True)
+    return report
+
+
+def _compact(
+    system: System,
+    engine: Engine,
+    report: LifecycleReport,
+    then: tuple[CompactionType, ...],
+    check: bool = False,
+) -> None:
+    """L0 compaction first (deletes into the segments that hold their pks), then the kinds
+    `then`: a round of each, so neither keeps the other's segments busy forever. A round
+    runs every plan it made (as one job), the chained links of L0 plans after."""
+    trigger = CompactionTrigger(system)
+    executor = CompactionExecutor(system, engine)
+    for kinds in ((CompactionType.L0,), then):
+        planned = [
+            p.plan_id
+            for info in CollectionRegistry(system.store).list()
+            for kind in kinds
+            for p in trigger.trigger(info, kind, check=check)
+        ]
+        report.planned += planned
+        if not check:
+            report.outcomes += executor.run_pending()  # Pending plans an earlier step left too
+        elif planned:
+            report.outcomes += executor.run_pending(planned)
 
 
 def unsorted_segments(store: MetaStore, vchannel: str | None = None) -> list[SegmentInfo]:
