@@ -50,6 +50,7 @@ from vchan_assets.model import (
     physical_ms,
 )
 from vchan_assets.query import reads
+from vchan_assets.query.checks import flush_to_sorted
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
@@ -80,15 +81,6 @@ def _owners(watches: WatchListing) -> list[_Owner]:
     owners += [_Owner(v, REMAINING, None, None, kv.mod_revision) for v, kv in watches.remaining.items()]
     owners += [_Owner(m.vchannel, m.node, "Malformed", None, m.kv.mod_revision) for m in watches.malformed]
     return owners
-
-
-def flush_to_sorted(seg: SegmentInfo) -> float | None:
-    """Seconds from the flush that left `seg` invisible to the commit of the sort that
-    replaced it (None unless its sort replaced it)."""
-    replaced = seg.state is SegmentState.DROPPED and seg.is_invisible
-    if not replaced or seg.flushed_at is None or seg.dropped_at is None:
-        return None
-    return max(0.0, seg.dropped_at - seg.flushed_at)
 
 
 def _ts_seconds(ts: int) -> float:

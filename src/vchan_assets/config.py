@@ -284,6 +284,7 @@ class Settings:
     compaction_check_interval: float = FROM_TABLE
     l0_compaction_trigger_count: int = FROM_TABLE
     l0_compaction_trigger_mb: float = FROM_TABLE
+    invisible_segment_limit: int = FROM_TABLE
     compaction_small_proportion: float = FROM_TABLE
     compaction_tier_factor: float = FROM_TABLE
     compaction_delete_ratio: float = FROM_TABLE

@@ -101,3 +101,18 @@ def start_datacoord(settings: Settings, **env: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+def write_twice(store: MetaStore, seg: SegmentInfo) -> SegmentInfo:
+    """A second meta of `seg` under another id, naming the same binlogs: its rows live twice."""
+    copy = seg.with_changes(id=seg.id + 1_000_000)
+    store.put(store.keys.segment(copy.collection_id, copy.partition_id, copy.id), copy)
+    return copy
+
+
+def drop_without_copy(store: MetaStore, seg: SegmentInfo) -> None:
+    """`seg` Dropped with nothing compacted from it: its rows (or deletes) are gone."""
+    key = store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
+    found = store.get_model(key, SegmentInfo)
+    assert found is not None
+    store.cas(key, found.kv.version, found.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))

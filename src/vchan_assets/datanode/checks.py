@@ -18,6 +18,7 @@ the log still holds, [first retained offset, checkpoint], and reports that floor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -66,19 +67,28 @@ class RetainedLog:
     files wholly below the checkpoint, so only offsets from `floor` on can be compared."""
 
     floor: int  # the first offset still in the log (0 while nothing was deleted)
-    table: pa.Table  # offset, msg_type, timestamp, pk of [floor, checkpoint]
+    table: pa.Table  # offset, msg_type, timestamp, pk (and the extra columns) of [floor, up_to]
 
 
-def _retained_log(storage: Storage, collection: CollectionInfo, vchannel: str, up_to: int) -> RetainedLog:
-    """The retained log up to `up_to`; listed again if a retention pass deletes a file
-    between the listing and the read (the floor then moves up)."""
+def retained_log(
+    storage: Storage,
+    collection: CollectionInfo,
+    vchannel: str,
+    up_to: int | None,
+    extra: Sequence[str] = (),
+) -> RetainedLog:
+    """The retained log up to offset `up_to` (None: to its end), with the `extra` log
+    columns too; listed again if a retention pass deletes a file between the listing and
+    the read (the floor then moves up)."""
     pk = collection.schema.primary.name
-    columns = ["offset", "msg_type", "timestamp", pk]
+    columns = ["offset", "msg_type", "timestamp", pk, *extra]
     for _ in range(3):
         files = WalReader(storage, vchannel, collection).files_between(-1, up_to)
         floor = files[0].first_offset if files else 0
         try:
-            tables = [read_log_file(storage, f.key, collection.schema, [pk]).select(columns) for f in files]
+            tables = [
+                read_log_file(storage, f.key, collection.schema, columns[3:]).select(columns) for f in files
+            ]
         except (StorageError, CorruptLogError):
             if all(storage.exists(f.key) for f in files):
                 raise
@@ -88,7 +98,9 @@ def _retained_log(storage: Storage, collection: CollectionInfo, vchannel: str, u
             if tables
             else log_schema(collection.schema).empty_table().select(columns)
         )
-        return RetainedLog(floor, table.filter(pc.less_equal(table["offset"], up_to)))
+        return RetainedLog(
+            floor, table if up_to is None else table.filter(pc.less_equal(table["offset"], up_to))
+        )
     raise CorruptLogError(storage.path(wal_prefix(vchannel)), "files kept disappearing while read")
 
 
@@ -113,7 +125,7 @@ def check_log_rows(
     if found is None:
         return CheckOutcome(True, "no checkpoint yet: nothing committed", {"log_inserts": 0})
     cp = found.model
-    retained = _retained_log(storage, collection, vchannel, cp.offset)
+    retained = retained_log(storage, collection, vchannel, cp.offset)
     floor, pk = retained.floor, collection.schema.primary.name
     inserts = _messages(retained.table, MsgType.INSERT, pk)
     deletes = _messages(retained.table, MsgType.DELETE, pk)

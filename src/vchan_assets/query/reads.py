@@ -30,7 +30,7 @@ from vchan_assets.query.view import (
 from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
 from vchan_assets.system import System
 
-__all__ = ["collection_segments", "read_collection", "read_segment"]
+__all__ = ["collection_segments", "read_collection", "read_segment", "read_views"]
 
 
 def read_segment(
@@ -67,10 +67,10 @@ def read_collection(
         segments = segments_at(collection_segments(system.store, info.id), ts)
         views = collection_views(system.store, info, segments)
         failpoint("read_planned")  # segments chosen, no file opened yet
-        return _read_views(system, info, segments, views, ts, apply_deletes, with_vectors)
+        return read_views(system, info, segments, views, ts, apply_deletes, with_vectors)
 
 
-def _read_views(
+def read_views(
     system: System,
     info: CollectionInfo,
     segments: list[SegmentInfo],
@@ -79,6 +79,10 @@ def _read_views(
     apply_deletes: bool,
     with_vectors: bool,
 ) -> pa.Table:
+    """The rows of `views` at `ts`: their served segments among `segments` (the meta as it
+    stood at `ts`) and their log tails, with `segment_id` and `partition_id` columns; with
+    `apply_deletes`, the deletes of those views at or before `ts` applied. The caller has
+    pinned the collection."""
     served = readable_ids(views)
     pieces: list[tuple[int, pa.Table]] = []  # (partition, rows)
     for seg in segments:  # in key order, as listed
