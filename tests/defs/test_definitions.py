@@ -26,6 +26,7 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "sorted_segments",
         "compacted_segments",
         "garbage_collection",
+        "visible_segments",
         "imported_segments",
     }
     sensors = {s.name for s in repository.sensor_defs}
@@ -36,8 +37,9 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "lifecycle_sensor",
         "import_sensor",
         "sort_sensor",
+        "query_view_sensor",
     } <= sensors
-    assert all(repository.has_job(job) for job in ("sync", "lifecycle", "bulk_import", "sort"))
+    assert all(repository.has_job(job) for job in ("sync", "lifecycle", "bulk_import", "sort", "query_view"))
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
 
 

@@ -26,6 +26,7 @@ from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
+from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
 from vchan_assets.defs.sync.jobs import sync_job
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
@@ -144,6 +145,44 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
         "binlog_paths_exist",
         "checkpoint_monotonic",
     }
+
+
+def test_the_query_view_of_every_vchannel_is_materialized_on_the_live_stack_with_passing_checks(
+    deployment: Deployment,
+) -> None:
+    """The daemon's `query_view_sensor` requests `visible_segments` once the syncs wrote segment
+    meta: each vchannel's view is materialized, serving every live row once (all rows are in
+    the log or in growing segments here), and its checks pass. The UI's lineage has it
+    downstream of the hand-off: `segments` -> `sorted_segments` -> `visible_segments`."""
+    instance, vchannels = deployment.instance, deployment.collection.vchannels
+
+    def served() -> dict[str, int]:
+        out = {}
+        for v in vchannels:
+            records = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=VISIBLE_SEGMENTS, asset_partitions=[v]), limit=1
+            ).records
+            if records and records[0].asset_materialization is not None:
+                out[v] = int(str(records[0].asset_materialization.metadata["rows_served"].value))
+        return out
+
+    wait_until(
+        lambda: sum(served().values()) == ROWS - DELETES, 150, "a view of each vchannel serving every row"
+    )
+    checks = [
+        record.dagster_event.event_specific_data
+        for run in instance.get_runs(dg.RunsFilter(job_name="query_view"))
+        for record in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        if record.dagster_event is not None
+    ]
+    assert {c.check_name for c in checks} == {"rows_served_once", "invisible_segments_bounded"}  # type: ignore[union-attr]
+    assert all(c.passed for c in checks), [c.description for c in checks]  # type: ignore[union-attr]
+    found = graphql(
+        deployment.url,
+        '{ assetNodes(assetKeys: [{path: ["visible_segments"]}]) { dependencyKeys { path } } }',
+    )
+    deps = {"/".join(d["path"]) for d in found["assetNodes"][0]["dependencyKeys"]}
+    assert deps == {"segments", "sorted_segments", "compacted_segments"}
 
 
 def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deployment) -> None:

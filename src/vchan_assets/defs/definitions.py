@@ -1,7 +1,7 @@
 """The Dagster definitions of vchan_assets (loaded by workspace.yaml).
 
-Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`, `defs/lifecycle`, `defs/imports`)
-and the two resources. The settings are read once per load.
+Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`,
+`defs/lifecycle`, `defs/query`, `defs/imports`) and the two resources. The settings are read once per load.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from vchan_assets.defs.lifecycle.assets import (
     sort_sensor,
     sorted_segments,
 )
+from vchan_assets.defs.query.assets import query_view_job, query_view_sensor, visible_segments
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
@@ -26,9 +27,22 @@ from vchan_assets.defs.sync.jobs import sync_job
 
 def build_definitions(settings: Settings) -> dg.Definitions:
     return dg.Definitions(
-        assets=[sync_vchannel, segment_table, sorted_segments, segment_lifecycle, imported_segments],
-        jobs=[sync_job, lifecycle_job, sort_job, import_job],
-        sensors=[*all_sensors(settings.dagster_datanodes), lifecycle_sensor, sort_sensor, import_sensor],
+        assets=[
+            sync_vchannel,
+            segment_table,
+            sorted_segments,
+            segment_lifecycle,
+            visible_segments,
+            imported_segments,
+        ],
+        jobs=[sync_job, lifecycle_job, sort_job, query_view_job, import_job],
+        sensors=[
+            *all_sensors(settings.dagster_datanodes),
+            lifecycle_sensor,
+            sort_sensor,
+            query_view_sensor,
+            import_sensor,
+        ],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
     )
 

@@ -1,0 +1,141 @@
+"""The hand-off in the Dagster lineage: `visible_segments` (the query view of a vchannel)
+materialized after `sorted_segments` with its two checks, each check failing when its
+invariant is broken, and the sensor that requests it when a vchannel's segment meta
+changes. Dagster's `materialize` on an ephemeral instance, the sort on Spark Connect, real
+etcd and files."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+import dagster as dg
+import pytest
+from lifecycle.helpers import SCHEMA, flushed_batches, live_l1, sync_all, write_twice
+
+from vchan_assets.config import Settings
+from vchan_assets.defs.lifecycle.assets import sorted_segments
+from vchan_assets.defs.query.assets import query_view_sensor, visible_segments
+from vchan_assets.defs.resources import VchanResource
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo
+from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import Produced, produce
+from vchan_assets.wal.producer import Producer
+
+from .helpers import evaluate
+
+
+@pytest.fixture
+def flushed_once(
+    instance: dg.DagsterInstance, dsettings: Settings, store: MetaStore, producer: Producer
+) -> CollectionInfo:
+    """A collection of one vchannel (a partition of the instance) with one flushed round:
+    200 rows, 10 of them deleted, in one invisible segment."""
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    flushed_batches(store, Storage.from_settings(dsettings), dsettings, producer, info, batches=1)
+    return info
+
+
+def view_of(
+    instance: dg.DagsterInstance, vchan: VchanResource, vchannel: str
+) -> tuple[dict[str, object], dict[str, dg.AssetCheckEvaluation]]:
+    """Materialize `visible_segments` of one vchannel: its metadata values and its checks by name."""
+    result = dg.materialize(
+        [visible_segments], instance=instance, resources={"vchan": vchan}, partition_key=vchannel
+    )
+    assert result.success
+    [materialization] = result.asset_materializations_for_node("visible_segments")
+    metadata = {k: v.value for k, v in materialization.metadata.items()}
+    return metadata, {c.check_name: c for c in result.get_asset_check_evaluations()}
+
+
+def test_visible_segments_after_the_sort_in_one_run_serve_every_row_once_with_passing_checks(
+    instance: dg.DagsterInstance, vchan: VchanResource, flushed_once: CollectionInfo
+) -> None:
+    [vchannel] = flushed_once.vchannels
+    before, _ = view_of(instance, vchan, vchannel)
+    assert (before["flushed"], before["invisible"]) == (0, 1)
+
+    result = dg.materialize(  # flushed -> sorted -> visible, in lineage order
+        [sorted_segments, visible_segments],
+        instance=instance,
+        resources={"vchan": vchan},
+        partition_key=vchannel,
+    )
+    assert result.success
+    [view] = result.asset_materializations_for_node("visible_segments")
+    assert view.metadata["flushed"].value == 1 and view.metadata["invisible"].value == 0
+    assert view.metadata["rows_served"].value == 190  # 200 rows, 10 deleted
+    assert view.metadata["sorts_in_meta"].value == 1 and view.metadata["flush_to_sorted_s_max"].value > 0
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert set(checks) == {"sorted_rows_conserved", "rows_served_once", "invisible_segments_bounded"}
+    assert all(c.passed for c in checks.values()), [c.description for c in checks.values()]
+
+
+def test_the_invisible_check_fails_when_the_sort_falls_behind_the_limit(
+    instance: dg.DagsterInstance,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    flushed_once: CollectionInfo,
+) -> None:
+    info = flushed_once
+    storage = Storage.from_settings(dsettings)
+    flushed_batches(store, storage, dsettings, producer, info, batches=1, first_batch=1)  # no sort
+    strict = VchanResource.from_settings(replace(dsettings, invisible_segment_limit=1))
+    metadata, checks = view_of(instance, strict, info.vchannels[0])
+    assert metadata["invisible"] == 2 and metadata["oldest_invisible_s"] > 0
+    assert not checks["invisible_segments_bounded"].passed
+    assert "2 flushed segments wait for their sort" in str(checks["invisible_segments_bounded"].description)
+    assert checks["rows_served_once"].passed  # served as growing, each row once
+
+    at_limit = VchanResource.from_settings(replace(dsettings, invisible_segment_limit=2))
+    _, checks = view_of(instance, at_limit, info.vchannels[0])
+    assert checks["invisible_segments_bounded"].passed
+
+
+def test_the_rows_check_fails_when_a_segment_meta_is_written_twice(
+    instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, flushed_once: CollectionInfo
+) -> None:
+    [seg] = live_l1(store, flushed_once)
+    write_twice(store, seg)
+
+    metadata, checks = view_of(instance, vchan, flushed_once.vchannels[0])
+    served = checks["rows_served_once"]
+    assert not served.passed and served.metadata["rows_served_twice"].value == 190
+    assert metadata["rows_served"] == 380 and metadata["invisible"] == 2
+    assert checks["invisible_segments_bounded"].passed
+
+
+def test_the_sensor_requests_a_view_run_per_vchannel_whose_segment_meta_changed(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+) -> None:
+    storage = Storage.from_settings(dsettings)
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+    assert not evaluate(query_view_sensor, instance, vchan).run_requests  # no partition, no segment
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    produce(producer, info.name, Produced(), 100, start_pk=0)  # pks 0..99: both vchannels
+    sync_all(store, storage, dsettings, info)
+
+    first = {
+        r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
+    }
+    assert set(first) == set(info.vchannels)
+    again = {
+        r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
+    }
+    assert again == first  # nothing changed: the same run keys, which Dagster does not run twice
+
+    produce(producer, info.name, Produced(), 1, start_pk=1_000)  # pk 1000: one vchannel only
+    sync_all(store, storage, dsettings, info)
+    changed = {
+        r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
+    }
+    moved = [v for v in info.vchannels if changed[v] != first[v]]
+    assert moved == [info.vchannels[1000 % 2]]
