@@ -9,6 +9,10 @@ Owns:
   catalog's `read_segment` / `read_collection` and the Spark source read through it.
 - `asof`: reads at a timestamp (`as_of`, default now): the time checked against the
   time-travel window, segment meta as it stood then, and the log after each checkpoint.
+- `checks`: the view of a vchannel in figures (what it serves as flushed, growing, invisible,
+  L0; the seek position; flush -> sorted seconds) and its two checks: a read at T through
+  the view serves each live row of the log up to T once; the flushed segments waiting for
+  their sort stay within VCHAN_INVISIBLE_SEGMENT_LIMIT (Dagster's `visible_segments`).
 - `spark_source`: `spark.read.format("vchan")`, PySpark's Python data source over the same
   rows; `spark_source.spark_session(system)` is a session with it registered, and
   `spark_source.register(spark)` registers it on any other session. (Imported on its
