@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ from vchan_assets.model import (
 )
 from vchan_assets.query import reads
 from vchan_assets.query.checks import flush_to_sorted
+from vchan_assets.query.prune import parse_where
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
@@ -511,15 +512,29 @@ class Catalog:
         as_arrow: bool = False,
         with_vectors: bool = True,
         as_of: Any = None,
+        pks: Iterable[int] | None = None,
+        where: Sequence[tuple[str, str, Any]] | None = None,
     ) -> pd.DataFrame | pa.Table:
         """Every row of a collection at `as_of` (None: now; a hybrid timestamp, an ISO-8601
         time or a datetime within VCHAN_TIME_TRAVEL), wherever it lives: the segments the
         query views serve and the log after each checkpoint (`query.reads.read_collection`),
         with `segment_id` and `partition_id` columns, deletes at or before `as_of` applied
         per partition: a pandas DataFrame (or an Arrow table with `as_arrow`). The same rows
-        as a Spark DataFrame: `spark_collection(name, as_of=...)`."""
+        as a Spark DataFrame: `spark_collection(name, as_of=...)`.
+
+        `pks` (those primary keys only) and `where` (conditions `(column, op, value)`, all of
+        which hold: the primary key with `=`, `in`, `<`, `<=`, `>`, `>=`, `between`, or
+        `"partition"` with `=`, `in`) are pushed down: segments whose stats logs (pk range,
+        bloom filter) rule them out are not read, nor partitions not asked for."""
         info = self.collection(name)
-        table = reads.read_collection(self.system, info, apply_deletes, with_vectors, as_of=as_of)
+        conditions = [
+            *(where or ()),
+            *([(info.schema.primary.name, "in", list(pks))] if pks is not None else []),
+        ]
+        pushdown = parse_where(info, conditions)
+        table = reads.read_collection(
+            self.system, info, apply_deletes, with_vectors, as_of=as_of, pushdown=pushdown
+        )
         return table if as_arrow else table.to_pandas()
 
     def spark_collection(

@@ -20,6 +20,7 @@ from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.failpoints import failpoint
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.query.asof import at_or_before, resolve_as_of, segments_at, tail_of
+from vchan_assets.query.prune import EVERYTHING, Pushdown, prune
 from vchan_assets.query.view import (
     QueryView,
     collection_segments,
@@ -29,6 +30,7 @@ from vchan_assets.query.view import (
 )
 from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
 from vchan_assets.system import System
+from vchan_assets.wal.format import user_fields
 
 __all__ = ["collection_segments", "read_collection", "read_segment", "read_views"]
 
@@ -56,18 +58,20 @@ def read_collection(
     apply_deletes: bool = True,
     with_vectors: bool = True,
     as_of: Any = None,
+    pushdown: Pushdown = EVERYTHING,
 ) -> pa.Table:
     """Every row of a collection at `as_of` (None: now; see `query.asof`): the rows of the
     segments its query views serve (as the views stood at that time) and of the log after
     each checkpoint that no segment holds yet, inserted at or before it, with `segment_id`
-    and `partition_id` columns, deletes at or before it applied per partition."""
+    and `partition_id` columns, deletes at or before it applied per partition. Only those
+    `pushdown` keeps (`query.prune`): segments whose stats rule its pks out are not read."""
     ts = resolve_as_of(system.store, system.settings, as_of)
     # Pinned before segment meta is listed: GC keeps every file this read may open.
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
         segments = segments_at(collection_segments(system.store, info.id), ts)
         views = collection_views(system.store, info, segments)
         failpoint("read_planned")  # segments chosen, no file opened yet
-        return read_views(system, info, segments, views, ts, apply_deletes, with_vectors)
+        return read_views(system, info, segments, views, ts, apply_deletes, with_vectors, pushdown)
 
 
 def read_views(
@@ -78,17 +82,19 @@ def read_views(
     ts: int,
     apply_deletes: bool,
     with_vectors: bool,
+    pushdown: Pushdown = EVERYTHING,
 ) -> pa.Table:
     """The rows of `views` at `ts`: their served segments among `segments` (the meta as it
     stood at `ts`) and their log tails, with `segment_id` and `partition_id` columns; with
-    `apply_deletes`, the deletes of those views at or before `ts` applied. The caller has
-    pinned the collection."""
+    `apply_deletes`, the deletes of those views at or before `ts` applied; only the rows
+    `pushdown` keeps. The caller has pinned the collection."""
     served = readable_ids(views)
+    pk = info.schema.primary.name
     pieces: list[tuple[int, pa.Table]] = []  # (partition, rows)
-    for seg in segments:  # in key order, as listed
-        if seg.id not in served:
-            continue
+    # in key order, as listed
+    for seg in prune(system.storage, [s for s in segments if s.id in served], pushdown):
         table = at_or_before(segment_rows(system.storage, seg, with_vectors), ts)
+        table = pushdown.pk.rows(table, pk, seg.is_sorted)
         n = table.num_rows
         table = table.append_column("segment_id", pa.array([seg.id] * n, pa.int64()))
         table = table.append_column("partition_id", pa.array([seg.partition_id] * n, pa.int64()))
@@ -97,7 +103,9 @@ def read_views(
     for view in views:
         tail = tail_of(view, segments, ts).read(system.storage, info, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
-            pieces.append((part, tail.rows.filter(pc.equal(tail.rows["partition_id"], part))))
+            if pushdown.keeps_partition(part):
+                rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
+                pieces.append((part, pushdown.pk.rows(rows, pk)))
         for part, found in tail.deletes.items():
             tail_deletes.setdefault(part, []).append(found)
     if apply_deletes:
@@ -106,8 +114,17 @@ def read_views(
             persisted = read_deletes(system.storage, delete_paths(views, part))
             both = pa.concat_tables([persisted, *tail_deletes.get(part, [])], promote_options="permissive")
             deletes[part] = at_or_before(both, ts)
-        pk = info.schema.primary.name
         pieces = [(part, apply_deletes_to(table, deletes[part], pk)) for part, table in pieces]
     if pieces:
         return pa.concat_tables([t for _, t in pieces], promote_options="permissive")
-    return pa.table({info.schema.primary.name: pa.array([], pa.int64())})
+    return _no_rows(info, with_vectors)
+
+
+def _no_rows(info: CollectionInfo, with_vectors: bool) -> pa.Table:
+    """An empty read, with the columns a read with rows has."""
+    fields = [
+        f for f in user_fields(info.schema) if with_vectors or not pa.types.is_fixed_size_binary(f.type)
+    ]
+    columns = [pa.field("row_id", pa.int64()), pa.field("timestamp", pa.int64()), *fields]
+    columns += [pa.field("segment_id", pa.int64()), pa.field("partition_id", pa.int64())]
+    return pa.schema(columns).empty_table()

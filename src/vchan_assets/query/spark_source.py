@@ -9,6 +9,8 @@
           .option("vectors", "array")        # array<float> (default) or binary (float32 LE)
           .option("task_mb", "128")          # binlog MB per Spark task; 0: one task per segment
           .option("as_of", "2026-11-25T20:30:00Z")  # optional: a time or hybrid timestamp; default now
+          .option("pks", "42,43")            # optional: only these primary keys
+          .option("pk_min", "100").option("pk_max", "199")  # optional: a pk range, both included
           .load())
 
 The rows are what `Catalog.read_collection` returns (`query.asof`): at `as_of`, the
@@ -16,6 +18,14 @@ segments the query views of the collection's vchannels serve (`query.view`) and 
 after each checkpoint that no segment holds yet, with Milvus' delete rule applied per
 partition (a delete removes the rows of its pk in its partition that are older than it),
 plus `segment_id` and `partition_id`. With `segments`, only those segments (no log).
+
+`pks`, `pk_min` and `pk_max` are pushed down (`query.prune`): a segment whose stats logs
+(pk range, bloom filter) rule the pks out is not read, and the rows of the others and
+of the log are filtered exactly. They are options, not `df.filter(...)` handed to
+`DataSourceReader.pushFilters`: Spark 4 keeps the read plan a pushdown made for a
+DataFrame and reuses it for the DataFrame's later queries that push nothing (after
+`df.filter(df.pk == 300).count()`, `df.count()` counted 1 row), so a pushed filter would
+leak into other queries.
 
 Layout: planning (in a Spark Python worker) reads the segment meta from etcd once, makes
 the query views, and groups the segments they serve into Spark partitions of about `task_mb` of binlogs each, at least
@@ -39,7 +49,7 @@ import contextlib
 import math
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +77,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.read_pins import ReadPinLostError, pin_read
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
 from vchan_assets.query.asof import Tail, at_or_before, resolve_as_of, segments_at, tail_of
+from vchan_assets.query.prune import EVERYTHING, PkFilter, Pushdown, parse_where, prune
 from vchan_assets.query.view import QueryView, collection_segments, collection_views, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
@@ -106,6 +117,12 @@ class ReadRequest:
     vectors: str = "array"
     task_mb: float = TASK_MB
     as_of: str = ""  # empty: now
+    where: tuple[tuple[str, str, Any], ...] = ()  # pks, pk_min, pk_max as `query.prune` conditions
+
+    def pushdown(self, info: CollectionInfo) -> Pushdown:
+        """The pk conditions of the options on this collection's primary key."""
+        pk = info.schema.primary.name
+        return parse_where(info, [(pk, op, value) for _, op, value in self.where])
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ReadRequest:
@@ -135,7 +152,25 @@ class ReadRequest:
             vectors,
             mb,
             opts.get("as_of", "").strip(),
+            _pk_conditions(opts),
         )
+
+
+def _pk_conditions(opts: Mapping[str, str]) -> tuple[tuple[str, str, Any], ...]:
+    """`pks` (comma-separated), `pk_min` and `pk_max` (both included) as conditions."""
+    out: list[tuple[str, str, Any]] = []
+    for option, op in (("pks", "in"), ("pk_min", ">="), ("pk_max", "<=")):
+        raw = opts.get(option, "").strip()
+        if not raw:
+            continue
+        try:
+            values = [int(v) for v in _names(raw)]
+        except ValueError as exc:
+            raise ReadOptionError(f"option {option}={raw!r}: expected integer primary keys") from exc
+        if op != "in" and len(values) != 1:
+            raise ReadOptionError(f"option {option}={raw!r}: expected one primary key")
+        out.append(("pk", op, values if op == "in" else values[0]))
+    return tuple(out)
 
 
 def _names(raw: str) -> tuple[str, ...]:
@@ -201,8 +236,10 @@ def plan_partitions(
     request: ReadRequest,
     min_tasks: int = 1,
     with_vectors: bool = True,
+    kept: Collection[int] | None = None,
 ) -> list[SegmentsPartition]:
-    """The segments the query `views` serve that are asked for, grouped into tasks of about
+    """The segments the query `views` serve that are asked for (and `kept` by a pushdown,
+    if given), grouped into tasks of about
     `request.task_mb` of binlogs (counting the vector groups only `with_vectors`), at
     least `min_tasks` of them while there are segments; `task_mb` 0 makes one task per
     segment."""
@@ -220,6 +257,8 @@ def plan_partitions(
             f"collection {info.name!r} has no readable segment {missing} (in the partitions asked "
             f"for, served by the query view: not L0, not Dropped, not Importing, with binlogs)"
         )
+    if kept is not None:
+        chosen = [s for s in chosen if s.id in kept]
     sizes = {s.id: _read_bytes(s, with_vectors) for s in chosen}
     task_bytes = request.task_mb * 2**20
     wanted = math.ceil(sum(sizes.values()) / task_bytes) if task_bytes else len(chosen)
@@ -279,13 +318,15 @@ def read_segment(
     pk: str,
     vectors: str,
     ts: int | None = None,
+    pks: PkFilter = EVERYTHING.pk,
 ) -> pa.Table:
-    """The live rows of one segment (`deletes`: its partition's; rows after `ts` left out)
-    as the Spark schema expects them."""
+    """The live rows of one segment (`deletes`: its partition's; rows after `ts` left out;
+    only the pks `pks` keeps) as the Spark schema expects them."""
     wants_vectors = any(f.is_vector for f in fields)
     table = segment_rows(storage, seg, with_vectors=wants_vectors)
     if ts is not None:
         table = at_or_before(table, ts)
+    table = pks.rows(table, pk, seg.is_sorted)
     table = apply_deletes_to(table, deletes, pk)
     missing = [f.name for f in fields if f.name not in table.column_names]
     if missing:
@@ -354,32 +395,44 @@ class VchanReader(DataSourceReader):
         self.info = info
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]
-        with_vectors = any(f.is_vector for f in self.fields)
-        parts: list[InputPartition] = list(
-            plan_partitions(
-                info,
-                views,
-                self.request,
-                min_tasks=TASKS_PER_CORE * settings.spark_partitions,
-                with_vectors=with_vectors,
-            )
-        )
+        self.views, self.segments = views, segments
         self.partition_ids = _partition_ids(info, self.request.partitions)
         self.delete_paths = {p: tuple(delete_paths(views, p)) for p in info.partitions}
+        self.pk = info.schema.primary.name
+        self.pushdown = self.request.pushdown(info)
         self.tail_deletes: dict[int, list[pa.Table]] = {}
+        # Planned here, not in partitions(): Spark pickles `read` with the reader as it is
+        # before partitions() runs, and every task needs the tail's deletes.
+        self.parts = self._plan()
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return self.parts
+
+    def _plan(self) -> list[InputPartition]:
+        """The Spark partitions: segments the views serve and the pushdown keeps, in tasks
+        of about `task_mb`, then a task per vchannel whose log tail holds inserts."""
+        with_vectors = any(f.is_vector for f in self.fields)
+        served = [s for v in self.views for s in v.readable]
+        kept = {s.id for s in prune(self.storage, served, self.pushdown)}
+        parts: list[InputPartition] = list(
+            plan_partitions(
+                self.info,
+                self.views,
+                self.request,
+                min_tasks=TASKS_PER_CORE * self.settings.spark_partitions,
+                with_vectors=with_vectors,
+                kept=kept,
+            )
+        )
         if not self.request.segments:  # a read of chosen segments reads no log
-            for view in views:
-                tail = tail_of(view, segments, self.ts)
-                plan = tail.plan(self.storage, info)
+            for view in self.views:
+                tail = tail_of(view, self.segments, self.ts)
+                plan = tail.plan(self.storage, self.info)
                 for part, found in plan.deletes.items():
                     self.tail_deletes.setdefault(part, []).append(found)
                 if plan.inserts:
                     parts.append(TailPartition(tail))
-        self.parts = parts
-        self.pk = info.schema.primary.name
-
-    def partitions(self) -> Sequence[InputPartition]:
-        return self.parts
+        return parts
 
     def _deletes(self, partition_id: int) -> pa.Table:
         persisted = read_deletes(self.storage, self.delete_paths.get(partition_id, ()))
@@ -413,6 +466,7 @@ class VchanReader(DataSourceReader):
                 self.pk,
                 self.request.vectors,
                 self.ts,
+                self.pushdown.pk,
             )
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
 
@@ -420,9 +474,12 @@ class VchanReader(DataSourceReader):
         with_vectors = any(f.is_vector for f in self.fields)
         tail = partition.tail.read(self.storage, self.info, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
-            if self.partition_ids and part not in self.partition_ids:
+            if (self.partition_ids and part not in self.partition_ids) or not self.pushdown.keeps_partition(
+                part
+            ):
                 continue
             rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
+            rows = self.pushdown.pk.rows(rows, self.pk)
             rows = apply_deletes_to(rows, self._deletes(part), self.pk)
             yield from spark_rows(rows, self.fields, self.request.vectors).to_batches(
                 max_chunksize=BATCH_ROWS

@@ -1,0 +1,217 @@
+"""Filters on the primary key and the partition, pushed down to the segments.
+
+A read that asks only for some pks (`Catalog.read_collection(name, where=[("pk", "=",
+42)])`, `df.filter(df.pk.isin(1, 2))` on `format("vchan")`) need not open every segment:
+each segment's stats logs hold the pk range and a bloom filter of its rows
+(`datanode.stats.PkStats`). `PkFilter` is the conjunction of the conditions on the pk
+(`=`, `in`, `<`, `<=`, `>`, `>=`, `between`); `prune` keeps the segments whose range
+overlaps it and, for equality and `in`, whose bloom filter may hold one of the values
+(false positives only: a kept segment may hold none, a pruned one holds none for sure).
+Rows of the kept segments and of the log tail are then filtered exactly (`PkFilter.mask`;
+on a segment sorted by pk, a binary search instead of a scan).
+
+`where` is a list of `(column, op, value)` conditions, all of which must hold (as the
+`filters` of `pandas.read_parquet`): the column is the primary key or `partition`
+(partition names, `=` or `in`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from vchan_assets.datanode.stats import PkStats
+from vchan_assets.errors import DeclaredError
+from vchan_assets.model import CollectionInfo, SegmentInfo
+from vchan_assets.storage import Storage
+
+log = logging.getLogger(__name__)
+
+PK_OPS = ("=", "==", "in", "<", "<=", ">", ">=", "between")
+PARTITION_COLUMN = "partition"
+
+
+class FilterError(DeclaredError, ValueError):
+    """A `where` condition the reader cannot apply: the message names it."""
+
+    condition: str
+    detail: str
+    message = "filter {condition}: {detail}"
+
+
+@dataclass(frozen=True)
+class PkFilter:
+    """Rows whose pk lies in [low, high] (either bound open or missing) and, when `values`
+    is set, is one of them. The empty filter (`PkFilter()`) keeps every row."""
+
+    values: tuple[int, ...] | None = None
+    low: float = -math.inf
+    low_open: bool = False
+    high: float = math.inf
+    high_open: bool = False
+
+    @property
+    def everything(self) -> bool:
+        return self.values is None and self.low == -math.inf and self.high == math.inf
+
+    @property
+    def empty(self) -> bool:
+        """No pk can match (contradicting bounds, or no value within them)."""
+        if self.values is not None:
+            return not self.in_range(np.asarray(self.values, np.int64)).any()
+        return self.low > self.high or (self.low == self.high and (self.low_open or self.high_open))
+
+    def and_(self, other: PkFilter) -> PkFilter:
+        """Both filters at once."""
+        values = self.values
+        if other.values is not None:
+            values = other.values if values is None else tuple(sorted(set(values) & set(other.values)))
+        low, low_open = max((self.low, self.low_open), (other.low, other.low_open))
+        high, high_open = min((self.high, not self.high_open), (other.high, not other.high_open))
+        return PkFilter(values, low, low_open, high, not high_open)
+
+    def in_range(self, pks: np.ndarray) -> np.ndarray:
+        above = pks > self.low if self.low_open else pks >= self.low
+        below = pks < self.high if self.high_open else pks <= self.high
+        return np.asarray(above & below, dtype=bool)
+
+    def may_hold(self, stats: PkStats) -> bool:
+        """Whether a binlog with these stats may hold a matching pk (range, then bloom)."""
+        if stats.entries == 0:
+            return False
+        if self.values is None:
+            return not self.and_(PkFilter(low=stats.pk_min, high=stats.pk_max)).empty
+        wanted = np.asarray(self.values, np.int64)
+        wanted = wanted[self.in_range(wanted)]
+        return bool(len(wanted)) and bool(stats.might_contain(wanted).any())
+
+    def mask(self, pks: pa.Array | pa.ChunkedArray) -> pa.Array:
+        """Per row: its pk matches."""
+        arr = pks.to_numpy() if isinstance(pks, pa.ChunkedArray) else pks.to_numpy(zero_copy_only=False)
+        keep = self.in_range(arr)
+        if self.values is not None:
+            keep &= np.isin(arr, np.asarray(self.values, np.int64))
+        return pa.array(keep)
+
+    def rows(self, table: pa.Table, pk: str, is_sorted: bool = False) -> pa.Table:
+        """The rows of `table` whose pk matches; of a table sorted by pk, a binary search for
+        a range (no scan)."""
+        if self.everything or table.num_rows == 0:
+            return table
+        if is_sorted and self.values is None:
+            pks = table[pk].to_numpy()
+            start = np.searchsorted(pks, self.low, side="right" if self.low_open else "left")
+            stop = np.searchsorted(pks, self.high, side="left" if self.high_open else "right")
+            return table.slice(int(start), max(0, int(stop - start)))
+        return table.filter(self.mask(table[pk]))
+
+
+@dataclass(frozen=True)
+class Pushdown:
+    """What a read keeps: pks (`PkFilter`) and partition ids (None: all)."""
+
+    pk: PkFilter = PkFilter()  # noqa: RUF009 (frozen: a shared default is safe)
+    partitions: frozenset[int] | None = None
+
+    @property
+    def everything(self) -> bool:
+        return self.pk.everything and self.partitions is None
+
+    def keeps_partition(self, partition_id: int) -> bool:
+        return self.partitions is None or partition_id in self.partitions
+
+    def and_(self, condition: PkFilter | frozenset[int]) -> Pushdown:
+        """This pushdown and one more condition: on the pk, or partition ids to keep."""
+        if isinstance(condition, PkFilter):
+            return Pushdown(self.pk.and_(condition), self.partitions)
+        return Pushdown(self.pk, condition if self.partitions is None else self.partitions & condition)
+
+
+EVERYTHING = Pushdown()  # no filter: every row
+
+
+def _condition(item: Any) -> str:
+    return " ".join(map(repr, item)) if isinstance(item, (tuple, list)) else repr(item)
+
+
+def _as_pk(value: Any, item: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise FilterError(_condition(item), f"{value!r} is not an integer primary key")
+    return int(value)
+
+
+def pk_condition(op: str, value: Any, item: Any = None) -> PkFilter:
+    """One condition on the pk as a filter."""
+    item = item if item is not None else ("pk", op, value)
+    if op in ("=", "=="):
+        return PkFilter(values=(_as_pk(value, item),))
+    if op == "in":
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise FilterError(_condition(item), "'in' takes a list of primary keys")
+        return PkFilter(values=tuple(sorted({_as_pk(v, item) for v in value})))
+    if op == "between":
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise FilterError(_condition(item), "'between' takes (low, high), both included")
+        return PkFilter(low=_as_pk(value[0], item), high=_as_pk(value[1], item))
+    bound = _as_pk(value, item)
+    if op in ("<", "<="):
+        return PkFilter(high=bound, high_open=op == "<")
+    if op in (">", ">="):
+        return PkFilter(low=bound, low_open=op == ">")
+    raise FilterError(_condition(item), f"unknown operator {op!r}; expected one of {', '.join(PK_OPS)}")
+
+
+def parse_where(info: CollectionInfo, where: Sequence[Any] | None) -> Pushdown:
+    """`where` ([(column, op, value), ...], all must hold) as a Pushdown; FilterError names
+    a condition on another column, an unknown operator or partition, or a wrong value."""
+    if not where:
+        return EVERYTHING
+    pk_name = info.schema.primary.name
+    by_name = dict(zip(info.partition_names, info.partitions, strict=False))
+    pushdown = EVERYTHING
+    for item in where:
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise FilterError(_condition(item), "expected (column, op, value)")
+        column, op, value = item
+        op = str(op).lower()
+        if column == pk_name:
+            pushdown = pushdown.and_(pk_condition(op, value, item))
+        elif column == PARTITION_COLUMN:
+            names = [value] if op in ("=", "==") else list(value) if op == "in" else None
+            if names is None:
+                raise FilterError(_condition(item), "a partition is chosen with '=' or 'in'")
+            unknown = [n for n in names if n not in by_name]
+            if unknown:
+                raise FilterError(_condition(item), f"no partition {unknown}; partitions: {sorted(by_name)}")
+            pushdown = pushdown.and_(frozenset(by_name[n] for n in names))
+        else:
+            raise FilterError(
+                _condition(item), f"only the primary key {pk_name!r} and {PARTITION_COLUMN!r} can be filtered"
+            )
+    return pushdown
+
+
+def prune(storage: Storage, segments: Sequence[SegmentInfo], pushdown: Pushdown) -> list[SegmentInfo]:
+    """The segments that may hold a matching row: in a kept partition, and with a stats log
+    whose pk range (then bloom filter) may hold a matching pk. A segment without stats
+    logs is kept (nothing proves it holds none)."""
+    kept = []
+    for seg in segments:
+        if not pushdown.keeps_partition(seg.partition_id):
+            continue
+        if pushdown.pk.everything or not seg.statslogs:
+            kept.append(seg)
+            continue
+        if pushdown.pk.empty:
+            continue
+        if any(pushdown.pk.may_hold(PkStats.from_bytes(storage.read_bytes(s.path))) for s in seg.statslogs):
+            kept.append(seg)
+    if not pushdown.everything:
+        log.info("pushdown kept %d of %d segments", len(kept), len(segments))
+    return kept
