@@ -12,6 +12,7 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
     cat.segments()               # state, level, rows, bytes, binlog count, sorted
     cat.binlogs(); cat.deltalogs()
     cat.imports()                # bulk import jobs: state, reason, progress, rows, segments
+    cat.indexes()                # vector indexes: definition, indexed rows / total, failed builds
     cat.read_collection("books") # the rows a query would see: deletes applied
 
 Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
@@ -417,6 +418,19 @@ class Catalog:
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 
+    def indexes(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per live vector index (`meta/field-index/`): its definition and how far
+        its builds are over the collection's Flushed segments: indexed rows / total rows,
+        builds finished, pending, in progress, failed (with reasons by segment) and
+        segments waiting for a build (not sorted yet)."""
+        from vchan_assets.indexes.meta import collection_progress, progress_row
+
+        infos = [self.collection(collection)] if collection else self.collection_infos()
+        rows = [progress_row(info, p) for info in infos for p in collection_progress(self.store, info)]
+        for row in rows:
+            row["created_at"] = _utc(row["created_at"])
+        return pd.DataFrame(rows, columns=_INDEX_COLUMNS)
+
     def binlogs(self, collection: str | None = None) -> pd.DataFrame:
         """One row per insert binlog file (per column group), with its segment."""
         rows = [
@@ -540,6 +554,11 @@ class Catalog:
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())
 
+
+_INDEX_COLUMNS = [
+    "collection", "index_id", "name", "field", "type", "metric", "params", "created_at", "indexed_rows",
+    "total_rows", "segments", "finished", "pending", "in_progress", "failed", "waiting", "fail_reasons",
+]  # fmt: skip
 
 _FILE_COLUMNS = [
     "segment_id", "collection_id", "partition_id", "vchannel", "segment_state", "level", "log_id",

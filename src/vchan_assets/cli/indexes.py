@@ -1,0 +1,121 @@
+"""Vector indexes: `vchan create-index`, `vchan drop-index`, `vchan describe-index`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vchan_assets.cli.base import UsageError, command, opened_collection
+from vchan_assets.config import Settings
+
+INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
+METRICS = ("L2", "IP", "COSINE")
+
+
+def key_values(items: list[str] | None, flag: str) -> dict[str, int]:
+    """`name=value` items (integers), as `--param` gives them."""
+    out = {}
+    for item in items or []:
+        name, sep, raw = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            out[name.strip()] = int(raw)
+        except ValueError:
+            raise UsageError(f"{flag} {item!r}: expected name=integer, e.g. nlist=128") from None
+    return out
+
+
+# --- create-index -----------------------------------------------------------------------
+
+
+def _create_index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    parser.add_argument("--field", required=True, help="the vector field to index")
+    parser.add_argument("--type", required=True, type=str.upper, choices=INDEX_TYPES, help="index type")
+    parser.add_argument(
+        "--metric", default="L2", type=str.upper, choices=METRICS, help="distance metric (default L2)"
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a build parameter, repeatable: nlist (IVF), m and nbits (IVF_PQ), M and efConstruction (HNSW)",
+    )
+    parser.add_argument("--name", default=None, help="index name (default: the field's name)")
+
+
+@command("create-index", "create an index on a vector field and its segment builds", _create_index_args)
+def create_index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.meta import create_index as create
+    from vchan_assets.indexes.meta import create_missing_builds, describe
+    from vchan_assets.model import SegmentIndexState
+
+    params = key_values(args.param, "--param")
+    with opened_collection(settings, args.collection) as (stack, info):
+        index, created = create(stack.store, info, args.field, args.type, args.metric, params, args.name)
+        builds = create_missing_builds(stack.store, info, [index])
+        verb = "created" if created else "exists:"
+        print(f"{verb} index {describe(index)} (id {index.index_id}) on {info.name}")
+        to_build = [b.build_id for b in builds if b.state is SegmentIndexState.UNISSUED]
+        print(
+            f"  {len(builds)} new segment builds: {len(to_build)} to build, {len(builds) - len(to_build)} with nothing to build"
+        )
+        return 0
+
+
+# --- drop-index -------------------------------------------------------------------------
+
+
+def _drop_index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--name", help="the index's name")
+    which.add_argument("--field", help="the indexed vector field")
+
+
+@command(
+    "drop-index",
+    "drop an index (no new builds start; garbage collection removes its files)",
+    _drop_index_args,
+)
+def drop_index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.meta import describe
+    from vchan_assets.indexes.meta import drop_index as drop
+
+    with opened_collection(settings, args.collection) as (stack, info):
+        index = drop(stack.store, info, name=args.name, field=args.field)
+    print(f"dropped index {describe(index)} (id {index.index_id}) of {info.name}")
+    return 0
+
+
+# --- describe-index ---------------------------------------------------------------------
+
+
+def _describe_index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+@command("describe-index", "show a collection's indexes and how far their builds are", _describe_index_args)
+def describe_index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.meta import collection_progress, describe, progress_row
+
+    with opened_collection(settings, args.collection) as (stack, info):
+        progress = collection_progress(stack.store, info)
+    if args.json:
+        print(json.dumps([progress_row(info, p) for p in progress], indent=2))
+        return 0
+    if not progress:
+        print(f"{info.name}: no indexes")
+    for p in progress:
+        share = f" ({100 * p.indexed_rows / p.total_rows:.0f}%)" if p.total_rows else ""
+        print(f"index {describe(p.index)} (id {p.index.index_id})")
+        print(f"  indexed rows {p.indexed_rows} / {p.total_rows}{share}")
+        print(
+            f"  segments {p.segments}: {p.finished} finished, {p.pending} pending, {p.in_progress} in progress, "
+            f"{len(p.failed)} failed, {p.waiting} waiting (not sorted yet, or no build yet)"
+        )
+        for segment, reason in p.failed:
+            print(f"  failed: segment {segment}: {reason}")
+    return 0
