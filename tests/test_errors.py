@@ -34,6 +34,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "datacoord.collections.VchannelNotFoundError": ("c_9", "docs"),
     "datacoord.watchers.NotWatcherError": ("c_0", 5, "ToRelease"),
     "imports.executor.ImportFailed": ("file gone",),
+    "indexes.build.IndexBuildError": (12, 7, "vectors unreadable"),
     "indexes.meta.IndexConflictError": ("docs", "vec", "'vec' on 'vec' (HNSW, L2)"),
     "indexes.meta.IndexNotFoundError": ("docs", "named 'vec'"),
     "indexes.meta.InvalidIndexError": ("docs", "vec", "nlist=0 is out of range [1, 65536]"),

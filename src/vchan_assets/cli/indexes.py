@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vchan_assets.cli.base import UsageError, command, opened_collection
+from vchan_assets.cli.base import UsageError, command, engine_arg, opened_collection
 from vchan_assets.config import Settings
 
 INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
@@ -43,12 +43,15 @@ def _create_index_args(parser: argparse.ArgumentParser) -> None:
         help="a build parameter, repeatable: nlist (IVF), m and nbits (IVF_PQ), M and efConstruction (HNSW)",
     )
     parser.add_argument("--name", default=None, help="index name (default: the field's name)")
+    parser.add_argument("--wait", action="store_true", help="build the segments' indexes here and wait")
+    engine_arg(parser, "the builds")
 
 
 @command("create-index", "create an index on a vector field and its segment builds", _create_index_args)
 def create_index(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.indexes.meta import create_index as create
     from vchan_assets.indexes.meta import create_missing_builds, describe
+    from vchan_assets.indexes.step import IndexBuilder
     from vchan_assets.model import SegmentIndexState
 
     params = key_values(args.param, "--param")
@@ -58,10 +61,18 @@ def create_index(args: argparse.Namespace, settings: Settings) -> int:
         verb = "created" if created else "exists:"
         print(f"{verb} index {describe(index)} (id {index.index_id}) on {info.name}")
         to_build = [b.build_id for b in builds if b.state is SegmentIndexState.UNISSUED]
+        done = len(builds) - len(to_build)
+        print(f"  {len(builds)} new segment builds: {len(to_build)} to build, {done} with nothing to build")
+        if not args.wait:
+            return 0
+        report = IndexBuilder(stack, args.engine).run(collection_id=info.id)
+        for build_id, reason in report.failed:
+            print(f"  build {build_id} failed: {reason}")
         print(
-            f"  {len(builds)} new segment builds: {len(to_build)} to build, {len(builds) - len(to_build)} with nothing to build"
+            f"  built {len(report.finished)} segments ({report.rows} rows, {report.seconds:.2f}s), "
+            f"failed {len(report.failed)}"
         )
-        return 0
+        return 1 if report.failed else 0
 
 
 # --- drop-index -------------------------------------------------------------------------

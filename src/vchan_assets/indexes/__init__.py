@@ -7,6 +7,11 @@ Owns:
   field, created idempotently, soft-dropped) and `meta/segment-index/{coll}/{part}/{seg}/
   {build}` (one build per sorted segment and index: Unissued -> InProgress -> Finished /
   Failed, a version per start), and how far an index is built (`collection_progress`).
+- `build`: the build of one segment's index with faiss (`index_files/{build}/{version}/
+  index.faiss`), run in a Spark task or in process, and loading it back.
+- `step`: `IndexBuilder` (start the Unissued builds, build them in one Spark job or here,
+  commit each: file first, then one transaction) and `index_step`, the periodic scan that
+  creates the builds of newly sorted segments and runs them.
 
 The records (`FieldIndex`, `SegmentIndex`) live in `model` and their keys in `meta.keys`,
 so that layers below this one (the DataCoord's scheduler, garbage collection) can read
