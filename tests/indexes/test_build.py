@@ -12,7 +12,6 @@ from vchan_assets.indexes.build import engine_version, load_index
 from vchan_assets.indexes.meta import (
     BuiltFiles,
     create_index,
-    create_missing_builds,
     drop_index,
     finish_build,
     list_builds,
@@ -52,8 +51,7 @@ def test_a_build_writes_its_index_file_then_marks_it_finished(
     faiss_metric: int,
 ) -> None:
     sorted_segments(system, producer, data, [1500])
-    index, _ = create_index(system.store, data.info, "vec", kind, metric, params)
-    create_missing_builds(system.store, data.info, [index])
+    create_index(system.store, data.info, "vec", kind, metric, params)
 
     report = IndexBuilder(system, "local").run()
 
@@ -72,8 +70,7 @@ def test_a_build_writes_its_index_file_then_marks_it_finished(
 
 def test_builds_run_as_spark_tasks(system: System, producer: Producer, data: Data) -> None:
     sorted_segments(system, producer, data, [1100, 1200])
-    index, _ = create_index(system.store, data.info, "vec", "IVF_FLAT", "L2")
-    create_missing_builds(system.store, data.info, [index])
+    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2")
 
     report = IndexBuilder(system, "spark").run()
 
@@ -90,8 +87,7 @@ def test_a_build_whose_vectors_are_unreadable_fails_with_the_reason(
     [seg] = live_sorted(system, data.info)
     vector_log = next(g for g in seg.binlogs if g.group != 0).logs[0].path
     system.storage.delete(vector_log)
-    index, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
-    create_missing_builds(system.store, data.info, [index])
+    create_index(system.store, data.info, "vec", "HNSW", "L2")
 
     report = IndexBuilder(system, "local").run()
 
@@ -106,8 +102,7 @@ def test_a_builder_whose_build_was_started_again_commits_nothing(
     system: System, producer: Producer, data: Data
 ) -> None:
     sorted_segments(system, producer, data, [1500])
-    index, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
-    create_missing_builds(system.store, data.info, [index])
+    create_index(system.store, data.info, "vec", "HNSW", "L2")
     [unissued] = list_builds(system.store, data.info.id)
     first = start_build(system.store, unissued, "node-a")
     assert first is not None and start_build(system.store, unissued, "node-b") is None  # one start wins
@@ -124,8 +119,7 @@ def test_a_builder_whose_build_was_started_again_commits_nothing(
 
 def test_builds_of_a_dropped_index_do_not_start(system: System, producer: Producer, data: Data) -> None:
     sorted_segments(system, producer, data, [1500])
-    index, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
-    create_missing_builds(system.store, data.info, [index])
+    create_index(system.store, data.info, "vec", "HNSW", "L2")
     drop_index(system.store, data.info, field="vec")
 
     report = IndexBuilder(system, "local").run()

@@ -36,9 +36,9 @@ def data(producer: Producer) -> Data:
 
 
 def test_create_index_stores_its_definition(system: System, data: Data) -> None:
-    index, created = create_index(system.store, data.info, "vec", "hnsw", "cosine", {"M": 8})
+    index, created, builds = create_index(system.store, data.info, "vec", "hnsw", "cosine", {"M": 8})
 
-    assert created
+    assert created and builds == []  # no sorted segment yet
     assert (index.name, index.field, index.type, index.metric) == (
         "vec",
         "vec",
@@ -52,8 +52,8 @@ def test_create_index_stores_its_definition(system: System, data: Data) -> None:
 
 
 def test_the_same_create_again_returns_the_existing_index(system: System, data: Data) -> None:
-    first, _ = create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 16})
-    again, created = create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 16})
+    first, _, _ = create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 16})
+    again, created, _ = create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 16})
 
     assert not created and again.index_id == first.index_id
     assert len(list_indexes(system.store, data.info.id)) == 1
@@ -112,7 +112,7 @@ def test_an_index_on_a_collection_that_is_gone_is_refused(
 
 
 def test_drop_index_is_a_soft_delete_that_frees_the_field(system: System, data: Data) -> None:
-    first, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
+    first, _, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
 
     dropped = drop_index(system.store, data.info, field="vec")
 
@@ -120,7 +120,7 @@ def test_drop_index_is_a_soft_delete_that_frees_the_field(system: System, data: 
     assert list_indexes(system.store, data.info.id) == []
     [kept] = list_indexes(system.store, data.info.id, include_deleted=True)
     assert kept.model.deleted and kept.model.deleted_at
-    second, created = create_index(system.store, data.info, "vec", "IVF_FLAT", "IP")
+    second, created, _ = create_index(system.store, data.info, "vec", "IVF_FLAT", "IP")
     assert created and second.index_id != first.index_id
     with pytest.raises(IndexNotFoundError, match="has no index named 'vec2'"):
         drop_index(system.store, data.info, name="vec2")
@@ -130,13 +130,14 @@ def test_create_makes_one_build_per_sorted_segment_and_none_twice(
     system: System, producer: Producer, data: Data
 ) -> None:
     sorted_segments(system, producer, data, [1500, 300])
-    index, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
+    index, _, builds = create_index(system.store, data.info, "vec", "HNSW", "L2")
 
-    builds = create_missing_builds(system.store, data.info, [index])
     again = create_missing_builds(system.store, data.info, [index])
+    _, created, existing = create_index(system.store, data.info, "vec", "HNSW", "L2")
 
     segments = {s.id: s for s in live_sorted(system, data.info)}
-    assert sorted(b.segment_id for b in builds) == sorted(segments) and again == []
+    assert sorted(b.segment_id for b in builds) == sorted(segments)
+    assert again == [] and not created and existing == []
     states = {segments[b.segment_id].num_rows: b.state for b in builds}
     # under 1,024 rows: nothing to build, Finished without files at once
     assert states == {1500: SegmentIndexState.UNISSUED, 300: SegmentIndexState.FINISHED}
@@ -147,17 +148,15 @@ def test_create_makes_one_build_per_sorted_segment_and_none_twice(
 
 def test_flat_builds_are_finished_without_files(system: System, producer: Producer, data: Data) -> None:
     sorted_segments(system, producer, data, [1500])
-    index, _ = create_index(system.store, data.info, "vec", "FLAT", "IP")
-
-    [build] = create_missing_builds(system.store, data.info, [index])
+    _, _, [build] = create_index(system.store, data.info, "vec", "FLAT", "IP")
 
     assert build.state is SegmentIndexState.FINISHED and build.files == () and build.rows == 1500
 
 
 def test_no_build_is_made_for_a_dropped_index(system: System, producer: Producer, data: Data) -> None:
-    sorted_segments(system, producer, data, [1500])
-    index, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
+    index, _, _ = create_index(system.store, data.info, "vec", "HNSW", "L2")
     drop_index(system.store, data.info, field="vec")
+    sorted_segments(system, producer, data, [1500])
 
     assert create_missing_builds(system.store, data.info, [index]) == []
 

@@ -50,14 +50,15 @@ def _create_index_args(parser: argparse.ArgumentParser) -> None:
 @command("create-index", "create an index on a vector field and its segment builds", _create_index_args)
 def create_index(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.indexes.meta import create_index as create
-    from vchan_assets.indexes.meta import create_missing_builds, describe
+    from vchan_assets.indexes.meta import describe
     from vchan_assets.indexes.step import IndexBuilder
     from vchan_assets.model import SegmentIndexState
 
     params = key_values(args.param, "--param")
     with opened_collection(settings, args.collection) as (stack, info):
-        index, created = create(stack.store, info, args.field, args.type, args.metric, params, args.name)
-        builds = create_missing_builds(stack.store, info, [index])
+        index, created, builds = create(
+            stack.store, info, args.field, args.type, args.metric, params, args.name
+        )
         verb = "created" if created else "exists:"
         print(f"{verb} index {describe(index)} (id {index.index_id}) on {info.name}")
         to_build = [b.build_id for b in builds if b.state is SegmentIndexState.UNISSUED]

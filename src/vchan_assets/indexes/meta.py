@@ -31,7 +31,7 @@ import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from vchan_assets.datacoord.collections import CollectionNotFoundError, validate_name
 from vchan_assets.errors import DeclaredError
@@ -87,6 +87,12 @@ class IndexNotFoundError(DeclaredError, IndexMetaError, LookupError):
     message = "collection {collection!r} has no index {ref}"
 
 
+class CreatedIndex(NamedTuple):
+    field_index: FieldIndex
+    created: bool  # False: the same index existed
+    builds: list[SegmentIndex]  # made now, one per sorted segment that had none
+
+
 def describe(index: FieldIndex) -> str:
     """`name` on `field` (TYPE, METRIC, params), as messages show an index."""
     params = "".join(f", {p.name}={p.value}" for p in index.params)
@@ -122,10 +128,10 @@ def create_index(
     params: Mapping[str, object] | None = None,
     name: str | None = None,
     ids: IdAllocator | None = None,
-) -> tuple[FieldIndex, bool]:
-    """Create an index on the vector field `field` (True), or return the one already
-    there with the same name and definition (False). Creating it makes no build: the
-    caller creates the segment builds (`create_builds`)."""
+) -> CreatedIndex:
+    """CreateIndex: an index on the vector field `field` (`created`), or the one already
+    there with the same name and definition; then a build for every sorted segment of
+    the collection that has none (`builds`: those made now)."""
 
     def invalid(reason: str) -> InvalidIndexError:
         return InvalidIndexError(info.name, field, reason)
@@ -177,7 +183,8 @@ def create_index(
             return index, True
         raise CasConflictError(prefix, revision, -1)  # an index was added meanwhile: look again
 
-    return retry_on_conflict(f"create index on {info.name}.{field}", attempt)
+    index, created = retry_on_conflict(f"create index on {info.name}.{field}", attempt)
+    return CreatedIndex(index, created, create_missing_builds(store, info, [index], ids))
 
 
 def find_index(
@@ -283,7 +290,10 @@ def _create_batch(
 
 
 def create_missing_builds(
-    store: MetaStore, info: CollectionInfo, indexes: Sequence[FieldIndex] | None = None
+    store: MetaStore,
+    info: CollectionInfo,
+    indexes: Sequence[FieldIndex] | None = None,
+    ids: IdAllocator | None = None,
 ) -> list[SegmentIndex]:
     """A build of each live index of the collection (or of `indexes`) for every indexable
     segment without one."""
@@ -292,7 +302,7 @@ def create_missing_builds(
     if not indexes:
         return []
     found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo, True)
-    ids = IdAllocator(store)
+    ids = ids or IdAllocator(store)
     return [b for index in indexes for b in create_builds(store, index, [d.model for d in found], ids)]
 
 
