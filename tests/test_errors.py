@@ -59,6 +59,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "meta.session.SessionConflictError": ("session/1", 0),
     "datacoord.read_pins.ReadPinLostError": (7, 600.0, "insert_log/1/2/3/4"),
     "query.asof.TimeTravelError": ("1999-01-01", "older than the time-travel window"),
+    "query.search.SearchError": ("docs", "k must be an integer in [1, 16384], got 0"),
     "query.spark_source.SegmentColumnError": (_SEGMENT, "vec", ["pk"]),
     "spark.session.SparkJobTimeoutError": ("sync c_0", 600.0),
     "storage.fs.ObjectExistsError": ("a/b",),

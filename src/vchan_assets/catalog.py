@@ -14,6 +14,7 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
     cat.imports()                # bulk import jobs: state, reason, progress, rows, segments
     cat.indexes()                # vector indexes: definition, indexed rows / total, failed builds
     cat.read_collection("books") # the rows a query would see: deletes applied
+    cat.search("books", vectors, k=10)  # nearest neighbours: query, pk, distance
 
 Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
 `t` removes every row of `p` with that pk inserted before `t` (row timestamp < t).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -534,6 +535,35 @@ class Catalog:
         as a Spark DataFrame: `spark_collection(name, as_of=...)`."""
         info = self.collection(name)
         table = reads.read_collection(self.system, info, apply_deletes, with_vectors, as_of=as_of)
+        return table if as_arrow else table.to_pandas()
+
+    def search(
+        self,
+        collection: str,
+        vectors: Any,
+        k: int = 10,
+        filter: Any = None,
+        as_of: Any = None,
+        params: dict[str, Any] | None = None,
+        field: str | None = None,
+        metric: str | None = None,
+        output_fields: Sequence[str] = (),
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
+        """The k nearest rows of each query vector (`vectors`: one vector or an (n, dim)
+        array) at `as_of` (None: now), through the segments' indexes where they are built
+        and exactly elsewhere (`query.search`): one row per hit, `query` (the query's
+        position), the primary key, `distance` (squared L2; inner product or cosine
+        similarity for IP and COSINE) and the `output_fields`. `field`: the vector field
+        (needed when there are several); `metric`: the index's (L2 without one); `params`:
+        `nprobe` (IVF) or `ef` (HNSW); `filter`: a pandas expression over the scalar fields
+        (`"n > 3 and tag == 'a'"`) or a pyarrow.compute expression. Deleted rows are never
+        returned. A segment whose index file is unreadable is searched exactly, with an
+        `IndexFallbackWarning`."""
+        from vchan_assets.query.search import search
+
+        info = self.collection(collection)
+        table = search(self.system, info, vectors, k, field, metric, filter, as_of, params, output_fields)
         return table if as_arrow else table.to_pandas()
 
     def spark_collection(

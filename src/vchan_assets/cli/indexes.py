@@ -1,11 +1,11 @@
-"""Vector indexes: `vchan create-index`, `vchan drop-index`, `vchan describe-index`."""
+"""Vector indexes and search: `vchan create-index`, `drop-index`, `describe-index`, `search`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from vchan_assets.cli.base import UsageError, command, engine_arg, opened_collection
+from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened_collection
 from vchan_assets.config import Settings
 
 INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
@@ -130,4 +130,67 @@ def describe_index(args: argparse.Namespace, settings: Settings) -> int:
         )
         for segment, reason in p.failed:
             print(f"  failed: segment {segment}: {reason}")
+    return 0
+
+
+# --- search -----------------------------------------------------------------------------
+
+
+def _search_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    queries = parser.add_mutually_exclusive_group(required=True)
+    queries.add_argument(
+        "--vector", action="append", metavar="X,Y,...", help="a query vector (comma-separated), repeatable"
+    )
+    queries.add_argument(
+        "--random", type=_positive, metavar="N", help="N random query vectors (uniform in [0, 1))"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    parser.add_argument("-k", "--top-k", dest="k", type=int, default=10, help="hits per query (default 10)")
+    parser.add_argument("--field", default=None, help="the vector field (needed when there are several)")
+    parser.add_argument(
+        "--metric", default=None, help="L2, IP or COSINE (default: the index's; L2 without one)"
+    )
+    parser.add_argument(
+        "--param", action="append", metavar="NAME=VALUE", help="a search parameter: nprobe (IVF), ef (HNSW)"
+    )
+    parser.add_argument("--filter", default=None, help='a condition on the scalar fields, e.g. "age > 30"')
+    parser.add_argument("--as-of", default=None, help="search as of this time (ISO-8601 or hybrid timestamp)")
+    parser.add_argument("--output-fields", default="", help="scalar fields to show with each hit: a,b,...")
+    parser.add_argument("--json", action="store_true", help="print the hits as JSON lines")
+
+
+@command(
+    "search", "the nearest rows of query vectors (through the indexes where they are built)", _search_args
+)
+def search(args: argparse.Namespace, settings: Settings) -> int:
+    import numpy as np
+
+    from vchan_assets.query.search import SearchError
+    from vchan_assets.query.search import search as run_search
+
+    params = key_values(args.param, "--param")
+    with opened_collection(settings, args.collection) as (stack, info):
+        if args.vector:
+            try:
+                vectors = np.array([[float(x) for x in v.split(",")] for v in args.vector], dtype=np.float32)
+            except ValueError:
+                raise UsageError("--vector: expected comma-separated numbers, e.g. 0.1,0.2,0.3") from None
+        else:
+            field = args.field or info.schema.vector_fields[0].name
+            dim = next((f.dim for f in info.schema.vector_fields if f.name == field), None) or 1
+            vectors = np.random.default_rng(args.seed).random((args.random, dim), dtype=np.float32)
+        try:
+            hits = run_search(
+                stack, info, vectors, args.k, args.field, args.metric, args.filter, args.as_of, params,
+                names(args.output_fields),
+            )  # fmt: skip
+        except SearchError as exc:
+            raise UsageError(str(exc)) from None
+    frame = hits.to_pandas()
+    if args.json:
+        for record in frame.to_dict("records"):
+            print(json.dumps(record, default=str))
+    else:
+        print(frame.to_string(index=False) if len(frame) else "no hits")
     return 0
