@@ -238,8 +238,13 @@ def test_search_params_without_an_index_are_refused(system: System, data: Data) 
         Catalog(system).search(data.info.name, QUERIES[:1], params={"ef": 64})
 
 
-def test_cli_search(system: System, settings: Settings, data: Data) -> None:
-    indexed(system, data)
+def test_cli_builds_with_wait_and_searches(system: System, settings: Settings, data: Data) -> None:
+    built = subprocess.run(
+        [str(VCHAN), "create-index", "--collection", data.info.name, "--field", "vec", "--type", "IVF_FLAT", "--wait", "--engine", "local"],
+        env=cli_env(settings), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert "built 3 segments (4600 rows" in built.stdout and "failed 0" in built.stdout
     vector = ",".join(f"{x:.6f}" for x in QUERIES[0])
 
     run = subprocess.run(
