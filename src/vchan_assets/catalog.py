@@ -12,7 +12,9 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
     cat.segments()               # state, level, rows, bytes, binlog count, sorted
     cat.binlogs(); cat.deltalogs()
     cat.imports()                # bulk import jobs: state, reason, progress, rows, segments
+    cat.indexes()                # vector indexes: definition, indexed rows / total, failed builds
     cat.read_collection("books") # the rows a query would see: deletes applied
+    cat.search("books", vectors, k=10)  # nearest neighbours: query, pk, distance
 
 Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
 `t` removes every row of `p` with that pk inserted before `t` (row timestamp < t).
@@ -418,6 +420,19 @@ class Catalog:
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 
+    def indexes(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per live vector index (`meta/field-index/`): its definition and how far
+        its builds are over the collection's Flushed segments: indexed rows / total rows,
+        builds finished, pending, in progress, failed (with reasons by segment) and
+        segments waiting for a build (not sorted yet)."""
+        from vchan_assets.indexes.meta import collection_progress, progress_row
+
+        infos = [self.collection(collection)] if collection else self.collection_infos()
+        rows = [progress_row(info, p) for info in infos for p in collection_progress(self.store, info)]
+        for row in rows:
+            row["created_at"] = _utc(row["created_at"])
+        return pd.DataFrame(rows, columns=_INDEX_COLUMNS)
+
     def binlogs(self, collection: str | None = None) -> pd.DataFrame:
         """One row per insert binlog file (per column group), with its segment."""
         rows = [
@@ -537,6 +552,35 @@ class Catalog:
         )
         return table if as_arrow else table.to_pandas()
 
+    def search(
+        self,
+        collection: str,
+        vectors: Any,
+        k: int = 10,
+        filter: Any = None,
+        as_of: Any = None,
+        params: dict[str, Any] | None = None,
+        field: str | None = None,
+        metric: str | None = None,
+        output_fields: Sequence[str] = (),
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
+        """The k nearest rows of each query vector (`vectors`: one vector or an (n, dim)
+        array) at `as_of` (None: now), through the segments' indexes where they are built
+        and exactly elsewhere (`query.search`): one row per hit, `query` (the query's
+        position), the primary key, `distance` (squared L2; inner product or cosine
+        similarity for IP and COSINE) and the `output_fields`. `field`: the vector field
+        (needed when there are several); `metric`: the index's (L2 without one); `params`:
+        `nprobe` (IVF) or `ef` (HNSW); `filter`: a pandas expression over the scalar fields
+        (`"n > 3 and tag == 'a'"`) or a pyarrow.compute expression. Deleted rows are never
+        returned. A segment whose index file is unreadable is searched exactly, with an
+        `IndexFallbackWarning`."""
+        from vchan_assets.query.search import search
+
+        info = self.collection(collection)
+        table = search(self.system, info, vectors, k, field, metric, filter, as_of, params, output_fields)
+        return table if as_arrow else table.to_pandas()
+
     def spark_collection(
         self, name: str, with_vectors: bool = True, spark: Any = None, **options: str
     ) -> Any:
@@ -555,6 +599,11 @@ class Catalog:
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())
 
+
+_INDEX_COLUMNS = [
+    "collection", "index_id", "name", "field", "type", "metric", "params", "created_at", "indexed_rows",
+    "total_rows", "segments", "finished", "pending", "in_progress", "failed", "waiting", "fail_reasons",
+]  # fmt: skip
 
 _FILE_COLUMNS = [
     "segment_id", "collection_id", "partition_id", "vchannel", "segment_state", "level", "log_id",

@@ -403,6 +403,90 @@ class ChannelHead(Record):
     open_segments: tuple[OpenSegment, ...] = ()
 
 
+# --- indexes (§16: meta/field-index/..., meta/segment-index/...) --------------------------
+
+
+class IndexType(enum.StrEnum):
+    FLAT = "FLAT"  # exact: nothing is built
+    IVF_FLAT = "IVF_FLAT"
+    IVF_PQ = "IVF_PQ"
+    HNSW = "HNSW"
+
+
+class MetricType(enum.StrEnum):
+    L2 = "L2"  # squared Euclidean distance: smaller is nearer
+    IP = "IP"  # inner product: larger is nearer
+    COSINE = "COSINE"  # inner product of normalized vectors: larger is nearer
+
+
+@dataclass(frozen=True)
+class IndexParam(Record):
+    """One build parameter of an index (`nlist`, `m`, `nbits`, `M`, `efConstruction`)."""
+
+    name: str
+    value: int
+
+
+@dataclass(frozen=True)
+class FieldIndex(Record):
+    """An index on one vector field: `meta/field-index/{collection}/{index}`. Dropping it
+    only marks it `deleted` (no new builds start); garbage collection removes the rest."""
+
+    index_id: int
+    collection_id: int
+    name: str
+    field_id: int
+    field: str
+    type: IndexType
+    metric: MetricType
+    params: tuple[IndexParam, ...] = ()  # as given (sorted by name): defaults are chosen per segment
+    created_at: float = 0.0
+    deleted: bool = False
+    deleted_at: float | None = None
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deleted_at"})
+
+    def param(self, name: str) -> int | None:
+        return next((p.value for p in self.params if p.name == name), None)
+
+    def same_definition(self, other: FieldIndex) -> bool:
+        """Same name, field, type, metric and params (what makes a create idempotent)."""
+        mine = (self.name, self.field_id, self.type, self.metric, self.params)
+        return mine == (other.name, other.field_id, other.type, other.metric, other.params)
+
+
+class SegmentIndexState(enum.StrEnum):
+    UNISSUED = "Unissued"  # waiting for a builder
+    IN_PROGRESS = "InProgress"
+    FINISHED = "Finished"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class SegmentIndex(Record):
+    """The build of one index on one segment: `meta/segment-index/{collection}/{partition}/
+    {segment}/{build}`. Each start takes the next `version`; its files live under
+    `index_files/{build}/{version}/`. Finished with no files: nothing to build (FLAT, or a
+    segment too small to index), searched exactly."""
+
+    build_id: int
+    index_id: int
+    collection_id: int
+    partition_id: int
+    segment_id: int
+    rows: int
+    state: SegmentIndexState = SegmentIndexState.UNISSUED
+    version: int = 0  # builds started (1 for the first)
+    fail_reason: str = ""
+    node: str = ""  # who built (or is building) it: host:pid, or the Spark job
+    files: tuple[str, ...] = ()  # storage keys
+    serialized_size: int = 0
+    engine_version: str = ""  # the library that built it, e.g. "faiss-1.15.1"
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+
 # --- sessions, leases and watch infos ----------------------------------------------------
 
 

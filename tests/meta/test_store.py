@@ -154,6 +154,24 @@ def test_guarded_txn_commits_everything_while_the_lease_holds(store: MetaStore) 
 # --- malformed values -------------------------------------------------------------------
 
 
+def test_a_txn_unchanged_since_a_listing_fails_once_a_key_under_its_prefix_was_written(
+    store: MetaStore,
+) -> None:
+    root = store.keys.root
+    store.put(f"{root}/range/a/1", b"x")
+    revision = store.list_prefix(f"{root}/range/a/").revision
+    store.put(f"{root}/range/b/1", b"y")  # another prefix: no matter
+    assert store.txn_unchanged_since(revision, [f"{root}/range/a/"], {f"{root}/range/a/2": b"z"}) is not None
+
+    revision = store.list_prefix(f"{root}/range/a/").revision
+    store.put(f"{root}/range/a/3", b"w")  # added after the listing
+
+    assert store.txn_unchanged_since(revision, [f"{root}/range/a/"], {f"{root}/range/a/4": b"v"}) is None
+    assert store.get(f"{root}/range/a/4") is None
+    empty = store.list_prefix(f"{root}/range/c/").revision  # an empty range holds
+    assert store.txn_unchanged_since(empty, [f"{root}/range/c/"], {f"{root}/range/c/1": b"u"}) is not None
+
+
 def test_decoding_malformed_json_names_the_key() -> None:
     with pytest.raises(MalformedValueError) as bad:
         decode("vchan/meta/channel-cp/ch-1", b"{not json", MsgPosition)

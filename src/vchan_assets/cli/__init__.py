@@ -6,6 +6,7 @@ with `@command(...)` (base.py: `Command`, `COMMANDS` and what the groups share):
 - `nodes`: sync, and the long-running roles datanode and datacoord.
 - `lifecycle`: compact, gc.
 - `imports`: import.
+- `indexes`: create-index, drop-index, describe-index, search.
 - `services`: demo, up, down, status, metrics.
 Here only the wiring: `main` builds the parser from `COMMANDS` and runs one command.
 
@@ -26,7 +27,7 @@ import os
 import sys
 
 # The command groups: importing them registers their commands in COMMANDS.
-from vchan_assets.cli import collections, imports, lifecycle, nodes, services  # noqa: F401
+from vchan_assets.cli import collections, imports, indexes, lifecycle, nodes, services  # noqa: F401
 from vchan_assets.cli.base import COMMANDS, Command, UsageError
 from vchan_assets.config import ConfigError, Settings
 from vchan_assets.deploy.processes import ServiceError
@@ -40,6 +41,7 @@ from vchan_assets.wal.format import LogError
 # after them, in the order it registered.
 _HELP_ORDER = (
     "create-collection", "produce", "sync", "compact", "gc", "import",
+    "create-index", "describe-index", "drop-index", "search",
     "demo", "up", "down", "status", "metrics",
     "datanode", "datacoord",
 )  # fmt: skip

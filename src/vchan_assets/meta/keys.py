@@ -89,6 +89,10 @@ class Keys:
     # segment lifecycle
     compaction_plan = _Family("meta/compaction/{plan}")
 
+    # indexes: one per vector field, and the build of each on each segment
+    field_index = _Family("meta/field-index/{collection}/{index}")
+    segment_index = _Family("meta/segment-index/{collection}/{partition}/{segment}/{build}")
+
     # bulk import
     import_job = _Family("meta/import/{job}")
 

@@ -334,6 +334,28 @@ class MetaStore:
         )
         return _txn_revision(responses) if ok else None
 
+    def txn_unchanged_since(
+        self,
+        revision: int,
+        prefixes: Sequence[str],
+        puts: Mapping[str, Value],
+        expect_versions: Mapping[str, int] | None = None,
+    ) -> int | None:
+        """`txn`, also only if no key under any of `prefixes` was written after `revision`
+        (the revision of the listing the caller decided on): optimistic concurrency on a
+        range, e.g. "no build of this segment was added since I listed its builds". A key
+        deleted meanwhile is not seen. Returns the revision of the commit, or None."""
+        tx = self.client.transactions
+        compare = [
+            tx.mod(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p))) < revision + 1
+            for p in prefixes
+        ]
+        compare += [tx.version(k) == v for k, v in (expect_versions or {}).items()]
+        ok, responses = self._transaction(
+            f"transaction on {', '.join(puts)}", compare, _write_ops(tx, puts, ())
+        )
+        return _txn_revision(responses) if ok else None
+
     def guarded_txn(
         self,
         channel: str,

@@ -17,10 +17,13 @@ Owns:
   rows; `spark_source.spark_session(system)` is a session with it registered, and
   `spark_source.register(spark)` registers it on any other session. (Imported on its
   own: it imports pyspark, which the pandas readers do not need.)
-- Next here: pruning by segment stats, streaming reads and search.
+- `search`: the k nearest rows of query vectors at a timestamp over the same parts a read
+  sees: segments with a finished index through faiss, the rest exactly; deletes applied,
+  the k best merged (`Catalog.search`, `vchan search`).
+- Next here: pruning by segment stats, streaming reads, batch search in Spark.
 
-May import: the domain below it (datacoord, datanode, lifecycle, imports, wal, meta,
-storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.
+May import: the domain below it (indexes, datacoord, datanode, lifecycle, imports, wal,
+meta, storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.
 Never `catalog`, `status`, `defs`, `deploy`, `demo` or `cli`: those read through here.
 """
 

@@ -82,7 +82,7 @@ from vchan_assets.query.view import QueryView, collection_segments, collection_v
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.storage.rows import apply_deletes_to, read_deletes, segment_rows
+from vchan_assets.storage.rows import apply_deletes_to, float_vectors, read_deletes, segment_rows
 from vchan_assets.system import System
 
 SOURCE_NAME = "vchan"
@@ -300,11 +300,7 @@ def _partition_ids(info: CollectionInfo, names: Sequence[str]) -> set[int]:
 def vectors_as_lists(column: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
     """fixed_size_binary(dim*4) little-endian float32 -> list<float32>, without Python rows."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    data = arr.buffers()[1]
-    start = arr.offset * dim
-    floats = (
-        np.frombuffer(data, dtype="<f4", count=start + len(arr) * dim)[start:] if data else np.empty(0, "<f4")
-    )
+    floats = float_vectors(arr, dim).reshape(-1)
     mask = arr.is_null() if arr.null_count else None
     lists = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), dim, mask=mask)
     return lists.cast(pa.list_(pa.field("element", pa.float32(), nullable=False)))

@@ -1,4 +1,5 @@
-"""Binlog path layout (docs/architecture.md, "Binlogs"); keys are relative to the storage root."""
+"""Binlog and index file layout (docs/architecture.md, "Binlogs"); keys are relative to the
+storage root."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ INSERT_LOG = "insert_log"
 DELTA_LOG = "delta_log"
 STATS_LOG = "stats_log"
 BINLOG_ROOTS = (INSERT_LOG, DELTA_LOG, STATS_LOG)
+INDEX_FILES = "index_files"
 
 
 def insert_log_key(collection_id: int, partition_id: int, segment_id: int, group: int, log_id: int) -> str:
@@ -18,6 +20,11 @@ def delta_log_key(collection_id: int, partition_id: int, segment_id: int, log_id
 
 def stats_log_key(collection_id: int, partition_id: int, segment_id: int, log_id: int) -> str:
     return f"{STATS_LOG}/{collection_id}/{partition_id}/{segment_id}/{log_id}"
+
+
+def index_file_key(build_id: int, version: int, name: str) -> str:
+    """A file of one build of a segment index: each retry (version) writes its own."""
+    return f"{INDEX_FILES}/{build_id}/{version}/{name}"
 
 
 def segment_of(key: str) -> tuple[int, int, int] | None:

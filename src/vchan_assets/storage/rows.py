@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import FieldSchema, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 
 DELETE_COLUMNS = ["pk", "timestamp"]
@@ -45,6 +46,28 @@ def segment_rows(storage: Storage, seg: SegmentInfo, with_vectors: bool = True) 
             if name != "row_id":
                 scalar = scalar.append_column(name, vectors[name])
     return scalar
+
+
+def float_vectors(column: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
+    """fixed_size_binary(dim*4) little-endian float32 -> a (rows, dim) float32 matrix,
+    without Python rows (a null vector reads as whatever its bytes hold: zeros)."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    data = arr.buffers()[1]
+    start = arr.offset * dim
+    if not data or not len(arr):
+        return np.empty((0, dim), dtype="<f4")
+    return np.frombuffer(data, dtype="<f4", count=start + len(arr) * dim)[start:].reshape(len(arr), dim)
+
+
+def segment_vectors(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> np.ndarray:
+    """The vectors of one field of an L1 segment, in the segment's row order (its column
+    group is aligned with group 0), as a (rows, dim) float32 matrix."""
+    assert field.dim is not None
+    group = next((g for g in seg.binlogs if field.field_id in g.field_ids), None)
+    found = read_files(storage, (b.path for b in group.logs), columns=[field.name]) if group else None
+    if found is None:
+        return np.empty((0, field.dim), dtype="<f4")
+    return float_vectors(found[field.name], field.dim)
 
 
 def readable(seg: SegmentInfo) -> bool:

@@ -1,0 +1,196 @@
+"""Vector indexes and search: `vchan create-index`, `drop-index`, `describe-index`, `search`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened_collection
+from vchan_assets.config import Settings
+
+INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
+METRICS = ("L2", "IP", "COSINE")
+
+
+def key_values(items: list[str] | None, flag: str) -> dict[str, int]:
+    """`name=value` items (integers), as `--param` gives them."""
+    out = {}
+    for item in items or []:
+        name, sep, raw = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            out[name.strip()] = int(raw)
+        except ValueError:
+            raise UsageError(f"{flag} {item!r}: expected name=integer, e.g. nlist=128") from None
+    return out
+
+
+# --- create-index -----------------------------------------------------------------------
+
+
+def _create_index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    parser.add_argument("--field", required=True, help="the vector field to index")
+    parser.add_argument("--type", required=True, type=str.upper, choices=INDEX_TYPES, help="index type")
+    parser.add_argument(
+        "--metric", default="L2", type=str.upper, choices=METRICS, help="distance metric (default L2)"
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a build parameter, repeatable: nlist (IVF), m and nbits (IVF_PQ), M and efConstruction (HNSW)",
+    )
+    parser.add_argument("--name", default=None, help="index name (default: the field's name)")
+    parser.add_argument("--wait", action="store_true", help="build the segments' indexes here and wait")
+    engine_arg(parser, "the builds")
+
+
+@command("create-index", "create an index on a vector field and its segment builds", _create_index_args)
+def create_index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.meta import create_index as create
+    from vchan_assets.indexes.meta import describe
+    from vchan_assets.indexes.step import IndexBuilder
+    from vchan_assets.model import SegmentIndexState
+
+    params = key_values(args.param, "--param")
+    with opened_collection(settings, args.collection) as (stack, info):
+        index, created, builds = create(
+            stack.store, info, args.field, args.type, args.metric, params, args.name
+        )
+        verb = "created" if created else "exists:"
+        print(f"{verb} index {describe(index)} (id {index.index_id}) on {info.name}")
+        to_build = [b.build_id for b in builds if b.state is SegmentIndexState.UNISSUED]
+        done = len(builds) - len(to_build)
+        print(f"  {len(builds)} new segment builds: {len(to_build)} to build, {done} with nothing to build")
+        if not args.wait:
+            return 0
+        report = IndexBuilder(stack, args.engine).run(collection_id=info.id)
+        for build_id, reason in report.failed:
+            print(f"  build {build_id} failed: {reason}")
+        print(
+            f"  built {len(report.finished)} segments ({report.rows} rows, {report.seconds:.2f}s), "
+            f"failed {len(report.failed)}"
+        )
+        return 1 if report.failed else 0
+
+
+# --- drop-index -------------------------------------------------------------------------
+
+
+def _drop_index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--name", help="the index's name")
+    which.add_argument("--field", help="the indexed vector field")
+
+
+@command(
+    "drop-index",
+    "drop an index (no new builds start; garbage collection removes its files)",
+    _drop_index_args,
+)
+def drop_index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.meta import describe
+    from vchan_assets.indexes.meta import drop_index as drop
+
+    with opened_collection(settings, args.collection) as (stack, info):
+        index = drop(stack.store, info, name=args.name, field=args.field)
+    print(f"dropped index {describe(index)} (id {index.index_id}) of {info.name}")
+    return 0
+
+
+# --- describe-index ---------------------------------------------------------------------
+
+
+def _describe_index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+@command("describe-index", "show a collection's indexes and how far their builds are", _describe_index_args)
+def describe_index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.meta import collection_progress, describe, progress_row
+
+    with opened_collection(settings, args.collection) as (stack, info):
+        progress = collection_progress(stack.store, info)
+    if args.json:
+        print(json.dumps([progress_row(info, p) for p in progress], indent=2))
+        return 0
+    if not progress:
+        print(f"{info.name}: no indexes")
+    for p in progress:
+        share = f" ({100 * p.indexed_rows / p.total_rows:.0f}%)" if p.total_rows else ""
+        print(f"index {describe(p.index)} (id {p.index.index_id})")
+        print(f"  indexed rows {p.indexed_rows} / {p.total_rows}{share}")
+        print(
+            f"  segments {p.segments}: {p.finished} finished, {p.pending} pending, {p.in_progress} in progress, "
+            f"{len(p.failed)} failed, {p.waiting} waiting (not sorted yet, or no build yet)"
+        )
+        for segment, reason in p.failed:
+            print(f"  failed: segment {segment}: {reason}")
+    return 0
+
+
+# --- search -----------------------------------------------------------------------------
+
+
+def _search_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True, help="collection name")
+    queries = parser.add_mutually_exclusive_group(required=True)
+    queries.add_argument(
+        "--vector", action="append", metavar="X,Y,...", help="a query vector (comma-separated), repeatable"
+    )
+    queries.add_argument(
+        "--random", type=_positive, metavar="N", help="N random query vectors (uniform in [0, 1))"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    parser.add_argument("-k", "--top-k", dest="k", type=int, default=10, help="hits per query (default 10)")
+    parser.add_argument("--field", default=None, help="the vector field (needed when there are several)")
+    parser.add_argument(
+        "--metric", default=None, help="L2, IP or COSINE (default: the index's; L2 without one)"
+    )
+    parser.add_argument(
+        "--param", action="append", metavar="NAME=VALUE", help="a search parameter: nprobe (IVF), ef (HNSW)"
+    )
+    parser.add_argument("--filter", default=None, help='a condition on the scalar fields, e.g. "age > 30"')
+    parser.add_argument("--as-of", default=None, help="search as of this time (ISO-8601 or hybrid timestamp)")
+    parser.add_argument("--output-fields", default="", help="scalar fields to show with each hit: a,b,...")
+    parser.add_argument("--json", action="store_true", help="print the hits as JSON lines")
+
+
+@command(
+    "search", "the nearest rows of query vectors (through the indexes where they are built)", _search_args
+)
+def search(args: argparse.Namespace, settings: Settings) -> int:
+    import numpy as np
+
+    from vchan_assets.query.search import SearchError
+    from vchan_assets.query.search import search as run_search
+
+    params = key_values(args.param, "--param")
+    with opened_collection(settings, args.collection) as (stack, info):
+        if args.vector:
+            try:
+                vectors = np.array([[float(x) for x in v.split(",")] for v in args.vector], dtype=np.float32)
+            except ValueError:
+                raise UsageError("--vector: expected comma-separated numbers, e.g. 0.1,0.2,0.3") from None
+        else:
+            field = args.field or info.schema.vector_fields[0].name
+            dim = next((f.dim for f in info.schema.vector_fields if f.name == field), None) or 1
+            vectors = np.random.default_rng(args.seed).random((args.random, dim), dtype=np.float32)
+        try:
+            hits = run_search(
+                stack, info, vectors, args.k, args.field, args.metric, args.filter, args.as_of, params,
+                names(args.output_fields),
+            )  # fmt: skip
+        except SearchError as exc:
+            raise UsageError(str(exc)) from None
+    frame = hits.to_pandas()
+    if args.json:
+        for record in frame.to_dict("records"):
+            print(json.dumps(record, default=str))
+    else:
+        print(frame.to_string(index=False) if len(frame) else "no hits")
+    return 0

@@ -1,0 +1,142 @@
+"""Index parameters: what each index type accepts when it is created and searched, and the
+values a build of one segment uses.
+
+Build parameters (`vchan create-index --param name=value`, integers):
+
+| type     | parameters                                   | default                            |
+|----------|----------------------------------------------|------------------------------------|
+| FLAT     | none                                         | (nothing is built: searched exactly) |
+| IVF_FLAT | nlist [1, 65536]                             | 4 * sqrt(rows of the segment)      |
+| IVF_PQ   | nlist; m [1, dim], dividing dim; nbits [1, 16] | nlist as IVF_FLAT; m: the largest divisor of dim up to dim / 2; nbits 8 |
+| HNSW     | M [2, 2048]; efConstruction [1, 2^31 - 1]    | M 16, efConstruction 200           |
+
+An index is trained on each segment's own vectors, so a build caps what the segment cannot
+train: nlist at rows / 39 and 2^nbits at rows / 39 (faiss asks for 39 training points per
+centroid). Segments under `MIN_ROWS_TO_BUILD` rows get no index files at all (as Milvus).
+
+Search parameters (`Catalog.search(..., params={...})`): `nprobe` [1, 65536] for IVF
+(default: nlist / 16, at least 16, at most nlist), `ef` [1, 32768] for HNSW (default:
+max(64, k); at least k). A parameter the index type does not take is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vchan_assets.model import IndexParam, IndexType
+
+# Segments with fewer rows are not worth an index (Milvus' minimum): searched exactly.
+MIN_ROWS_TO_BUILD = 1024
+# faiss's minimum of training points per centroid (k-means warns below it).
+POINTS_PER_CENTROID = 39
+MAX_NLIST = 65536
+MAX_K = 16384  # as Milvus' topk limit
+
+
+@dataclass(frozen=True)
+class Range:
+    low: int
+    high: int
+
+    def check(self, name: str, value: int) -> None:
+        if not self.low <= value <= self.high:
+            raise ValueError(f"{name}={value} is out of range [{self.low}, {self.high}]")
+
+
+BUILD_PARAMS: dict[IndexType, dict[str, Range]] = {
+    IndexType.FLAT: {},
+    IndexType.IVF_FLAT: {"nlist": Range(1, MAX_NLIST)},
+    IndexType.IVF_PQ: {"nlist": Range(1, MAX_NLIST), "m": Range(1, 32768), "nbits": Range(1, 16)},
+    IndexType.HNSW: {"M": Range(2, 2048), "efConstruction": Range(1, 2**31 - 1)},
+}
+
+SEARCH_PARAMS: dict[IndexType, dict[str, Range]] = {
+    IndexType.FLAT: {},
+    IndexType.IVF_FLAT: {"nprobe": Range(1, MAX_NLIST)},
+    IndexType.IVF_PQ: {"nprobe": Range(1, MAX_NLIST)},
+    IndexType.HNSW: {"ef": Range(1, 32768)},
+}
+
+
+def _checked(
+    kind: IndexType, params: Mapping[str, object], allowed: dict[str, Range], what: str
+) -> dict[str, int]:
+    out = {}
+    for name, value in params.items():
+        if name not in allowed:
+            takes = ", ".join(allowed) or "no parameters"
+            raise ValueError(f"{kind} takes {takes} as {what} parameters, not {name!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        allowed[name].check(name, value)
+        out[name] = value
+    return out
+
+
+def build_params(kind: IndexType, params: Mapping[str, object], dim: int) -> tuple[IndexParam, ...]:
+    """The build parameters of a new index, checked (ValueError naming the parameter), in
+    the stored form: sorted by name, only those given."""
+    checked = _checked(kind, params, BUILD_PARAMS[kind], "build")
+    m = checked.get("m")
+    if m is not None and dim % m:
+        raise ValueError(f"m={m} must divide the dimension {dim}")
+    return tuple(IndexParam(name, value) for name, value in sorted(checked.items()))
+
+
+@dataclass(frozen=True)
+class SegmentBuildParams:
+    """What a build of one segment uses: the index's parameters, defaults filled in and
+    capped by what the segment's rows can train."""
+
+    nlist: int = 0
+    m: int = 0
+    nbits: int = 0
+    M: int = 0
+    ef_construction: int = 0
+
+
+def default_nlist(rows: int) -> int:
+    return max(1, min(MAX_NLIST, int(4 * math.sqrt(rows))))
+
+
+def default_m(dim: int) -> int:
+    """The largest divisor of `dim` up to dim / 2 (two or more dimensions per sub-quantizer)."""
+    return max(d for d in range(1, max(1, dim // 2) + 1) if dim % d == 0)
+
+
+def for_segment(kind: IndexType, params: tuple[IndexParam, ...], dim: int, rows: int) -> SegmentBuildParams:
+    given = {p.name: p.value for p in params}
+    trainable = max(1, rows // POINTS_PER_CENTROID)
+    nlist = min(given.get("nlist", default_nlist(rows)), trainable)
+    if kind is IndexType.IVF_FLAT:
+        return SegmentBuildParams(nlist=nlist)
+    if kind is IndexType.IVF_PQ:
+        nbits = max(1, min(given.get("nbits", 8), int(math.log2(trainable)) if trainable > 1 else 1))
+        return SegmentBuildParams(nlist=nlist, m=given.get("m", default_m(dim)), nbits=nbits)
+    if kind is IndexType.HNSW:
+        return SegmentBuildParams(M=given.get("M", 16), ef_construction=given.get("efConstruction", 200))
+    return SegmentBuildParams()
+
+
+def needs_build(kind: IndexType, rows: int) -> bool:
+    """Whether a segment of `rows` rows gets index files (FLAT and small segments do not)."""
+    return kind is not IndexType.FLAT and rows >= MIN_ROWS_TO_BUILD
+
+
+def search_params(kind: IndexType, params: Mapping[str, object], k: int) -> dict[str, int]:
+    """The search parameters given, checked against the index type (ValueError naming the
+    parameter); HNSW's `ef` must be at least k, as Milvus asks."""
+    checked = _checked(kind, params, SEARCH_PARAMS[kind], "search")
+    if "ef" in checked and checked["ef"] < k:
+        raise ValueError(f"ef={checked['ef']} must be at least k={k}")
+    return checked
+
+
+def default_nprobe(nlist: int) -> int:
+    return min(nlist, max(16, nlist // 16))
+
+
+def default_ef(k: int) -> int:
+    return max(64, k)

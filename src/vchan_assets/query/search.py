@@ -1,0 +1,468 @@
+"""Search: the k nearest rows of each query vector in a collection, at a timestamp.
+
+    search(system, info, vectors, k=10, field=None, metric=None, filter=None, as_of=None,
+           params=None, output_fields=()) -> Arrow table (query, <pk>, distance, *fields)
+
+It reads what `read_collection` reads at T (`query.asof`: the segments the query views
+served at T, and each vchannel's log after its checkpoint), and searches each part the
+best way it can:
+
+- a segment whose build of the field's index is Finished with files: through its faiss
+  index, loaded from `index_files/...` (kept in a small cache: index files never change);
+- every other part exactly, with numpy: growing and unsorted segments, segments whose
+  build is not done, Finished builds without files (FLAT, under 1,024 rows), the log tail;
+  and a segment whose index file is missing or unreadable, with an `IndexFallbackWarning`
+  (and a log line) naming it.
+
+Rows a read at T would not return are never candidates: rows after T, rows a delete at or
+before T removes (Milvus' rule, per partition), rows the `filter` rejects. For an indexed
+segment they are left out with a faiss ID selector (a bitmap over the segment's rows), so
+the index returns the k best of the rows that are left; when less than
+`MIN_SELECTED_FOR_INDEX` of a segment's rows are left, it is searched exactly (as Knowhere
+does under strict filters: a graph or IVF search over mostly excluded rows loses recall).
+The candidates of every part are merged: the k best per query.
+
+Distances: L2 is the squared Euclidean distance (smaller is nearer); IP the inner
+product and COSINE the cosine similarity (larger is nearer), as Milvus reports them.
+`filter` is a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`) or a
+`pyarrow.compute` expression (`pc.field("n") > 3`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
+from vchan_assets.errors import DeclaredError
+from vchan_assets.indexes.build import load_index, prepared
+from vchan_assets.indexes.meta import describe, list_builds, list_indexes
+from vchan_assets.indexes.params import (
+    MAX_K,
+    default_ef,
+    default_nprobe,
+    search_params,
+)
+from vchan_assets.model import (
+    CollectionInfo,
+    FieldIndex,
+    FieldSchema,
+    IndexType,
+    MetricType,
+    SegmentIndex,
+    SegmentIndexState,
+    SegmentInfo,
+)
+from vchan_assets.query.asof import at_or_before, resolve_as_of, segments_at, tail_of
+from vchan_assets.query.view import (
+    QueryView,
+    collection_segments,
+    collection_views,
+    delete_paths,
+    readable_ids,
+)
+from vchan_assets.storage import Storage, StorageError
+from vchan_assets.storage.rows import (
+    apply_deletes_to,
+    float_vectors,
+    read_deletes,
+    segment_rows,
+    segment_vectors,
+)
+from vchan_assets.system import System
+from vchan_assets.wal.format import arrow_type
+
+log = logging.getLogger(__name__)
+
+# Below this share of a segment's rows left by deletes, T and the filter, the segment is
+# searched exactly rather than through its index (Knowhere switches at a 93% filter ratio).
+MIN_SELECTED_FOR_INDEX = 0.07
+# Rows of one block of an exact search: bounds its distance matrix to queries x this.
+EXACT_BLOCK = 65_536
+INDEX_CACHE_SIZE = 32
+
+_POS = "__position"
+_FAISS: Any = faiss  # (its type stubs lack the search parameter classes)
+
+
+class SearchError(DeclaredError, ValueError):
+    """A search that cannot run as asked: nothing was read."""
+
+    collection: str
+    reason: str
+    message = "cannot search {collection!r}: {reason}"
+
+
+class IndexFallbackWarning(UserWarning):
+    """A segment's index could not be used (its file is missing or unreadable): the
+    segment was searched exactly."""
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """A search, checked against the collection's schema and the field's index."""
+
+    field: FieldSchema
+    metric: MetricType
+    k: int
+    queries: np.ndarray  # (nq, dim) float32, normalized for COSINE
+    index: FieldIndex | None
+    params: Mapping[str, int]
+    filter: str | pc.Expression | None
+    output_fields: tuple[str, ...]
+    collection: str
+    pk: str
+    scalars: tuple[str, ...]  # the pk and scalar fields: what a filter sees
+    result_schema: pa.Schema
+
+    @property
+    def larger_is_nearer(self) -> bool:
+        return self.metric is not MetricType.L2
+
+
+def search(
+    system: System,
+    info: CollectionInfo,
+    vectors: Any,
+    k: int = 10,
+    field: str | None = None,
+    metric: MetricType | str | None = None,
+    filter: str | pc.Expression | None = None,
+    as_of: Any = None,
+    params: Mapping[str, object] | None = None,
+    output_fields: Sequence[str] = (),
+) -> pa.Table:
+    """The k nearest rows of each query vector (module docstring): one row per hit,
+    `query` (the query's position in `vectors`), the primary key, `distance` and the
+    `output_fields`, sorted by query and nearness."""
+    request = check_request(system, info, vectors, k, field, metric, filter, params, output_fields)
+    ts = resolve_as_of(system.store, system.settings, as_of)
+    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+        segments = segments_at(collection_segments(system.store, info.id), ts)
+        views = collection_views(system.store, info, segments)
+        return _search_views(system, info, request, segments, views, ts)
+
+
+def check_request(
+    system: System,
+    info: CollectionInfo,
+    vectors: Any,
+    k: int,
+    field: str | None,
+    metric: MetricType | str | None,
+    filter: str | pc.Expression | None,
+    params: Mapping[str, object] | None,
+    output_fields: Sequence[str],
+) -> SearchRequest:
+    """The search checked before anything is read: SearchError naming what is wrong."""
+
+    def error(reason: str) -> SearchError:
+        return SearchError(info.name, reason)
+
+    target = _vector_field(info, field, error)
+    assert target.dim is not None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= MAX_K:
+        raise error(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+    try:
+        queries = np.asarray(vectors, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise error(f"query vectors must be an array of numbers of shape (n, {target.dim}): {exc}") from None
+    if queries.ndim == 1:
+        queries = queries.reshape(1, -1)
+    if queries.ndim != 2 or queries.shape[1] != target.dim:
+        found = queries.shape[-1] if queries.ndim else 0
+        raise error(f"query vectors have dimension {found}, field {target.name!r} has {target.dim}")
+    if not np.isfinite(queries).all():
+        raise error("query vectors hold NaN or infinite values")
+    found_index = next(
+        (d.model for d in list_indexes(system.store, info.id) if d.model.field_id == target.field_id), None
+    )
+    chosen = _metric(metric, found_index, error)
+    checked: dict[str, int] = {}
+    if found_index is not None:
+        try:
+            checked = search_params(found_index.type, params or {}, k)
+        except ValueError as exc:
+            raise error(f"{exc} (index {describe(found_index)})") from None
+    elif params:
+        raise error(f"field {target.name!r} has no index: search parameters {sorted(params)} do not apply")
+    scalars = {f.name for f in info.schema.scalar_fields}
+    for name in output_fields:
+        if name not in scalars:
+            raise error(
+                f"output field {name!r} is not a scalar field of the collection ({', '.join(sorted(scalars))})"
+            )
+    if filter is not None and not isinstance(filter, str | pc.Expression):
+        raise error(f"filter must be a string or a pyarrow.compute expression, got {type(filter).__name__}")
+    fields = [pa.field("query", pa.int64()), pa.field(info.schema.primary.name, pa.int64())]
+    fields += [pa.field("distance", pa.float32())]
+    fields += [pa.field(name, arrow_type(info.schema.field(name))) for name in output_fields]
+    return SearchRequest(
+        field=target,
+        metric=chosen,
+        k=k,
+        queries=prepared(queries, chosen),
+        index=found_index,
+        params=checked,
+        filter=filter,
+        output_fields=tuple(output_fields),
+        collection=info.name,
+        pk=info.schema.primary.name,
+        scalars=tuple(f.name for f in info.schema.scalar_fields),
+        result_schema=pa.schema(fields),
+    )
+
+
+def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldSchema:
+    vectors = info.schema.vector_fields
+    names = ", ".join(f.name for f in vectors)
+    if field is None:
+        if len(vectors) != 1:
+            raise error(f"the collection has several vector fields ({names}): name one")
+        return vectors[0]
+    try:
+        found = info.schema.field(field)
+    except KeyError:
+        raise error(f"no field {field!r} (vector fields: {names})") from None
+    if not found.is_vector:
+        raise error(f"field {field!r} is not a vector field (vector fields: {names})")
+    return found
+
+
+def _metric(metric: MetricType | str | None, index: FieldIndex | None, error: Any) -> MetricType:
+    if metric is None:
+        return index.metric if index is not None else MetricType.L2
+    try:
+        chosen = MetricType(str(metric).upper())
+    except ValueError:
+        raise error(f"unknown metric {metric!r}: one of {', '.join(m.value for m in MetricType)}") from None
+    if index is not None and chosen is not index.metric:
+        raise error(f"metric {chosen} does not match the index {describe(index)}: search with {index.metric}")
+    return chosen
+
+
+# --- the parts of a read at T ---------------------------------------------------------------
+
+
+def _search_views(
+    system: System,
+    info: CollectionInfo,
+    request: SearchRequest,
+    segments: list[SegmentInfo],
+    views: list[QueryView],
+    ts: int,
+) -> pa.Table:
+    storage = system.storage
+    tails = [tail_of(view, segments, ts).read(storage, info, with_vectors=True) for view in views]
+    served = readable_ids(views)
+    parts = {s.partition_id for s in segments if s.id in served}
+    parts |= {p for tail in tails for p in pc.unique(tail.rows["partition_id"]).to_pylist()}
+    deletes = {}
+    for part in parts:
+        found = [read_deletes(storage, delete_paths(views, part))]
+        found += [tail.deletes[part] for tail in tails if part in tail.deletes]
+        deletes[part] = at_or_before(pa.concat_tables(found, promote_options="permissive"), ts)
+    builds = _finished_builds(system, info, request.index)
+    hits: list[pa.Table] = []
+    for seg in segments:  # in key order, as listed
+        if seg.id in served:
+            hits += _search_segment(storage, request, seg, builds.get(seg.id), deletes[seg.partition_id], ts)
+    for tail in tails:
+        for part in pc.unique(tail.rows["partition_id"]).to_pylist():
+            rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
+            allowed = _allowed(request, rows, deletes[part], ts)
+            vectors = float_vectors(rows[request.field.name], request.field.dim or 0)
+            hits += _exact(request, rows, vectors, allowed)
+    return _merge(request, hits)
+
+
+def _finished_builds(
+    system: System, info: CollectionInfo, index: FieldIndex | None
+) -> dict[int, SegmentIndex]:
+    if index is None:
+        return {}
+    return {
+        d.model.segment_id: d.model
+        for d in list_builds(system.store, info.id)
+        if d.model.index_id == index.index_id
+        and d.model.state is SegmentIndexState.FINISHED
+        and d.model.files
+    }
+
+
+def _allowed(request: SearchRequest, rows: pa.Table, deletes: pa.Table, ts: int) -> np.ndarray:
+    """Which rows are candidates: at or before T, not deleted at or before T, kept by the
+    filter (a bool per row)."""
+    n = rows.num_rows
+    keyed = pa.table({request.pk: rows[request.pk], "timestamp": rows["timestamp"], _POS: np.arange(n)})
+    kept = apply_deletes_to(at_or_before(keyed, ts), deletes, request.pk)
+    allowed = np.zeros(n, dtype=bool)
+    allowed[kept[_POS].to_numpy()] = True
+    if request.filter is not None and allowed.any():
+        allowed &= _filter_mask(request, rows)
+    return allowed
+
+
+def _filter_mask(request: SearchRequest, rows: pa.Table) -> np.ndarray:
+    scalars = rows.select(list(request.scalars))
+    try:
+        if isinstance(request.filter, pc.Expression):
+            indexed = scalars.append_column(_POS, pa.array(np.arange(rows.num_rows)))
+            keep = np.zeros(rows.num_rows, dtype=bool)
+            keep[indexed.filter(request.filter)[_POS].to_numpy()] = True
+            return keep
+        found = scalars.to_pandas().eval(request.filter)
+    except Exception as exc:  # any mistake in the expression: pandas and pyarrow raise many kinds
+        raise SearchError(
+            request.collection, f"filter {request.filter!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    mask = np.asarray(found)
+    if mask.dtype != bool or mask.shape != (rows.num_rows,):
+        raise SearchError(request.collection, f"filter {request.filter!r} is not a condition on each row")
+    return mask
+
+
+def _search_segment(
+    storage: Storage,
+    request: SearchRequest,
+    seg: SegmentInfo,
+    build: SegmentIndex | None,
+    deletes: pa.Table,
+    ts: int,
+) -> list[pa.Table]:
+    rows = segment_rows(storage, seg, with_vectors=False)
+    allowed = _allowed(request, rows, deletes, ts)
+    if not allowed.any():
+        return []
+    if build is not None and allowed.mean() >= MIN_SELECTED_FOR_INDEX:
+        try:
+            index = _cached_index(storage, build.files[0])
+            if index.ntotal != rows.num_rows:
+                raise RuntimeError(f"it holds {index.ntotal} rows, the segment {rows.num_rows}")
+            return [_indexed(request, rows, index, allowed)]
+        except (StorageError, RuntimeError) as exc:
+            message = f"segment {seg.id}: index file {build.files[0]} is unusable ({exc}); searched exactly"
+            log.warning("%s", message)
+            warnings.warn(message, IndexFallbackWarning, stacklevel=2)
+    return _exact(request, rows, segment_vectors(storage, seg, request.field), allowed)
+
+
+# --- through an index -----------------------------------------------------------------------
+
+
+def _indexed(request: SearchRequest, rows: pa.Table, index: Any, allowed: np.ndarray) -> pa.Table:
+    n = index.ntotal
+    packed = None if allowed.all() else np.packbits(allowed, bitorder="little")
+    selector = None if packed is None else faiss.IDSelectorBitmap(n, faiss.swig_ptr(packed))
+    assert request.index is not None
+    params: Any
+    if request.index.type is IndexType.HNSW:
+        params = _FAISS.SearchParametersHNSW()
+        params.efSearch = request.params.get("ef", default_ef(request.k))
+    else:
+        params = _FAISS.SearchParametersIVF()
+        params.nprobe = request.params.get("nprobe", default_nprobe(faiss.extract_index_ivf(index).nlist))
+    if selector is not None:
+        params.sel = selector
+    distances, positions = index.search(request.queries, min(request.k, n), params=params)
+    return _hits(request, rows, distances, positions)
+
+
+class _IndexCache:
+    """Loaded indexes by (storage root, file key): a file is written once, never changed."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.found: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def get(self, storage: Storage, key: str) -> Any:
+        name = (storage.base, key)
+        with self.lock:
+            if name in self.found:
+                self.found.move_to_end(name)
+                return self.found[name]
+        index = load_index(storage.read_bytes(key))
+        with self.lock:
+            self.found[name] = index
+            while len(self.found) > self.size:
+                self.found.popitem(last=False)
+        return index
+
+
+_INDEXES = _IndexCache(INDEX_CACHE_SIZE)
+
+
+def _cached_index(storage: Storage, key: str) -> Any:
+    return _INDEXES.get(storage, key)
+
+
+# --- exactly ----------------------------------------------------------------------------------
+
+
+def _exact(
+    request: SearchRequest, rows: pa.Table, vectors: np.ndarray, allowed: np.ndarray
+) -> list[pa.Table]:
+    """The k best allowed rows per query by brute force, block by block (each block's
+    best are candidates of the merge)."""
+    positions = np.flatnonzero(allowed)
+    if not len(positions):
+        return []
+    base = prepared(vectors[positions], request.metric)
+    out = []
+    for start in range(0, len(base), EXACT_BLOCK):
+        block = base[start : start + EXACT_BLOCK]
+        scores = request.queries @ block.T
+        if request.metric is MetricType.L2:
+            scores = np.maximum(
+                (request.queries**2).sum(1)[:, None] - 2 * scores + (block**2).sum(1)[None, :], 0.0
+            )
+        take = min(request.k, len(block))
+        order = -scores if request.larger_is_nearer else scores
+        best = np.argpartition(order, take - 1, axis=1)[:, :take]
+        distances = np.take_along_axis(scores, best, axis=1)
+        out.append(_hits(request, rows, distances, positions[start + best]))
+    return out
+
+
+# --- hits and their merge -----------------------------------------------------------------------
+
+
+def _hits(request: SearchRequest, rows: pa.Table, distances: np.ndarray, positions: np.ndarray) -> pa.Table:
+    """Candidates (query, pk, distance, output fields) from (nq, k) distances and row
+    positions (-1: no row, as faiss pads)."""
+    nq, width = positions.shape
+    queries = np.repeat(np.arange(nq, dtype=np.int64), width)
+    flat = positions.reshape(-1)
+    found = flat >= 0
+    taken = pa.array(flat[found])
+    columns = {
+        "query": pa.array(queries[found]),
+        request.pk: rows[request.pk].take(taken),
+        "distance": pa.array(distances.reshape(-1)[found].astype(np.float32)),
+    }
+    for name in request.output_fields:
+        columns[name] = rows[name].take(taken)
+    return pa.table(columns)
+
+
+def _merge(request: SearchRequest, hits: list[pa.Table]) -> pa.Table:
+    """The k best candidates per query, sorted by query, nearness, then pk."""
+    if not hits:
+        return request.result_schema.empty_table()
+    table = pa.concat_tables(hits, promote_options="permissive").cast(request.result_schema)
+    nearness = "descending" if request.larger_is_nearer else "ascending"
+    table = table.sort_by([("query", "ascending"), ("distance", nearness), (request.pk, "ascending")])
+    query = table["query"].to_numpy()
+    rank = np.arange(len(query)) - np.searchsorted(query, query, side="left")
+    return table.filter(pa.array(rank < request.k))

@@ -1,0 +1,86 @@
+"""Known data for the index tests: a collection of clustered 16-d vectors in a few sorted
+segments, small enough that every build takes well under a second."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+from lifecycle.helpers import sync_all
+
+from vchan_assets.lifecycle.step import sort_step
+from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentState
+from vchan_assets.system import System
+from vchan_assets.wal.producer import Producer
+
+DIM = 16
+SCHEMA = CollectionSchema.build("pk", {"vec": DIM}, {"n": "int64", "tag": "string"})
+CENTERS = np.random.default_rng(42).normal(0.0, 4.0, (24, DIM)).astype(np.float32)
+
+
+def clustered(n: int, seed: int) -> np.ndarray:
+    """`n` vectors around 24 fixed centers (what real embeddings look like to an index)."""
+    rng = np.random.default_rng(seed)
+    around = CENTERS[rng.integers(0, len(CENTERS), n)]
+    return (around + rng.normal(0.0, 1.0, (n, DIM))).astype(np.float32)
+
+
+@dataclass
+class Data:
+    """What was inserted: pk -> vector, and the pks deleted since."""
+
+    info: CollectionInfo
+    pks: list[int] = field(default_factory=list)
+    vectors: list[np.ndarray] = field(default_factory=list)
+    deleted: set[int] = field(default_factory=set)
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(pks, vectors) of the rows not deleted."""
+        pks = np.asarray(self.pks, dtype=np.int64)
+        vectors = np.concatenate(self.vectors) if self.vectors else np.empty((0, DIM), np.float32)
+        keep = ~np.isin(pks, list(self.deleted))
+        return pks[keep], vectors[keep]
+
+
+def new_collection(producer: Producer, channels: int = 1) -> Data:
+    info = producer.create_collection(f"i{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=channels)
+    return Data(info)
+
+
+def insert(producer: Producer, data: Data, n: int, start_pk: int) -> None:
+    vectors = clustered(n, seed=start_pk)
+    pks = np.arange(start_pk, start_pk + n, dtype=np.int64)
+    rows = pa.table(
+        {
+            "pk": pa.array(pks),
+            "vec": pa.FixedSizeBinaryArray.from_buffers(pa.binary(DIM * 4), n, [None, pa.py_buffer(vectors)]),
+            "n": pa.array(pks % 7),
+            "tag": pa.array([f"t{p % 3}" for p in pks.tolist()]),
+        }
+    )
+    producer.insert(data.info.name, rows)
+    data.pks += pks.tolist()
+    data.vectors.append(vectors)
+
+
+def sorted_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
+    """One flushed, synced and sorted segment (per vchannel) of each size in `sizes`."""
+    for size in sizes:
+        insert(producer, data, size, start_pk=len(data.pks) and max(data.pks) + 1)
+        producer.flush(data.info.name)
+        sync_all(system.store, system.storage, system.settings, data.info)
+    sort_step(system, engine="local")
+
+
+def live_sorted(system: System, info: CollectionInfo) -> list[SegmentInfo]:
+    found, _ = system.store.list_models(system.store.keys.segment.under(info.id), SegmentInfo)
+    return [d.model for d in found if d.model.state is SegmentState.FLUSHED and d.model.is_sorted]
+
+
+def exact_neighbours(data: Data, queries: np.ndarray, k: int) -> list[set[int]]:
+    """The true k nearest live pks (squared L2) of each query."""
+    pks, vectors = data.live()
+    d = ((queries[:, None, :] - vectors[None, :, :]) ** 2).sum(-1)
+    return [set(pks[np.argsort(row, kind="stable")[:k]].tolist()) for row in d]
