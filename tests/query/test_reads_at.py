@@ -4,6 +4,7 @@ invisible or a sorted segment, a compaction's output); T defaults to now."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import uuid
 from dataclasses import replace
@@ -26,6 +27,8 @@ from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, segments
 from vchan_assets.wal.producer import Producer, generate_rows
+
+from .helpers import read_pks, stopped_read
 
 
 @pytest.fixture
@@ -106,6 +109,29 @@ def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
     assert any(s.binlogs for s in segments(store, collection)), "segment meta committed"
     # Rows now both in binlogs and in the log after the (old) checkpoint: read once.
     assert pks(Catalog(System(settings, store, storage)), collection) == expected_pks(produced)
+
+
+def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_loses_no_row(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)  # only in the log
+    reader = stopped_read(settings, collection, tmp_path, "read_checkpointed")
+    try:
+        # Segment meta, then the checkpoint past every row: all of it after the read's
+        # checkpoints, before it lists segments.
+        sync_all(store, storage, settings, collection)
+        assert any(s.binlogs for s in segments(store, collection))
+    finally:
+        reader.send_signal(signal.SIGCONT)
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err[-2000:]
+    assert read_pks(out) == expected_pks(produced)
 
 
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(

@@ -36,10 +36,11 @@ import pyarrow.compute as pc
 
 from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
+from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
-from vchan_assets.query.view import QueryView
+from vchan_assets.query.view import QueryView, collection_segments, collection_views, read_checkpoints
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
 from vchan_assets.wal.reader import WalReader, read_log_file
@@ -132,6 +133,16 @@ def segments_at(segments: Iterable[SegmentInfo], ts: int) -> list[SegmentInfo]:
             seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None)
         out.append(seg)
     return out
+
+
+def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[SegmentInfo], list[QueryView]]:
+    """The collection's segment meta as it stood at `ts` (`segments_at`) and the query views
+    over it; the channel checkpoints are read before the segments are listed
+    (`view.read_checkpoints`: a sync committing in between would otherwise lose rows)."""
+    checkpoints = read_checkpoints(store, info.vchannels)
+    failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
+    segments = segments_at(collection_segments(store, info.id), ts)
+    return segments, collection_views(store, info, segments, checkpoints)
 
 
 @dataclass(frozen=True)
