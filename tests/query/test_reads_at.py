@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +21,9 @@ from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrig
 from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import sort_step
+from vchan_assets.meta.allocator import TimestampOracle
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentState, compose_ts
+from vchan_assets.model import CollectionInfo, SegmentState, compose_ts, physical_ms
 from vchan_assets.query.asof import TimeTravelError, iso, now_ts
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
@@ -185,6 +187,33 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
     dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
     assert dropped and all(storage.exists(p) for s in dropped for p in segment_paths(s))
     assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
+
+
+def test_a_read_at_t_before_a_compaction_sees_the_rows_it_removed_with_timestamps_ahead_of_the_clock(
+    store: MetaStore, storage: Storage, travel: Settings, collection: CollectionInfo
+) -> None:
+    # Other processes started their oracles a moment ago: a new one issues timestamps above
+    # the window they persisted, seconds ahead of the wall clock.
+    for _ in range(2):
+        TimestampOracle(store).alloc()
+    system = System(travel, store, storage)
+    producer = Producer(system)
+    produced = Produced()
+    rows = generate_rows(SCHEMA, 200, start_pk=0, seed=0)
+    t1 = max(a.timestamp for a in producer.insert(collection.name, rows).values())
+    produced.rows.append(rows)
+    assert physical_ms(t1) > (time.time() + 1) * 1000, "timestamps ahead of the wall clock"
+    producer.flush(collection.name)
+    sync_all(store, storage, travel, collection)
+    producer.delete(collection.name, list(range(50)), partition="_default")  # after t1
+    producer.flush(collection.name)
+    sync_all(store, storage, travel, collection)
+    for kind in (CompactionType.L0, CompactionType.MIX):  # within a second of the deletes, by the clock
+        assert CompactionTrigger(system).trigger(collection, kind, manual=True)
+        assert all(o.state is PlanState.COMPLETED for o in CompactionExecutor(system, "local").run_pending())
+    catalog = Catalog(system)
+    assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
+    assert pks(catalog, collection) == list(range(50, 200))
 
 
 def test_bad_as_of_values_are_refused_naming_the_reason(

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.errors import DeclaredError
+from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import Record, SegmentInfo
@@ -164,10 +165,11 @@ def commit_compaction(
     p = plan.model
     inputs = {s.id: s for s in read_inputs(store, p)}
     now = time.time()
+    ceiling = timestamp_ceiling(store)  # every delete the outputs applied was issued below it
     puts: dict[str, Any] = {}
     for seg in inputs.values():
         dropped = segment_ops.drop(seg)
-        puts[segment_key(store, p, seg.id)] = dropped or seg
+        puts[segment_key(store, p, seg.id)] = replace(dropped, dropped_ts=ceiling) if dropped else seg
     for seg in changed_inputs:
         puts[segment_key(store, p, seg.id)] = seg
     expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}

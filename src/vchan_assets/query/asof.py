@@ -10,11 +10,12 @@ or growing segment's binlogs, or still only in the log after the channel checkpo
   naming the oldest readable time. "Now" is at or above every timestamp issued so far
   (`now_ts`), so a row acknowledged before the read started is in it.
 - **Segments live at T** (`segments_at`): a compaction (sort, mix) swaps inputs for
-  outputs in one transaction that stamps the inputs' `dropped_at`. At a T before that
-  commit the inputs were live and the outputs did not exist yet: `segments_at` puts the
-  inputs back and leaves the outputs out, so a row a later compaction removed because of a
-  delete after T is still read at T. GC keeps a Dropped segment's files at least
-  VCHAN_TIME_TRAVEL for this.
+  outputs in one transaction that stamps the inputs' `dropped_ts`: the oracles' ceiling,
+  above every timestamp issued before the commit (the wall clock of `dropped_at` is not:
+  timestamps can run seconds ahead of it). At a T before that commit the inputs were live
+  and the outputs did not exist yet: `segments_at` puts the inputs back and leaves the
+  outputs out, so a row a later compaction removed because of a delete after T is still
+  read at T. GC keeps a Dropped segment's files at least VCHAN_TIME_TRAVEL for this.
 - **The log tail** (`log_tail`): the messages after a vchannel's checkpoint. Its inserts
   not yet in their segment's binlogs (above the segment's dml position) are rows of the
   read; its deletes are deletes of the read. Files that start after T are not opened.
@@ -118,21 +119,27 @@ def segments_at(segments: Iterable[SegmentInfo], ts: int) -> list[SegmentInfo]:
     compaction dropped after `ts` is live again (Flushed, as it was), and the outputs of
     that compaction are left out. Other segments stay as they are: their rows are filtered
     by timestamp."""
-    at = physical_ms(ts) / 1000
     by_id = {s.id: s for s in segments}
 
     def committed_after(seg: SegmentInfo) -> bool:
-        stamps = [p.dropped_at for i in seg.compaction_from if (p := by_id.get(i)) and p.dropped_at]
-        return bool(stamps) and max(stamps) > at
+        return any(dropped_after(p, ts) for i in seg.compaction_from if (p := by_id.get(i)))
 
     out = []
     for seg in by_id.values():
         if seg.compaction_from and committed_after(seg):
             continue  # made after `ts`
-        if seg.state is SegmentState.DROPPED and seg.dropped_at is not None and seg.dropped_at > at:
-            seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None)
+        if seg.state is SegmentState.DROPPED and dropped_after(seg, ts):
+            seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None, dropped_ts=0)
         out.append(seg)
     return out
+
+
+def dropped_after(seg: SegmentInfo, ts: int) -> bool:
+    """The segment was dropped after `ts`: by the timestamp its compaction stamped (above
+    every timestamp issued before its commit), else by the wall clock of the drop."""
+    if seg.dropped_ts:
+        return seg.dropped_ts > ts
+    return seg.dropped_at is not None and seg.dropped_at > physical_ms(ts) / 1000
 
 
 def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[SegmentInfo], list[QueryView]]:
