@@ -235,3 +235,13 @@ def test_bad_as_of_values_are_refused_naming_the_reason(
             catalog.read_collection(collection.name, as_of=bad)
     with pytest.raises(TimeTravelError, match="not a hybrid timestamp"):
         catalog.read_collection(collection.name, as_of=12345)
+
+
+def test_the_time_travel_window_is_measured_on_the_wall_clock_not_on_the_oracles_window(
+    store: MetaStore, storage: Storage, settings: Settings, collection: CollectionInfo
+) -> None:
+    TimestampOracle(store).alloc()  # a new oracle persists its window, seconds ahead
+    assert physical_ms(now_ts(store)) > time.time() * 1000 + 2000, "'now' is ahead of the wall clock"
+    catalog = Catalog(System(replace(settings, time_travel=5.0), store, storage))
+    four_seconds_ago = compose_ts(int((time.time() - 4) * 1000))
+    assert pks(catalog, collection, as_of=four_seconds_ago) == []  # inside the window: read

@@ -104,7 +104,10 @@ def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> in
         raise TimeTravelError(str(as_of), "not a hybrid timestamp (physical milliseconds << 18)")
     if ts > now:
         raise TimeTravelError(str(as_of), f"{iso(ts)} is in the future (now is {iso(now)})")
-    oldest = compose_ts(physical_ms(now) - int(settings.time_travel * 1000))
+    # The window is measured on the wall clock, as GC measures how long it keeps a dropped
+    # segment: "now" may be up to an oracle's persisted window (3 s) ahead of it, and the
+    # oldest readable time would jump with it.
+    oldest = compose_ts(int((time.time() - settings.time_travel) * 1000))
     if ts < oldest:
         raise TimeTravelError(
             str(as_of),
