@@ -17,8 +17,9 @@ by bulk import (imports/executor.py): import_after_preimport, import_after_binlo
 import_before_commit; by the lifecycle: handoff_taken (the DataCoord got a flush's push, no
 sort planned yet), compaction_after_files, compaction_after_commit, compaction_before_cleanup,
 gc_after_files; by index builds (indexes/step.py): index_after_files (the build's file
-written, the build not yet Finished); by reads (query/reads.py): read_planned (pinned, segments chosen, no file
-opened yet).
+written, the build not yet Finished); by reads: read_checkpointed (query/asof.py: channel
+checkpoints read, segment meta not listed yet), read_planned (query/reads.py: pinned,
+segments chosen, no file opened yet).
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

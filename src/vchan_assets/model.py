@@ -358,11 +358,15 @@ class SegmentInfo(Record):
     # output that is invisible is not served at all (its inputs are), see query/view.py.
     is_invisible: bool = False
     flushed_at: float | None = None  # when the flush made it Flushed (None: before it was recorded)
+    # A compaction's drop: the timestamp oracles' ceiling at its commit (0: not recorded), at
+    # or above every timestamp issued before it, which can run seconds ahead of the wall
+    # clock of `dropped_at`. A read at an earlier T serves the segment again (query/asof.py).
+    dropped_ts: int = 0
 
     # Left out when None: as written before they existed.
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job", "flushed_at"})
-    # Left out when False: as written before it existed.
-    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible"})
+    # Left out when False (0): as written before they existed.
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible", "dropped_ts"})
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)

@@ -19,7 +19,7 @@ from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.handoff import SortQueue
-from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans, transition
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
@@ -180,6 +180,34 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
     finally:
         second.terminate()
         second.wait(30)
+    assert not invisible_ids(store, collection)
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+
+
+def test_a_push_spent_while_another_plan_held_the_segments_is_made_good_by_the_scan(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    """The safety net: the flush's push arrives while another plan holds its segments, so
+    the sort plans nothing; when that plan fails no push comes again (segment meta did not
+    change). The periodic scan sorts them: nothing stays invisible."""
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    system = System(settings, store, storage)
+    [held] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)  # never run here
+    timing = {"VCHAN_LIFECYCLE_INTERVAL": "3600", "VCHAN_SORT_SCAN_INTERVAL": "3"}
+    proc = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(settings, **timing))
+    try:
+        # Another collection's flush, pushed after this one's: once it is sorted, the
+        # DataCoord has taken this collection's push too, and found its segments busy.
+        other = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+        flushed_batches(store, storage, settings, producer, other, batches=1)
+        wait_until_sorted(store, other, proc, timeout=60)
+        assert len(invisible_ids(store, collection)) == 2, "the push is spent"
+        [plan] = [d for d in list_plans(store) if d.model.plan_id == held.plan_id]
+        assert transition(store, plan, state=PlanState.FAILED, reason="its executor died")
+        wait_until_sorted(store, collection, proc, timeout=60)
+    finally:
+        proc.terminate()
+        proc.wait(30)
     assert not invisible_ids(store, collection)
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
 

@@ -143,6 +143,14 @@ def test_is_invisible_is_written_only_when_set() -> None:
     assert decode("k", encode(invisible), SegmentInfo) == invisible
 
 
+def test_dropped_ts_is_written_only_when_a_compaction_stamped_it() -> None:
+    dropped = SegmentInfo(13, 7, 9, "c", SegmentState.DROPPED, dropped_at=1700000000.5)
+    stamped = SegmentInfo(13, 7, 9, "c", SegmentState.DROPPED, dropped_at=1700000000.5, dropped_ts=1 << 40)
+
+    assert "dropped_ts" not in json.loads(encode(dropped))
+    assert decode("k", encode(stamped), SegmentInfo) == stamped
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import replace
@@ -27,16 +25,10 @@ from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.query.asof import now_ts
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA, Produced, cli_env, produce, segments
+from vchan_assets.testing.harness import SCHEMA, Produced, produce, segments
 from vchan_assets.wal.producer import Producer
 
-READ = """
-import sys
-from vchan_assets.catalog import Catalog
-with Catalog.open() as catalog:
-    rows = catalog.read_collection(sys.argv[1], with_vectors=False)
-    print("ROWS", len(rows))
-"""
+from .helpers import stopped_read
 
 
 @pytest.fixture
@@ -68,29 +60,6 @@ def collect(system: System) -> list[int]:
     return GarbageCollector(replace(system, settings=quick)).run().dropped_segments
 
 
-def stopped_read(settings: Settings, info: CollectionInfo, tmp_path: Path, ttl: str) -> subprocess.Popen[str]:
-    marker = tmp_path / "failpoint"
-    env = cli_env(
-        settings,
-        VCHAN_FAILPOINT="read_planned=stop",
-        VCHAN_FAILPOINT_MARKER=str(marker),
-        VCHAN_READ_PIN_TTL=ttl,
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", READ, info.name],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not (marker.exists() and marker.read_text().startswith("read_planned")):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the read never reached its failpoint"
-        time.sleep(0.05)
-    return proc
-
-
 def test_gc_keeps_what_a_running_read_may_open_and_the_read_returns_every_row(
     store: MetaStore,
     storage: Storage,
@@ -100,7 +69,7 @@ def test_gc_keeps_what_a_running_read_may_open_and_the_read_returns_every_row(
     tmp_path: Path,
 ) -> None:
     produced = two_flushed_segments(store, storage, settings, producer, collection)
-    read = stopped_read(settings, collection, tmp_path, ttl="600")
+    read = stopped_read(settings, collection, tmp_path, VCHAN_READ_PIN_TTL="600")
     try:
         assert collection.id in pinned_horizons(store)
         merge(System(settings, store, storage), collection)
@@ -123,7 +92,7 @@ def test_a_read_that_outlived_its_pin_fails_naming_the_pin_not_a_missing_file(
     tmp_path: Path,
 ) -> None:
     two_flushed_segments(store, storage, settings, producer, collection)
-    read = stopped_read(settings, collection, tmp_path, ttl="1")
+    read = stopped_read(settings, collection, tmp_path, VCHAN_READ_PIN_TTL="1")
     try:
         deadline = time.monotonic() + 30
         while collection.id in pinned_horizons(store):  # the lease expires

@@ -4,7 +4,9 @@ invisible or a sorted segment, a compaction's output); T defaults to now."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -19,13 +21,16 @@ from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrig
 from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import sort_step
+from vchan_assets.meta.allocator import TimestampOracle
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentState, compose_ts
+from vchan_assets.model import CollectionInfo, SegmentState, compose_ts, physical_ms
 from vchan_assets.query.asof import TimeTravelError, iso, now_ts
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, segments
 from vchan_assets.wal.producer import Producer, generate_rows
+
+from .helpers import read_pks, stopped_read
 
 
 @pytest.fixture
@@ -108,6 +113,29 @@ def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
     assert pks(Catalog(System(settings, store, storage)), collection) == expected_pks(produced)
 
 
+def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_loses_no_row(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    produced = Produced()
+    produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)  # only in the log
+    reader = stopped_read(settings, collection, tmp_path, "read_checkpointed")
+    try:
+        # Segment meta, then the checkpoint past every row: all of it after the read's
+        # checkpoints, before it lists segments.
+        sync_all(store, storage, settings, collection)
+        assert any(s.binlogs for s in segments(store, collection))
+    finally:
+        reader.send_signal(signal.SIGCONT)
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err[-2000:]
+    assert read_pks(out) == expected_pks(produced)
+
+
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
     store: MetaStore, storage: Storage, travel: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
@@ -161,6 +189,33 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
     assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
 
 
+def test_a_read_at_t_before_a_compaction_sees_the_rows_it_removed_with_timestamps_ahead_of_the_clock(
+    store: MetaStore, storage: Storage, travel: Settings, collection: CollectionInfo
+) -> None:
+    # Other processes started their oracles a moment ago: a new one issues timestamps above
+    # the window they persisted, seconds ahead of the wall clock.
+    for _ in range(2):
+        TimestampOracle(store).alloc()
+    system = System(travel, store, storage)
+    producer = Producer(system)
+    produced = Produced()
+    rows = generate_rows(SCHEMA, 200, start_pk=0, seed=0)
+    t1 = max(a.timestamp for a in producer.insert(collection.name, rows).values())
+    produced.rows.append(rows)
+    assert physical_ms(t1) > (time.time() + 1) * 1000, "timestamps ahead of the wall clock"
+    producer.flush(collection.name)
+    sync_all(store, storage, travel, collection)
+    producer.delete(collection.name, list(range(50)), partition="_default")  # after t1
+    producer.flush(collection.name)
+    sync_all(store, storage, travel, collection)
+    for kind in (CompactionType.L0, CompactionType.MIX):  # within a second of the deletes, by the clock
+        assert CompactionTrigger(system).trigger(collection, kind, manual=True)
+        assert all(o.state is PlanState.COMPLETED for o in CompactionExecutor(system, "local").run_pending())
+    catalog = Catalog(system)
+    assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
+    assert pks(catalog, collection) == list(range(50, 200))
+
+
 def test_bad_as_of_values_are_refused_naming_the_reason(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
@@ -180,3 +235,13 @@ def test_bad_as_of_values_are_refused_naming_the_reason(
             catalog.read_collection(collection.name, as_of=bad)
     with pytest.raises(TimeTravelError, match="not a hybrid timestamp"):
         catalog.read_collection(collection.name, as_of=12345)
+
+
+def test_the_time_travel_window_is_measured_on_the_wall_clock_not_on_the_oracles_window(
+    store: MetaStore, storage: Storage, settings: Settings, collection: CollectionInfo
+) -> None:
+    TimestampOracle(store).alloc()  # a new oracle persists its window, seconds ahead
+    assert physical_ms(now_ts(store)) > time.time() * 1000 + 2000, "'now' is ahead of the wall clock"
+    catalog = Catalog(System(replace(settings, time_travel=5.0), store, storage))
+    four_seconds_ago = compose_ts(int((time.time() - 4) * 1000))
+    assert pks(catalog, collection, as_of=four_seconds_ago) == []  # inside the window: read

@@ -348,6 +348,7 @@ class CompactionExecutor:
         self.engine, self.timeout = engine, timeout
         self.ids = IdAllocator(system.store)
         self.collections = CollectionRegistry(system.store)
+        self.applied_ts: dict[int, int] = {}  # plan id -> newest delete its task may apply
 
     def run_pending(self, plan_ids: Sequence[int] | None = None) -> list[PlanOutcome]:
         """Run the Pending plans (those of `plan_ids` if given), then the links their
@@ -408,6 +409,11 @@ class CompactionExecutor:
         )
         if p.type is CompactionType.L0:
             spec = replace(spec, inputs=l0, targets=tuple(s for s in inputs if s not in l0))
+        # The newest delete the outputs may apply: what the commit stamps the inputs with.
+        paths = {*spec.delete_paths, *(b.path for s in l0 for b in s.deltalogs)}
+        self.applied_ts[p.plan_id] = max(
+            (b.ts_to for d in found for b in d.model.deltalogs if b.path in paths), default=0
+        )
         return executing, spec
 
     def _run(self, specs: list[CompactionSpec]) -> list[CompactionOutput | CompactionInputError]:
@@ -434,6 +440,7 @@ class CompactionExecutor:
                 changed_inputs=result.changed,
                 kept=kept,
                 then=then,
+                applied_ts=self.applied_ts.pop(plan.model.plan_id, None),
                 rows_in=result.rows_in,
                 rows_out=rows_out,
                 bytes_in=result.bytes_in,

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.errors import DeclaredError
+from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import Record, SegmentInfo
@@ -162,20 +163,32 @@ def commit_compaction(
     changed_inputs: Sequence[SegmentInfo] = (),
     kept: Collection[int] = (),
     then: CompactionPlan | None = None,
+    applied_ts: int | None = None,
     **plan_changes: Any,
 ) -> int:
     """One transaction: every input still at its planned version and the plan unchanged,
     then the outputs added, the inputs Dropped (or replaced by `changed_inputs`, the L0
     targets that gained delta logs; or left as they are if `kept`: the L0 inputs of a chained
     link), the next link `then` created, and the plan Completed. Returns the revision;
-    CompactionConflictError naming the changed key otherwise (nothing written)."""
+    CompactionConflictError naming the changed key otherwise (nothing written).
+
+    The dropped inputs are stamped `dropped_ts`: a read at a timestamp below it serves them
+    instead of the outputs (`query.asof.segments_at`), since the outputs lack rows that
+    deletes after that timestamp removed. `applied_ts` is the newest timestamp of the deletes
+    the outputs applied (the executor knows them); without it, the oracles' ceiling, above
+    every timestamp issued so far."""
     p = plan.model
     inputs = {s.id: s for s in read_inputs(store, p)}
     now = time.time()
+    # At or above every delete the outputs applied; 1 when they applied none (any read may
+    # serve the outputs: they hold the same rows).
+    stamp = max(applied_ts, 1) if applied_ts is not None else timestamp_ceiling(store)
     puts: dict[str, Any] = {}
     for seg in inputs.values():
-        if seg.id not in kept:
-            puts[segment_key(store, p, seg.id)] = segment_ops.drop(seg) or seg
+        if seg.id in kept:
+            continue  # a chained link's L0 inputs: compared, left as they are
+        dropped = segment_ops.drop(seg)
+        puts[segment_key(store, p, seg.id)] = replace(dropped, dropped_ts=stamp) if dropped else seg
     for seg in changed_inputs:
         puts[segment_key(store, p, seg.id)] = seg
     expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}

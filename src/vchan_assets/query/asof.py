@@ -10,11 +10,12 @@ or growing segment's binlogs, or still only in the log after the channel checkpo
   naming the oldest readable time. "Now" is at or above every timestamp issued so far
   (`now_ts`), so a row acknowledged before the read started is in it.
 - **Segments live at T** (`segments_at`): a compaction (sort, mix) swaps inputs for
-  outputs in one transaction that stamps the inputs' `dropped_at`. At a T before that
-  commit the inputs were live and the outputs did not exist yet: `segments_at` puts the
-  inputs back and leaves the outputs out, so a row a later compaction removed because of a
-  delete after T is still read at T. GC keeps a Dropped segment's files at least
-  VCHAN_TIME_TRAVEL for this.
+  outputs in one transaction that stamps the inputs' `dropped_ts`: the newest timestamp
+  of the deletes the outputs applied (a timestamp, not the wall clock of `dropped_at`:
+  timestamps can run seconds ahead of it). At a T below it the outputs lack rows that
+  deletes after T removed: `segments_at` puts the inputs back and leaves the outputs out,
+  so such a row is still read at T. At or above it the outputs hold exactly the inputs'
+  rows at T, and are served. GC keeps a Dropped segment's files at least VCHAN_TIME_TRAVEL for this.
 - **The log tail** (`log_tail`): the messages after a vchannel's checkpoint. Its inserts
   not yet in their segment's binlogs (above the segment's dml position) are rows of the
   read; its deletes are deletes of the read. Files that start after T are not opened.
@@ -36,10 +37,11 @@ import pyarrow.compute as pc
 
 from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
+from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
-from vchan_assets.query.view import QueryView
+from vchan_assets.query.view import QueryView, collection_segments, collection_views, read_checkpoints
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
 from vchan_assets.wal.reader import WalReader, read_log_file
@@ -102,7 +104,10 @@ def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> in
         raise TimeTravelError(str(as_of), "not a hybrid timestamp (physical milliseconds << 18)")
     if ts > now:
         raise TimeTravelError(str(as_of), f"{iso(ts)} is in the future (now is {iso(now)})")
-    oldest = compose_ts(physical_ms(now) - int(settings.time_travel * 1000))
+    # The window is measured on the wall clock, as GC measures how long it keeps a dropped
+    # segment: "now" may be up to an oracle's persisted window (3 s) ahead of it, and the
+    # oldest readable time would jump with it.
+    oldest = compose_ts(int((time.time() - settings.time_travel) * 1000))
     if ts < oldest:
         raise TimeTravelError(
             str(as_of),
@@ -117,21 +122,37 @@ def segments_at(segments: Iterable[SegmentInfo], ts: int) -> list[SegmentInfo]:
     compaction dropped after `ts` is live again (Flushed, as it was), and the outputs of
     that compaction are left out. Other segments stay as they are: their rows are filtered
     by timestamp."""
-    at = physical_ms(ts) / 1000
     by_id = {s.id: s for s in segments}
 
     def committed_after(seg: SegmentInfo) -> bool:
-        stamps = [p.dropped_at for i in seg.compaction_from if (p := by_id.get(i)) and p.dropped_at]
-        return bool(stamps) and max(stamps) > at
+        return any(dropped_after(p, ts) for i in seg.compaction_from if (p := by_id.get(i)))
 
     out = []
     for seg in by_id.values():
         if seg.compaction_from and committed_after(seg):
             continue  # made after `ts`
-        if seg.state is SegmentState.DROPPED and seg.dropped_at is not None and seg.dropped_at > at:
-            seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None)
+        if seg.state is SegmentState.DROPPED and dropped_after(seg, ts):
+            seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None, dropped_ts=0)
         out.append(seg)
     return out
+
+
+def dropped_after(seg: SegmentInfo, ts: int) -> bool:
+    """The segment was dropped after `ts`: by the timestamp its compaction stamped (the
+    newest delete its outputs applied), else by the wall clock of the drop."""
+    if seg.dropped_ts:
+        return seg.dropped_ts > ts
+    return seg.dropped_at is not None and seg.dropped_at > physical_ms(ts) / 1000
+
+
+def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[SegmentInfo], list[QueryView]]:
+    """The collection's segment meta as it stood at `ts` (`segments_at`) and the query views
+    over it; the channel checkpoints are read before the segments are listed
+    (`view.read_checkpoints`: a sync committing in between would otherwise lose rows)."""
+    checkpoints = read_checkpoints(store, info.vchannels)
+    failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
+    segments = segments_at(collection_segments(store, info.id), ts)
+    return segments, collection_views(store, info, segments, checkpoints)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.failpoints import failpoint
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
-from vchan_assets.query.asof import at_or_before, resolve_as_of, segments_at, tail_of
+from vchan_assets.query.asof import at_or_before, resolve_as_of, tail_of, views_at
 from vchan_assets.query.prune import EVERYTHING, Pushdown, prune
 from vchan_assets.query.view import (
     QueryView,
@@ -68,8 +68,7 @@ def read_collection(
     ts = resolve_as_of(system.store, system.settings, as_of)
     # Pinned before segment meta is listed: GC keeps every file this read may open.
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        segments = segments_at(collection_segments(system.store, info.id), ts)
-        views = collection_views(system.store, info, segments)
+        segments, views = views_at(system.store, info, ts)
         failpoint("read_planned")  # segments chosen, no file opened yet
         return read_views(system, info, segments, views, ts, apply_deletes, with_vectors, pushdown)
 

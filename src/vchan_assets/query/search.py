@@ -63,11 +63,9 @@ from vchan_assets.model import (
     SegmentIndexState,
     SegmentInfo,
 )
-from vchan_assets.query.asof import at_or_before, resolve_as_of, segments_at, tail_of
+from vchan_assets.query.asof import at_or_before, resolve_as_of, tail_of, views_at
 from vchan_assets.query.view import (
     QueryView,
-    collection_segments,
-    collection_views,
     delete_paths,
     readable_ids,
 )
@@ -148,8 +146,7 @@ def search(
     request = check_request(system, info, vectors, k, field, metric, filter, params, output_fields)
     ts = resolve_as_of(system.store, system.settings, as_of)
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        segments = segments_at(collection_segments(system.store, info.id), ts)
-        views = collection_views(system.store, info, segments)
+        segments, views = views_at(system.store, info, ts)  # checkpoints before segments
         return _search_views(system, info, request, segments, views, ts)
 
 

@@ -76,9 +76,9 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.read_pins import ReadPinLostError, pin_read
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
-from vchan_assets.query.asof import Tail, at_or_before, resolve_as_of, segments_at, tail_of
+from vchan_assets.query.asof import Tail, at_or_before, resolve_as_of, tail_of, views_at
 from vchan_assets.query.prune import EVERYTHING, PkFilter, Pushdown, parse_where, prune
-from vchan_assets.query.view import QueryView, collection_segments, collection_views, delete_paths
+from vchan_assets.query.view import QueryView, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
@@ -386,8 +386,7 @@ class VchanReader(DataSourceReader):
             # Pinned before segment meta is listed; the pin expires with its lease
             # (VCHAN_READ_PIN_TTL): nothing tells the planner when the Spark job ends.
             self.pin = pin_read(stack.store, settings, info.id, self.ts)
-            segments = segments_at(collection_segments(stack.store, info.id), self.ts)
-            views = collection_views(stack.store, info, segments)
+            segments, views = views_at(stack.store, info, self.ts)
         self.info = info
         asked = set(schema.fieldNames())
         self.fields = [f for f in selected_fields(info, self.request) if f.name in asked]

@@ -211,29 +211,53 @@ def collection_segments(store: MetaStore, collection_id: int) -> list[SegmentInf
     return [d.model for d in found]
 
 
+def read_checkpoints(store: MetaStore, vchannels: Iterable[str]) -> dict[str, MsgPosition | None]:
+    """The channel checkpoints of `vchannels`, read *before* the segment meta the views are
+    built from is listed. A sync commits its segment meta, then its checkpoint: a checkpoint
+    read after the listing can cover rows that the listed meta does not hold yet, in no
+    segment and not in the log after the checkpoint either (lost to the read). Read first,
+    the checkpoint is at worst behind the segments: the rows between are in both, and the
+    log tail skips those at or below their segment's dml position."""
+    out: dict[str, MsgPosition | None] = {}
+    for vchannel in vchannels:
+        found = channel_checkpoint(store, vchannel)
+        out[vchannel] = found.model if found else None
+    return out
+
+
 def read_query_view(
-    store: MetaStore, info: CollectionInfo, vchannel: str, segments: Sequence[SegmentInfo] | None = None
+    store: MetaStore,
+    info: CollectionInfo,
+    vchannel: str,
+    segments: Sequence[SegmentInfo] | None = None,
+    checkpoints: Mapping[str, MsgPosition | None] | None = None,
 ) -> QueryView:
     """The query view of one vchannel of the collection, from etcd: its checkpoint, and
-    the collection's segments (`segments` when the caller has listed them already)."""
+    the collection's segments (`segments` when the caller has listed them already, then
+    with `checkpoints` it read before: `read_checkpoints`)."""
+    if checkpoints is None or vchannel not in checkpoints:
+        checkpoints = read_checkpoints(store, [vchannel])
     if segments is None:
         segments = collection_segments(store, info.id)
-    checkpoint = channel_checkpoint(store, vchannel)
-    return query_view(
-        segments, vchannel, checkpoint.model if checkpoint else None, start_position(info, vchannel)
-    )
+    return query_view(segments, vchannel, checkpoints[vchannel], start_position(info, vchannel))
 
 
 def collection_views(
-    store: MetaStore, info: CollectionInfo, segments: Sequence[SegmentInfo] | None = None
+    store: MetaStore,
+    info: CollectionInfo,
+    segments: Sequence[SegmentInfo] | None = None,
+    checkpoints: Mapping[str, MsgPosition | None] | None = None,
 ) -> list[QueryView]:
     """The query view of each vchannel of the collection (and of any other vchannel its
-    segments name, so that no segment goes unseen)."""
+    segments name, so that no segment goes unseen). A caller that lists `segments` itself
+    passes the `checkpoints` it read before (`read_checkpoints`)."""
+    if checkpoints is None:
+        checkpoints = read_checkpoints(store, info.vchannels)
     if segments is None:
         segments = collection_segments(store, info.id)
     vchannels = list(info.vchannels)
     vchannels += sorted({s.vchannel for s in segments} - set(vchannels))
-    return [read_query_view(store, info, v, segments) for v in vchannels]
+    return [read_query_view(store, info, v, segments, checkpoints) for v in vchannels]
 
 
 def readable_ids(views: Iterable[QueryView]) -> set[int]:
