@@ -26,17 +26,15 @@ phase the disk is settled (`os.sync()`), and the 1-minute load average is record
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench import bench_stack
-from bench.produce import SCHEMA, run_producers
+from bench import bench_system, write_report
+from bench.produce import BATCH, SCHEMA, run_producers
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.channel import ChannelWorker, NodeContext
 from vchan_assets.lifecycle.plans import PlanState
@@ -46,7 +44,6 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark import Engine
 from vchan_assets.spark.session import get_spark
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
@@ -74,13 +71,12 @@ def ingest(system: System, work: Path, rows: int, sync_engine: Engine, poll: flo
         for w in workers:
             w.stop()
     producer.close()
-    inserted = rows // PRODUCERS * PRODUCERS
     seconds = persisted - run.started
     return {
         "collection": info.name,
-        "rows": inserted,
+        "rows": rows,
         "ingest_s": seconds,
-        "ingest_rows_per_s": inserted / seconds,
+        "ingest_rows_per_s": rows / seconds,
         "producers_rows_per_s": run.rows_per_s,
         "last_insert_to_persisted_s": persisted - run.ended,
     }
@@ -139,17 +135,16 @@ def main() -> None:
     parser.add_argument("--warmup-rows", type=int, default=40_000)
     parser.add_argument("--out", default="bench/results/sort_vs_ingest.json")
     args = parser.parse_args()
-    work, etcd, settings = bench_stack("vchan-bench-sort-")
+    for rows in (args.rows, args.warmup_rows):
+        if rows % (PRODUCERS * BATCH):  # each producer inserts whole batches
+            parser.error(f"rows must be a multiple of {PRODUCERS * BATCH:,}, not {rows:,}")
     report: dict[str, Any] = {"rows": args.rows, "sync_engine": args.sync_engine, "poll_s": args.poll}
-    try:
-        store = MetaStore.connect(settings)
-        storage = Storage.from_settings(settings)
-        storage.ensure_root()
+    with bench_system("vchan-bench-sort-") as (work, system):
         started = time.perf_counter()
-        spark = get_spark(settings)
+        spark = get_spark(system.settings)
         report["spark"] = spark.version
         report["spark_start_s"] = time.perf_counter() - started
-        system = System(settings, store, storage, spark)
+        system = system.with_spark(spark)
         warm = round_trip(system, work, args.warmup_rows, args.sync_engine, args.poll)
         report["cold"] = {k: warm[k] for k in ("rows", "ingest_s", "sort_s")}
         print(f"cold (first round, {args.warmup_rows:,} rows, JVM warm-up): {report['cold']}", flush=True)
@@ -165,23 +160,15 @@ def main() -> None:
                 f"{result['ratio_sort_over_ingest']:.2f}x; load {result['load_avg_1m']}",
                 flush=True,
             )
-        report["rounds"] = rounds
-        keys = [k for k in rounds[0] if k != "collection" and isinstance(rounds[0][k], int | float)]
-        report["median"] = {k: statistics.median(r[k] for r in rounds) for k in keys}
-        m = report["median"]
-        print(
-            f"median of {args.repeat}: ingest {m['ingest_rows_per_s']:,.0f} rows/s, sort "
-            f"{m['sort_rows_per_s']:,.0f} rows/s, sort/ingest {m['ratio_sort_over_ingest']:.2f}x "
-            f"(ratio of the medians {m['sort_rows_per_s'] / m['ingest_rows_per_s']:.2f}x)"
-        )
-        store.close()
-    finally:
-        etcd.stop()
-        shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {out}")
+    report["rounds"] = rounds
+    keys = [k for k in rounds[0] if k != "collection" and isinstance(rounds[0][k], int | float)]
+    report["median"] = m = {k: statistics.median(r[k] for r in rounds) for k in keys}
+    print(
+        f"median of {args.repeat}: ingest {m['ingest_rows_per_s']:,.0f} rows/s, sort "
+        f"{m['sort_rows_per_s']:,.0f} rows/s, sort/ingest {m['ratio_sort_over_ingest']:.2f}x "
+        f"(ratio of the medians {m['sort_rows_per_s'] / m['ingest_rows_per_s']:.2f}x)"
+    )
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":
