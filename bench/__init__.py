@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
 
 
 def bench_stack(prefix: str = "vchan-bench-", **etcd_options: Any) -> tuple[Path, EmbeddedEtcd, Settings]:
@@ -28,3 +35,29 @@ def bench_stack(prefix: str = "vchan-bench-", **etcd_options: Any) -> tuple[Path
         segment_max_size_mb=4096,
     )
     return work, etcd, settings
+
+
+@contextlib.contextmanager
+def bench_system(prefix: str) -> Iterator[tuple[Path, System]]:
+    """`bench_stack` opened as a `System` (no Spark session yet); on exit the metastore
+    is closed, the etcd stopped and the scratch directory removed."""
+    work, etcd, settings = bench_stack(prefix)
+    try:
+        store = MetaStore.connect(settings)
+        storage = Storage.from_settings(settings)
+        storage.ensure_root()
+        try:
+            yield work, System(settings, store, storage)
+        finally:
+            store.close()
+    finally:
+        etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> None:
+    """A run's figures as JSON (bench/results/ stays local: the figures go to BENCHMARKS.md)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"written {out}")

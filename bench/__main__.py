@@ -9,7 +9,17 @@ to bench.sync.
 import importlib
 import sys
 
-BENCHMARKS = ("sync", "failover", "latency", "compaction", "lifecycle_soak", "import", "scale")
+BENCHMARKS = (
+    "sync",
+    "failover",
+    "latency",
+    "compaction",
+    "lifecycle_soak",
+    "sort_vs_ingest",
+    "read_tail",
+    "import",
+    "scale",
+)
 
 if __name__ == "__main__":
     with_10m = "--with-10m" in sys.argv[1:]

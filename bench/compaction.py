@@ -20,18 +20,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from bench import bench_stack
+from bench import bench_stack, write_report
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.binlog_writer import column_groups, write_parquet
@@ -202,10 +200,7 @@ def main() -> None:
                 report[f"soak_lifecycle_{lifecycle}"] = soak(soaked, args.soak, lifecycle)
     finally:
         etcd.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"written {out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

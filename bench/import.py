@@ -18,7 +18,6 @@ and at `--small` rows, to show memory is flat in the rows imported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -31,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench import bench_stack
+from bench import bench_stack, write_report
 from bench.sync import PeakRss
 from vchan_assets import imports
 from vchan_assets.config import Settings
@@ -220,10 +219,7 @@ def main() -> None:
     finally:
         etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"written {out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

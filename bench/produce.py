@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -78,13 +80,23 @@ def child(settings: Settings, collection: str, rows: int, start_pk: int, go: Pat
     store.close()
 
 
-def run_producers(
-    settings: Settings, work: Path, collection: str, n: int, rows: int
-) -> tuple[float, dict[str, float]]:
-    """Aggregate rows/s of `n` producer processes inserting `rows` in all, and the ms per
-    append the lock was held and acquiring took (means over every append)."""
+@dataclass(frozen=True)
+class ProducerRun:
+    """What `n` producer processes did together: aggregate rows/s, the ms per append the
+    lock was held and acquiring took (means over every append), and the wall-clock
+    (`time.time()`) span from the first insert to the last."""
+
+    rows_per_s: float
+    lock_ms: dict[str, float]
+    started: float
+    ended: float
+
+
+def run_producers(settings: Settings, work: Path, collection: str, n: int, rows: int) -> ProducerRun:
+    """`n` producer processes inserting `rows` in all, started together."""
     go = work / f"go-{uuid.uuid4().hex[:6]}"
-    env = {**settings.to_env(), "PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(Path.cwd())}
+    path = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
+    env = {**settings.to_env(), "PATH": str(Path(sys.executable).parent), "PYTHONPATH": path}
     procs = []
     for k in range(n):
         args = [
@@ -107,9 +119,9 @@ def run_producers(
         out, _ = proc.communicate(timeout=1800)
         assert proc.returncode == 0, f"producer failed: {proc.returncode}"
         spans.append(json.loads(out.strip().splitlines()[-1]))
-    seconds = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    started, ended = min(s["start"] for s in spans), max(s["end"] for s in spans)
     ms = {k: 1000 * sum(s[k][1] for s in spans) / sum(s[k][0] for s in spans) for k in ("held", "acquiring")}
-    return (rows // n) * n / seconds, ms
+    return ProducerRun((rows // n) * n / (ended - started), ms, started, ended)
 
 
 def run_baseline(settings: Settings, store: MetaStore, storage: Storage, collection: str, rows: int) -> float:
@@ -184,9 +196,9 @@ def main() -> None:
             runs["baseline"].append(run_baseline(settings, store, storage, base.name, args.rows))
             for n in counts:
                 info = producer.create_collection(f"p{n}_{r}", SCHEMA, num_channels=2)
-                rate, ms = run_producers(settings, work, info.name, n, args.rows)
-                runs[f"{n} producers"].append(rate)
-                for k, v in ms.items():
+                run = run_producers(settings, work, info.name, n, args.rows)
+                runs[f"{n} producers"].append(run.rows_per_s)
+                for k, v in run.lock_ms.items():
                     locks[f"{n} producers {k}"].append(v)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()), flush=True)
         results = {f"{k} rows/s": statistics.median(v) for k, v in runs.items()}
