@@ -65,12 +65,17 @@ def insert(producer: Producer, data: Data, n: int, start_pk: int) -> None:
     data.vectors.append(vectors)
 
 
-def sorted_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
-    """One flushed, synced and sorted segment (per vchannel) of each size in `sizes`."""
+def flushed_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
+    """One flushed and synced segment, not sorted yet (per vchannel), of each size in `sizes`."""
     for size in sizes:
         insert(producer, data, size, start_pk=len(data.pks) and max(data.pks) + 1)
         producer.flush(data.info.name)
         sync_all(system.store, system.storage, system.settings, data.info)
+
+
+def sorted_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
+    """One flushed, synced and sorted segment (per vchannel) of each size in `sizes`."""
+    flushed_segments(system, producer, data, sizes)
     sort_step(system, engine="local")
 
 
