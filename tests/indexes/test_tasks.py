@@ -9,9 +9,9 @@ import time
 from dataclasses import replace
 
 import pytest
+from lifecycle.helpers import run_vchan
 
 from indexes.helpers import Data, flushed_segments, live_sorted, new_collection, sorted_segments
-from lifecycle.helpers import run_vchan
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
