@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-from indexes.helpers import Data, live_sorted, new_collection, sorted_segments
+from indexes.helpers import Data, ivf_indexed, live_sorted, new_collection
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.tasks import TaskScheduler
 from vchan_assets.indexes.gc import collect_indexes
-from vchan_assets.indexes.meta import create_index, drop_index, list_builds, list_indexes
-from vchan_assets.indexes.step import index_step
+from vchan_assets.indexes.meta import drop_index, list_builds, list_indexes
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
@@ -42,9 +41,7 @@ def builds(system: System, data: Data) -> list[SegmentIndex]:
 def test_a_dropped_index_loses_its_builds_and_files_then_its_record(
     system: System, producer: Producer, data: Data
 ) -> None:
-    sorted_segments(system, producer, data, [1500, 1300])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
-    index_step(system, "local")
+    ivf_indexed(system, producer, data, [1500, 1300], build=True)
     files = [f for b in builds(system, data) for f in b.files]
     assert len(files) == 2 and all(system.storage.exists(f) for f in files)
     drop_index(system.store, data.info, field="vec")
@@ -60,9 +57,7 @@ def test_a_dropped_index_loses_its_builds_and_files_then_its_record(
 def test_a_compacted_segments_builds_wait_for_the_outputs_index_then_go(
     system: System, producer: Producer, data: Data
 ) -> None:
-    sorted_segments(system, producer, data, [1500, 1300])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
-    index_step(system, "local")
+    ivf_indexed(system, producer, data, [1500, 1300], build=True)
     parents = {b.build_id: b for b in builds(system, data)}
     info = CollectionRegistry(system.store).get(data.info.id)
     [plan] = CompactionTrigger(system).trigger(info, CompactionType.MIX, manual=True)
@@ -93,9 +88,7 @@ def test_a_compacted_segments_builds_wait_for_the_outputs_index_then_go(
 def test_files_of_unknown_builds_and_superseded_versions_go_after_the_tolerance(
     system: System, producer: Producer, data: Data
 ) -> None:
-    sorted_segments(system, producer, data, [1500])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
-    index_step(system, "local")
+    ivf_indexed(system, producer, data, [1500], build=True)
     [build] = builds(system, data)
     unknown = index_file_key(987654321, 1, "index.faiss")
     superseded = index_file_key(build.build_id, build.version + 5, "index.faiss")

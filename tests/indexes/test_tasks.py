@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from lifecycle.helpers import run_vchan
 
-from indexes.helpers import Data, flushed_segments, live_sorted, new_collection, sorted_segments
+from indexes.helpers import Data, flushed_segments, ivf_indexed, live_sorted, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
@@ -76,8 +76,7 @@ def test_a_segment_is_queued_once_per_kind(system: System, producer: Producer, d
 def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retried_on_request(
     system: System, producer: Producer, data: Data
 ) -> None:
-    sorted_segments(system, producer, data, [1500])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    ivf_indexed(system, producer, data, [1500])
     [seg] = live_sorted(system, data.info)
     field_id = data.info.schema.field("vec").field_id
     vec_group = next(g for g in seg.binlogs if field_id in g.field_ids)
@@ -115,8 +114,7 @@ def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retrie
 def test_admission_by_memory_runs_one_task_over_the_budget_alone(
     system: System, producer: Producer, data: Data
 ) -> None:
-    sorted_segments(system, producer, data, [1500, 1400])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    ivf_indexed(system, producer, data, [1500, 1400])
     tight = replace(system.settings, task_memory_mb=0.1)  # a build of 1,500 16-d vectors: ~0.27 MB
     sched = TaskScheduler([SortTasks(), IndexTasks()], tight)
     sched.scan(system)
@@ -132,8 +130,7 @@ def test_admission_by_memory_runs_one_task_over_the_budget_alone(
 def test_a_task_of_a_dead_worker_goes_back_to_the_queue_and_is_finished(
     system: System, producer: Producer, data: Data
 ) -> None:
-    sorted_segments(system, producer, data, [1500])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    ivf_indexed(system, producer, data, [1500])
     [seg] = live_sorted(system, data.info)
     sched = scheduler(system)
     sched.scan(system)

@@ -42,6 +42,7 @@ from vchan_assets.config import Settings
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import SegmentInfo, TaskRecord, TaskState
+from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class TaskKind(Protocol):
         """The tasks there are to queue (of `collections` if given)."""
         ...
 
-    def run(self, system: System, engine: str, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
+    def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
         """Run these tasks (one batch); the outcome by segment id (missing: done)."""
         ...
 
@@ -196,7 +197,7 @@ class TaskScheduler:
 
     # --- one round ------------------------------------------------------------------
 
-    def round(self, system: System, engine: str) -> RoundReport:
+    def round(self, system: System, engine: Engine) -> RoundReport:
         """Recover dead workers' tasks, then each kind in priority order: admit its queued
         tasks within what is left of the budget, run them as one batch, record their
         outcomes, and push the kinds that follow it."""
@@ -230,7 +231,7 @@ class TaskScheduler:
     def _run(
         self,
         system: System,
-        engine: str,
+        engine: Engine,
         kind: TaskKind,
         batch: list[Decoded[TaskRecord]],
         report: RoundReport,

@@ -24,6 +24,7 @@ from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentIndexState, TaskRecord
+from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
 KIND = "index"
@@ -60,7 +61,7 @@ class IndexTasks:
                 specs[b.segment_id] = TaskSpec(b.collection_id, b.partition_id, b.segment_id, b.rows, mb)
         return list(specs.values())
 
-    def run(self, system: System, engine: str, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
+    def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
         """Every build of the tasks' segments that is not Finished, as one job."""
         store = system.store
         segments = {t.segment_id for t in tasks}
@@ -72,7 +73,7 @@ class IndexTasks:
             if d.model.segment_id in segments and d.model.index_id in live
         ]
         todo = {b.build_id for b in builds if b.state is not SegmentIndexState.FINISHED}
-        report = IndexBuilder(system, engine).run(build_ids=todo, restart=True)  # type: ignore[arg-type]
+        report = IndexBuilder(system, engine).run(build_ids=todo, restart=True)
         reasons, lost = dict(report.failed), set(report.lost)
         result: dict[int, Outcome] = {}
         for t in tasks:

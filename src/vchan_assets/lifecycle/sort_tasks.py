@@ -11,6 +11,7 @@ from vchan_assets.lifecycle.handoff import awaits_sort
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
 from vchan_assets.lifecycle.step import sort_step, unsorted_segments
 from vchan_assets.model import SegmentInfo, TaskRecord
+from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
 # What a sort holds in memory, over its input's binlog bytes (read, sorted, written).
@@ -32,11 +33,11 @@ class SortTasks:
             if collections is None or s.collection_id in collections
         ]
 
-    def run(self, system: System, engine: str, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
+    def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
         segments = {t.segment_id for t in tasks}
         outcomes = sort_step(
             system,
-            engine,  # type: ignore[arg-type]
+            engine,
             collections={t.collection_id for t in tasks},
             segments=segments,
         )
