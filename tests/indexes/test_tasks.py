@@ -17,7 +17,8 @@ from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.sort_tasks import SortTasks
-from vchan_assets.model import SegmentIndexState, TaskRecord, TaskState
+from vchan_assets.meta.store import Decoded
+from vchan_assets.model import SegmentIndexState, SegmentInfo, TaskRecord, TaskState
 from vchan_assets.status import collect_status
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
@@ -34,6 +35,10 @@ def scheduler(system: System) -> TaskScheduler:
 
 def states(system: System, data: Data) -> list[SegmentIndexState]:
     return [d.model.state for d in list_builds(system.store, data.info.id)]
+
+
+def list_segments(system: System, data: Data) -> list[Decoded[SegmentInfo]]:
+    return system.store.list_models(system.store.keys.segment.under(data.info.id), SegmentInfo)[0]
 
 
 def tasks(system: System) -> dict[tuple[str, int], TaskRecord]:
@@ -57,6 +62,21 @@ def test_a_round_runs_the_sorts_first_then_the_builds_their_commit_pushed(
     assert {seg for kind, seg in report.ran if kind == "index"} == sorted_ids
     assert states(system, data) == [SegmentIndexState.FINISHED] * 2
     assert tasks(system) == {}, "done tasks are deleted"
+
+
+def test_a_sort_queued_after_index_builds_runs_before_them(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500])
+    sched = scheduler(system)
+    assert [kind for kind, _ in sched.scan(system)] == ["index"]
+    flushed_segments(system, producer, data, [1300])
+    assert [kind for kind, _ in sched.scan(system)] == ["sort"]
+
+    report = sched.round(system, "local")
+
+    assert [kind for kind, _ in report.ran] == ["sort", "index", "index"], report.ran
+    assert states(system, data) == [SegmentIndexState.FINISHED] * 2
 
 
 def test_a_segment_is_queued_once_per_kind(system: System, producer: Producer, data: Data) -> None:
@@ -109,6 +129,22 @@ def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retrie
     assert states(system, data) == [SegmentIndexState.UNISSUED]
     assert sched.round(system, "local").done == [("index", seg.id)]
     assert states(system, data) == [SegmentIndexState.FINISHED]
+
+
+def test_a_sort_that_fails_is_retried_up_to_the_limit_then_failed(
+    system: System, producer: Producer, data: Data
+) -> None:
+    flushed_segments(system, producer, data, [1500])
+    sched = scheduler(system)
+    [(_, seg_id)] = sched.scan(system)
+    seg = next(d.model for d in list_segments(system, data) if d.model.id == seg_id)
+    system.storage.delete(seg.binlog_files[0].path)
+
+    rounds = [sched.round(system, "local") for _ in range(3)]
+
+    assert [(len(r.retried), len(r.failed)) for r in rounds] == [(1, 0), (1, 0), (0, 1)]
+    task = tasks(system)[("sort", seg_id)]
+    assert task.state is TaskState.FAILED and task.attempts == 3 and task.reason
 
 
 def test_admission_by_memory_runs_one_task_over_the_budget_alone(
