@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 from lifecycle.helpers import run_vchan
+from rich.console import Console
 
 from indexes.helpers import Data, flushed_segments, ivf_indexed, live_sorted, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
@@ -18,8 +19,8 @@ from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.sort_tasks import SortTasks
 from vchan_assets.meta.store import Decoded
-from vchan_assets.model import SegmentIndexState, SegmentInfo, TaskRecord, TaskState
-from vchan_assets.status import collect_status
+from vchan_assets.model import SegmentIndexState, SegmentInfo, SegmentState, TaskRecord, TaskState
+from vchan_assets.status import collect_status, render_status
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
@@ -115,10 +116,14 @@ def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retrie
     assert "vectors unreadable" in task.reason
     assert sched.round(system, "local").ran == [], "a Failed task is not run again"
     assert sched.scan(system) == [], "nor queued again"
-    [warning] = [
-        w for w in collect_status(Catalog(system), orphans=False)["warnings"] if w["kind"] == "task_failed"
-    ]
+    status = collect_status(Catalog(system), orphans=False)
+    [warning] = [w for w in status["warnings"] if w["kind"] == "task_failed"]
     assert f"index task of segment {seg.id}" in warning["message"] and "--retry" in warning["message"]
+    [row] = status["tasks"]
+    assert (row["kind"], row["segment"], row["state"], row["attempts"]) == ("index", seg.id, "Failed", 3)
+    shown = Console(width=200, record=True)
+    shown.print(render_status(status))
+    assert "sort and index tasks" in shown.export_text()
 
     for path, blob in saved.items():
         system.storage.write_atomic(path, blob)
@@ -137,14 +142,18 @@ def test_a_sort_that_fails_is_retried_up_to_the_limit_then_failed(
     flushed_segments(system, producer, data, [1500])
     sched = scheduler(system)
     [(_, seg_id)] = sched.scan(system)
-    seg = next(d.model for d in list_segments(system, data) if d.model.id == seg_id)
-    system.storage.delete(seg.binlog_files[0].path)
+    [d] = [d for d in list_segments(system, data) if d.model.id == seg_id]
+    system.storage.delete(d.model.binlog_files[0].path)
 
     rounds = [sched.round(system, "local") for _ in range(3)]
 
     assert [(len(r.retried), len(r.failed)) for r in rounds] == [(1, 0), (1, 0), (0, 1)]
     task = tasks(system)[("sort", seg_id)]
     assert task.state is TaskState.FAILED and task.attempts == 3 and task.reason
+
+    [d] = [d for d in list_segments(system, data) if d.model.id == seg_id]
+    system.store.cas(d.kv.key, d.kv.version, replace(d.model, state=SegmentState.DROPPED))  # as a compaction
+    assert sched.scan(system) == [] and tasks(system) == {}, "the full scan prunes its task"
 
 
 def test_admission_by_memory_runs_one_task_over_the_budget_alone(

@@ -41,7 +41,7 @@ from typing import NamedTuple, Protocol
 from vchan_assets.config import Settings
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import Decoded, MetaStore
-from vchan_assets.model import SegmentInfo, TaskRecord, TaskState
+from vchan_assets.model import SegmentInfo, SegmentState, TaskRecord, TaskState
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
@@ -187,13 +187,24 @@ class TaskScheduler:
     def scan(
         self, system: System, collections: Collection[int] | None = None, kinds: Collection[str] | None = None
     ) -> list[tuple[str, int]]:
-        """Every kind's discovery (of `kinds` if given): the periodic scan, and a push."""
+        """Every kind's discovery (of `kinds` if given): the periodic scan, and a push.
+        The full scan also deletes the tasks whose segment is Dropped or gone from meta (a
+        Failed task of a segment compacted or collected since)."""
+        if collections is None and kinds is None:
+            self.prune(system.store)
         queued = []
         for kind in self.kinds:
             if kinds is None or kind.name in kinds:
                 specs = kind.discover(system, collections)
                 queued += [(kind.name, s) for s in self.enqueue(system.store, kind.name, specs)]
         return queued
+
+    def prune(self, store: MetaStore) -> list[TaskRecord]:
+        """Delete the tasks whose segment is Dropped or gone from meta; returns them."""
+        found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo, skip_malformed=True)
+        segments = {d.model.id for d in found if d.model.state is not SegmentState.DROPPED}
+        gone = [d for d in list_tasks(store) if d.model.segment_id not in segments]
+        return [d.model for d in gone if swap_task(store, d, None) is not None]
 
     # --- one round ------------------------------------------------------------------
 
@@ -301,17 +312,13 @@ class TaskScheduler:
 
     def recover(self, store: MetaStore, report: RoundReport) -> None:
         """Tasks InProgress under another worker (dead, or of an ended term) or past
-        VCHAN_TASK_TIMEOUT back to the queue (an attempt spent); tasks of a segment gone
-        deleted."""
+        VCHAN_TASK_TIMEOUT back to the queue (an attempt spent)."""
         me, now = self.worker(store), time.time()
         for d in list_tasks(store):
             t = d.model
-            if store.get(store.keys.segment(t.collection_id, t.partition_id, t.segment_id)) is None:
-                swap_task(store, d, None)  # its segment is gone: nothing to do any more
-                continue
-            if t.state is not TaskState.IN_PROGRESS:
-                continue
-            if t.worker == me and now - t.started_at < self.settings.task_timeout:
+            if t.state is not TaskState.IN_PROGRESS or (
+                t.worker == me and now - t.started_at < self.settings.task_timeout
+            ):
                 continue
             reason = f"worker {t.worker} died or its term ended (started {now - t.started_at:.0f}s ago)"
             if self._spent(store, d, reason, report.retried, report.failed):
