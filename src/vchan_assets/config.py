@@ -291,6 +291,10 @@ class Settings:
     compaction_timeout: float = FROM_TABLE
     compaction_plan_retention: float = FROM_TABLE
     import_job_retention: float = FROM_TABLE
+    task_slots: int = FROM_TABLE
+    task_memory_mb: float = FROM_TABLE
+    task_max_attempts: int = FROM_TABLE
+    task_timeout: float = FROM_TABLE
     import_interval: float = FROM_TABLE
     import_buffer_mb: float = FROM_TABLE
     import_timeout: float = FROM_TABLE

@@ -491,6 +491,32 @@ class SegmentIndex(Record):
     finished_at: float = 0.0
 
 
+class TaskState(enum.StrEnum):
+    QUEUED = "Queued"
+    IN_PROGRESS = "InProgress"
+    FAILED = "Failed"  # out of attempts: waits for an operator (`vchan index --retry`)
+
+
+@dataclass(frozen=True)
+class TaskRecord(Record):
+    """One task of the DataCoord's scheduler (`datacoord.tasks`): `meta/task/{kind}/
+    {collection}/{segment}`, one per (kind, segment). Deleted once done; what the task does
+    (and its own outcome, e.g. a SegmentIndex) is the kind's."""
+
+    kind: str  # "sort", "index"
+    collection_id: int
+    partition_id: int
+    segment_id: int
+    rows: int = 0
+    memory_mb: float = 0.0  # the estimate admission counts against VCHAN_TASK_MEMORY_MB
+    state: TaskState = TaskState.QUEUED
+    attempts: int = 0  # attempts started (a worker that died counts)
+    reason: str = ""  # why the last attempt failed
+    worker: str = ""  # host:pid@term of the DataCoord running it
+    created_at: float = 0.0
+    started_at: float = 0.0
+
+
 # --- sessions, leases and watch infos ----------------------------------------------------
 
 

@@ -11,6 +11,8 @@
   - services: the active DataCoord (who holds the election), and the Dagster daemon and
     webserver `vchan up` started (a dead one: "run `vchan up`");
   - orphan binlogs: files no segment meta points to (left by a crash; GC removes them);
+  - failed tasks: sort or index tasks of the DataCoord's scheduler out of attempts, with
+    their reason (`vchan index --retry` re-queues failed index builds);
   - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
     and damaged files wholly below the checkpoint (already synced; nothing stops).
 `render_status(report)` draws it as rich tables.
@@ -32,11 +34,13 @@ from rich.text import Text
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.tasks import list_tasks
 from vchan_assets.deploy.service import daemon_state, instance_home
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.model import NodeSession, SegmentState
+from vchan_assets.model import NodeSession, SegmentState, TaskState
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
 DAGSTER_COORDINATOR = "dagster:datacoord"
@@ -307,6 +311,8 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         *_watch_warnings(catalog.watches(), now),
         *_handoff_warnings(handoff),
     ]
+    tasks = _tasks(catalog)
+    warnings += _task_warnings(tasks)
     orphan_count = None
     if orphans:
         found = catalog.orphans()
@@ -335,8 +341,49 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "orphan_binlogs": orphan_count,
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
         "imports": _records(catalog.imports(), IMPORT_COLUMNS),
+        "tasks": tasks,
         "warnings": warnings,
     }
+
+
+TASK_COLUMNS = ["kind", "collection", "segment", "state", "attempts", "worker", "reason"]
+
+
+def _tasks(catalog: Catalog) -> list[dict[str, Any]]:
+    """The DataCoord scheduler's tasks (queued, in progress, failed), sorts first."""
+    names = {c.id: c.name for c in CollectionRegistry(catalog.store).list(include_dropped=True)}
+    rows = [
+        {
+            "kind": t.kind,
+            "collection": names.get(t.collection_id, str(t.collection_id)),
+            "segment": t.segment_id,
+            "state": t.state.value,
+            "attempts": t.attempts,
+            "worker": t.worker,
+            "reason": t.reason,
+        }
+        for t in (d.model for d in list_tasks(catalog.store))
+    ]
+    return sorted(rows, key=lambda r: (r["kind"] != "sort", r["collection"], r["segment"]))
+
+
+def _task_warnings(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for t in tasks:
+        if t["state"] != TaskState.FAILED.value:
+            continue
+        retry = "`vchan index --retry` re-queues it" if t["kind"] == "index" else "see the DataCoord's log"
+        out.append(
+            {
+                "kind": "task_failed",
+                "task": t["kind"],
+                "collection": t["collection"],
+                "segment": t["segment"],
+                "message": f"{t['kind']} task of segment {t['segment']} ({t['collection']}) failed "
+                f"{t['attempts']} times: {t['reason']} ({retry})",
+            }
+        )
+    return out
 
 
 COMPACTION_COLUMNS = [
@@ -425,6 +472,7 @@ def render_status(report: dict[str, Any]) -> Group:
         "compaction plans", report.get("compactions", []), COMPACTION_COLUMNS, "no compaction plan"
     )
     jobs = _recent("import jobs", report.get("imports", []), IMPORT_COLUMNS, "no import job")
+    tasks = _recent("sort and index tasks", report.get("tasks", []), TASK_COLUMNS, "no task queued")
 
     warnings = Table(title="warnings", title_justify="left")
     warnings.add_column("kind")
@@ -433,11 +481,11 @@ def render_status(report: dict[str, Any]) -> Group:
         warnings.add_row(Text(w["kind"], style="yellow"), w["message"])
     if not report["warnings"]:
         warnings.add_row(Text("none", style="green"), "nothing needs attention")
-    return Group(header, nodes, channels, segments, plans, jobs, warnings)
+    return Group(header, nodes, channels, segments, plans, jobs, tasks, warnings)
 
 
 def _recent(title: str, records: list[dict[str, Any]], columns: list[str], empty: str) -> Table:
-    """The last 20 records (compaction plans, import jobs) as a table."""
+    """The last 20 records (compaction plans, import jobs, tasks) as a table."""
     table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column.replace("_", " "))

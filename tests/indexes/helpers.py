@@ -10,6 +10,8 @@ import numpy as np
 import pyarrow as pa
 from lifecycle.helpers import sync_all
 
+from vchan_assets.indexes.meta import create_index
+from vchan_assets.indexes.step import index_step
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentState
 from vchan_assets.system import System
@@ -65,13 +67,29 @@ def insert(producer: Producer, data: Data, n: int, start_pk: int) -> None:
     data.vectors.append(vectors)
 
 
-def sorted_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
-    """One flushed, synced and sorted segment (per vchannel) of each size in `sizes`."""
+def flushed_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
+    """One flushed and synced segment, not sorted yet (per vchannel), of each size in `sizes`."""
     for size in sizes:
         insert(producer, data, size, start_pk=len(data.pks) and max(data.pks) + 1)
         producer.flush(data.info.name)
         sync_all(system.store, system.storage, system.settings, data.info)
+
+
+def sorted_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
+    """One flushed, synced and sorted segment (per vchannel) of each size in `sizes`."""
+    flushed_segments(system, producer, data, sizes)
     sort_step(system, engine="local")
+
+
+def ivf_indexed(
+    system: System, producer: Producer, data: Data, sizes: list[int], build: bool = False
+) -> None:
+    """Sorted segments of `sizes` and an IVF_FLAT index (nlist 8) of `vec`; `build`: their
+    builds run too (`index_step`)."""
+    sorted_segments(system, producer, data, sizes)
+    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    if build:
+        index_step(system, "local")
 
 
 def live_sorted(system: System, info: CollectionInfo) -> list[SegmentInfo]:

@@ -1,11 +1,12 @@
-"""Vector indexes and search: `vchan create-index`, `drop-index`, `describe-index`, `search`."""
+"""Vector indexes and search: `vchan create-index`, `drop-index`, `describe-index`, `index`,
+`search`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened_collection
+from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened, opened_collection
 from vchan_assets.config import Settings
 
 INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
@@ -98,6 +99,34 @@ def drop_index(args: argparse.Namespace, settings: Settings) -> int:
     with opened_collection(settings, args.collection) as (stack, info):
         index = drop(stack.store, info, name=args.name, field=args.field)
     print(f"dropped index {describe(index)} (id {index.index_id}) of {info.name}")
+    return 0
+
+
+# --- index --retry -----------------------------------------------------------------------
+
+
+def _index_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--retry",
+        action="store_true",
+        required=True,
+        help="re-queue failed index builds (their attempts reset; the DataCoord runs them)",
+    )
+    parser.add_argument("--collection", help="only this collection's (default: every collection's)")
+
+
+@command("index", "manage index builds: --retry re-queues the failed ones", _index_args)
+def index(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.tasks import retry_failed_builds
+
+    if args.collection:
+        with opened_collection(settings, args.collection) as (stack, info):
+            builds, tasks = retry_failed_builds(stack.store, info.id)
+    else:
+        with opened(settings) as stack:
+            builds, tasks = retry_failed_builds(stack.store)
+    where = f" of {args.collection}" if args.collection else ""
+    print(f"re-queued {builds} failed index builds{where} ({tasks} failed tasks back in the queue)")
     return 0
 
 

@@ -55,12 +55,13 @@ def _gc_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@command("gc", "garbage-collect orphan binlogs, dropped segments and old log files", _gc_args)
+@command("gc", "garbage-collect orphan binlogs, dropped segments, old log files and index files", _gc_args)
 def gc(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.gc import collect_indexes
     from vchan_assets.lifecycle.gc import GarbageCollector
 
     with opened(settings) as stack:
-        collector = GarbageCollector(stack)
+        collector = GarbageCollector(stack, passes=[collect_indexes])
         if args.pause is not None:
             print(f"garbage collection paused for {args.pause:g}s")
             collector.pause(args.pause)
@@ -74,11 +75,12 @@ def gc(args: argparse.Namespace, settings: Settings) -> int:
             print(f"garbage collection is paused ({report.paused_until - time.time():.0f}s left)")
             return 0
         verb = "would delete" if args.dry_run else "deleted"
-        for key in [*report.orphans, *report.segment_files, *report.wal_files]:
+        for key in [*report.orphans, *report.segment_files, *report.wal_files, *report.index_files]:
             print(f"{verb} {key}")
         print(
             f"gc: {verb} {len(report.orphans)} orphans, {len(report.dropped_segments)} dropped segments "
             f"({len(report.segment_files)} files), {len(report.wal_files)} log files, "
+            f"{len(report.index_builds)} index builds ({len(report.index_files)} files), "
             f"{report.bytes / 1e6:.1f} MB"
         )
         return 0

@@ -119,7 +119,7 @@ def _datacoord_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reload-interval", type=float, default=RELOAD_INTERVAL, help="seconds between segment-meta reloads"
     )
-    engine_arg(parser, "compaction and import tasks")
+    engine_arg(parser, "compaction, sort, index build and import tasks")
 
 
 def _run_imports(
@@ -145,7 +145,11 @@ def _run_imports(
 @command("datacoord", "run a DataCoord (active-standby by election) until SIGTERM", _datacoord_args)
 def datacoord(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.datacoord.coordinator import DataCoordinator
+    from vchan_assets.datacoord.tasks import TaskScheduler
+    from vchan_assets.indexes.gc import collect_indexes
+    from vchan_assets.indexes.tasks import IndexTasks
     from vchan_assets.lifecycle.handoff import run_lifecycle
+    from vchan_assets.lifecycle.sort_tasks import SortTasks
 
     logging.getLogger().setLevel(logging.INFO)
     stop = stop_on_signals()
@@ -154,8 +158,12 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
         coord = DataCoordinator(settings, store, interval=args.interval, reload_interval=args.reload_interval)
         runner = threading.Thread(target=coord.run, args=(stop,), name="datacoord", daemon=True)
         runner.start()
+        # One task scheduler for the tasks after flush: sorts first, then index builds.
+        tasks = TaskScheduler([SortTasks(), IndexTasks()], settings)
         lifecycle = threading.Thread(
-            target=run_lifecycle, args=(settings, lambda: coord.writer, stop, args.engine), daemon=True
+            target=run_lifecycle,
+            args=(settings, lambda: coord.writer, stop, args.engine, tasks, [collect_indexes]),
+            daemon=True,
         )
         lifecycle.start()
         importer = threading.Thread(

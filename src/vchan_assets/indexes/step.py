@@ -83,17 +83,26 @@ class IndexBuilder:
         self.engine, self.timeout = engine, timeout
         self.collections = CollectionRegistry(system.store)
 
-    def run(self, build_ids: Collection[int] | None = None, collection_id: int | None = None) -> IndexReport:
-        """Start, build and commit the Unissued builds (only `build_ids` if given)."""
+    def run(
+        self,
+        build_ids: Collection[int] | None = None,
+        collection_id: int | None = None,
+        restart: bool = False,
+    ) -> IndexReport:
+        """Start, build and commit the Unissued builds (only `build_ids` if given).
+        `restart`: also those InProgress or Failed (the scheduler's: its task of the build's
+        segment is what says no one else builds it; the start's new version fences the
+        old builder off)."""
+        runnable = {SegmentIndexState.UNISSUED}
+        if restart:
+            runnable |= {SegmentIndexState.IN_PROGRESS, SegmentIndexState.FAILED}
         report = IndexReport()
         indexes = {d.model.index_id: d.model for d in list_indexes(self.store, collection_id)}
         started: list[tuple[Decoded[SegmentIndex], BuildSpec]] = []
         node = f"{node_name()}/{self.engine}"
         for d in list_builds(self.store, collection_id):
             b = d.model
-            if b.state is not SegmentIndexState.UNISSUED or (
-                build_ids is not None and b.build_id not in build_ids
-            ):
+            if b.state not in runnable or (build_ids is not None and b.build_id not in build_ids):
                 continue
             index = indexes.get(b.index_id)
             segment = self._segment(b)

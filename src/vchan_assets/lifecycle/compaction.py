@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -268,8 +268,10 @@ class CompactionTrigger:
         manual: bool = False,
         vchannel: str | None = None,
         check: bool = False,
+        segments: Collection[int] | None = None,
     ) -> list[CompactionPlan]:
-        """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given).
+        """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given,
+        only of `segments` if given).
 
         `check`: the cheap compaction check between lifecycle steps: L0 compaction only of
         partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
@@ -278,6 +280,8 @@ class CompactionTrigger:
         found, _ = self.store.list_models(self.store.keys.segment.under(collection.id), SegmentInfo)
         if vchannel is not None:
             found = [d for d in found if d.model.vchannel == vchannel]
+        if segments is not None:
+            found = [d for d in found if d.model.id in segments]
         busy = busy_segments(list_plans(self.store))
         free = [d for d in found if d.model.id not in busy]
         max_rows = max_rows_of(collection, self.settings)

@@ -15,6 +15,8 @@ One pass, in this order:
      and the newest file always stay. A data file no log file names once older than the
      retention (its producer died before publishing the batch; a live producer publishes
      within its lock wait and retry timeout, far below the retention) goes too.
+  4. the passes plugged in from above (`indexes.gc.collect_indexes`: builds and index
+     files), given this collector and the report.
 Never deleted: a file named by the meta of a segment that is not Dropped.
 Failpoint: gc_after_files (a Dropped segment's files deleted, its meta not yet).
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vchan_assets.datacoord.collections import CollectionRegistry
@@ -50,12 +52,14 @@ class GcReport:
     dropped_segments: list[int] = field(default_factory=list)
     segment_files: list[str] = field(default_factory=list)
     wal_files: list[str] = field(default_factory=list)
+    index_builds: list[int] = field(default_factory=list)  # segment builds deleted
+    index_files: list[str] = field(default_factory=list)
     bytes: int = 0
     dry_run: bool = False
 
     @property
     def files(self) -> int:
-        return len(self.orphans) + len(self.segment_files) + len(self.wal_files)
+        return len(self.orphans) + len(self.segment_files) + len(self.wal_files) + len(self.index_files)
 
 
 def segment_paths(seg: SegmentInfo) -> list[str]:
@@ -73,10 +77,16 @@ def dropped_since(seg: SegmentInfo) -> float:
     return max(seg.created_at, physical_ms(seg.last_flush_ts) / 1000.0)
 
 
+GcPass = Callable[["GarbageCollector", GcReport], None]
+
+
 class GarbageCollector:
-    def __init__(self, system: System, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, system: System, clock: Callable[[], float] = time.time, passes: Sequence[GcPass] = ()
+    ) -> None:
         self.store, self.storage, self.settings = system.store, system.storage, system.settings
         self.clock = clock
+        self.passes = tuple(passes)
 
     # --- pause / resume (seed: garbage_collection/pause, /resume) -----------------------
 
@@ -120,15 +130,19 @@ class GarbageCollector:
         self._orphans(found, busy, report)
         self._dropped(found, report)
         self._wal(report)
+        for extra in self.passes:
+            extra(self, report)
         if not dry_run:
             self.store.put(self.store.keys.gc_last_run(), {"at": self.clock()})
         log.info(
-            "gc%s: %d orphans, %d dropped segments (%d files), %d log files, %.1f MB",
+            "gc%s: %d orphans, %d dropped segments (%d files), %d log files, %d index builds (%d files), %.1f MB",
             " (dry run)" if dry_run else "",
             len(report.orphans),
             len(report.dropped_segments),
             len(report.segment_files),
             len(report.wal_files),
+            len(report.index_builds),
+            len(report.index_files),
             report.bytes / 1e6,
         )
         return report
@@ -144,7 +158,7 @@ class GarbageCollector:
                     continue
                 if info.mtime is None or info.mtime.timestamp() > oldest:
                     continue
-                self._delete(key, int(info.size or 0), report, report.orphans)
+                self.delete(key, int(info.size or 0), report, report.orphans)
 
     def _dropped(self, found: list[Decoded[SegmentInfo]], report: GcReport) -> None:
         live = {p for d in found if d.model.state is not SegmentState.DROPPED for p in segment_paths(d.model)}
@@ -161,7 +175,7 @@ class GarbageCollector:
             sizes = {b.path: b.size_bytes for b in (*seg.binlog_files, *seg.deltalogs, *seg.statslogs)}
             for path in segment_paths(seg):
                 if path not in live:
-                    self._delete(path, sizes[path], report, report.segment_files)
+                    self.delete(path, sizes[path], report, report.segment_files)
             failpoint("gc_after_files")
             if not report.dry_run:
                 try:
@@ -192,16 +206,17 @@ class GarbageCollector:
                     mtime = mtimes.get(f.key)
                     if f.last_offset >= cp.model.offset or mtime is None or mtime.timestamp() > oldest:
                         continue
-                    self._delete(f.key, f.size_bytes - f.data_bytes, report, report.wal_files)
+                    self.delete(f.key, f.size_bytes - f.data_bytes, report, report.wal_files)
                     if f.data_key:  # after its log file: a crash between leaves an orphan, not a hole
-                        self._delete(f.data_key, f.data_bytes, report, report.wal_files)
+                        self.delete(f.data_key, f.data_bytes, report, report.wal_files)
                 named = {f.data_key for f in files}
                 for i in self.storage.list_files(data_prefix(vchannel)):
                     key = self.storage.key_of(i.path)
                     if key not in named and i.mtime is not None and i.mtime.timestamp() <= oldest:
-                        self._delete(key, i.size or 0, report, report.wal_files)
+                        self.delete(key, i.size or 0, report, report.wal_files)
 
-    def _delete(self, key: str, size: int, report: GcReport, into: list[str]) -> None:
+    def delete(self, key: str, size: int, report: GcReport, into: list[str]) -> None:
+        """Delete one file (not in a dry run), counted in `report` and listed in `into`."""
         if not report.dry_run:
             self.storage.delete(key)
         into.append(key)

@@ -9,6 +9,13 @@ the write and the push: the push *is* the write, seen through the watch, and a w
 (re)starts lists every segment first. A full scan every VCHAN_SORT_SCAN_INTERVAL (60 s) is
 only a safety net, as Milvus keeps one.
 
+With a task scheduler (`datacoord.tasks.TaskScheduler`, the `vchan datacoord` process's:
+sorts and index builds), a push queues the sort tasks of its collections and the
+scheduler runs them, the index builds the sorts' commits push after them; the scan queues
+every kind's tasks (at the start of each term too: the queue a dead DataCoord left is
+taken over), and the kinds that follow another (index builds) are scanned every
+TASK_SCAN_INTERVAL (CreateIndex's builds).
+
 The same loop runs the compaction check every VCHAN_COMPACTION_CHECK_INTERVAL (L0
 compaction of partitions past a count or size of L0 segments, mix compaction of small
 segments: compaction keeps up with ingest) and the whole lifecycle step (every trigger,
@@ -20,11 +27,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.tasks import TaskScheduler
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.compaction import compactable
+from vchan_assets.lifecycle.gc import GcPass
 from vchan_assets.lifecycle.plans import PlanState
 from vchan_assets.lifecycle.step import compaction_check, lifecycle_step, sort_step
 from vchan_assets.meta.codec import decode
@@ -91,19 +100,23 @@ def run_lifecycle(
     writer: Callable[[], MetaStore | None],
     stop: threading.Event,
     engine: Engine = "spark",
+    tasks: TaskScheduler | None = None,
+    gc_passes: Sequence[GcPass] = (),
 ) -> None:
     """The segment lifecycle beside a DataCoord while it is the active one (`writer()`:
     the store fenced by its term, None while standing by): each segment sorted as soon as
     its flush commits (a watch), a full scan for unsorted segments every
     VCHAN_SORT_SCAN_INTERVAL, the compaction check every VCHAN_COMPACTION_CHECK_INTERVAL,
     the whole step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL. Returns
-    when `stop` is set."""
+    when `stop` is set. `tasks`: the scheduler that runs sorts (and the kinds plugged into
+    it) instead of `sort_step`; `gc_passes`: more garbage collection for the GC pass."""
     storage = Storage.from_settings(settings)
     queue = SortQueue()
     watcher: PrefixWatcher | None = None
     next_step = time.monotonic() + settings.lifecycle_interval
     next_scan = time.monotonic() + settings.sort_scan_interval
     next_check = time.monotonic() + settings.compaction_check_interval
+    next_tasks = 0.0  # the scheduler's scan: at once in each term
     try:
         while not stop.is_set():
             store = writer()
@@ -115,6 +128,7 @@ def run_lifecycle(
                 continue
             if watcher is None:
                 watcher = queue.watch(store).start()
+                next_tasks = 0.0
             waiting = queue.take(
                 min(next_step, next_scan, next_check, time.monotonic() + 0.5) - time.monotonic()
             )
@@ -124,17 +138,22 @@ def run_lifecycle(
                 failpoint("handoff_taken")  # the push arrived, no sort planned yet
             system = System(settings, store, storage)  # its writes fenced by this DataCoord's term
             try:
-                if waiting:
+                if tasks is not None:
+                    next_tasks = _task_round(tasks, system, engine, waiting, next_tasks)
+                    if time.monotonic() >= next_scan:
+                        next_scan = time.monotonic() + settings.sort_scan_interval
+                        tasks.scan(system)
+                elif waiting:
                     outcomes = sort_step(system, engine, collections=set(waiting))
                     log.info("sorted %d flushed segments (pushed by their flush)", len(outcomes))
-                if time.monotonic() >= next_scan:
+                if tasks is None and time.monotonic() >= next_scan:
                     next_scan = time.monotonic() + settings.sort_scan_interval
                     if outcomes := sort_step(system, engine):
                         log.info("the sort scan sorted %d segments", len(outcomes))
                 if time.monotonic() >= next_step:
                     next_step = time.monotonic() + settings.lifecycle_interval
                     next_check = time.monotonic() + settings.compaction_check_interval
-                    report = lifecycle_step(system, engine=engine)
+                    report = lifecycle_step(system, engine=engine, sort=tasks is None, gc_passes=gc_passes)
                     log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
                 elif time.monotonic() >= next_check:
                     next_check = time.monotonic() + settings.compaction_check_interval
@@ -152,3 +171,33 @@ def run_lifecycle(
     finally:
         if watcher is not None:
             watcher.stop()
+
+
+# Seconds between the scheduler's rounds without a push, and scans of the kinds that
+# follow another (index builds: CreateIndex makes builds the next scan queues).
+TASK_SCAN_INTERVAL = 2.0
+
+
+def _task_round(
+    tasks: TaskScheduler, system: System, engine: Engine, waiting: dict[int, set[int]], next_tasks: float
+) -> float:
+    """A push queues its collections' sorts; a round runs what is queued. Returns when the
+    next round without a push is due."""
+    now = time.monotonic()
+    if not waiting and now < next_tasks:
+        return next_tasks
+    if waiting:
+        tasks.scan(system, set(waiting), [k.name for k in tasks.kinds if k.follows is None])
+    if now >= next_tasks:
+        tasks.scan(
+            system, kinds=[k.name for k in tasks.kinds if k.follows is not None] if next_tasks else None
+        )
+    report = tasks.round(system, engine)
+    if report.ran or report.recovered:
+        log.info(
+            "tasks: ran %d, done %d, retried %d, failed %d, dead workers' %d",
+            len(report.ran), len(report.done), len(report.retried), len(report.failed), len(report.recovered),
+        )  # fmt: skip
+    if report.retried or report.waiting or report.recovered:
+        return now  # more queued: the next round at once
+    return now + TASK_SCAN_INTERVAL

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
@@ -27,7 +27,7 @@ from vchan_assets.lifecycle.compaction import (
     cleanup_plan,
     sort_candidates,
 )
-from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
+from vchan_assets.lifecycle.gc import GarbageCollector, GcPass, GcReport
 from vchan_assets.lifecycle.plans import (
     FINISHED,
     CompactionType,
@@ -77,13 +77,18 @@ def lifecycle_step(
     now: float | None = None,
     compact: bool = True,
     collect: bool = True,
+    sort: bool = True,
+    gc_passes: Sequence[GcPass] = (),
 ) -> LifecycleReport:
+    """`sort`: plan sorts too (False where the task scheduler runs them); `gc_passes`: more
+    garbage collection run by the GC pass (the index files')."""
     now = time.time() if now is None else now
     report = LifecycleReport()
     expire_plans(system.store, system.settings, now, report)
     if compact:
-        _compact(system, engine, report, (CompactionType.MIX, CompactionType.SORT))
-    gc = GarbageCollector(system)
+        then = (CompactionType.MIX, CompactionType.SORT) if sort else (CompactionType.MIX,)
+        _compact(system, engine, report, then)
+    gc = GarbageCollector(system, passes=gc_passes)
     if collect and gc.due():
         report.gc = gc.run()
     return report
@@ -140,10 +145,12 @@ def sort_step(
     engine: Engine = "spark",
     vchannel: str | None = None,
     collections: Collection[int] | None = None,
+    segments: Collection[int] | None = None,
 ) -> list[PlanOutcome]:
     """The stats task after flush: plan a sort of every unsorted flushed segment (of
     `vchannel` if given; of the `collections` given, which a push named, else of those a
-    listing of all segment meta finds) and run those plans (one job)."""
+    listing of all segment meta finds; only of `segments` if given: the scheduler's tasks)
+    and run those plans (one job)."""
     if collections is None:
         waiting = {s.collection_id for s in unsorted_segments(system.store, vchannel)}
     else:
@@ -155,6 +162,6 @@ def sort_step(
         p.plan_id
         for info in CollectionRegistry(system.store).list()
         if info.id in waiting
-        for p in trigger.trigger(info, CompactionType.SORT, vchannel=vchannel)
+        for p in trigger.trigger(info, CompactionType.SORT, vchannel=vchannel, segments=segments)
     ]
     return CompactionExecutor(system, engine).run_pending(planned) if planned else []

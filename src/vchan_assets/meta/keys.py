@@ -93,6 +93,9 @@ class Keys:
     field_index = _Family("meta/field-index/{collection}/{index}")
     segment_index = _Family("meta/segment-index/{collection}/{partition}/{segment}/{build}")
 
+    # the DataCoord's sort and index tasks: one per (kind, segment)
+    task = _Family("meta/task/{kind}/{collection}/{segment}")
+
     # bulk import
     import_job = _Family("meta/import/{job}")
 

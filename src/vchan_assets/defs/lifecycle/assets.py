@@ -20,6 +20,7 @@ from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import SEGMENTS
+from vchan_assets.indexes.gc import collect_indexes
 from vchan_assets.lifecycle.checks import (
     check_live_files_exist,
     check_rows_conserved,
@@ -165,10 +166,11 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
     check_specs=[CHECK_ROWS, CHECK_UNIQUE, CHECK_FILES],
 )
 def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
-    """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect."""
+    """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect
+    (binlogs, log files, index builds and files)."""
     with vchan.open() as runtime:
         store, storage = runtime.store, runtime.storage
-        report = lifecycle_step(runtime)
+        report = lifecycle_step(runtime, gc_passes=[collect_indexes])  # index files too
         completed = [o.plan_id for o in report.outcomes if o.state is PlanState.COMPLETED]
         plans = _plans(store, completed)
         figures = storage_figures(store, storage)

@@ -1,0 +1,104 @@
+"""Index builds as a kind of the DataCoord's task scheduler (`datacoord.tasks`).
+
+One task per segment with builds to run (of every live index of its collection); the
+builds themselves stay the `SegmentIndex` records with their own states (Unissued ->
+InProgress -> Finished / Failed): the task only adds what the queue needs (attempts,
+worker, priority, admission), and is deleted once every build of its segment is Finished.
+The kind follows the sort: a sort's commit makes sorted segments, and the scheduler
+queues their builds at once (`discover` of the sorts' collections, which creates the
+missing builds first).
+
+`retry_failed_builds` is `vchan index --retry`: Failed builds back to Unissued and their
+Failed tasks back to the queue with their attempts reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+
+from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.tasks import DEFERRED, DONE, Outcome, TaskSpec, failed, retry_tasks
+from vchan_assets.indexes.meta import create_missing_builds, list_builds, list_indexes
+from vchan_assets.indexes.step import IndexBuilder
+from vchan_assets.meta.errors import CasConflictError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import SegmentIndexState, TaskRecord
+from vchan_assets.spark import Engine
+from vchan_assets.system import System
+
+KIND = "index"
+# What a build holds in memory, over the raw vectors it indexes (the vectors, the
+# normalized copy, the index).
+BUILD_MEMORY_FACTOR = 3.0
+
+
+class IndexTasks:
+    name = KIND
+    follows: str | None = "sort"
+
+    def discover(self, system: System, collections: Collection[int] | None) -> list[TaskSpec]:
+        """Builds for the indexable segments without one, then a task for each segment
+        with an Unissued or Failed build of a live index."""
+        store = system.store
+        specs: dict[int, TaskSpec] = {}
+        for info in CollectionRegistry(store).list():
+            if collections is not None and info.id not in collections:
+                continue
+            indexes = {d.model.index_id: d.model for d in list_indexes(store, info.id)}
+            if not indexes:
+                continue
+            create_missing_builds(store, info, list(indexes.values()))
+            dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
+            for d in list_builds(store, info.id):
+                b = d.model
+                index = indexes.get(b.index_id)
+                if index is None or b.state not in (SegmentIndexState.UNISSUED, SegmentIndexState.FAILED):
+                    continue
+                mb = BUILD_MEMORY_FACTOR * b.rows * dims.get(index.field_id, 0) * 4 / 2**20
+                if (known := specs.get(b.segment_id)) is not None:
+                    mb += known.memory_mb
+                specs[b.segment_id] = TaskSpec(b.collection_id, b.partition_id, b.segment_id, b.rows, mb)
+        return list(specs.values())
+
+    def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
+        """Every build of the tasks' segments that is not Finished, as one job."""
+        store = system.store
+        segments = {t.segment_id for t in tasks}
+        live = {d.model.index_id for d in list_indexes(store)}
+        builds = [
+            d.model
+            for c in {t.collection_id for t in tasks}
+            for d in list_builds(store, c)
+            if d.model.segment_id in segments and d.model.index_id in live
+        ]
+        todo = {b.build_id for b in builds if b.state is not SegmentIndexState.FINISHED}
+        report = IndexBuilder(system, engine).run(build_ids=todo, restart=True)
+        reasons, lost = dict(report.failed), set(report.lost)
+        result: dict[int, Outcome] = {}
+        for t in tasks:
+            mine = [b for b in builds if b.segment_id == t.segment_id and b.build_id in todo]
+            failures = [reasons[b.build_id] for b in mine if b.build_id in reasons]
+            if failures:
+                result[t.segment_id] = failed("; ".join(failures))
+            elif any(b.build_id in lost for b in mine):
+                result[t.segment_id] = DEFERRED  # changed by another builder meanwhile
+            else:  # finished, or not started: its segment is gone or Dropped, its index dropped
+                result[t.segment_id] = DONE
+        return result
+
+
+def retry_failed_builds(store: MetaStore, collection_id: int | None = None) -> tuple[int, int]:
+    """Failed builds (of one collection if given) back to Unissued, and Failed index tasks
+    back to the queue. Returns (builds, tasks) re-queued."""
+    builds = 0
+    for d in list_builds(store, collection_id):
+        b = d.model
+        if b.state is not SegmentIndexState.FAILED:
+            continue
+        try:
+            store.cas(d.kv.key, d.kv.version, replace(b, state=SegmentIndexState.UNISSUED))
+        except CasConflictError:
+            continue
+        builds += 1
+    return builds, len(retry_tasks(store, KIND, collection_id))

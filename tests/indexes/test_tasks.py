@@ -1,0 +1,192 @@
+"""The DataCoord's one task scheduler with its two kinds, sort and index builds: sorts run
+before the builds they push, a segment is queued once per kind, a failing build is
+retried a bounded number of times then Failed (and shown by `vchan status`) until
+`vchan index --retry`, admission by memory, and a dead worker's task back in the queue."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+from lifecycle.helpers import run_vchan
+from rich.console import Console
+
+from indexes.helpers import Data, flushed_segments, ivf_indexed, live_sorted, new_collection, sorted_segments
+from vchan_assets.catalog import Catalog
+from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
+from vchan_assets.indexes.meta import create_index, list_builds
+from vchan_assets.indexes.tasks import IndexTasks
+from vchan_assets.lifecycle.sort_tasks import SortTasks
+from vchan_assets.meta.store import Decoded
+from vchan_assets.model import SegmentIndexState, SegmentInfo, SegmentState, TaskRecord, TaskState
+from vchan_assets.status import collect_status, render_status
+from vchan_assets.system import System
+from vchan_assets.wal.producer import Producer
+
+
+@pytest.fixture
+def data(producer: Producer) -> Data:
+    return new_collection(producer)
+
+
+def scheduler(system: System) -> TaskScheduler:
+    return TaskScheduler([SortTasks(), IndexTasks()], system.settings)
+
+
+def states(system: System, data: Data) -> list[SegmentIndexState]:
+    return [d.model.state for d in list_builds(system.store, data.info.id)]
+
+
+def list_segments(system: System, data: Data) -> list[Decoded[SegmentInfo]]:
+    return system.store.list_models(system.store.keys.segment.under(data.info.id), SegmentInfo)[0]
+
+
+def tasks(system: System) -> dict[tuple[str, int], TaskRecord]:
+    return {(d.model.kind, d.model.segment_id): d.model for d in list_tasks(system.store)}
+
+
+def test_a_round_runs_the_sorts_first_then_the_builds_their_commit_pushed(
+    system: System, producer: Producer, data: Data
+) -> None:
+    flushed_segments(system, producer, data, [1500, 1300])
+    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    sched = scheduler(system)
+
+    queued = sched.scan(system)
+    assert [kind for kind, _ in queued] == ["sort", "sort"], "unsorted segments get no build yet"
+    report = sched.round(system, "local")
+
+    kinds = [kind for kind, _ in report.ran]
+    assert kinds == ["sort", "sort", "index", "index"], report.ran
+    sorted_ids = {s.id for s in live_sorted(system, data.info)}
+    assert {seg for kind, seg in report.ran if kind == "index"} == sorted_ids
+    assert states(system, data) == [SegmentIndexState.FINISHED] * 2
+    assert tasks(system) == {}, "done tasks are deleted"
+
+
+def test_a_sort_queued_after_index_builds_runs_before_them(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500])
+    sched = scheduler(system)
+    assert [kind for kind, _ in sched.scan(system)] == ["index"]
+    flushed_segments(system, producer, data, [1300])
+    assert [kind for kind, _ in sched.scan(system)] == ["sort"]
+
+    report = sched.round(system, "local")
+
+    assert [kind for kind, _ in report.ran] == ["sort", "index", "index"], report.ran
+    assert states(system, data) == [SegmentIndexState.FINISHED] * 2
+
+
+def test_a_segment_is_queued_once_per_kind(system: System, producer: Producer, data: Data) -> None:
+    sorted_segments(system, producer, data, [1500])
+    create_index(system.store, data.info, "vec", "HNSW", "L2", {"M": 8, "efConstruction": 40})
+    sched = scheduler(system)
+    [seg] = live_sorted(system, data.info)
+
+    assert sched.scan(system) == [("index", seg.id)]
+    assert sched.scan(system) == []
+    spec = TaskSpec.of(seg, 1.0)
+    assert sched.enqueue(system.store, "index", [spec, spec]) == []
+    assert sched.enqueue(system.store, "sort", [spec]) == [seg.id], "another kind is another task"
+    assert len(list_tasks(system.store)) == 2
+
+
+def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retried_on_request(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500])
+    [seg] = live_sorted(system, data.info)
+    field_id = data.info.schema.field("vec").field_id
+    vec_group = next(g for g in seg.binlogs if field_id in g.field_ids)
+    saved = {b.path: system.storage.read_bytes(b.path) for b in vec_group.logs}
+    for path in saved:
+        system.storage.delete(path)
+    sched = scheduler(system)
+    sched.scan(system)
+
+    rounds = [sched.round(system, "local") for _ in range(3)]
+
+    assert [len(r.retried) for r in rounds] == [1, 1, 0]
+    assert [len(r.failed) for r in rounds] == [0, 0, 1]
+    task = tasks(system)[("index", seg.id)]
+    assert task.state is TaskState.FAILED and task.attempts == 3
+    assert "vectors unreadable" in task.reason
+    assert sched.round(system, "local").ran == [], "a Failed task is not run again"
+    assert sched.scan(system) == [], "nor queued again"
+    status = collect_status(Catalog(system), orphans=False)
+    [warning] = [w for w in status["warnings"] if w["kind"] == "task_failed"]
+    assert f"index task of segment {seg.id}" in warning["message"] and "--retry" in warning["message"]
+    [row] = status["tasks"]
+    assert (row["kind"], row["segment"], row["state"], row["attempts"]) == ("index", seg.id, "Failed", 3)
+    shown = Console(width=200, record=True)
+    shown.print(render_status(status))
+    assert "sort and index tasks" in shown.export_text()
+
+    for path, blob in saved.items():
+        system.storage.write_atomic(path, blob)
+    done = run_vchan(system.settings, "index", "--retry", "--collection", data.info.name)
+    assert done.returncode == 0, done.stderr
+    assert "re-queued 1 failed index builds" in done.stdout
+    assert tasks(system)[("index", seg.id)].attempts == 0
+    assert states(system, data) == [SegmentIndexState.UNISSUED]
+    assert sched.round(system, "local").done == [("index", seg.id)]
+    assert states(system, data) == [SegmentIndexState.FINISHED]
+
+
+def test_a_sort_that_fails_is_retried_up_to_the_limit_then_failed(
+    system: System, producer: Producer, data: Data
+) -> None:
+    flushed_segments(system, producer, data, [1500])
+    sched = scheduler(system)
+    [(_, seg_id)] = sched.scan(system)
+    [d] = [d for d in list_segments(system, data) if d.model.id == seg_id]
+    system.storage.delete(d.model.binlog_files[0].path)
+
+    rounds = [sched.round(system, "local") for _ in range(3)]
+
+    assert [(len(r.retried), len(r.failed)) for r in rounds] == [(1, 0), (1, 0), (0, 1)]
+    task = tasks(system)[("sort", seg_id)]
+    assert task.state is TaskState.FAILED and task.attempts == 3 and task.reason
+
+    [d] = [d for d in list_segments(system, data) if d.model.id == seg_id]
+    system.store.cas(d.kv.key, d.kv.version, replace(d.model, state=SegmentState.DROPPED))  # as a compaction
+    assert sched.scan(system) == [] and tasks(system) == {}, "the full scan prunes its task"
+
+
+def test_admission_by_memory_runs_one_task_over_the_budget_alone(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500, 1400])
+    tight = replace(system.settings, task_memory_mb=0.1)  # a build of 1,500 16-d vectors: ~0.27 MB
+    sched = TaskScheduler([SortTasks(), IndexTasks()], tight)
+    sched.scan(system)
+
+    first = sched.round(system, "local")
+    second = sched.round(system, "local")
+
+    assert len(first.ran) == 1 and first.waiting == 1
+    assert len(second.ran) == 1 and second.waiting == 0
+    assert states(system, data) == [SegmentIndexState.FINISHED] * 2
+
+
+def test_a_task_of_a_dead_worker_goes_back_to_the_queue_and_is_finished(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500])
+    [seg] = live_sorted(system, data.info)
+    sched = scheduler(system)
+    sched.scan(system)
+    [d] = list_tasks(system.store)
+    dead = replace(
+        d.model, state=TaskState.IN_PROGRESS, attempts=1, worker="elsewhere:1@7", started_at=time.time()
+    )
+    system.store.cas(d.kv.key, d.kv.version, dead)
+
+    report = sched.round(system, "local")
+
+    assert report.recovered == [("index", seg.id)]
+    assert report.done == [("index", seg.id)]
+    assert states(system, data) == [SegmentIndexState.FINISHED]
