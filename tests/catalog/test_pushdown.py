@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from vchan_assets.catalog import Catalog
-from vchan_assets.query.prune import FilterError, parse_where, prune
+from vchan_assets.query.prune import FilterError, StatsCache, parse_where, prune
 from vchan_assets.query.spark_source import (
     ReadOptionError,
     ReadRequest,
@@ -151,3 +151,13 @@ def test_a_spark_read_with_pk_options_returns_what_the_catalog_returns(
 def test_a_wrong_pk_option_is_a_clear_error(options: dict[str, str]) -> None:
     with pytest.raises(ReadOptionError, match="option pk"):
         ReadRequest.from_options({"collection": "c", **options})
+
+
+def test_stats_logs_are_read_once_and_the_cache_is_bounded(catalog: Catalog, known: Known) -> None:
+    cache = StatsCache(size=2)
+    paths = [b.path for s in _served(catalog, known) for b in s.statslogs][:3]
+    first = cache.get(catalog.storage, paths[0])
+    assert cache.get(catalog.storage, paths[0]) is first  # not read again
+    cache.get(catalog.storage, paths[1])
+    cache.get(catalog.storage, paths[2])  # the oldest (paths[0]) goes
+    assert cache.get(catalog.storage, paths[0]) is not first
