@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -494,12 +494,31 @@ class VchanDataSource(DataSource):
         return SOURCE_NAME
 
     def schema(self) -> StructType:
+        """The rows of a batch read, or the changes of a stream: Spark asks both the same
+        way, so a `streamId` option (which every stream has) tells them apart."""
         request = ReadRequest.from_options(self.options)
         with _meta(settings_from_options(self.options)) as stack:
-            return collection_schema(CollectionRegistry(stack.store).get_by_name(request.collection), request)
+            info = CollectionRegistry(stack.store).get_by_name(request.collection)
+        if _is_stream(self.options):
+            # Imported here: the stream source builds on this module.
+            from vchan_assets.query.stream_source import stream_schema
+
+            return stream_schema(info, request)
+        return collection_schema(info, request)
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        if _is_stream(self.options):
+            raise ReadOptionError('option streamId is for spark.readStream.format("vchan"), not spark.read')
         return VchanReader(self.options, schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        from vchan_assets.query.stream_source import VchanStreamReader
+
+        return VchanStreamReader(self.options)
+
+
+def _is_stream(options: Mapping[str, str]) -> bool:
+    return any(k.lower() == "streamid" for k in options)
 
 
 _registered: weakref.WeakSet[Any] = weakref.WeakSet()

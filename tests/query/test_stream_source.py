@@ -1,0 +1,330 @@
+"""`spark.readStream.format("vchan")`: every insert and delete of a collection's log,
+once, in offset order per vchannel, from where it starts up to the checkpoint or the head;
+registered streams hold back log retention until idle. Real etcd, real log files, a real
+local Spark streaming query into a Parquet sink; the planning rules are also driven
+through the stream reader directly (as Spark's planner worker calls it), without Spark's
+minutes of micro-batch overhead."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from lifecycle.helpers import sync_all
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionNotFoundError
+from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.datacoord.streams import get_stream, list_streams, retention_holds
+from vchan_assets.lifecycle.gc import GarbageCollector
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo
+from vchan_assets.query.asof import iso
+from vchan_assets.query.spark_source import ReadOptionError, read_options, spark_session
+from vchan_assets.query.stream_source import (
+    StreamOffsetError,
+    StreamOffsetRemovedError,
+    VchanStreamReader,
+)
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA
+from vchan_assets.wal.format import MsgType
+from vchan_assets.wal.producer import Producer, generate_rows
+from vchan_assets.wal.reader import WalReader
+
+KEY = ["vchannel", "offset"]
+
+
+@pytest.fixture
+def collection(producer: Producer) -> CollectionInfo:
+    return producer.create_collection(f"s{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+
+
+def write(producer: Producer, info: CollectionInfo, start_pk: int, n: int = 300, deletes: int = 30) -> None:
+    """`n` inserts from `start_pk`, then deletes of the first `deletes` of them."""
+    producer.insert(info.name, generate_rows(SCHEMA, n, start_pk=start_pk, seed=start_pk))
+    if deletes:
+        producer.delete(info.name, list(range(start_pk, start_pk + deletes)), partition="_default")
+
+
+def persist(
+    producer: Producer, store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo
+) -> None:
+    producer.flush(info.name)
+    sync_all(store, storage, settings, info)
+
+
+def log_changes(
+    storage: Storage,
+    info: CollectionInfo,
+    up_to: dict[str, int] | None = None,
+    after: dict[str, int] | None = None,
+) -> pa.Table:
+    """The inserts and deletes of the log itself (op, ts, vchannel, offset, pk), sorted."""
+    tables = []
+    for v in info.vchannels:
+        t = WalReader(storage, v, info).read((after or {}).get(v, -1), (up_to or {}).get(v))
+        t = t.filter(pc.is_in(t["msg_type"], value_set=pa.array(["insert", "delete"])))
+        tables.append(
+            pa.table(
+                {
+                    "op": t["msg_type"],
+                    "ts": t["timestamp"],
+                    "vchannel": pa.array([v] * t.num_rows, pa.string()),
+                    "offset": t["offset"],
+                    "pk": t["pk"],
+                }
+            )
+        )
+    return pa.concat_tables(tables).sort_by([(k, "ascending") for k in KEY])
+
+
+def options(settings: Settings, store: MetaStore, info: CollectionInfo, **extra: str) -> dict[str, str]:
+    return {
+        **read_options(settings, store.endpoints),
+        "collection": info.name,
+        "streamId": f"test-{info.name}",
+        **extra,
+    }
+
+
+def batch(reader: VchanStreamReader, start: dict[str, int], end: dict[str, int]) -> pa.Table:
+    """A micro-batch as Spark runs it: partitions planned, each read (in a task)."""
+    parts = reader.partitions(start, end)
+    batches = [b for p in parts for b in reader.read(p)]
+    if not batches:
+        return pa.table({"op": pa.array([], pa.string())})
+    return pa.Table.from_batches(batches)
+
+
+def key_of(t: pa.Table) -> pa.Table:
+    return t.select(["op", "ts", "vchannel", "offset", "pk"]).sort_by([(k, "ascending") for k in KEY])
+
+
+def checkpoints(store: MetaStore, info: CollectionInfo) -> dict[str, int]:
+    found = {v: channel_checkpoint(store, v) for v in info.vchannels}
+    return {v: -1 if cp is None else cp.model.offset for v, cp in found.items()}
+
+
+# --- a real streaming query -------------------------------------------------------------
+
+
+def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_ones(
+    settings: Settings,
+    store: MetaStore,
+    storage: Storage,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    spark: Any = spark_session(System(settings, store, storage))
+    write(producer, collection, 0)
+    persist(producer, store, storage, settings, collection)
+    sink, checkpoint = tmp_path / "sink", tmp_path / "checkpoint"
+
+    def run(**extra: str) -> Any:
+        stream = (
+            spark.readStream.format("vchan")
+            .options(**options(settings, store, collection, fields="n,vec", **extra))
+            .load()
+        )
+        query = (
+            stream.writeStream.format("parquet")
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start(str(sink))
+        )
+        query.awaitTermination()
+        return query
+
+    run()
+    first = pq.read_table(sink)  # Spark's file sink: only files its metadata log committed
+    assert key_of(first).equals(log_changes(storage, collection))
+    assert set(first["op"].to_pylist()) == {"insert", "delete"}
+    assert first.schema.names == ["op", "ts", "vchannel", "offset", "partition_id", "pk", "n", "vec"]
+    inserted = first.filter(pc.equal(first["op"], "insert")).to_pylist()
+    assert all(len(r["vec"]) == 8 and r["n"] is not None for r in inserted)
+    assert all(r["vec"] is None for r in first.filter(pc.equal(first["op"], "delete")).to_pylist())
+
+    write(producer, collection, 10_000, n=400)
+    persist(producer, store, storage, settings, collection)
+    query = run(maxRowsPerTrigger="150")  # the same checkpoint: Spark continues from it
+    both = pq.read_table(sink)
+    assert key_of(both).equals(log_changes(storage, collection))  # each change once, the old ones too
+    assert len([p for p in query.recentProgress if p["numInputRows"]]) > 1  # capped batches
+    # Spark commits a batch when it plans the next: the etcd record has all but the last.
+    record = get_stream(store, f"test-{collection.name}")
+    assert record is not None and record.collection_id == collection.id
+    committed = {o.vchannel: o.offset for o in record.offsets}
+    assert all(0 < committed[v] <= cp for v, cp in checkpoints(store, collection).items())
+
+
+# --- planning, driven as Spark's planner does ------------------------------------------
+
+
+def test_up_to_checkpoint_stops_at_the_channel_checkpoints_and_head_at_the_log_end(
+    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
+) -> None:
+    write(producer, collection, 0)
+    persist(producer, store, storage, settings, collection)
+    write(producer, collection, 10_000)  # in the log only
+    persisted = VchanStreamReader(options(settings, store, collection))
+    start = persisted.initialOffset()
+    assert start == dict.fromkeys(collection.vchannels, -1)  # earliest: nothing removed yet
+    end = persisted.latestOffset(start, persisted.getDefaultReadLimit())
+    assert end == checkpoints(store, collection)
+    assert key_of(batch(persisted, start, end)).equals(log_changes(storage, collection, up_to=end))
+
+    head = VchanStreamReader(options(settings, store, collection, upTo="HEAD"))
+    to_head = head.latestOffset(start, head.getDefaultReadLimit())
+    assert all(to_head[v] == WalReader(storage, v, collection).end_offset() - 1 > end[v] for v in end)
+    assert key_of(batch(head, end, to_head)).equals(log_changes(storage, collection, after=end))
+    assert head.latestOffset(to_head, head.getDefaultReadLimit()) == to_head  # nothing new: no batch
+    assert head.partitions(to_head, to_head) == []
+
+
+def test_starting_offsets_earliest_latest_a_time_and_offsets(
+    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
+) -> None:
+    write(producer, collection, 0)
+    # after every message so far (ticks included), before every later one
+    between = (
+        max(
+            pc.max(WalReader(storage, v, collection).read()["timestamp"]).as_py()
+            for v in collection.vchannels
+        )
+        + 1
+    )
+    time.sleep(0.05)
+    write(producer, collection, 10_000)
+
+    def start(value: str) -> dict[str, int]:
+        return VchanStreamReader(
+            options(settings, store, collection, upTo="head", startingOffsets=value)
+        ).initialOffset()
+
+    ends = {v: WalReader(storage, v, collection).end_offset() - 1 for v in collection.vchannels}
+    assert start("latest") == ends
+    assert start("EARLIEST") == dict.fromkeys(collection.vchannels, -1)
+    at = start(str(between))
+    later = log_changes(storage, collection, after=at)
+    assert (
+        set(later["pk"].to_pylist()) == set(range(10_000, 10_300)) and min(later["ts"].to_pylist()) >= between
+    )
+    assert log_changes(storage, collection, up_to=at)["ts"].to_pylist()[-1] < between
+    assert start(iso(between + (1 << 18))) == at  # ISO to the millisecond: the next one
+    assert start(json.dumps(at)) == at
+
+
+def test_max_rows_per_trigger_caps_a_batch_in_whole_log_files(
+    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
+) -> None:
+    for i in range(4):
+        write(producer, collection, i * 1000, n=100, deletes=0)
+    reader = VchanStreamReader(options(settings, store, collection, upTo="head", maxRowsPerTrigger="80"))
+    limit = reader.getDefaultReadLimit()
+    start, seen = reader.initialOffset(), []
+    while (end := reader.latestOffset(start, limit)) != start:
+        rows = batch(reader, start, end)
+        assert 0 < rows.num_rows <= 2 * 80  # a share of 40 per vchannel, rounded up to a file (~50)
+        seen.append(rows)
+        start = end
+    assert len(seen) == 4  # one insert batch's file per vchannel each
+    assert key_of(pa.concat_tables(seen)).equals(log_changes(storage, collection))
+
+
+# --- registration and retention --------------------------------------------------------
+
+
+def retain(settings: Settings, store: MetaStore, storage: Storage, later: float = 10) -> list[str]:
+    """One GC pass `later` seconds from now, past a log retention of 5 s."""
+    gc = GarbageCollector(
+        System(replace(settings, wal_retention=5.0), store, storage), clock=lambda: time.time() + later
+    )
+    return gc.run().wal_files
+
+
+def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idle(
+    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
+) -> None:
+    for i in range(3):
+        write(producer, collection, i * 1000, n=50, deletes=5)
+        persist(producer, store, storage, settings, collection)
+    reader = VchanStreamReader(options(settings, store, collection))
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, reader.getDefaultReadLimit())  # registers the stream at `start`
+    assert retention_holds(store, time.time(), settings.stream_idle_timeout) == start
+    assert retain(settings, store, storage) == []  # everything is after what it committed
+    halfway = {v: o // 2 for v, o in end.items()}
+    reader.commit(halfway)
+    assert [s.offset_of(collection.vchannels[0]) for s in list_streams(store).values()] == [
+        halfway[collection.vchannels[0]]
+    ]
+    deleted = retain(settings, store, storage)
+    assert deleted  # the files wholly at or before the commit
+    for v in collection.vchannels:
+        first = WalReader(storage, v, collection).files()[0]
+        assert first.first_offset <= halfway[v] + 1  # the next offset to read is still there
+    # Unseen for longer than the idle timeout: the stream holds nothing back any more.
+    idle = settings.stream_idle_timeout
+    assert retention_holds(store, time.time() + idle + 1, idle) == {}
+    assert retain(settings, store, storage, later=idle + 1)
+    with pytest.raises(StreamOffsetRemovedError, match=r"offset \d+ was removed by log retention") as err:
+        reader.latestOffset(halfway, reader.getDefaultReadLimit())
+    oldest = WalReader(storage, err.value.vchannel, collection).files()[0].first_offset
+    assert (
+        f"the oldest offset still readable is {oldest}" in str(err.value)
+        and oldest > halfway[err.value.vchannel]
+    )
+
+
+# --- clear errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "names"),
+    [
+        ({"collection": "nope"}, CollectionNotFoundError, "nope"),
+        ({"streamId": ""}, ReadOptionError, 'needs .option("streamId"'),
+        ({"streamId": "a/b"}, ReadOptionError, "option streamId='a/b'"),
+        ({"upTo": "tail"}, ReadOptionError, "option upTo='tail': expected one of checkpoint, head"),
+        ({"maxRowsPerTrigger": "many"}, ReadOptionError, "option maxRowsPerTrigger='many'"),
+        ({"startingOffsets": "yesterday"}, ReadOptionError, "option startingOffsets='yesterday'"),
+        ({"startingOffsets": '{"x": 1'}, StreamOffsetError, "not JSON"),
+        ({"startingOffsets": '{"x": 1}'}, StreamOffsetError, "not the collection's ['x']"),
+        ({"startingOffsets": "[1]"}, StreamOffsetError, "expected a JSON object"),
+        ({"fields": "nope"}, ReadOptionError, "has no field 'nope'"),
+    ],
+)
+def test_bad_options_are_clear_errors(
+    settings: Settings,
+    store: MetaStore,
+    collection: CollectionInfo,
+    extra: dict[str, str],
+    error: type[Exception],
+    names: str,
+) -> None:
+    with pytest.raises(error, match=re.escape(names)):
+        VchanStreamReader(options(settings, store, collection, **extra)).initialOffset()
+
+
+def test_offsets_from_a_checkpoint_must_be_the_collections(
+    settings: Settings, store: MetaStore, collection: CollectionInfo
+) -> None:
+    reader = VchanStreamReader(options(settings, store, collection))
+    limit = reader.getDefaultReadLimit()
+    a, b = collection.vchannels
+    with pytest.raises(StreamOffsetError, match=re.escape(f"missing ['{b}']")):
+        reader.latestOffset({a: 3}, limit)
+    with pytest.raises(StreamOffsetError, match="integers >= -1"):
+        reader.latestOffset({a: "3", b: -2}, limit)
