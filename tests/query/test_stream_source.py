@@ -20,7 +20,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from lifecycle.helpers import sync_all
+from rich.console import Console
 
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionNotFoundError
 from vchan_assets.datacoord.recovery import channel_checkpoint
@@ -35,10 +37,10 @@ from vchan_assets.query.stream_source import (
     StreamOffsetRemovedError,
     VchanStreamReader,
 )
+from vchan_assets.status import collect_status, render_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA
-from vchan_assets.wal.format import MsgType
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
@@ -328,3 +330,27 @@ def test_offsets_from_a_checkpoint_must_be_the_collections(
         reader.latestOffset({a: 3}, limit)
     with pytest.raises(StreamOffsetError, match="integers >= -1"):
         reader.latestOffset({a: "3", b: -2}, limit)
+
+
+def test_status_lists_streams_and_warns_of_an_idle_one(
+    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
+) -> None:
+    write(producer, collection, 0, n=40, deletes=0)
+    reader = VchanStreamReader(options(settings, store, collection, upTo="head"))
+    start = reader.initialOffset()
+    reader.commit(reader.latestOffset(start, reader.getDefaultReadLimit()))
+    catalog = Catalog(System(settings, store, storage))
+    [stream] = collect_status(catalog, orphans=False)["streams"]
+    assert stream["stream"] == f"test-{collection.name}" and stream["holds_retention"]
+    assert stream["behind_head"] == 0 and set(stream["committed"]) == set(collection.vchannels)
+    later = collect_status(catalog, now=time.time() + settings.stream_idle_timeout + 1, orphans=False)
+    assert not later["streams"][0]["holds_retention"]
+    [idle] = [w for w in later["warnings"] if w["kind"] == "idle_stream"]
+    assert f"test-{collection.name}" in idle["message"] and "no longer holds log retention" in idle["message"]
+    assert "no (idle)" in _rendered(later)
+
+
+def _rendered(report: dict[str, Any]) -> str:
+    console = Console(record=True, width=200)
+    console.print(render_status(report))
+    return console.export_text()

@@ -17,7 +17,12 @@ Owns:
   rows; `spark_source.spark_session(system)` is a session with it registered, and
   `spark_source.register(spark)` registers it on any other session. (Imported on its
   own: it imports pyspark, which the pandas readers do not need.)
-- Next here: pruning by segment stats, streaming reads and search.
+- `stream_source`: `spark.readStream.format("vchan")`, the same source's change stream:
+  the inserts and deletes of the log by vchannel offsets, registered in etcd so log
+  retention keeps what a stream has not committed (`datacoord.streams`).
+- `source_options`: the options and Spark field types both share.
+- `prune`: pk conditions and partitions prune segments by their stats logs.
+- Next here: search.
 
 May import: the domain below it (datacoord, datanode, lifecycle, imports, wal, meta,
 storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.

@@ -85,7 +85,7 @@ from vchan_assets.datacoord.streams import (
 from vchan_assets.errors import DeclaredError
 from vchan_assets.model import CollectionInfo, FieldSchema
 from vchan_assets.query.asof import TimeTravelError, parse_time
-from vchan_assets.query.spark_source import (
+from vchan_assets.query.source_options import (
     ReadOptionError,
     ReadRequest,
     selected_fields,
