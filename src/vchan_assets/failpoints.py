@@ -17,7 +17,8 @@ by bulk import (imports/executor.py): import_after_preimport, import_after_binlo
 import_before_commit; by the lifecycle: handoff_taken (the DataCoord got a flush's push, no
 sort planned yet), compaction_after_files, compaction_after_commit, compaction_before_cleanup,
 gc_after_files; by reads (query/reads.py): read_planned (pinned, segments chosen, no file
-opened yet).
+opened yet), stream_read (a change stream's task handed one log file's changes to Spark,
+more to come).
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

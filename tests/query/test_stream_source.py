@@ -7,8 +7,13 @@ minutes of micro-batch overhead."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import replace
@@ -17,7 +22,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import pytest
 from lifecycle.helpers import sync_all
 from rich.console import Console
@@ -27,11 +31,13 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionNotFoundError
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.streams import get_stream, list_streams, retention_holds
+from vchan_assets.deploy.processes import wait_until
 from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.query.asof import iso
-from vchan_assets.query.spark_source import ReadOptionError, read_options, spark_session
+from vchan_assets.query.source_options import ReadOptionError
+from vchan_assets.query.spark_source import spark_session
 from vchan_assets.query.stream_source import (
     StreamOffsetError,
     StreamOffsetRemovedError,
@@ -40,7 +46,8 @@ from vchan_assets.query.stream_source import (
 from vchan_assets.status import collect_status, render_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA
+from vchan_assets.testing.harness import SCHEMA, cli_env
+from vchan_assets.testing.streams import sink_changes, sink_rows, stream_options
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
@@ -92,12 +99,7 @@ def log_changes(
 
 
 def options(settings: Settings, store: MetaStore, info: CollectionInfo, **extra: str) -> dict[str, str]:
-    return {
-        **read_options(settings, store.endpoints),
-        "collection": info.name,
-        "streamId": f"test-{info.name}",
-        **extra,
-    }
+    return stream_options(settings, store, info.name, **extra)
 
 
 def batch(reader: VchanStreamReader, start: dict[str, int], end: dict[str, int]) -> pa.Table:
@@ -132,25 +134,10 @@ def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_on
     spark: Any = spark_session(System(settings, store, storage))
     write(producer, collection, 0)
     persist(producer, store, storage, settings, collection)
-    sink, checkpoint = tmp_path / "sink", tmp_path / "checkpoint"
+    sink, checkpoint = str(tmp_path / "sink"), str(tmp_path / "checkpoint")
 
-    def run(**extra: str) -> Any:
-        stream = (
-            spark.readStream.format("vchan")
-            .options(**options(settings, store, collection, fields="n,vec", **extra))
-            .load()
-        )
-        query = (
-            stream.writeStream.format("parquet")
-            .option("checkpointLocation", str(checkpoint))
-            .trigger(availableNow=True)
-            .start(str(sink))
-        )
-        query.awaitTermination()
-        return query
-
-    run()
-    first = pq.read_table(sink)  # Spark's file sink: only files its metadata log committed
+    sink_changes(spark, stream_options(settings, store, collection.name, fields="n,vec"), sink, checkpoint)
+    first = sink_rows(spark, sink)
     assert key_of(first).equals(log_changes(storage, collection))
     assert set(first["op"].to_pylist()) == {"insert", "delete"}
     assert first.schema.names == ["op", "ts", "vchannel", "offset", "partition_id", "pk", "n", "vec"]
@@ -160,8 +147,10 @@ def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_on
 
     write(producer, collection, 10_000, n=400)
     persist(producer, store, storage, settings, collection)
-    query = run(maxRowsPerTrigger="150")  # the same checkpoint: Spark continues from it
-    both = pq.read_table(sink)
+    # The same checkpoint: Spark continues from it.
+    more = stream_options(settings, store, collection.name, fields="n,vec", maxRowsPerTrigger="150")
+    query = sink_changes(spark, more, sink, checkpoint)
+    both = sink_rows(spark, sink)
     assert key_of(both).equals(log_changes(storage, collection))  # each change once, the old ones too
     assert len([p for p in query.recentProgress if p["numInputRows"]]) > 1  # capped batches
     # Spark commits a batch when it plans the next: the etcd record has all but the last.
@@ -169,6 +158,48 @@ def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_on
     assert record is not None and record.collection_id == collection.id
     committed = {o.vchannel: o.offset for o in record.offsets}
     assert all(0 < committed[v] <= cp for v, cp in checkpoints(store, collection).items())
+
+
+def test_a_driver_killed_mid_batch_restarts_from_its_checkpoint_and_sinks_each_change_once(
+    settings: Settings,
+    store: MetaStore,
+    storage: Storage,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    for i in range(3):
+        write(producer, collection, i * 1000, n=200, deletes=20)
+    persist(producer, store, storage, settings, collection)
+    sink, checkpoint, marker = str(tmp_path / "sink"), str(tmp_path / "checkpoint"), tmp_path / "marker"
+    args = [collection.name, sink, checkpoint, "maxRowsPerTrigger=200"]
+    env = cli_env(settings, VCHAN_FAILPOINT="stream_read=stop-once", VCHAN_FAILPOINT_MARKER=str(marker))
+    with open(tmp_path / "child.log", "wb") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "vchan_assets.testing.streams", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: marker.exists() or child.poll() is not None, timeout=300, what="a task mid-batch")
+        assert child.poll() is None, (tmp_path / "child.log").read_text()[-3000:]
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the driver, its JVM, Spark's Python workers
+        if marker.exists():
+            with contextlib.suppress(ProcessLookupError):  # the stopped task, wherever it is
+                os.kill(int(marker.read_text().split()[1]), signal.SIGKILL)
+        child.wait()
+    assert Path(checkpoint, "offsets", "0").exists()  # the batch was planned and logged, not committed
+    assert not Path(checkpoint, "commits", "0").exists()
+
+    spark: Any = spark_session(System(settings, store, storage))
+    sink_changes(
+        spark, stream_options(settings, store, collection.name, maxRowsPerTrigger="200"), sink, checkpoint
+    )
+    got = key_of(sink_rows(spark, sink))
+    assert got.equals(log_changes(storage, collection))
 
 
 # --- planning, driven as Spark's planner does ------------------------------------------

@@ -83,6 +83,7 @@ from vchan_assets.datacoord.streams import (
     valid_stream_id,
 )
 from vchan_assets.errors import DeclaredError
+from vchan_assets.failpoints import failpoint
 from vchan_assets.model import CollectionInfo, FieldSchema
 from vchan_assets.query.asof import TimeTravelError, parse_time
 from vchan_assets.query.source_options import (
@@ -419,6 +420,7 @@ class VchanStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 ) from None
             rows = changes(table, partition.vchannel, partition.start, partition.end)
             yield from change_rows(rows, self.fields, self.request.read.vectors).to_batches(BATCH_ROWS)
+            failpoint("stream_read")  # a file's changes handed to Spark, the task not done
 
 
 def _groups(files: Sequence[WalFile]) -> list[list[WalFile]]:
