@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,52 +54,68 @@ from vchan_assets.wal.reader import WalReader
 KEY = ["vchannel", "offset"]
 
 
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"s{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+@dataclass
+class Streamed:
+    """A collection of 2 vchannels to stream, and what it is stored on."""
 
+    settings: Settings
+    store: MetaStore
+    storage: Storage
+    producer: Producer
+    info: CollectionInfo
 
-def write(producer: Producer, info: CollectionInfo, start_pk: int, n: int = 300, deletes: int = 30) -> None:
-    """`n` inserts from `start_pk`, then deletes of the first `deletes` of them."""
-    producer.insert(info.name, generate_rows(SCHEMA, n, start_pk=start_pk, seed=start_pk))
-    if deletes:
-        producer.delete(info.name, list(range(start_pk, start_pk + deletes)), partition="_default")
-
-
-def persist(
-    producer: Producer, store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo
-) -> None:
-    producer.flush(info.name)
-    sync_all(store, storage, settings, info)
-
-
-def log_changes(
-    storage: Storage,
-    info: CollectionInfo,
-    up_to: dict[str, int] | None = None,
-    after: dict[str, int] | None = None,
-) -> pa.Table:
-    """The inserts and deletes of the log itself (op, ts, vchannel, offset, pk), sorted."""
-    tables = []
-    for v in info.vchannels:
-        t = WalReader(storage, v, info).read((after or {}).get(v, -1), (up_to or {}).get(v))
-        t = t.filter(pc.is_in(t["msg_type"], value_set=pa.array(["insert", "delete"])))
-        tables.append(
-            pa.table(
-                {
-                    "op": t["msg_type"],
-                    "ts": t["timestamp"],
-                    "vchannel": pa.array([v] * t.num_rows, pa.string()),
-                    "offset": t["offset"],
-                    "pk": t["pk"],
-                }
+    def write(self, start_pk: int, n: int = 300, deletes: int = 30) -> None:
+        """`n` inserts from `start_pk`, then deletes of the first `deletes` of them."""
+        self.producer.insert(self.info.name, generate_rows(SCHEMA, n, start_pk=start_pk, seed=start_pk))
+        if deletes:
+            self.producer.delete(
+                self.info.name, list(range(start_pk, start_pk + deletes)), partition="_default"
             )
-        )
-    return pa.concat_tables(tables).sort_by([(k, "ascending") for k in KEY])
+
+    def persist(self) -> None:
+        """Flush and sync: the channel checkpoints move to the log's end."""
+        self.producer.flush(self.info.name)
+        sync_all(self.store, self.storage, self.settings, self.info)
+
+    def options(self, **extra: str) -> dict[str, str]:
+        return {**stream_options(self.settings, self.store, self.info.name), **extra}
+
+    def reader(self, **extra: str) -> VchanStreamReader:
+        """The stream reader Spark's planner would make of these options."""
+        return VchanStreamReader(self.options(**extra))
+
+    def changes(self, up_to: dict[str, int] | None = None, after: dict[str, int] | None = None) -> pa.Table:
+        """The inserts and deletes of the log itself (op, ts, vchannel, offset, pk), sorted."""
+        tables = []
+        for v in self.info.vchannels:
+            t = self.log(v).read((after or {}).get(v, -1), (up_to or {}).get(v))
+            t = t.filter(pc.is_in(t["msg_type"], value_set=pa.array(["insert", "delete"])))
+            vchannel = pa.array([v] * t.num_rows, pa.string())
+            tables.append(
+                pa.table(
+                    {
+                        "op": t["msg_type"],
+                        "ts": t["timestamp"],
+                        "vchannel": vchannel,
+                        "offset": t["offset"],
+                        "pk": t["pk"],
+                    }
+                )
+            )
+        return pa.concat_tables(tables).sort_by([(k, "ascending") for k in KEY])
+
+    def log(self, vchannel: str) -> WalReader:
+        return WalReader(self.storage, vchannel, self.info)
+
+    def checkpoints(self) -> dict[str, int]:
+        found = {v: channel_checkpoint(self.store, v) for v in self.info.vchannels}
+        return {v: -1 if cp is None else cp.model.offset for v, cp in found.items()}
 
 
-def options(settings: Settings, store: MetaStore, info: CollectionInfo, **extra: str) -> dict[str, str]:
-    return stream_options(settings, store, info.name, **extra)
+@pytest.fixture
+def log(settings: Settings, store: MetaStore, storage: Storage, producer: Producer) -> Streamed:
+    info = producer.create_collection(f"s{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
+    return Streamed(settings, store, storage, producer, info)
 
 
 def batch(reader: VchanStreamReader, start: dict[str, int], end: dict[str, int]) -> pa.Table:
@@ -115,70 +131,55 @@ def key_of(t: pa.Table) -> pa.Table:
     return t.select(["op", "ts", "vchannel", "offset", "pk"]).sort_by([(k, "ascending") for k in KEY])
 
 
-def checkpoints(store: MetaStore, info: CollectionInfo) -> dict[str, int]:
-    found = {v: channel_checkpoint(store, v) for v in info.vchannels}
-    return {v: -1 if cp is None else cp.model.offset for v, cp in found.items()}
-
-
 # --- a real streaming query -------------------------------------------------------------
 
 
 def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_ones(
-    settings: Settings,
-    store: MetaStore,
-    storage: Storage,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    log: Streamed, tmp_path: Path
 ) -> None:
-    spark: Any = spark_session(System(settings, store, storage))
-    write(producer, collection, 0)
-    persist(producer, store, storage, settings, collection)
+    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    log.write(0)
+    log.persist()
     sink, checkpoint = str(tmp_path / "sink"), str(tmp_path / "checkpoint")
 
-    sink_changes(spark, stream_options(settings, store, collection.name, fields="n,vec"), sink, checkpoint)
+    sink_changes(spark, log.options(fields="n,vec"), sink, checkpoint)
     first = sink_rows(spark, sink)
-    assert key_of(first).equals(log_changes(storage, collection))
+    assert key_of(first).equals(log.changes())
     assert set(first["op"].to_pylist()) == {"insert", "delete"}
     assert first.schema.names == ["op", "ts", "vchannel", "offset", "partition_id", "pk", "n", "vec"]
     inserted = first.filter(pc.equal(first["op"], "insert")).to_pylist()
     assert all(len(r["vec"]) == 8 and r["n"] is not None for r in inserted)
     assert all(r["vec"] is None for r in first.filter(pc.equal(first["op"], "delete")).to_pylist())
 
-    write(producer, collection, 10_000, n=400)
-    persist(producer, store, storage, settings, collection)
+    log.write(10_000, n=400)
+    log.persist()
     # The same checkpoint: Spark continues from it.
-    more = stream_options(settings, store, collection.name, fields="n,vec", maxRowsPerTrigger="150")
+    more = log.options(fields="n,vec", maxRowsPerTrigger="150")
     query = sink_changes(spark, more, sink, checkpoint)
     both = sink_rows(spark, sink)
-    assert key_of(both).equals(log_changes(storage, collection))  # each change once, the old ones too
+    assert key_of(both).equals(log.changes())  # each change once, the old ones too
     assert len([p for p in query.recentProgress if p["numInputRows"]]) > 1  # capped batches
     # Spark commits a batch when it plans the next: the etcd record has all but the last.
-    record = get_stream(store, f"test-{collection.name}")
-    assert record is not None and record.collection_id == collection.id
+    record = get_stream(log.store, f"test-{log.info.name}")
+    assert record is not None and record.collection_id == log.info.id
     committed = {o.vchannel: o.offset for o in record.offsets}
-    assert all(0 < committed[v] <= cp for v, cp in checkpoints(store, collection).items())
+    assert all(0 < committed[v] <= cp for v, cp in log.checkpoints().items())
 
 
 def test_a_driver_killed_mid_batch_restarts_from_its_checkpoint_and_sinks_each_change_once(
-    settings: Settings,
-    store: MetaStore,
-    storage: Storage,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    log: Streamed, tmp_path: Path
 ) -> None:
     for i in range(3):
-        write(producer, collection, i * 1000, n=200, deletes=20)
-    persist(producer, store, storage, settings, collection)
+        log.write(i * 1000, n=200, deletes=20)
+    log.persist()
     sink, checkpoint, marker = str(tmp_path / "sink"), str(tmp_path / "checkpoint"), tmp_path / "marker"
-    args = [collection.name, sink, checkpoint, "maxRowsPerTrigger=200"]
-    env = cli_env(settings, VCHAN_FAILPOINT="stream_read=stop-once", VCHAN_FAILPOINT_MARKER=str(marker))
-    with open(tmp_path / "child.log", "wb") as log:
+    args = [log.info.name, sink, checkpoint, "maxRowsPerTrigger=200"]
+    env = cli_env(log.settings, VCHAN_FAILPOINT="stream_read=stop-once", VCHAN_FAILPOINT_MARKER=str(marker))
+    with open(tmp_path / "child.log", "wb") as out:
         child = subprocess.Popen(
             [sys.executable, "-m", "vchan_assets.testing.streams", *args],
             env=env,
-            stdout=log,
+            stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -194,77 +195,61 @@ def test_a_driver_killed_mid_batch_restarts_from_its_checkpoint_and_sinks_each_c
     assert Path(checkpoint, "offsets", "0").exists()  # the batch was planned and logged, not committed
     assert not Path(checkpoint, "commits", "0").exists()
 
-    spark: Any = spark_session(System(settings, store, storage))
-    sink_changes(
-        spark, stream_options(settings, store, collection.name, maxRowsPerTrigger="200"), sink, checkpoint
-    )
+    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    sink_changes(spark, log.options(maxRowsPerTrigger="200"), sink, checkpoint)
     got = key_of(sink_rows(spark, sink))
-    assert got.equals(log_changes(storage, collection))
+    assert got.equals(log.changes())
 
 
 # --- planning, driven as Spark's planner does ------------------------------------------
 
 
-def test_up_to_checkpoint_stops_at_the_channel_checkpoints_and_head_at_the_log_end(
-    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
-) -> None:
-    write(producer, collection, 0)
-    persist(producer, store, storage, settings, collection)
-    write(producer, collection, 10_000)  # in the log only
-    persisted = VchanStreamReader(options(settings, store, collection))
+def test_up_to_checkpoint_stops_at_the_channel_checkpoints_and_head_at_the_log_end(log: Streamed) -> None:
+    log.write(0)
+    log.persist()
+    log.write(10_000)  # in the log only
+    persisted = log.reader()
     start = persisted.initialOffset()
-    assert start == dict.fromkeys(collection.vchannels, -1)  # earliest: nothing removed yet
+    assert start == dict.fromkeys(log.info.vchannels, -1)  # earliest: nothing removed yet
     end = persisted.latestOffset(start, persisted.getDefaultReadLimit())
-    assert end == checkpoints(store, collection)
-    assert key_of(batch(persisted, start, end)).equals(log_changes(storage, collection, up_to=end))
+    assert end == log.checkpoints()
+    assert key_of(batch(persisted, start, end)).equals(log.changes(up_to=end))
 
-    head = VchanStreamReader(options(settings, store, collection, upTo="HEAD"))
+    head = log.reader(upTo="HEAD")
     to_head = head.latestOffset(start, head.getDefaultReadLimit())
-    assert all(to_head[v] == WalReader(storage, v, collection).end_offset() - 1 > end[v] for v in end)
-    assert key_of(batch(head, end, to_head)).equals(log_changes(storage, collection, after=end))
+    assert all(to_head[v] == log.log(v).end_offset() - 1 > end[v] for v in end)
+    assert key_of(batch(head, end, to_head)).equals(log.changes(after=end))
     assert head.latestOffset(to_head, head.getDefaultReadLimit()) == to_head  # nothing new: no batch
     assert head.partitions(to_head, to_head) == []
 
 
-def test_starting_offsets_earliest_latest_a_time_and_offsets(
-    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
-) -> None:
-    write(producer, collection, 0)
+def test_starting_offsets_earliest_latest_a_time_and_offsets(log: Streamed) -> None:
+    log.write(0)
     # after every message so far (ticks included), before every later one
-    between = (
-        max(
-            pc.max(WalReader(storage, v, collection).read()["timestamp"]).as_py()
-            for v in collection.vchannels
-        )
-        + 1
-    )
+    between = max(pc.max(log.log(v).read()["timestamp"]).as_py() for v in log.info.vchannels) + 1
     time.sleep(0.05)
-    write(producer, collection, 10_000)
+    log.write(10_000)
 
     def start(value: str) -> dict[str, int]:
-        return VchanStreamReader(
-            options(settings, store, collection, upTo="head", startingOffsets=value)
-        ).initialOffset()
+        return VchanStreamReader(log.options(upTo="head", startingOffsets=value)).initialOffset()
 
-    ends = {v: WalReader(storage, v, collection).end_offset() - 1 for v in collection.vchannels}
+    ends = {v: log.log(v).end_offset() - 1 for v in log.info.vchannels}
     assert start("latest") == ends
-    assert start("EARLIEST") == dict.fromkeys(collection.vchannels, -1)
+    assert start("EARLIEST") == dict.fromkeys(log.info.vchannels, -1)
     at = start(str(between))
-    later = log_changes(storage, collection, after=at)
+    later = log.changes(after=at)
     assert (
         set(later["pk"].to_pylist()) == set(range(10_000, 10_300)) and min(later["ts"].to_pylist()) >= between
     )
-    assert log_changes(storage, collection, up_to=at)["ts"].to_pylist()[-1] < between
+    assert log.changes(up_to=at)["ts"].to_pylist()[-1] < between
     assert start(iso(between + (1 << 18))) == at  # ISO to the millisecond: the next one
     assert start(json.dumps(at)) == at
 
 
-def test_max_rows_per_trigger_caps_a_batch_in_whole_log_files(
-    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
-) -> None:
+def test_max_rows_per_trigger_caps_a_batch_in_whole_log_files(log: Streamed) -> None:
     for i in range(4):
-        write(producer, collection, i * 1000, n=100, deletes=0)
-    reader = VchanStreamReader(options(settings, store, collection, upTo="head", maxRowsPerTrigger="80"))
+        log.write(i * 1000, n=100, deletes=0)
+    reader = log.reader(upTo="head", maxRowsPerTrigger="80")
     limit = reader.getDefaultReadLimit()
     start, seen = reader.initialOffset(), []
     while (end := reader.latestOffset(start, limit)) != start:
@@ -273,7 +258,7 @@ def test_max_rows_per_trigger_caps_a_batch_in_whole_log_files(
         seen.append(rows)
         start = end
     assert len(seen) == 4  # one insert batch's file per vchannel each
-    assert key_of(pa.concat_tables(seen)).equals(log_changes(storage, collection))
+    assert key_of(pa.concat_tables(seen)).equals(log.changes())
 
 
 # --- registration and retention --------------------------------------------------------
@@ -287,34 +272,32 @@ def retain(settings: Settings, store: MetaStore, storage: Storage, later: float 
     return gc.run().wal_files
 
 
-def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idle(
-    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
-) -> None:
+def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idle(log: Streamed) -> None:
     for i in range(3):
-        write(producer, collection, i * 1000, n=50, deletes=5)
-        persist(producer, store, storage, settings, collection)
-    reader = VchanStreamReader(options(settings, store, collection))
+        log.write(i * 1000, n=50, deletes=5)
+        log.persist()
+    reader = log.reader()
     start = reader.initialOffset()
     end = reader.latestOffset(start, reader.getDefaultReadLimit())  # registers the stream at `start`
-    assert retention_holds(store, time.time(), settings.stream_idle_timeout) == start
-    assert retain(settings, store, storage) == []  # everything is after what it committed
+    assert retention_holds(log.store, time.time(), log.settings.stream_idle_timeout) == start
+    assert retain(log.settings, log.store, log.storage) == []  # everything is after what it committed
     halfway = {v: o // 2 for v, o in end.items()}
     reader.commit(halfway)
-    assert [s.offset_of(collection.vchannels[0]) for s in list_streams(store).values()] == [
-        halfway[collection.vchannels[0]]
+    assert [s.offset_of(log.info.vchannels[0]) for s in list_streams(log.store).values()] == [
+        halfway[log.info.vchannels[0]]
     ]
-    deleted = retain(settings, store, storage)
+    deleted = retain(log.settings, log.store, log.storage)
     assert deleted  # the files wholly at or before the commit
-    for v in collection.vchannels:
-        first = WalReader(storage, v, collection).files()[0]
+    for v in log.info.vchannels:
+        first = log.log(v).files()[0]
         assert first.first_offset <= halfway[v] + 1  # the next offset to read is still there
     # Unseen for longer than the idle timeout: the stream holds nothing back any more.
-    idle = settings.stream_idle_timeout
-    assert retention_holds(store, time.time() + idle + 1, idle) == {}
-    assert retain(settings, store, storage, later=idle + 1)
+    idle = log.settings.stream_idle_timeout
+    assert retention_holds(log.store, time.time() + idle + 1, idle) == {}
+    assert retain(log.settings, log.store, log.storage, later=idle + 1)
     with pytest.raises(StreamOffsetRemovedError, match=r"offset \d+ was removed by log retention") as err:
         reader.latestOffset(halfway, reader.getDefaultReadLimit())
-    oldest = WalReader(storage, err.value.vchannel, collection).files()[0].first_offset
+    oldest = log.log(err.value.vchannel).files()[0].first_offset
     assert (
         f"the oldest offset still readable is {oldest}" in str(err.value)
         and oldest > halfway[err.value.vchannel]
@@ -340,44 +323,35 @@ def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idl
     ],
 )
 def test_bad_options_are_clear_errors(
-    settings: Settings,
-    store: MetaStore,
-    collection: CollectionInfo,
-    extra: dict[str, str],
-    error: type[Exception],
-    names: str,
+    log: Streamed, extra: dict[str, str], error: type[Exception], names: str
 ) -> None:
     with pytest.raises(error, match=re.escape(names)):
-        VchanStreamReader(options(settings, store, collection, **extra)).initialOffset()
+        log.reader(**extra).initialOffset()
 
 
-def test_offsets_from_a_checkpoint_must_be_the_collections(
-    settings: Settings, store: MetaStore, collection: CollectionInfo
-) -> None:
-    reader = VchanStreamReader(options(settings, store, collection))
+def test_offsets_from_a_checkpoint_must_be_the_collections(log: Streamed) -> None:
+    reader = log.reader()
     limit = reader.getDefaultReadLimit()
-    a, b = collection.vchannels
+    a, b = log.info.vchannels
     with pytest.raises(StreamOffsetError, match=re.escape(f"missing ['{b}']")):
         reader.latestOffset({a: 3}, limit)
     with pytest.raises(StreamOffsetError, match="integers >= -1"):
         reader.latestOffset({a: "3", b: -2}, limit)
 
 
-def test_status_lists_streams_and_warns_of_an_idle_one(
-    settings: Settings, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
-) -> None:
-    write(producer, collection, 0, n=40, deletes=0)
-    reader = VchanStreamReader(options(settings, store, collection, upTo="head"))
+def test_status_lists_streams_and_warns_of_an_idle_one(log: Streamed) -> None:
+    log.write(0, n=40, deletes=0)
+    reader = log.reader(upTo="head")
     start = reader.initialOffset()
     reader.commit(reader.latestOffset(start, reader.getDefaultReadLimit()))
-    catalog = Catalog(System(settings, store, storage))
+    catalog = Catalog(System(log.settings, log.store, log.storage))
     [stream] = collect_status(catalog, orphans=False)["streams"]
-    assert stream["stream"] == f"test-{collection.name}" and stream["holds_retention"]
-    assert stream["behind_head"] == 0 and set(stream["committed"]) == set(collection.vchannels)
-    later = collect_status(catalog, now=time.time() + settings.stream_idle_timeout + 1, orphans=False)
+    assert stream["stream"] == f"test-{log.info.name}" and stream["holds_retention"]
+    assert stream["behind_head"] == 0 and set(stream["committed"]) == set(log.info.vchannels)
+    later = collect_status(catalog, now=time.time() + log.settings.stream_idle_timeout + 1, orphans=False)
     assert not later["streams"][0]["holds_retention"]
     [idle] = [w for w in later["warnings"] if w["kind"] == "idle_stream"]
-    assert f"test-{collection.name}" in idle["message"] and "no longer holds log retention" in idle["message"]
+    assert f"test-{log.info.name}" in idle["message"] and "no longer holds log retention" in idle["message"]
     assert "no (idle)" in _rendered(later)
 
 

@@ -154,3 +154,14 @@ def vectors_as_lists(column: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
     mask = arr.is_null() if arr.null_count else None
     lists = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), dim, mask=mask)
     return lists.cast(pa.list_(pa.field("element", pa.float32(), nullable=False)))
+
+
+def field_column(
+    column: pa.Array | pa.ChunkedArray, field: FieldSchema, vectors: str
+) -> pa.Array | pa.ChunkedArray:
+    """A field's column (as binlogs and the log hold it) as the Spark schema expects it:
+    vectors as lists of floats or plain binary (`vectors`), the rest as it is."""
+    if not field.is_vector:
+        return column
+    assert field.dim is not None
+    return vectors_as_lists(column, field.dim) if vectors == "array" else column.cast(pa.binary())

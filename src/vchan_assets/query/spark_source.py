@@ -75,10 +75,10 @@ from vchan_assets.query.prune import EVERYTHING, PkFilter, prune
 from vchan_assets.query.source_options import (
     ReadOptionError,
     ReadRequest,
+    field_column,
     selected_fields,
     settings_from_options,
     spark_type,
-    vectors_as_lists,
 )
 from vchan_assets.query.stream_source import VchanStreamReader, stream_schema
 from vchan_assets.query.view import QueryView, collection_segments, collection_views, delete_paths
@@ -219,11 +219,7 @@ def spark_rows(table: pa.Table, fields: Sequence[FieldSchema], vectors: str) -> 
     expects them: the fields asked for, vectors as lists or plain binary."""
     columns: dict[str, pa.Array | pa.ChunkedArray] = {name: table[name] for name in META_COLUMNS}
     for f in fields:
-        col = table[f.name]
-        if f.is_vector:
-            assert f.dim is not None
-            col = vectors_as_lists(col, f.dim) if vectors == "array" else col.cast(pa.binary())
-        columns[f.name] = col
+        columns[f.name] = field_column(table[f.name], f, vectors)
     for name in LOCATION_COLUMNS:
         columns[name] = table[name]
     return pa.table(columns)

@@ -89,10 +89,10 @@ from vchan_assets.query.asof import TimeTravelError, parse_time
 from vchan_assets.query.source_options import (
     ReadOptionError,
     ReadRequest,
+    field_column,
     selected_fields,
     settings_from_options,
     spark_type,
-    vectors_as_lists,
 )
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
@@ -454,11 +454,5 @@ def changes(table: pa.Table, vchannel: str, start: int, end: int) -> pa.Table:
 
 def change_rows(rows: pa.Table, fields: Sequence[FieldSchema], vectors: str) -> pa.Table:
     """Changes as the stream schema expects them: the change columns, then the fields."""
-    columns: dict[str, pa.Array | pa.ChunkedArray] = {name: rows[name] for name in CHANGE_COLUMNS}
-    for f in fields:
-        col = rows[f.name]
-        if f.is_vector:
-            assert f.dim is not None
-            col = vectors_as_lists(col, f.dim) if vectors == "array" else col.cast(pa.binary())
-        columns[f.name] = col
-    return pa.table(columns)
+    columns = {name: rows[name] for name in CHANGE_COLUMNS}
+    return pa.table({**columns, **{f.name: field_column(rows[f.name], f, vectors) for f in fields}})
