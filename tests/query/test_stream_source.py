@@ -39,6 +39,7 @@ from vchan_assets.query.asof import iso
 from vchan_assets.query.source_options import ReadOptionError
 from vchan_assets.query.spark_source import spark_session
 from vchan_assets.query.stream_source import (
+    StreamCollectionDroppedError,
     StreamOffsetError,
     StreamOffsetRemovedError,
     VchanStreamReader,
@@ -327,6 +328,20 @@ def test_bad_options_are_clear_errors(
 ) -> None:
     with pytest.raises(error, match=re.escape(names)):
         log.reader(**extra).initialOffset()
+
+
+def test_a_collection_dropped_while_streamed_is_read_to_its_end_then_the_stream_fails(log: Streamed) -> None:
+    log.write(0, n=60, deletes=6)
+    log.persist()
+    reader = log.reader()
+    start = reader.initialOffset()
+    read = reader.latestOffset(start, reader.getDefaultReadLimit())
+    log.write(1000, n=60, deletes=6)  # never synced: the drop stops the syncs
+    log.producer.drop_collection(log.info.name)
+    rest = reader.latestOffset(read, reader.getDefaultReadLimit())  # to the head, not the checkpoint
+    assert key_of(batch(reader, read, rest)).equals(log.changes(after=read))
+    with pytest.raises(StreamCollectionDroppedError, match=f"collection '{log.info.name}' .* was dropped"):
+        reader.latestOffset(rest, reader.getDefaultReadLimit())
 
 
 def test_offsets_from_a_checkpoint_must_be_the_collections(log: Streamed) -> None:

@@ -39,6 +39,8 @@ checkpoint reads the same rows: with a sink that commits by batch (Parquet, Delt
 The offsets are found from the log files' names and footers (`WalReader.files_after`):
 planning opens no data, and no file before the start. An offset log retention removed
 already fails with `StreamOffsetRemovedError`, naming the oldest offset still readable.
+A collection dropped while streamed is read to the end of its log (its checkpoints no
+longer move), then the stream fails with `StreamCollectionDroppedError`.
 
 **Stream registration** (`datacoord.streams`): the `streamId` option names the stream in
 etcd, `meta/stream/{streamId}`. Spark gives a Python source no checkpoint location, so
@@ -127,6 +129,18 @@ class StreamOffsetRemovedError(DeclaredError, LookupError):
         "vchannel {vchannel}: offset {offset} was removed by log retention; the oldest offset "
         "still readable is {oldest} (a stream unseen for VCHAN_STREAM_IDLE_TIMEOUT stops "
         "holding the log back; restart it from startingOffsets=earliest with a new checkpoint)"
+    )
+
+
+class StreamCollectionDroppedError(DeclaredError, LookupError):
+    """The streamed collection was dropped, and the stream has read all of its log."""
+
+    collection: str
+    collection_id: int
+    offsets: str
+    message = (
+        "collection {collection!r} (id {collection_id}) was dropped while streamed: every change "
+        "up to its drop has been read (offsets {offsets}); stop the stream"
     )
 
 
@@ -287,16 +301,23 @@ class VchanStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if oldest is not None and offset + 1 < oldest:
                 raise StreamOffsetRemovedError(vchannel, offset + 1, oldest)
 
-    def _bound(self, vchannel: str, start: int) -> int:
-        """The last offset `upTo` lets the stream read now."""
-        if self.request.up_to == "checkpoint":
+    def _bound(self, vchannel: str, start: int, head: bool) -> int:
+        """The last offset the stream may read now: the channel checkpoint, or with `head`
+        the log's last message."""
+        if not head:
             cp = channel_checkpoint(self.store, vchannel)
             return -1 if cp is None else cp.model.offset
         files = self._log(vchannel).files_after(start)
         return files[-1].last_offset if files else start
 
-    def _bounds(self, start: Offsets) -> Offsets:
-        return {v: self._bound(v, o) for v, o in start.items()}
+    def _bounds(self, start: Offsets, head: bool | None = None) -> Offsets:
+        head = self.request.up_to == "head" if head is None else head
+        return {v: self._bound(v, o, head) for v, o in start.items()}
+
+    def _dropped(self) -> bool:
+        """The collection was dropped: no sync moves its checkpoints any more, so the
+        stream reads the rest of its log up to the head, then stops with an error."""
+        return bool(CollectionRegistry(self.store).get(self.info.id, include_dropped=True).dropped_at)
 
     def _offsets(self, raw: Any) -> Offsets:
         return parse_offsets(raw, self.info.vchannels)
@@ -347,12 +368,15 @@ class VchanStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begin = self._offsets(start)
         self._touch(begin)
         self._check_retained(begin)
-        bounds = self._bounds(begin)
+        dropped = self._dropped()
+        bounds = self._bounds(begin, head=True if dropped else None)
         if self._available_now and self._target is None:
             self._target = bounds
         if self._target is not None:
             bounds = {v: min(b, self._target[v]) for v, b in bounds.items()}
         end = {v: max(begin[v], bounds[v]) for v in begin}
+        if dropped and end == begin:
+            raise StreamCollectionDroppedError(self.info.name, self.info.id, json.dumps(begin))
         if isinstance(limit, ReadMaxRows):
             end = self._capped(begin, end, limit.max_rows)
         return end
