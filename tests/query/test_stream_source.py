@@ -305,6 +305,19 @@ def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idl
     )
 
 
+def test_a_stream_that_starts_over_under_its_old_id_holds_the_log_from_its_new_start(log: Streamed) -> None:
+    log.write(0, n=60, deletes=6)
+    log.persist()
+    first = log.reader()
+    start = first.initialOffset()
+    end = first.latestOffset(start, first.getDefaultReadLimit())
+    first.commit(end)
+    assert retention_holds(log.store, time.time(), log.settings.stream_idle_timeout) == end
+    again = log.reader()  # a new Spark checkpoint: from earliest again
+    again.latestOffset(again.initialOffset(), again.getDefaultReadLimit())
+    assert retention_holds(log.store, time.time(), log.settings.stream_idle_timeout) == start
+
+
 # --- clear errors ----------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@ retention keeps what the stream has yet to read.
 
 A change stream (`spark.readStream.format("vchan")`, `query.stream_source`) writes
 `meta/stream/{stream}`, a `StreamRecord`, when it first plans a micro-batch (its start
-offsets) and again at each Spark commit (the end offsets of the batch its sink holds);
+offsets; a stream that starts over under its id lowers the record to them) and again at
+each Spark commit (the end offsets of the batch its sink holds);
 planning refreshes `last_seen` at most every `TOUCH_INTERVAL`. Log retention
 (`lifecycle.gc`) keeps every log file holding an offset after the smallest committed
 offset of a vchannel over the streams seen within VCHAN_STREAM_IDLE_TIMEOUT
@@ -55,12 +56,16 @@ def get_stream(store: MetaStore, stream_id: str) -> StreamRecord | None:
 def touch_stream(
     store: MetaStore, stream_id: str, collection: CollectionInfo, start: Mapping[str, int], now: float
 ) -> StreamRecord:
-    """The stream is alive: register it at `start` if it is not registered (or was for
-    another collection), else refresh its `last_seen` and keep its committed offsets."""
+    """The stream is alive and goes on from `start`: register it there if it is not
+    registered (or was for another collection), else refresh its `last_seen` and keep its
+    committed offsets, lowered to `start` where the stream went back (a new Spark
+    checkpoint under an old stream id)."""
     found = get_stream(store, stream_id)
     if found is None or found.collection_id != collection.id:
         return record_stream(store, stream_id, collection, start, now)
-    return record_stream(store, stream_id, collection, {o.vchannel: o.offset for o in found.offsets}, now)
+    committed = {o.vchannel: o.offset for o in found.offsets}
+    held = {v: min(o, committed.get(v, o)) for v, o in start.items()}
+    return record_stream(store, stream_id, collection, held, now)
 
 
 def list_streams(store: MetaStore) -> dict[str, StreamRecord]:
