@@ -167,6 +167,17 @@ def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_on
     assert all(0 < committed[v] <= cp for v, cp in log.checkpoints().items())
 
 
+def test_a_stream_without_a_stream_id_fails_in_spark_saying_what_to_add(log: Streamed) -> None:
+    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    options = {k: v for k, v in log.options().items() if k != "streamId"}
+    query = spark.readStream.format("vchan").options(**options).load().writeStream.format("console").start()
+    try:
+        with pytest.raises(Exception, match=re.escape('needs .option("streamId", ID)')):
+            query.awaitTermination(120)
+    finally:
+        query.stop()
+
+
 def test_a_driver_killed_mid_batch_restarts_from_its_checkpoint_and_sinks_each_change_once(
     log: Streamed, tmp_path: Path
 ) -> None:
