@@ -105,6 +105,11 @@ class Streamed:
             )
         return pa.concat_tables(tables).sort_by([(k, "ascending") for k in KEY])
 
+    def first_batch(self, reader: VchanStreamReader) -> tuple[dict[str, int], dict[str, int]]:
+        """Where the reader starts and where its first batch ends (as Spark plans it)."""
+        start = reader.initialOffset()
+        return start, reader.latestOffset(start, reader.getDefaultReadLimit())
+
     def log(self, vchannel: str) -> WalReader:
         return WalReader(self.storage, vchannel, self.info)
 
@@ -289,8 +294,7 @@ def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idl
         log.write(i * 1000, n=50, deletes=5)
         log.persist()
     reader = log.reader()
-    start = reader.initialOffset()
-    end = reader.latestOffset(start, reader.getDefaultReadLimit())  # registers the stream at `start`
+    start, end = log.first_batch(reader)  # registers the stream at `start`
     assert retention_holds(log.store, time.time(), log.settings.stream_idle_timeout) == start
     assert retain(log.settings, log.store, log.storage) == []  # everything is after what it committed
     halfway = {v: o // 2 for v, o in end.items()}
@@ -320,8 +324,7 @@ def test_a_stream_that_starts_over_under_its_old_id_holds_the_log_from_its_new_s
     log.write(0, n=60, deletes=6)
     log.persist()
     first = log.reader()
-    start = first.initialOffset()
-    end = first.latestOffset(start, first.getDefaultReadLimit())
+    start, end = log.first_batch(first)
     first.commit(end)
     assert retention_holds(log.store, time.time(), log.settings.stream_idle_timeout) == end
     again = log.reader()  # a new Spark checkpoint: from earliest again
@@ -358,8 +361,7 @@ def test_a_collection_dropped_while_streamed_is_read_to_its_end_then_the_stream_
     log.write(0, n=60, deletes=6)
     log.persist()
     reader = log.reader()
-    start = reader.initialOffset()
-    read = reader.latestOffset(start, reader.getDefaultReadLimit())
+    start, read = log.first_batch(reader)
     log.write(1000, n=60, deletes=6)  # never synced: the drop stops the syncs
     log.producer.drop_collection(log.info.name)
     rest = reader.latestOffset(read, reader.getDefaultReadLimit())  # to the head, not the checkpoint
