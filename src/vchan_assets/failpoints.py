@@ -19,7 +19,8 @@ sort planned yet), compaction_after_files, compaction_after_commit, compaction_b
 gc_after_files; by index builds (indexes/step.py): index_after_files (the build's file
 written, the build not yet Finished); by reads: read_checkpointed (query/asof.py: channel
 checkpoints read, segment meta not listed yet), read_planned (query/reads.py: pinned,
-segments chosen, no file opened yet).
+segments chosen, no file opened yet), stream_read (a change stream's task handed one log
+file's changes to Spark, more to come).
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

@@ -557,6 +557,31 @@ class ReadPin(Record):
 
 
 @dataclass(frozen=True)
+class StreamOffset(Record):
+    """A change stream's position in one vchannel: the last offset it has read."""
+
+    vchannel: str
+    offset: int  # -1: nothing read yet
+
+
+@dataclass(frozen=True)
+class StreamRecord(Record):
+    """A registered change stream (`spark.readStream.format("vchan")`): `meta/stream/{stream}`.
+    Log retention keeps every log file holding an offset after `offsets` until the stream
+    has not been seen for VCHAN_STREAM_IDLE_TIMEOUT."""
+
+    collection_id: int
+    collection: str
+    offsets: tuple[StreamOffset, ...]  # what the stream's sink has committed
+    last_seen: float  # seconds since the epoch: the stream's last planning or commit
+    host: str
+    pid: int
+
+    def offset_of(self, vchannel: str) -> int | None:
+        return next((o.offset for o in self.offsets if o.vchannel == vchannel), None)
+
+
+@dataclass(frozen=True)
 class SyncClaim(Record):
     """The sync running now on a channel: `channel-sync/{vchannel}`. Every meta write of a
     sync compares this key's version with the one its own claim left, so of two syncs of

@@ -14,7 +14,11 @@
   - failed tasks: sort or index tasks of the DataCoord's scheduler out of attempts, with
     their reason (`vchan index --retry` re-queues failed index builds);
   - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
-    and damaged files wholly below the checkpoint (already synced; nothing stops).
+    and damaged files wholly below the checkpoint (already synced; nothing stops);
+  - idle change streams: a registered stream unseen for VCHAN_STREAM_IDLE_TIMEOUT, which
+    no longer holds log retention back.
+The report also lists the change streams (`datacoord.streams`): committed offsets, how
+far behind the log head, last seen, and whether they hold retention back.
 `render_status(report)` draws it as rich tables.
 """
 
@@ -35,6 +39,7 @@ from rich.text import Text
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.streams import is_idle, list_streams
 from vchan_assets.datacoord.tasks import list_tasks
 from vchan_assets.deploy.service import daemon_state, instance_home
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
@@ -291,6 +296,44 @@ def _service_warnings(services: dict[str, str]) -> list[dict[str, Any]]:
     ]
 
 
+def _streams(catalog: Catalog, channels: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    """The registered change streams: what each committed, how far behind the log head it
+    is, and whether it still holds log retention back (seen within the idle timeout)."""
+    heads = {c["vchannel"]: c["head_offset"] for c in channels}
+    out = []
+    for stream_id, record in sorted(list_streams(catalog.store).items()):
+        behind = [
+            max(0, heads[o.vchannel] - o.offset) for o in record.offsets if heads.get(o.vchannel) is not None
+        ]
+        out.append(
+            {
+                "stream": stream_id,
+                "collection": record.collection,
+                "committed": {o.vchannel: o.offset for o in record.offsets},
+                "behind_head": sum(behind),
+                "last_seen_seconds": round(now - record.last_seen, 1),
+                "holds_retention": not is_idle(record, now, catalog.settings.stream_idle_timeout),
+                "host": record.host,
+                "pid": record.pid,
+            }
+        )
+    return out
+
+
+def _stream_warnings(streams: list[dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": "idle_stream",
+            "stream": s["stream"],
+            "message": f"change stream {s['stream']} ({s['collection']}) unseen for {s['last_seen_seconds']:,.0f}s "
+            f"(VCHAN_STREAM_IDLE_TIMEOUT={settings.stream_idle_timeout:g}s): it no longer holds log "
+            "retention back, and fails if it comes back after its offsets are removed",
+        }
+        for s in streams
+        if not s["holds_retention"]
+    ]
+
+
 def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = True) -> dict[str, Any]:
     """The whole report as plain JSON values."""
     now = time.time() if now is None else now
@@ -305,11 +348,13 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     handoff = _handoff(segment_table, settings, now)
     coordinator = active_coordinator(catalog)
     services = dagster_services(settings, now)
+    streams = _streams(catalog, channel_rows, now)
     warnings = [
         *_service_warnings(services),
         *_channel_warnings(channel_rows, live, settings, coordinator),
         *_watch_warnings(catalog.watches(), now),
         *_handoff_warnings(handoff),
+        *_stream_warnings(streams, settings),
     ]
     tasks = _tasks(catalog)
     warnings += _task_warnings(tasks)
@@ -342,6 +387,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
         "imports": _records(catalog.imports(), IMPORT_COLUMNS),
         "tasks": tasks,
+        "streams": streams,
         "warnings": warnings,
     }
 
@@ -473,6 +519,20 @@ def render_status(report: dict[str, Any]) -> Group:
     )
     jobs = _recent("import jobs", report.get("imports", []), IMPORT_COLUMNS, "no import job")
     tasks = _recent("sort and index tasks", report.get("tasks", []), TASK_COLUMNS, "no task queued")
+    streams = Table(title='change streams (readStream.format("vchan"))', title_justify="left")
+    for column in ("stream", "collection", "committed", "behind head", "last seen s", "holds log"):
+        streams.add_column(column)
+    for st in report.get("streams", []):
+        streams.add_row(
+            st["stream"],
+            st["collection"],
+            ", ".join(f"{v}: {o:,}" for v, o in st["committed"].items()),
+            _cell(st["behind_head"]),
+            _cell(st["last_seen_seconds"]),
+            Text("yes") if st["holds_retention"] else Text("no (idle)", style="yellow"),
+        )
+    if not report.get("streams"):
+        streams.add_row("-", "no registered stream", "", "", "", "")
 
     warnings = Table(title="warnings", title_justify="left")
     warnings.add_column("kind")
@@ -481,7 +541,7 @@ def render_status(report: dict[str, Any]) -> Group:
         warnings.add_row(Text(w["kind"], style="yellow"), w["message"])
     if not report["warnings"]:
         warnings.add_row(Text("none", style="green"), "nothing needs attention")
-    return Group(header, nodes, channels, segments, plans, jobs, tasks, warnings)
+    return Group(header, nodes, channels, segments, plans, jobs, tasks, streams, warnings)
 
 
 def _recent(title: str, records: list[dict[str, Any]], columns: list[str], empty: str) -> Table:

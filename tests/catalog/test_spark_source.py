@@ -15,7 +15,8 @@ from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.query.spark_source import ReadOptionError, ReadRequest, spark_session, vectors_as_lists
+from vchan_assets.query.source_options import ReadOptionError, ReadRequest, vectors_as_lists
+from vchan_assets.query.spark_source import spark_session
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 

@@ -45,6 +45,8 @@ LAYOUT = [
     (KEYS.import_job(6), "c1/vchan/meta/import/6"),
     (KEYS.read_pin.prefix, "c1/vchan/meta/read-pin/"),
     (KEYS.read_pin(7), "c1/vchan/meta/read-pin/7"),
+    (KEYS.stream.prefix, "c1/vchan/meta/stream/"),
+    (KEYS.stream("orders-cdc"), "c1/vchan/meta/stream/orders-cdc"),
     (KEYS.gc_pause(), "c1/vchan/meta/gc/pause"),
     (KEYS.gc_last_run(), "c1/vchan/meta/gc/last-run"),
     (KEYS.id_allocator(), "c1/vchan/meta/id"),

@@ -14,7 +14,9 @@ One pass, in this order:
      retention, each with its data file (log format 2); the file holding the checkpoint
      and the newest file always stay. A data file no log file names once older than the
      retention (its producer died before publishing the batch; a live producer publishes
-     within its lock wait and retry timeout, far below the retention) goes too.
+     within its lock wait and retry timeout, far below the retention) goes too. A file
+     holding an offset after what a registered change stream has committed stays while
+     that stream was seen within VCHAN_STREAM_IDLE_TIMEOUT (`datacoord.streams`).
   4. the passes plugged in from above (`indexes.gc.collect_indexes`: builds and index
      files), given this collector and the report.
 Never deleted: a file named by the meta of a segment that is not Dropped.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.read_pins import is_pinned, pinned_horizons
 from vchan_assets.datacoord.recovery import channel_checkpoint
+from vchan_assets.datacoord.streams import retention_holds
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import busy_segments, list_plans
 from vchan_assets.meta.codec import decode_dict
@@ -192,11 +195,14 @@ class GarbageCollector:
 
     def _wal(self, report: GcReport) -> None:
         oldest = self.clock() - self.settings.wal_retention
+        holds = retention_holds(self.store, self.clock(), self.settings.stream_idle_timeout)
         for info in CollectionRegistry(self.store).list(include_dropped=True):
             for vchannel in info.vchannels:
                 cp = channel_checkpoint(self.store, vchannel)
                 if cp is None:
                     continue
+                # A file is kept if it holds the checkpoint or an offset a stream has yet to read.
+                keep_from = min(cp.model.offset, holds.get(vchannel, cp.model.offset) + 1)
                 files = WalReader(self.storage, vchannel, info).files()
                 mtimes = {
                     self.storage.key_of(i.path): i.mtime
@@ -204,7 +210,7 @@ class GarbageCollector:
                 }
                 for f in files[:-1]:  # the newest file stays: the writer continues from it
                     mtime = mtimes.get(f.key)
-                    if f.last_offset >= cp.model.offset or mtime is None or mtime.timestamp() > oldest:
+                    if f.last_offset >= keep_from or mtime is None or mtime.timestamp() > oldest:
                         continue
                     self.delete(f.key, f.size_bytes - f.data_bytes, report, report.wal_files)
                     if f.data_key:  # after its log file: a crash between leaves an orphan, not a hole

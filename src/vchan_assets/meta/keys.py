@@ -102,6 +102,9 @@ class Keys:
     # reads that pin the segments they planned (GC keeps their files)
     read_pin = _Family("meta/read-pin/{pin}")
 
+    # change streams: the offsets their sinks committed (log retention keeps what follows)
+    stream = _Family("meta/stream/{stream}")
+
     def gc_pause(self) -> str:
         return self._k("meta", "gc", "pause")
 

@@ -20,7 +20,12 @@ Owns:
 - `search`: the k nearest rows of query vectors at a timestamp over the same parts a read
   sees: segments with a finished index through faiss, the rest exactly; deletes applied,
   the k best merged (`Catalog.search`, `vchan search`).
-- Next here: pruning by segment stats, streaming reads, batch search in Spark.
+- `stream_source`: `spark.readStream.format("vchan")`, the same source's change stream:
+  the inserts and deletes of the log by vchannel offsets, registered in etcd so log
+  retention keeps what a stream has not committed (`datacoord.streams`).
+- `source_options`: the options and Spark field types both share.
+- `prune`: pk conditions and partitions prune segments by their stats logs.
+- Next here: batch search in Spark.
 
 May import: the domain below it (indexes, datacoord, datanode, lifecycle, imports, wal,
 meta, storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.

@@ -83,6 +83,15 @@ def _parse(as_of: Any) -> int:
     raise TimeTravelError(repr(as_of), "not a timestamp (a hybrid timestamp, an ISO-8601 time or a datetime)")
 
 
+def parse_time(value: Any) -> int:
+    """A hybrid timestamp from a hybrid timestamp, an ISO-8601 time or a datetime (no
+    window checked); TimeTravelError for anything else."""
+    ts = _parse(value)
+    if ts < _SMALLEST_TS:
+        raise TimeTravelError(str(value), "not a hybrid timestamp (physical milliseconds << 18)")
+    return ts
+
+
 def now_ts(store: MetaStore) -> int:
     """ "Now" for a read: at or above every timestamp issued so far, by any process (the
     timestamp oracles' persisted window), and at least the wall clock. Every message
@@ -99,9 +108,7 @@ def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> in
     now = now_ts(store)
     if as_of is None:
         return now
-    ts = _parse(as_of)
-    if ts < _SMALLEST_TS:
-        raise TimeTravelError(str(as_of), "not a hybrid timestamp (physical milliseconds << 18)")
+    ts = parse_time(as_of)
     if ts > now:
         raise TimeTravelError(str(as_of), f"{iso(ts)} is in the future (now is {iso(now)})")
     # The window is measured on the wall clock, as GC measures how long it keeps a dropped

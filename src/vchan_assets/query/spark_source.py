@@ -37,6 +37,11 @@ batches segment by segment. Each vchannel's log tail is one more task; the tail'
 (the pk and partition columns of the log only) are read at planning and travel with every
 task. Nothing goes through Python rows.
 
+`spark.readStream.format("vchan")` is the same source's change stream (the inserts and
+deletes of the log, by vchannel offsets): `query.stream_source`. Spark asks a Python
+source for one schema whether it reads or streams, so the stream's `streamId` option
+(every stream has one) selects the change schema.
+
 Connection: options named like the environment variables (`VCHAN_ETCD_ENDPOINTS`,
 `VCHAN_STORAGE_URI`, ...; any case) override the worker's environment;
 `Catalog.spark_collection` passes its own. Spark redacts option values
@@ -47,162 +52,47 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    BooleanType,
-    DoubleType,
-    FloatType,
     LongType,
-    StringType,
     StructField,
     StructType,
-)
-from pyspark.sql.types import (
-    DataType as SparkType,
 )
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.read_pins import ReadPinLostError, pin_read
-from vchan_assets.model import CollectionInfo, DataType, FieldSchema, SegmentInfo
+from vchan_assets.model import CollectionInfo, FieldSchema, SegmentInfo
 from vchan_assets.query.asof import Tail, at_or_before, resolve_as_of, tail_of, views_at
-from vchan_assets.query.prune import EVERYTHING, PkFilter, Pushdown, parse_where, prune
+from vchan_assets.query.prune import EVERYTHING, PkFilter, prune
+from vchan_assets.query.source_options import (
+    ReadOptionError,
+    ReadRequest,
+    field_column,
+    selected_fields,
+    settings_from_options,
+    spark_type,
+)
+from vchan_assets.query.stream_source import VchanStreamReader, stream_schema
 from vchan_assets.query.view import QueryView, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.storage.rows import apply_deletes_to, float_vectors, read_deletes, segment_rows
+from vchan_assets.storage.rows import apply_deletes_to, read_deletes, segment_rows
 from vchan_assets.system import System
 
 SOURCE_NAME = "vchan"
-VECTOR_MODES = ("array", "binary")
 META_COLUMNS = ("row_id", "timestamp")
 LOCATION_COLUMNS = ("segment_id", "partition_id")
 BATCH_ROWS = 65_536
-TASK_MB = 128.0
 TASKS_PER_CORE = 2
-
-_SCALARS: dict[DataType, SparkType] = {
-    DataType.INT64: LongType(),
-    DataType.FLOAT: FloatType(),
-    DataType.DOUBLE: DoubleType(),
-    DataType.STRING: StringType(),
-    DataType.BOOL: BooleanType(),
-}
-
-
-class ReadOptionError(ValueError):
-    """A `format("vchan")` option is missing or wrong; the message names it."""
-
-
-@dataclass(frozen=True)
-class ReadRequest:
-    """The options of one read, checked."""
-
-    collection: str
-    partitions: tuple[str, ...] = ()
-    segments: tuple[int, ...] = ()
-    fields: tuple[str, ...] = ()
-    vectors: str = "array"
-    task_mb: float = TASK_MB
-    as_of: str = ""  # empty: now
-    where: tuple[tuple[str, str, Any], ...] = ()  # pks, pk_min, pk_max as `query.prune` conditions
-
-    def pushdown(self, info: CollectionInfo) -> Pushdown:
-        """The pk conditions of the options on this collection's primary key."""
-        pk = info.schema.primary.name
-        return parse_where(info, [(pk, op, value) for _, op, value in self.where])
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, str]) -> ReadRequest:
-        opts = {k.lower(): v for k, v in options.items()}
-        collection = opts.get("collection", "").strip()
-        if not collection:
-            raise ReadOptionError('format("vchan") needs .option("collection", NAME)')
-        vectors = opts.get("vectors", "array").strip().lower()
-        if vectors not in VECTOR_MODES:
-            raise ReadOptionError(f"option vectors={vectors!r}: expected one of {', '.join(VECTOR_MODES)}")
-        try:
-            segments = tuple(int(s) for s in _names(opts.get("segments", "")))
-        except ValueError as exc:
-            raise ReadOptionError(f"option segments={opts['segments']!r}: expected segment ids") from exc
-        task_mb = opts.get("task_mb", str(TASK_MB))
-        try:
-            mb = float(task_mb)
-        except ValueError:
-            mb = -1.0
-        if not mb >= 0:  # also NaN
-            raise ReadOptionError(f"option task_mb={task_mb!r}: expected megabytes >= 0")
-        return cls(
-            collection,
-            _names(opts.get("partition", "")),
-            segments,
-            _names(opts.get("fields", "")),
-            vectors,
-            mb,
-            opts.get("as_of", "").strip(),
-            _pk_conditions(opts),
-        )
-
-
-def _pk_conditions(opts: Mapping[str, str]) -> tuple[tuple[str, str, Any], ...]:
-    """`pks` (comma-separated), `pk_min` and `pk_max` (both included) as conditions."""
-    out: list[tuple[str, str, Any]] = []
-    for option, op in (("pks", "in"), ("pk_min", ">="), ("pk_max", "<=")):
-        raw = opts.get(option, "").strip()
-        if not raw:
-            continue
-        try:
-            values = [int(v) for v in _names(raw)]
-        except ValueError as exc:
-            raise ReadOptionError(f"option {option}={raw!r}: expected integer primary keys") from exc
-        if op != "in" and len(values) != 1:
-            raise ReadOptionError(f"option {option}={raw!r}: expected one primary key")
-        out.append(("pk", op, values if op == "in" else values[0]))
-    return tuple(out)
-
-
-def _names(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
-
-
-def settings_from_options(options: Mapping[str, str]) -> Settings:
-    """The worker's environment, overridden by options named like VCHAN_* variables."""
-    overrides = {k.upper(): v for k, v in options.items() if k.upper().startswith("VCHAN_")}
-    return Settings.from_env({**os.environ, **overrides})
-
-
-def spark_type(field: FieldSchema, vectors: str) -> SparkType:
-    if field.is_vector:
-        return ArrayType(FloatType(), containsNull=False) if vectors == "array" else BinaryType()
-    return _SCALARS[field.dtype]
-
-
-def selected_fields(info: CollectionInfo, request: ReadRequest) -> list[FieldSchema]:
-    """The user fields to read in the binlogs' order: primary key (always read: deletes
-    need it), the scalars, then the vectors (their column groups follow the scalar one)."""
-    rest = [f for f in info.schema.fields if not f.is_primary]
-    ordered = [info.schema.primary] + [f for f in rest if not f.is_vector] + [f for f in rest if f.is_vector]
-    if not request.fields:
-        return ordered
-    known = {f.name for f in ordered}
-    unknown = [name for name in request.fields if name not in known]
-    if unknown:
-        raise ReadOptionError(
-            f"collection {info.name!r} has no field {', '.join(map(repr, unknown))}; fields: {sorted(known)}"
-        )
-    return [f for f in ordered if f.is_primary or f.name in request.fields]
 
 
 def collection_schema(info: CollectionInfo, request: ReadRequest) -> StructType:
@@ -297,15 +187,6 @@ def _partition_ids(info: CollectionInfo, names: Sequence[str]) -> set[int]:
     return {by_name[n] for n in names}
 
 
-def vectors_as_lists(column: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
-    """fixed_size_binary(dim*4) little-endian float32 -> list<float32>, without Python rows."""
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    floats = float_vectors(arr, dim).reshape(-1)
-    mask = arr.is_null() if arr.null_count else None
-    lists = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), dim, mask=mask)
-    return lists.cast(pa.list_(pa.field("element", pa.float32(), nullable=False)))
-
-
 def read_segment(
     storage: Storage,
     seg: SegmentInfo,
@@ -338,11 +219,7 @@ def spark_rows(table: pa.Table, fields: Sequence[FieldSchema], vectors: str) -> 
     expects them: the fields asked for, vectors as lists or plain binary."""
     columns: dict[str, pa.Array | pa.ChunkedArray] = {name: table[name] for name in META_COLUMNS}
     for f in fields:
-        col = table[f.name]
-        if f.is_vector:
-            assert f.dim is not None
-            col = vectors_as_lists(col, f.dim) if vectors == "array" else col.cast(pa.binary())
-        columns[f.name] = col
+        columns[f.name] = field_column(table[f.name], f, vectors)
     for name in LOCATION_COLUMNS:
         columns[name] = table[name]
     return pa.table(columns)
@@ -489,12 +366,26 @@ class VchanDataSource(DataSource):
         return SOURCE_NAME
 
     def schema(self) -> StructType:
+        """The rows of a batch read, or the changes of a stream: Spark asks both the same
+        way, so a `streamId` option (which every stream has) tells them apart."""
         request = ReadRequest.from_options(self.options)
         with _meta(settings_from_options(self.options)) as stack:
-            return collection_schema(CollectionRegistry(stack.store).get_by_name(request.collection), request)
+            info = CollectionRegistry(stack.store).get_by_name(request.collection)
+        if _is_stream(self.options):
+            return stream_schema(info, request)
+        return collection_schema(info, request)
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        if _is_stream(self.options):
+            raise ReadOptionError('option streamId is for spark.readStream.format("vchan"), not spark.read')
         return VchanReader(self.options, schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return VchanStreamReader(self.options)
+
+
+def _is_stream(options: Mapping[str, str]) -> bool:
+    return any(k.lower() == "streamid" for k in options)
 
 
 _registered: weakref.WeakSet[Any] = weakref.WeakSet()
