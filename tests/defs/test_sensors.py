@@ -160,7 +160,8 @@ def test_sync_sensor_requests_a_sync_per_channel_once_per_backlog(
     CoordinatorTicks(instance, vchan).tick()
     watched = evaluate(NODE1, instance, vchan, node.dump())
     instance.add_dynamic_partitions("vchannels", list(collection.vchannels))
-    assert not evaluate(sync_sensor, instance, vchan).run_requests  # nothing in the log yet
+    # (No "nothing to sync yet" check here: the collection's DDL message is in the log, and on a
+    # loaded machine it is past VCHAN_SYNC_MAX_AGE=1 s by now, a backlog like any other.)
 
     producer.insert(collection.name, generate_rows(SCHEMA, 500, start_pk=1, seed=1))
     time.sleep(1.1)  # VCHAN_SYNC_MAX_AGE=1 in these tests
