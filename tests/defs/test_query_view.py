@@ -11,12 +11,14 @@ from dataclasses import replace
 
 import dagster as dg
 import pytest
+import yaml
 from lifecycle.helpers import SCHEMA, flushed_batches, live_l1, sync_all, write_twice
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.lifecycle.assets import sorted_segments
 from vchan_assets.defs.query.assets import query_view_sensor, visible_segments
 from vchan_assets.defs.resources import VchanResource
+from vchan_assets.deploy.service import INSTANCE_CONFIG
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
@@ -123,10 +125,15 @@ def test_the_sensor_requests_a_view_run_per_vchannel_whose_segment_meta_changed(
     produce(producer, info.name, Produced(), 100, start_pk=0)  # pks 0..99: both vchannels
     sync_all(store, storage, dsettings, info)
 
-    first = {
-        r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
-    }
+    requests = evaluate(query_view_sensor, instance, vchan).run_requests or []
+    first = {r.partition_key: r.run_key for r in requests}
     assert set(first) == set(info.vchannels)
+    # one view run at a time in the instance, dequeued after the syncs (dagster.yaml)
+    assert all(r.tags == {"vchan/view": "query_view", "dagster/priority": "-1"} for r in requests)
+    limits = yaml.safe_load(INSTANCE_CONFIG.read_text())["run_coordinator"]["config"][
+        "tag_concurrency_limits"
+    ]
+    assert {"key": "vchan/view", "limit": 1} in limits
     again = {
         r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
     }

@@ -82,6 +82,11 @@ def visible_segments(context: dg.AssetExecutionContext, vchan: VchanResource) ->
     yield check_result(CHECK_INVISIBLE, invisible)
 
 
+# A view run reads its vchannel's rows for the check: one at a time in the instance, and
+# after the syncs in the queue (the instance's dagster.yaml limits the `vchan/view` tag to 1
+# run; a lower priority is dequeued last), so views never hold the run slots syncs need.
+VIEW_RUN_TAGS = {"vchan/view": "query_view", "dagster/priority": "-1"}
+
 query_view_job = dg.define_asset_job(
     "query_view",
     selection=dg.AssetSelection.assets(VISIBLE_SEGMENTS),  # partitioned by vchannel like the asset
@@ -103,7 +108,7 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
         live = set(runtime.vchannels())
     known = set(context.instance.get_dynamic_partitions(VCHANNELS)) & live
     requests = [
-        dg.RunRequest(run_key=f"view-{v}-{revision}-{count}", partition_key=v)
+        dg.RunRequest(run_key=f"view-{v}-{revision}-{count}", partition_key=v, tags=VIEW_RUN_TAGS)
         for v, (revision, count) in sorted(changed.items())
         if v in known
     ]
