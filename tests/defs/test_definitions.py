@@ -41,7 +41,10 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "query_view_sensor",
         "index_sensor",
     } <= sensors
-    assert all(repository.has_job(job) for job in ("sync", "lifecycle", "bulk_import", "sort", "query_view", "segment_index"))
+    assert all(
+        repository.has_job(job)
+        for job in ("sync", "lifecycle", "bulk_import", "sort", "query_view", "segment_index")
+    )
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
 
 
