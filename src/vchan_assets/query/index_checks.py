@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import faiss
 import numpy as np
@@ -44,6 +45,7 @@ from vchan_assets.storage.rows import segment_vectors
 
 RECALL_SAMPLE = 100  # query vectors per segment, drawn from its own rows
 RECALL_K = 10
+_FAISS: Any = faiss  # (its type stubs lack the search parameter classes)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def check_builds_finished(found: VchannelIndexes) -> CheckOutcome:
     )
 
 
-def _loaded(storage: Storage, b: SegmentIndex) -> object:
+def _loaded(storage: Storage, b: SegmentIndex) -> Any:
     """The build's index, or the reason it cannot be loaded."""
     try:
         return load_index(storage.read_bytes(b.files[0]))
@@ -130,9 +132,9 @@ def check_index_rows(storage: Storage, found: VchannelIndexes) -> CheckOutcome:
         index = _loaded(storage, b)
         if isinstance(index, str):
             problems.append(f"segment {seg.id}: {index}")
-        elif not index.ntotal == b.rows == seg.num_rows:  # type: ignore[attr-defined]
+        elif not index.ntotal == b.rows == seg.num_rows:
             problems.append(
-                f"segment {seg.id}: build {b.build_id} holds {index.ntotal} rows "  # type: ignore[attr-defined]
+                f"segment {seg.id}: build {b.build_id} holds {index.ntotal} rows "
                 f"(recorded {b.rows}), the segment has {seg.num_rows}"
             )
     metadata: dict[str, int | float | str] = {"indexes_checked": len(built), "mismatched": len(problems)}
@@ -157,32 +159,34 @@ def segment_recall(
 
 
 def recall_at(
-    index: object, vectors: np.ndarray, queries: np.ndarray, kind: IndexType, metric: MetricType, k: int
+    index: Any, vectors: np.ndarray, queries: np.ndarray, kind: IndexType, metric: MetricType, k: int
 ) -> float:
     """recall@k of a faiss `index` over `vectors` (prepared) at the default search
     parameters, against exact search."""
     exact = faiss.IndexFlat(vectors.shape[1], faiss_metric(metric))
     exact.add(vectors)
     _, truth = exact.search(queries, k)
-    found = search_default(index, queries, kind, k)
+    _, found = search_default(index, queries, kind, k)
     return float(
         np.mean([len(set(t) & set(f)) / k for t, f in zip(truth.tolist(), found.tolist(), strict=True)])
     )
 
 
-def search_default(index: object, queries: np.ndarray, kind: IndexType, k: int, **params: int) -> np.ndarray:
-    """Positions of the k nearest by a segment index at the default search parameters
-    (or `ef` / `nprobe` given), as `Catalog.search` searches it."""
-    search_params: object
+def search_default(
+    index: Any, queries: np.ndarray, kind: IndexType, k: int, **params: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(distances, positions) of the k nearest by a segment index at the default search
+    parameters (or `ef` / `nprobe` given), as `Catalog.search` searches it."""
+    search_params: Any
     if kind is IndexType.HNSW:
-        search_params = faiss.SearchParametersHNSW()
-        search_params.efSearch = params.get("ef", default_ef(k))  # type: ignore[attr-defined]
+        search_params = _FAISS.SearchParametersHNSW()
+        search_params.efSearch = params.get("ef", default_ef(k))
     else:
-        search_params = faiss.SearchParametersIVF()
+        search_params = _FAISS.SearchParametersIVF()
         nlist = faiss.extract_index_ivf(index).nlist
-        search_params.nprobe = params.get("nprobe", default_nprobe(nlist))  # type: ignore[attr-defined]
-    _, positions = index.search(queries, k, params=search_params)  # type: ignore[attr-defined]
-    return np.asarray(positions)
+        search_params.nprobe = params.get("nprobe", default_nprobe(nlist))
+    distances, positions = index.search(queries, k, params=search_params)
+    return np.asarray(distances), np.asarray(positions)
 
 
 def check_recall(storage: Storage, found: VchannelIndexes, floor: float) -> CheckOutcome:
