@@ -82,6 +82,8 @@ def vchannel_indexes(store: MetaStore, info: CollectionInfo, vchannel: str) -> V
         key=lambda s: s.id,
     )
     indexes = [d.model for d in list_indexes(store, info.id)]
+    if not indexes:  # (most collections: their builds are not listed)
+        return VchannelIndexes(info, segments, [], {})
     ids = {s.id for s in segments}
     live = {i.index_id for i in indexes}
     builds = {
