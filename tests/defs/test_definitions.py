@@ -28,6 +28,7 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "garbage_collection",
         "visible_segments",
         "imported_segments",
+        "segment_indexes",
     }
     sensors = {s.name for s in repository.sensor_defs}
     assert {
@@ -38,8 +39,12 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         "import_sensor",
         "sort_sensor",
         "query_view_sensor",
+        "index_sensor",
     } <= sensors
-    assert all(repository.has_job(job) for job in ("sync", "lifecycle", "bulk_import", "sort", "query_view"))
+    assert all(
+        repository.has_job(job)
+        for job in ("sync", "lifecycle", "bulk_import", "sort", "query_view", "segment_index")
+    )
     assert set(repository.get_top_level_resources()) == {"vchan", "pyspark"}
 
 

@@ -1,7 +1,8 @@
 """The Dagster definitions of vchan_assets (loaded by workspace.yaml).
 
 Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`,
-`defs/lifecycle`, `defs/query`, `defs/imports`) and the two resources. The settings are read once per load.
+`defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`) and the two resources. The
+settings are read once per load.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dagster as dg
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.imports.assets import import_job, import_sensor, imported_segments
+from vchan_assets.defs.indexes.assets import index_job, index_sensor, segment_indexes
 from vchan_assets.defs.lifecycle.assets import (
     lifecycle_job,
     lifecycle_sensor,
@@ -34,14 +36,16 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             segment_lifecycle,
             visible_segments,
             imported_segments,
+            segment_indexes,
         ],
-        jobs=[sync_job, lifecycle_job, sort_job, query_view_job, import_job],
+        jobs=[sync_job, lifecycle_job, sort_job, query_view_job, import_job, index_job],
         sensors=[
             *all_sensors(settings.dagster_datanodes),
             lifecycle_sensor,
             sort_sensor,
             query_view_sensor,
             import_sensor,
+            index_sensor,
         ],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
     )
