@@ -162,7 +162,7 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
         tasks = TaskScheduler([SortTasks(), IndexTasks()], settings)
         lifecycle = threading.Thread(
             target=run_lifecycle,
-            args=(settings, lambda: coord.writer, stop, args.engine, tasks, [collect_indexes]),
+            args=(settings, lambda: coord.writer, stop, tasks, args.engine, [collect_indexes]),
             daemon=True,
         )
         lifecycle.start()

@@ -4,13 +4,13 @@ The flush writes a segment Flushed **and invisible** in one meta update
 (`datacoord.segment_ops.complete_flush`, Milvus' postFlush); readers serve it as growing
 until its sorted copy replaces it (`query.view`). `SortQueue` learns of each such segment
 from an etcd watch on segment meta the moment the flush commits, and the DataCoord's
-lifecycle loop (`run_lifecycle`) plans and runs its sort at once. Nothing is lost between
+lifecycle loop (`run_lifecycle`) has it sorted at once. Nothing is lost between
 the write and the push: the push *is* the write, seen through the watch, and a watcher that
 (re)starts lists every segment first. A full scan every VCHAN_SORT_SCAN_INTERVAL (60 s) is
 only a safety net, as Milvus keeps one.
 
-With a task scheduler (`datacoord.tasks.TaskScheduler`, the `vchan datacoord` process's:
-sorts and index builds), a push queues the sort tasks of its collections and the
+The sorts run through the DataCoord's task scheduler (`datacoord.tasks.TaskScheduler`:
+sorts and index builds): a push queues the sort tasks of its collections and the
 scheduler runs them, the index builds the sorts' commits push after them; the scan queues
 every kind's tasks (at the start of each term too: the queue a dead DataCoord left is
 taken over), and the kinds that follow another (index builds) are scanned every
@@ -35,7 +35,7 @@ from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.compaction import compactable
 from vchan_assets.lifecycle.gc import GcPass
 from vchan_assets.lifecycle.plans import PlanState
-from vchan_assets.lifecycle.step import compaction_check, lifecycle_step, sort_step
+from vchan_assets.lifecycle.step import compaction_check, lifecycle_step
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError, MetaError
 from vchan_assets.meta.store import MetaStore, Snapshot
@@ -99,8 +99,8 @@ def run_lifecycle(
     settings: Settings,
     writer: Callable[[], MetaStore | None],
     stop: threading.Event,
+    tasks: TaskScheduler,
     engine: Engine = "spark",
-    tasks: TaskScheduler | None = None,
     gc_passes: Sequence[GcPass] = (),
 ) -> None:
     """The segment lifecycle beside a DataCoord while it is the active one (`writer()`:
@@ -108,8 +108,8 @@ def run_lifecycle(
     its flush commits (a watch), a full scan for unsorted segments every
     VCHAN_SORT_SCAN_INTERVAL, the compaction check every VCHAN_COMPACTION_CHECK_INTERVAL,
     the whole step (plans, L0/mix compaction, GC) every VCHAN_LIFECYCLE_INTERVAL. Returns
-    when `stop` is set. `tasks`: the scheduler that runs sorts (and the kinds plugged into
-    it) instead of `sort_step`; `gc_passes`: more garbage collection for the GC pass."""
+    when `stop` is set. `tasks`: the scheduler that runs the sorts (and the kinds plugged
+    into it); `gc_passes`: more garbage collection for the GC pass."""
     storage = Storage.from_settings(settings)
     queue = SortQueue()
     watcher: PrefixWatcher | None = None
@@ -138,22 +138,14 @@ def run_lifecycle(
                 failpoint("handoff_taken")  # the push arrived, no sort planned yet
             system = System(settings, store, storage)  # its writes fenced by this DataCoord's term
             try:
-                if tasks is not None:
-                    next_tasks = _task_round(tasks, system, engine, waiting, next_tasks)
-                    if time.monotonic() >= next_scan:
-                        next_scan = time.monotonic() + settings.sort_scan_interval
-                        tasks.scan(system)
-                elif waiting:
-                    outcomes = sort_step(system, engine, collections=set(waiting))
-                    log.info("sorted %d flushed segments (pushed by their flush)", len(outcomes))
-                if tasks is None and time.monotonic() >= next_scan:
+                next_tasks = _task_round(tasks, system, engine, waiting, next_tasks)
+                if time.monotonic() >= next_scan:
                     next_scan = time.monotonic() + settings.sort_scan_interval
-                    if outcomes := sort_step(system, engine):
-                        log.info("the sort scan sorted %d segments", len(outcomes))
+                    tasks.scan(system)
                 if time.monotonic() >= next_step:
                     next_step = time.monotonic() + settings.lifecycle_interval
                     next_check = time.monotonic() + settings.compaction_check_interval
-                    report = lifecycle_step(system, engine=engine, sort=tasks is None, gc_passes=gc_passes)
+                    report = lifecycle_step(system, engine=engine, sort=False, gc_passes=gc_passes)
                     log.info("lifecycle step: %d planned, %d run", len(report.planned), len(report.outcomes))
                 elif time.monotonic() >= next_check:
                     next_check = time.monotonic() + settings.compaction_check_interval

@@ -8,8 +8,9 @@ VCHAN_COMPACTION_CHECK_INTERVAL): L0 compaction of partitions past a count or si
 segments, mix compaction of small segments, as Milvus triggers them.
 
 `sort_step` is the stats task alone, for the seed's postFlush hand-off: the DataCoord runs
-it as soon as a flush commits (`handoff.run_lifecycle`, pushed by a watch), the Dagster
-`sorted_segments` asset on its sensor's tick."""
+it as soon as a flush commits (pushed by a watch, `handoff.run_lifecycle`, through its task
+scheduler's sort tasks, `sort_tasks.py`), the Dagster `sorted_segments` asset on its
+sensor's tick."""
 
 from __future__ import annotations
 
