@@ -44,7 +44,6 @@ from vchan_assets.lifecycle.plans import (
     create_plan,
     list_plans,
     read_inputs,
-    segment_key,
     transition,
 )
 from vchan_assets.lifecycle.task import (
@@ -488,11 +487,9 @@ class CompactionExecutor:
             return set(), None
         done = {t.id for t in targets}
         l0 = tuple(i for i in plan.inputs if i.segment_id not in done)
-        rest = []
-        for seg_id in plan.chained:
-            found = self.store.get_model(segment_key(self.store, plan, seg_id), SegmentInfo)
-            if found is not None and compactable(found.model):
-                rest.append(PlanInput(seg_id, found.kv.version))
+        found, _ = self.store.list_models(self.store.keys.segment.under(plan.collection_id), SegmentInfo)
+        live = {d.model.id: d for d in found if compactable(d.model)}  # one listing, not a get per target
+        rest = [PlanInput(i, live[i].kv.version) for i in plan.chained if i in live]
         if not rest:
             return set(), None
         first = rest[: MAX_PLAN_SEGMENTS - len(l0)]
