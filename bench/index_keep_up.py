@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,11 @@ def main() -> None:
     finally:
         if coord is not None:
             coord.terminate()
-            coord.wait(60)
+            try:
+                coord.wait(60)
+            except subprocess.TimeoutExpired:
+                coord.kill()  # in the middle of a long build
+                coord.wait()
         etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
 

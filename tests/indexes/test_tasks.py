@@ -5,7 +5,9 @@ retried a bounded number of times then Failed (and shown by `vchan status`) unti
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
@@ -14,12 +16,13 @@ from rich.console import Console
 
 from indexes.helpers import Data, flushed_segments, ivf_indexed, live_sorted, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
-from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
+from vchan_assets.datacoord.tasks import Outcome, RoundReport, TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.sort_tasks import SortTasks
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import SegmentIndexState, SegmentInfo, SegmentState, TaskRecord, TaskState
+from vchan_assets.spark import Engine
 from vchan_assets.status import collect_status, render_status
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
@@ -190,3 +193,52 @@ def test_a_task_of_a_dead_worker_goes_back_to_the_queue_and_is_finished(
     assert report.recovered == [("index", seg.id)]
     assert report.done == [("index", seg.id)]
     assert states(system, data) == [SegmentIndexState.FINISHED]
+
+
+class GatedIndexTasks(IndexTasks):
+    """The real index kind, whose batches wait for `gate` before they build: a build that
+    takes minutes, on demand."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().run(system, engine, tasks)
+
+
+def rounds_until(sched: TaskScheduler, system: System, done: Callable[[RoundReport], bool]) -> RoundReport:
+    total = RoundReport()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        report = sched.round(system, "local", wait=False)
+        total.ran += report.ran
+        total.done += report.done
+        if done(total):
+            return total
+        time.sleep(0.1)
+    raise AssertionError(f"rounds never got there: {total}")
+
+
+def test_a_sort_runs_and_is_recorded_while_an_index_batch_is_still_building(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500, 1400])
+    index = GatedIndexTasks()
+    sched = TaskScheduler([SortTasks(), index], replace(system.settings, task_slots=2))
+    sched.scan(system)
+
+    first = sched.round(system, "local", wait=False)
+    assert [kind for kind, _ in first.ran] == ["index"], "index builds hold at most half the slots"
+    assert first.waiting == 1 and sched.busy == ["index"]
+    flushed_segments(system, producer, data, [1300])
+    sched.scan(system, kinds=["sort"])
+
+    report = rounds_until(sched, system, lambda r: any(kind == "sort" for kind, _ in r.done))
+    assert sched.busy == ["index"], "the sort did not wait for the index batch"
+    assert not any(kind == "index" for kind, _ in report.done)
+    assert len(live_sorted(system, data.info)) == 3
+
+    index.gate.set()
+    rounds_until(sched, system, lambda r: not sched.busy and not list_tasks(system.store))
+    assert states(system, data) == [SegmentIndexState.FINISHED] * 3, "the sort's push queued its build"
