@@ -297,6 +297,8 @@ class Settings:
     task_memory_mb: float = FROM_TABLE
     task_max_attempts: int = FROM_TABLE
     task_timeout: float = FROM_TABLE
+    task_retry_backoff: float = FROM_TABLE
+    task_retry_backoff_max: float = FROM_TABLE
     import_interval: float = FROM_TABLE
     import_buffer_mb: float = FROM_TABLE
     import_timeout: float = FROM_TABLE

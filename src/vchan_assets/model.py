@@ -515,6 +515,11 @@ class TaskRecord(Record):
     worker: str = ""  # host:pid@term of the DataCoord running it
     created_at: float = 0.0
     started_at: float = 0.0
+    # A failed attempt's backoff: the task is not run again before this wall-clock time.
+    not_before: float = 0.0
+
+    # Left out when 0: as written before it existed.
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before"})
 
 
 # --- sessions, leases and watch infos ----------------------------------------------------
