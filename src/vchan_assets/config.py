@@ -286,6 +286,7 @@ class Settings:
     l0_compaction_trigger_count: int = FROM_TABLE
     l0_compaction_trigger_mb: float = FROM_TABLE
     invisible_segment_limit: int = FROM_TABLE
+    index_handoff_timeout: float = FROM_TABLE
     index_recall_floor: float = FROM_TABLE
     compaction_small_proportion: float = FROM_TABLE
     compaction_tier_factor: float = FROM_TABLE
