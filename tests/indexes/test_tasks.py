@@ -13,7 +13,15 @@ import pytest
 from lifecycle.helpers import run_vchan
 from rich.console import Console
 
-from indexes.helpers import Data, flushed_segments, ivf_indexed, live_sorted, new_collection, sorted_segments
+from indexes.helpers import (
+    Clock,
+    Data,
+    flushed_segments,
+    ivf_indexed,
+    live_sorted,
+    new_collection,
+    sorted_segments,
+)
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
@@ -29,16 +37,6 @@ from vchan_assets.wal.producer import Producer
 @pytest.fixture
 def data(producer: Producer) -> Data:
     return new_collection(producer)
-
-
-class Clock:
-    """A wall clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def scheduler(system: System, clock: Clock | None = None, backoff: float = 0.0) -> TaskScheduler:

@@ -338,7 +338,9 @@ def finish_build(
     store: MetaStore, build: Decoded[SegmentIndex], built: BuiltFiles
 ) -> Decoded[SegmentIndex] | None:
     """InProgress -> Finished with its files (written before this, under its version);
-    None if the record changed since the start (the files are then orphans). When it is
+    None if the record changed since the start, or its index was dropped meanwhile (the
+    transaction compares the index's record too: a DropIndex during the build is never
+    undone by its commit): the files are then orphans, for GC. When it is
     the last build a compaction output waits for (`model.awaited_indexes`), the same
     transaction stamps the output's `ready_ts`: from then on it replaces its inputs in the
     query view."""
@@ -352,9 +354,13 @@ def finish_build(
     )
     b = build.model
     segment_key = store.keys.segment(b.collection_id, b.partition_id, b.segment_id)
+    index_key = store.keys.field_index(b.collection_id, b.index_id)
 
     def attempt() -> Decoded[SegmentIndex] | None:
-        expect: dict[str, int] = {build.kv.key: build.kv.version}
+        index = store.get_model(index_key, FieldIndex)
+        if index is None or index.model.deleted:
+            return None  # dropped while it was built
+        expect: dict[str, int] = {build.kv.key: build.kv.version, index_key: index.kv.version}
         puts: dict[str, Any] = {build.kv.key: done}
         seg = store.get_model(segment_key, SegmentInfo)
         if seg is not None and _all_built(store, seg.model, done):
@@ -364,7 +370,7 @@ def finish_build(
             current = store.get(build.kv.key)
             if current is None or current.version != build.kv.version:
                 return None  # started again by another builder: this one's files are orphans
-            raise CasConflictError(segment_key, expect.get(segment_key, 0), -1)  # the segment changed
+            raise CasConflictError(segment_key, expect.get(segment_key, 0), -1)  # segment or index changed
         return store.get_model(build.kv.key, SegmentIndex)
 
     return retry_on_conflict(f"finish index build {b.build_id}", attempt)
