@@ -8,9 +8,10 @@
   comes back, GC removes its builds and files;
 - the segments compacted away while their builds wait to commit: the builds still commit
   (the inputs are served, through them, until their output is indexed), the output gets
-  its own build, replaces its inputs once built, and GC then removes the inputs' builds.
-
-(A DataCoord SIGKILLed with builds in flight is in test_datacoord_tasks.py.)"""
+  its own build, replaces its inputs once built, and GC then removes the inputs' builds;
+- the DataCoord SIGKILLed with builds in flight (their files written, not committed): its
+  tasks stay in etcd, and the next DataCoord (restarted, or the standby that takes over)
+  builds them again under a new version."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from lifecycle.helpers import start_datacoord
 
-from indexes.helpers import Clock, Data, live_sorted, new_collection, sorted_segments
+from indexes.helpers import Clock, Data, flushed_segments, live_sorted, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
@@ -39,7 +40,7 @@ from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
 from vchan_assets.lifecycle.plans import CompactionType
-from vchan_assets.model import SegmentIndex, SegmentIndexState
+from vchan_assets.model import SegmentIndex, SegmentIndexState, TaskState
 from vchan_assets.query.view import collection_views
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage.layout import INDEX_FILES
@@ -105,6 +106,14 @@ def stopped_at_commit(marker: Path) -> int:
     return int(marker.read_text().split()[1])
 
 
+def indexed_collection(system: System, producer: Producer, sort: bool = True) -> Data:
+    """Two segments of 1,500 and 1,300 rows (sorted, or only flushed) and an IVF_FLAT index."""
+    data = new_collection(producer)
+    (sorted_segments if sort else flushed_segments)(system, producer, data, [1500, 1300])
+    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    return data
+
+
 def all_done(system: System, data: Data) -> Callable[[], bool]:
     def done() -> bool:
         states = {b.state for b in builds(system, data)}
@@ -161,12 +170,40 @@ def test_a_spark_worker_killed_mid_build_is_retried_and_no_half_index_is_ever_vi
     assert index_files(system) == [build.files[0]]
 
 
+def test_a_datacoord_killed_with_builds_in_flight_leaves_them_to_the_next_one(
+    system: System, producer: Producer, tmp_path: Path
+) -> None:
+    data = indexed_collection(system, producer, sort=False)
+    marker = tmp_path / "failpoint"
+    with datacoord(
+        system, VCHAN_FAILPOINT="index_after_files=kill", VCHAN_FAILPOINT_MARKER=str(marker)
+    ) as first:
+        assert first.wait(PATIENCE) == -signal.SIGKILL, "killed with its builds' files written, not committed"
+    assert marker.read_text().startswith("index_after_files")
+    killed = builds(system, data)
+    assert len(killed) == 2 and {b.state for b in killed} == {SegmentIndexState.IN_PROGRESS}
+    in_flight = [d.model for d in list_tasks(system.store, "index")]
+    assert len(in_flight) == 2 and {t.state for t in in_flight} == {TaskState.IN_PROGRESS}
+    assert not list_tasks(system.store, "sort"), "the sorts were done before the builds"
+
+    with datacoord(system) as second:
+        wait_for(second, all_done(system, data), "finished by the second DataCoord")
+    done = builds(system, data)
+    assert [b.version for b in done] == [2, 2], "started again by the second DataCoord"
+    assert all(b.files and system.storage.exists(b.files[0]) for b in done)
+
+    # The killed builder's files (version 1) are superseded: index GC deletes them.
+    old = [f"{INDEX_FILES}/{b.build_id}/1/index.faiss" for b in done]
+    assert all(system.storage.exists(k) for k in old)
+    report = gc(system)
+    assert sorted(report.index_files) == sorted(old) and not report.index_builds
+    assert all(system.storage.exists(b.files[0]) for b in done)
+
+
 def test_drop_index_during_a_build_is_not_undone_by_its_commit_and_gc_removes_its_files(
     system: System, producer: Producer, tmp_path: Path
 ) -> None:
-    data = new_collection(producer)
-    sorted_segments(system, producer, data, [1500, 1300])
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
+    data = indexed_collection(system, producer)
     marker = tmp_path / "failpoint"
 
     with datacoord(
@@ -191,10 +228,8 @@ def test_drop_index_during_a_build_is_not_undone_by_its_commit_and_gc_removes_it
 def test_segments_compacted_away_during_their_builds_hand_over_to_the_output_once_it_is_built(
     system: System, producer: Producer, tmp_path: Path
 ) -> None:
-    data = new_collection(producer)
-    sorted_segments(system, producer, data, [1500, 1300])
+    data = indexed_collection(system, producer)
     parents = {s.id for s in live_sorted(system, data.info)}
-    create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
     marker = tmp_path / "failpoint"
 
     with datacoord(
