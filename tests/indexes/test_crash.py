@@ -200,6 +200,25 @@ def test_a_datacoord_killed_with_builds_in_flight_leaves_them_to_the_next_one(
     assert all(system.storage.exists(b.files[0]) for b in done)
 
 
+def test_the_standby_finishes_the_builds_of_a_datacoord_that_froze_with_them_in_flight(
+    system: System, producer: Producer, tmp_path: Path
+) -> None:
+    data = indexed_collection(system, producer)
+    marker = tmp_path / "failpoint"
+    with datacoord(
+        system, VCHAN_FAILPOINT="index_after_files=stop-once", VCHAN_FAILPOINT_MARKER=str(marker)
+    ) as first:
+        assert stopped_at_commit(marker) == first.pid, "the active one froze before its commit"
+        with datacoord(system) as standby:
+            # The frozen one's session lease lapses; the standby wins the election, takes its
+            # tasks (their worker's term ended) and builds them again under a new version.
+            wait_for(standby, all_done(system, data), "finished by the standby")
+        first.kill()  # never resumed: its commit never happens
+        first.wait()
+    done = builds(system, data)
+    assert {b.version for b in done} == {2} and all(system.storage.exists(b.files[0]) for b in done)
+
+
 def test_drop_index_during_a_build_is_not_undone_by_its_commit_and_gc_removes_its_files(
     system: System, producer: Producer, tmp_path: Path
 ) -> None:
