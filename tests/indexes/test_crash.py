@@ -97,13 +97,19 @@ def datacoord(system: System, engine: str = "local", **env: str) -> Iterator[sub
                 process.wait()
 
 
-def stopped_at_commit(marker: Path) -> int:
-    """The pid the failpoint stopped, once it has."""
-    deadline = time.monotonic() + PATIENCE
-    while not (marker.exists() and len(marker.read_text().split()) == 2):
-        assert time.monotonic() < deadline, "no build reached its commit"
-        time.sleep(0.1)
-    return int(marker.read_text().split()[1])
+@contextmanager
+def frozen_at_commit(system: System, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A DataCoord stopped (SIGSTOP) at its first build's commit: files written, not
+    Finished (failpoint `index_after_files=stop-once`); SIGCONT lets it go on."""
+    marker = tmp_path / "failpoint"
+    env = {"VCHAN_FAILPOINT": "index_after_files=stop-once", "VCHAN_FAILPOINT_MARKER": str(marker)}
+    with datacoord(system, **env) as process:
+        deadline = time.monotonic() + PATIENCE
+        while not (marker.exists() and len(marker.read_text().split()) == 2):
+            assert time.monotonic() < deadline, "no build reached its commit"
+            time.sleep(0.1)
+        assert int(marker.read_text().split()[1]) == process.pid
+        yield process
 
 
 def indexed_collection(system: System, producer: Producer, sort: bool = True) -> Data:
@@ -204,11 +210,7 @@ def test_the_standby_finishes_the_builds_of_a_datacoord_that_froze_with_them_in_
     system: System, producer: Producer, tmp_path: Path
 ) -> None:
     data = indexed_collection(system, producer)
-    marker = tmp_path / "failpoint"
-    with datacoord(
-        system, VCHAN_FAILPOINT="index_after_files=stop-once", VCHAN_FAILPOINT_MARKER=str(marker)
-    ) as first:
-        assert stopped_at_commit(marker) == first.pid, "the active one froze before its commit"
+    with frozen_at_commit(system, tmp_path) as first:
         with datacoord(system) as standby:
             # The frozen one's session lease lapses; the standby wins the election, takes its
             # tasks (their worker's term ended) and builds them again under a new version.
@@ -223,12 +225,8 @@ def test_drop_index_during_a_build_is_not_undone_by_its_commit_and_gc_removes_it
     system: System, producer: Producer, tmp_path: Path
 ) -> None:
     data = indexed_collection(system, producer)
-    marker = tmp_path / "failpoint"
 
-    with datacoord(
-        system, VCHAN_FAILPOINT="index_after_files=stop-once", VCHAN_FAILPOINT_MARKER=str(marker)
-    ) as process:
-        assert stopped_at_commit(marker) == process.pid
+    with frozen_at_commit(system, tmp_path) as process:
         assert len(index_files(system)) == 2, "both files written, neither build committed"
         drop_index(system.store, data.info, field="vec")
         os.kill(process.pid, signal.SIGCONT)
@@ -249,12 +247,8 @@ def test_segments_compacted_away_during_their_builds_hand_over_to_the_output_onc
 ) -> None:
     data = indexed_collection(system, producer)
     parents = {s.id for s in live_sorted(system, data.info)}
-    marker = tmp_path / "failpoint"
 
-    with datacoord(
-        system, VCHAN_FAILPOINT="index_after_files=stop-once", VCHAN_FAILPOINT_MARKER=str(marker)
-    ) as process:
-        stopped_at_commit(marker)
+    with frozen_at_commit(system, tmp_path) as process:
         info = CollectionRegistry(system.store).get(data.info.id)
         [plan] = CompactionTrigger(system).trigger(info, CompactionType.MIX, manual=True)
         CompactionExecutor(system, "local").run_pending([plan.plan_id])
