@@ -22,7 +22,7 @@ from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrig
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
 from vchan_assets.lifecycle.plans import CompactionType
 from vchan_assets.meta.allocator import now_ts
-from vchan_assets.model import SegmentIndexState, SegmentInfo
+from vchan_assets.model import SegmentIndexState, SegmentInfo, physical_ms
 from vchan_assets.query.asof import views_at
 from vchan_assets.query.view import collection_segments, collection_views
 from vchan_assets.system import System
@@ -85,6 +85,12 @@ def test_a_mix_output_replaces_its_indexed_inputs_only_once_its_own_index_is_bui
     through_child = Catalog(system).search(data.info.name, queries, k=5)
     assert sorted(through_child["pk"]) == sorted(through_parents["pk"])
 
+    # Dropped long enough, but ready within the time-travel window: a read at a time before
+    # ready_ts still serves the inputs, so they stay.
+    window = max(system.settings.gc_drop_tolerance, system.settings.time_travel)
+    ready_at = physical_ms(child.ready_ts) / 1000
+    held = GarbageCollector(system, clock=lambda: ready_at + window - 0.05, passes=[collect_indexes]).run()
+    assert not set(held.dropped_segments) & set(parents)
     collected = gc(system)
     assert set(parents) <= set(collected.dropped_segments)
     assert sorted(collected.index_builds) == sorted(b.build_id for b in parents.values())

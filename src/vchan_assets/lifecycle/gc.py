@@ -10,7 +10,7 @@ One pass, in this order:
      checkpoint is past their dml_position (a replay from an older checkpoint would need
      the meta to skip their rows) AND once no compaction output made from them waits for
      its index (`model.awaited_indexes` without a `ready_ts`: the query view serves its
-     inputs meanwhile): files first, then meta (a crash between the two leaves a Dropped
+     inputs meanwhile), nor became ready within the time-travel window: files first, then meta (a crash between the two leaves a Dropped
      meta naming missing files, which the next pass finishes);
   3. log retention: a vchannel's log files wholly below its checkpoint and older than the
      retention, each with its data file (log format 2); the file holding the checkpoint
@@ -171,7 +171,7 @@ class GarbageCollector:
         # A read at a timestamp within the time-travel window may serve a dropped segment
         # again (query.asof.segments_at): its files stay at least that long.
         oldest = self.clock() - max(self.settings.gc_drop_tolerance, self.settings.time_travel)
-        held = self._inputs_served(found)
+        held = self._inputs_served(found, oldest)
         for d in found:
             seg = d.model
             if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest or is_pinned(seg, pins):
@@ -192,10 +192,12 @@ class GarbageCollector:
                     continue  # changed meanwhile: the next pass looks again
             report.dropped_segments.append(seg.id)
 
-    def _inputs_served(self, found: list[Decoded[SegmentInfo]]) -> set[int]:
-        """The visible inputs of compaction outputs (kept in meta) that wait for their index:
-        the query view serves these inputs in their place."""
-        outputs = [d.model for d in found if d.model.compaction_from and not d.model.ready_ts]
+    def _inputs_served(self, found: list[Decoded[SegmentInfo]], oldest: float) -> set[int]:
+        """The visible inputs of compaction outputs (kept in meta) that wait for their index,
+        or became ready after `oldest` (a read at a time before their `ready_ts`, within
+        the time-travel window, serves the inputs): the query view serves these inputs in
+        their place."""
+        outputs = [d.model for d in found if d.model.compaction_from]
         if not outputs:
             return set()
         listed, _ = self.store.list_models(
@@ -203,10 +205,16 @@ class GarbageCollector:
         )
         indexes = [d.model for d in listed]
         by_id = {d.model.id: d.model for d in found}
+
+        def holds(seg: SegmentInfo) -> bool:
+            if seg.ready_ts:
+                return physical_ms(seg.ready_ts) / 1000.0 > oldest
+            return bool(awaited_indexes(seg, indexes))
+
         return {
             p
             for seg in outputs
-            if awaited_indexes(seg, indexes)
+            if holds(seg)
             for p in seg.compaction_from
             if p in by_id and not by_id[p].is_invisible
         }
