@@ -18,12 +18,16 @@ keeps the queue:
   and its kind's memory estimate of VCHAN_TASK_MEMORY_MB; a kind's batch takes its queued
   tasks, oldest first, while what the running batches leave holds them (a task over the
   whole budget runs alone).
-- **Bounded retries**: a failed attempt goes back to the queue with its reason until
-  VCHAN_TASK_MAX_ATTEMPTS attempts, then the task is Failed (shown by `vchan status`) until
-  `retry` re-queues it (`vchan index --retry`).
+- **Bounded retries with backoff**: a failed attempt goes back to the queue with its
+  reason, not to run again before `not_before`: VCHAN_TASK_RETRY_BACKOFF seconds after
+  the first failure, doubled at each further one, at most VCHAN_TASK_RETRY_BACKOFF_MAX
+  (a segment whose files are briefly unreadable, or a worker short of memory, is not
+  retried at once into the same failure). After VCHAN_TASK_MAX_ATTEMPTS attempts the task
+  is Failed (shown by `vchan status`) until `retry` re-queues it (`vchan index --retry`).
 - **Dead workers**: a task InProgress under another worker (a DataCoord that died, or
   whose term ended: the worker names its term) or past VCHAN_TASK_TIMEOUT goes back to the
-  queue; its attempt counts, so a task that kills its worker every time ends Failed.
+  queue at once (the worker's death, not the task's failure: no backoff); its attempt
+  counts, so a task that kills its worker every time ends Failed.
 
 Every write is a compare-and-swap on the record's version, through the DataCoord's fenced
 store: a deposed DataCoord changes no task.
@@ -37,7 +41,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
@@ -115,6 +119,7 @@ class RoundReport:
     failed: list[tuple[str, int, str]] = field(default_factory=list)  # out of attempts
     recovered: list[tuple[str, int]] = field(default_factory=list)  # dead workers' tasks re-queued
     waiting: int = 0  # queued tasks not admitted this round
+    backing_off: int = 0  # queued tasks whose backoff after a failed attempt has not passed
 
 
 def this_process() -> str:
@@ -152,7 +157,7 @@ def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -
         t = d.model
         if t.state is not TaskState.FAILED or collection_id not in (None, t.collection_id):
             continue
-        fresh = replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0)
+        fresh = replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
         if swap_task(store, d, fresh) is not None:
             again.append(fresh)
     return again
@@ -186,12 +191,21 @@ class _Lane:
 
 
 class TaskScheduler:
-    """The queues of `kinds` (in priority order: the first runs first)."""
+    """The queues of `kinds` (in priority order: the first runs first). `clock`: the wall
+    clock that starts, times out and backs off tasks."""
 
-    def __init__(self, kinds: Sequence[TaskKind], settings: Settings) -> None:
+    def __init__(
+        self, kinds: Sequence[TaskKind], settings: Settings, clock: Callable[[], float] = time.time
+    ) -> None:
         self.kinds = list(kinds)
         self.settings = settings
         self._lanes: dict[str, _Lane] = {}  # the batch running per kind
+        self.clock = clock
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds a task waits after its `attempts`-th attempt failed."""
+        base, most = self.settings.task_retry_backoff, self.settings.task_retry_backoff_max
+        return min(most, base * 2.0 ** min(max(attempts - 1, 0), 60))
 
     def worker(self, store: MetaStore) -> str:
         """This process under the store's term (0: unfenced)."""
@@ -203,7 +217,7 @@ class TaskScheduler:
         """Queue a task of `kind` for each spec whose segment has none (dedupe by key).
         Returns the segments queued now."""
         queued = []
-        now = time.time()
+        now = self.clock()
         for s in specs:
             record = TaskRecord(
                 kind, s.collection_id, s.partition_id, s.segment_id, s.rows, s.memory_mb, created_at=now
@@ -277,8 +291,10 @@ class TaskScheduler:
             (d for d in list_tasks(store, kind.name) if d.model.state is TaskState.QUEUED),
             key=lambda d: (d.model.created_at, d.model.segment_id),
         )
+        now = self.clock()
+        report.backing_off += sum(1 for d in queued if d.model.not_before > now)
         batch: list[Decoded[TaskRecord]] = []
-        for d in queued:
+        for d in (d for d in queued if d.model.not_before <= now):
             need = task_slots(d.model.rows)
             if (batch or held) and (need > slots or d.model.memory_mb > memory):
                 report.waiting += 1
@@ -296,12 +312,17 @@ class TaskScheduler:
         report: RoundReport,
     ) -> _Lane | None:
         """Mark the batch InProgress under this worker and run it in its lane's thread."""
-        worker, now = self.worker(system.store), time.time()
+        worker, now = self.worker(system.store), self.clock()
         started: list[Decoded[TaskRecord]] = []
         for d in batch:
             t = d.model
             mine = replace(
-                t, state=TaskState.IN_PROGRESS, attempts=t.attempts + 1, worker=worker, started_at=now
+                t,
+                state=TaskState.IN_PROGRESS,
+                attempts=t.attempts + 1,
+                worker=worker,
+                started_at=now,
+                not_before=0.0,
             )
             if (found := swap_task(system.store, d, mine)) is not None:
                 started.append(found)
@@ -346,7 +367,7 @@ class TaskScheduler:
         if outcome.state == "deferred":
             swap_task(store, d, replace(t, state=TaskState.QUEUED, attempts=t.attempts - 1, worker=""))
             return
-        self._spent(store, d, outcome.reason, report.retried, report.failed)
+        self._spent(store, d, outcome.reason, report.retried, report.failed, self.backoff(d.model.attempts))
 
     def _spent(
         self,
@@ -355,26 +376,31 @@ class TaskScheduler:
         reason: str,
         retried: list[tuple[str, int, str]],
         failed_out: list[tuple[str, int, str]],
+        backoff: float = 0.0,
     ) -> bool:
-        """An attempt failed: back to the queue, or Failed once out of attempts."""
+        """An attempt failed: back to the queue (not run again for `backoff` seconds), or
+        Failed once out of attempts."""
         t = d.model
         out = t.attempts >= self.settings.task_max_attempts
         state = TaskState.FAILED if out else TaskState.QUEUED
-        if swap_task(store, d, replace(t, state=state, reason=reason, worker="")) is None:
+        not_before = 0.0 if out or not backoff else self.clock() + backoff
+        changed = replace(t, state=state, reason=reason, worker="", not_before=not_before)
+        if swap_task(store, d, changed) is None:
             return False
         (failed_out if out else retried).append((t.kind, t.segment_id, reason))
         if out:
             log.error("%s task of segment %d failed %d times: %s", t.kind, t.segment_id, t.attempts, reason)
         else:
             log.warning(
-                "%s task of segment %d failed (attempt %d): %s", t.kind, t.segment_id, t.attempts, reason
-            )
+                "%s task of segment %d failed (attempt %d, next in %.0fs): %s",
+                t.kind, t.segment_id, t.attempts, backoff, reason,
+            )  # fmt: skip
         return True
 
     def recover(self, store: MetaStore, report: RoundReport) -> None:
         """Tasks InProgress under another worker (dead, or of an ended term) or past
         VCHAN_TASK_TIMEOUT back to the queue (an attempt spent)."""
-        me, now = self.worker(store), time.time()
+        me, now = self.worker(store), self.clock()
         running = {(name, d.model.segment_id) for name, lane in self._lanes.items() for d in lane.started}
         for d in list_tasks(store):
             t = d.model

@@ -191,8 +191,8 @@ def _task_round(
             "tasks: ran %d, done %d, retried %d, failed %d, dead workers' %d",
             len(report.ran), len(report.done), len(report.retried), len(report.failed), len(report.recovered),
         )  # fmt: skip
-    if report.retried or report.waiting or report.recovered:
-        return now  # more queued: the next round at once
+    if report.waiting or report.recovered:
+        return now  # more queued: the next round at once (a failed attempt waits its backoff)
     if tasks.busy:
         return now + TASK_POLL_INTERVAL  # a batch runs: record it soon after it ends
     return now + TASK_SCAN_INTERVAL
