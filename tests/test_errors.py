@@ -68,6 +68,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "spark.session.SparkJobTimeoutError": ("sync c_0", 600.0),
     "storage.fs.ObjectExistsError": ("a/b",),
     "storage.fs.StorageError": ("a/b", "permission denied"),
+    "wal.backpressure.WriteLagExceededError": ("c_0", 2100.5, 310.0, "VCHAN_WRITE_LAG_LIMIT_MB=2048"),
     "wal.format.CorruptLogError": ("wal/c_0/1.parquet", "footer has no offsets"),
     "wal.format.SchemaMismatchError": (
         "wal/c_0/1.parquet",
