@@ -76,6 +76,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
         pa.schema([("pk", pa.string()), ("w", pa.float32())]),
     ),
     "wal.format.UnknownMessageTypeError": ("wal/c_0/1.parquet", 3, "upsert"),
+    "wal.quarantine.NotDamagedError": ("wal/c_0/1.parquet", "it reads (3 messages)"),
     "wal.writer.InvalidBatchError": ("c_0", "timestamps go back"),
     "wal.writer.LogConflictError": ("wal/c_0/1.parquet", "c_0"),
 }

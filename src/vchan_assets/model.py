@@ -517,6 +517,31 @@ class TaskRecord(Record):
     started_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class DataLoss(Record):
+    """A damaged file an operator quarantined (`vchan quarantine`), so its channel or
+    segment could go on without it: `meta/data-loss/{collection}/{loss}`, never deleted, so
+    the loss stays visible (`vchan status`, the catalog's `data_losses`).
+
+    A log file (`kind` "log"): the offsets `first_offset`..`last_offset` of `vchannel` are
+    lost; a placeholder of time ticks holds their place in the log."""
+
+    loss_id: int
+    collection_id: int
+    kind: str  # "log"
+    path: str  # the damaged file, where it was
+    moved_to: str  # where it is kept now (for forensics)
+    reason: str  # why it could not be read
+    vchannel: str = ""
+    first_offset: int = -1
+    last_offset: int = -1
+    at: float = 0.0
+
+    @property
+    def messages(self) -> int:
+        return self.last_offset - self.first_offset + 1
+
+
 # --- sessions, leases and watch infos ----------------------------------------------------
 
 

@@ -16,7 +16,9 @@
   - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
     and damaged files wholly below the checkpoint (already synced; nothing stops);
   - idle change streams: a registered stream unseen for VCHAN_STREAM_IDLE_TIMEOUT, which
-    no longer holds log retention back.
+    no longer holds log retention back;
+  - data lost: every damaged log file an operator quarantined (`vchan quarantine`), with
+    the offsets lost, for good (the records are never deleted).
 The report also lists the change streams (`datacoord.streams`): committed offsets, how
 far behind the log head, last seen, and whether they hold retention back.
 `render_status(report)` draws it as rich tables.
@@ -358,6 +360,8 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     ]
     tasks = _tasks(catalog)
     warnings += _task_warnings(tasks)
+    losses = _records(catalog.data_losses(), LOSS_COLUMNS)
+    warnings += _loss_warnings(losses)
     orphan_count = None
     if orphans:
         found = catalog.orphans()
@@ -387,6 +391,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
         "imports": _records(catalog.imports(), IMPORT_COLUMNS),
         "tasks": tasks,
+        "data_losses": losses,
         "streams": streams,
         "warnings": warnings,
     }
@@ -430,6 +435,24 @@ def _task_warnings(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+LOSS_COLUMNS = ["loss_id", "collection", "vchannel", "first_offset", "last_offset", "path", "reason", "at"]
+
+
+def _loss_warnings(losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A warning per quarantined file, for good: the loss is never silent."""
+    return [
+        {
+            "kind": "data_lost",
+            "collection": loss["collection"],
+            "vchannel": loss["vchannel"],
+            "message": f"{loss['vchannel']} ({loss['collection']}): offsets {loss['first_offset']}.."
+            f"{loss['last_offset']} lost, damaged log file {loss['path']} quarantined at {loss['at']} "
+            f"({loss['reason']})",
+        }
+        for loss in losses
+    ]
 
 
 COMPACTION_COLUMNS = [
