@@ -391,8 +391,9 @@ class Catalog:
 
     def data_losses(self, collection: str | None = None) -> pd.DataFrame:
         """One row per damaged file an operator quarantined (`vchan quarantine`,
-        `meta/data-loss/`): the channel and the offsets lost, where the file was and is
-        kept, why it was unreadable, when. Never emptied: a loss stays visible for good."""
+        `meta/data-loss/`): a log file's channel and offsets lost, or a binlog's segment and
+        rows lost; where the file was and is kept, why it was unreadable, when. Never
+        emptied: a loss stays visible for good."""
         names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
         rows = [
             {
@@ -403,6 +404,8 @@ class Catalog:
                 "first_offset": loss.first_offset,
                 "last_offset": loss.last_offset,
                 "messages": loss.messages,
+                "segment_id": loss.segment_id,
+                "rows": loss.rows,
                 "path": loss.path,
                 "moved_to": loss.moved_to,
                 "reason": loss.reason,
@@ -413,7 +416,7 @@ class Catalog:
         ]
         columns = [
             "loss_id", "collection", "kind", "vchannel", "first_offset", "last_offset", "messages",
-            "path", "moved_to", "reason", "at",
+            "segment_id", "rows", "path", "moved_to", "reason", "at",
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 

@@ -17,8 +17,8 @@
     and damaged files wholly below the checkpoint (already synced; nothing stops);
   - idle change streams: a registered stream unseen for VCHAN_STREAM_IDLE_TIMEOUT, which
     no longer holds log retention back;
-  - data lost: every damaged log file an operator quarantined (`vchan quarantine`), with
-    the offsets lost, for good (the records are never deleted).
+  - data lost: every damaged log file or binlog an operator quarantined (`vchan
+    quarantine`), with the offsets or rows lost, for good (the records are never deleted).
 The report also lists the change streams (`datacoord.streams`): committed offsets, how
 far behind the log head, last seen, and whether they hold retention back.
 `render_status(report)` draws it as rich tables.
@@ -437,7 +437,21 @@ def _task_warnings(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-LOSS_COLUMNS = ["loss_id", "collection", "vchannel", "first_offset", "last_offset", "path", "reason", "at"]
+LOSS_COLUMNS = [
+    "loss_id", "collection", "kind", "vchannel", "first_offset", "last_offset", "segment_id", "rows",
+    "path", "reason", "at",
+]  # fmt: skip
+
+
+def _lost(loss: dict[str, Any]) -> str:
+    if loss["kind"] == "binlog":
+        return (
+            f"segment {loss['segment_id']} ({loss['collection']}): {loss['rows']} rows lost, damaged binlog"
+        )
+    return (
+        f"{loss['vchannel']} ({loss['collection']}): offsets {loss['first_offset']}..{loss['last_offset']} "
+        "lost, damaged log file"
+    )
 
 
 def _loss_warnings(losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -447,9 +461,7 @@ def _loss_warnings(losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "kind": "data_lost",
             "collection": loss["collection"],
             "vchannel": loss["vchannel"],
-            "message": f"{loss['vchannel']} ({loss['collection']}): offsets {loss['first_offset']}.."
-            f"{loss['last_offset']} lost, damaged log file {loss['path']} quarantined at {loss['at']} "
-            f"({loss['reason']})",
+            "message": f"{_lost(loss)} {loss['path']} quarantined at {loss['at']} ({loss['reason']})",
         }
         for loss in losses
     ]

@@ -1,5 +1,6 @@
-"""Getting past a damaged log file (`vchan quarantine`, `wal.quarantine`): a real truncated
-WAL file, real `vchan sync`, `vchan quarantine` and `vchan status` processes."""
+"""Getting past a damaged log file or binlog (`vchan quarantine`, `wal.quarantine`,
+`lifecycle.quarantine`): a real truncated WAL file or binlog, real `vchan sync`,
+`vchan quarantine` and `vchan status` processes."""
 
 from __future__ import annotations
 
@@ -13,11 +14,23 @@ import pytest
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, read_inserted
+from vchan_assets.testing.harness import (
+    SCHEMA,
+    VCHAN,
+    Produced,
+    cli_env,
+    live_segments,
+    produce,
+    read_inserted,
+    segments,
+)
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.quarantine import NotDamagedError, inspect_log_file
 from vchan_assets.wal.reader import WalReader
@@ -92,3 +105,38 @@ def test_a_readable_log_file_is_not_quarantined(
 
     with pytest.raises(NotDamagedError, match="it reads"):
         inspect_log_file(System(settings, store, storage), storage.path(healthy.key))
+
+
+def test_a_quarantined_binlog_leaves_its_segment_the_rows_of_its_other_files_and_records_the_loss(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+) -> None:
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    lease = grant_channel_lease(store, IdAllocator(store), info.vchannels[0], node_id=1)
+    system = System(settings, store, storage)
+    first, second = Produced(), Produced()
+    produce(producer, info.name, first, 300, start_pk=0)
+    SyncTask(system, info, info.vchannels[0], lease, engine="local").run()
+    produce(producer, info.name, second, 200, start_pk=1000)
+    producer.flush(info.name)
+    SyncTask(system, info, info.vchannels[0], lease, engine="local").run()
+    [seg] = [s for s in live_segments(segments(store, info)) if s.level is SegmentLevel.L1]
+    assert seg.state is SegmentState.FLUSHED and len(seg.binlogs[0].logs) == 2
+    victim = Path(storage.path(seg.binlogs[0].logs[0].path))
+    victim.write_bytes(victim.read_bytes()[:100])
+
+    done = _vchan(settings, "quarantine", "--file", str(victim), "--yes")
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "300 of the 500 rows" in done.stdout
+    with Catalog(system) as catalog:
+        kept = catalog.read_segment(seg.id, as_arrow=True)
+        assert sorted(kept["pk"].to_pylist()) == sorted(second.table["pk"].to_pylist())
+        [loss] = catalog.data_losses(info.name).to_dict("records")
+    assert (loss["kind"], loss["segment_id"], loss["rows"], loss["path"]) == (
+        "binlog",
+        seg.id,
+        300,
+        str(victim),
+    )
+    report = json.loads(_vchan(settings, "status", "--json").stdout)
+    assert any(w["kind"] == "data_lost" and "300 rows lost" in w["message"] for w in report["warnings"])

@@ -99,23 +99,27 @@ def _quarantine_args(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "quarantine",
-    "move a damaged log file aside and let its channel go on past it (the lost offsets are recorded)",
+    "move a damaged log file or binlog aside and go on without it (the loss is recorded for good)",
     _quarantine_args,
 )
 def quarantine(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.lifecycle.quarantine import DamagedBinlog, inspect_binlog, is_binlog, quarantine_binlog
     from vchan_assets.wal.quarantine import inspect_log_file, quarantine_log_file
 
     with opened(settings) as stack:
-        damaged = inspect_log_file(stack, args.file)
+        binlog = is_binlog(stack, args.file)
+        damaged = inspect_binlog(stack, args.file) if binlog else inspect_log_file(stack, args.file)
         print(damaged.describe())
         if not args.yes:
             answer = input("quarantine it? type yes to go on: ")
             if answer.strip().lower() != "yes":
                 print("nothing was changed")
                 return 1
-        loss = quarantine_log_file(stack, damaged)
-    print(
-        f"quarantined: kept at {loss.moved_to}; loss {loss.loss_id} recorded "
-        f"({loss.vchannel} offsets {loss.first_offset}..{loss.last_offset}); the channel goes on"
-    )
+        if isinstance(damaged, DamagedBinlog):
+            loss = quarantine_binlog(stack, damaged)
+            lost = f"segment {loss.segment_id}: {loss.rows} rows"
+        else:
+            loss = quarantine_log_file(stack, damaged)
+            lost = f"{loss.vchannel} offsets {loss.first_offset}..{loss.last_offset}"
+    print(f"quarantined: kept at {loss.moved_to}; loss {loss.loss_id} recorded ({lost}); the rest goes on")
     return 0

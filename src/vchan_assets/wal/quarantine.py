@@ -30,6 +30,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.model import ChannelHead, CollectionInfo, DataLoss
+from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal import format as fmt
 from vchan_assets.wal.format import CorruptLogError, LogError, MsgType, first_offset_of, log_schema
@@ -70,6 +71,11 @@ class DamagedLogFile:
         )
 
 
+def key_of(storage: Storage, path: str) -> str:
+    """The storage key of `path`, given as a full path (as errors name files) or a key."""
+    return storage.key_of(path) if path.startswith("/") or "://" in path else path
+
+
 def _collection_of(system: System, vchannel: str) -> CollectionInfo:
     for info in CollectionRegistry(system.store).list(include_dropped=True):
         if vchannel in info.vchannels:
@@ -81,7 +87,7 @@ def inspect_log_file(system: System, path: str) -> DamagedLogFile:
     """The damaged log file at `path` (a storage path or key) and what its loss would be;
     NotDamagedError if it is not a log file, or can be read."""
     storage = system.storage
-    key = storage.key_of(path) if not path.startswith("wal/") else path
+    key = key_of(storage, path)
     parts = key.split("/")
     try:
         first = first_offset_of(key)
@@ -145,9 +151,8 @@ def quarantine_log_file(system: System, damaged: DamagedLogFile) -> DataLoss:
         )
     )
     if not recorded:
-        store.cas(store.keys.data_loss(loss.collection_id, loss.loss_id), 0, loss)
-    storage.write_atomic(QUARANTINE_PREFIX + damaged.key, storage.read_bytes(damaged.key))
-    storage.delete(damaged.key)
+        record_loss(system, loss)
+    move_to_quarantine(storage, damaged.key)
     storage.write_atomic(damaged.key, _placeholder(damaged))
     log.warning(
         "quarantined %s to %s: offsets %d..%d of %s lost",
@@ -158,6 +163,18 @@ def quarantine_log_file(system: System, damaged: DamagedLogFile) -> DataLoss:
         loss.vchannel,
     )
     return loss
+
+
+def record_loss(system: System, loss: DataLoss) -> None:
+    """Write `loss` under a new key (it is never changed or deleted)."""
+    system.store.cas(system.store.keys.data_loss(loss.collection_id, loss.loss_id), 0, loss)
+
+
+def move_to_quarantine(storage: Storage, key: str) -> str:
+    """Copy the file at `key` to `quarantine/{key}` and remove it; the new full path."""
+    kept = storage.write_atomic(QUARANTINE_PREFIX + key, storage.read_bytes(key))
+    storage.delete(key)
+    return kept
 
 
 def _placeholder(damaged: DamagedLogFile) -> pa.Buffer:
