@@ -4,6 +4,8 @@
 (owner, watch state, checkpoint, lag), segments by state and level, and warnings:
   - time-tick lag: a channel with unsynced messages whose checkpoint is older than
     `timetick_lag_warn` seconds (DataCoord's time-tick lag warning);
+  - write back-pressure: a channel whose unsynced log is past half VCHAN_WRITE_LAG_LIMIT_MB
+    (`writes_slowed`) or past it (`writes_refused`);
   - stuck watches: ToWatch / ToRelease past their timeout (`watch_timeout`);
   - channels on a node without a live session (the node died; the active coordinator
     moves them, and if there is none the warning says so and how to start one) and
@@ -48,6 +50,7 @@ from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.model import NodeSession, SegmentState, TaskState
+from vchan_assets.wal.backpressure import SLOW_FROM
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
 DAGSTER_COORDINATOR = "dagster:datacoord"
@@ -98,7 +101,7 @@ def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
 JSON_CHANNEL_COLUMNS = [
     "vchannel", "collection", "owner_node", "owner_alive", "watch_state", "lease_node",
     "checkpoint_offset", "checkpoint_time", "head_offset", "lag_rows", "lag_seconds",
-    "checkpoint_age_seconds", "syncs", "log_error", "log_damaged",
+    "checkpoint_age_seconds", "syncs", "log_error", "log_damaged", "backlog_bytes",
 ]  # fmt: skip
 
 
@@ -188,6 +191,7 @@ def _channel_warnings(
                     "message": f"{row['vchannel']}: already synced, the channel goes on: {damage}",
                 }
             )
+        warnings += _write_lag_warning(row, settings)
         age = row["checkpoint_age_seconds"]
         if row["lag_rows"] and age is not None and age > settings.timetick_lag_warn:
             warnings.append(
@@ -226,6 +230,24 @@ def _channel_warnings(
                 }
             )
     return warnings
+
+
+def _write_lag_warning(row: dict[str, Any], settings: Settings) -> list[dict[str, Any]]:
+    """A channel whose unsynced log is past half the write lag limit: its producers are
+    slowed, or refused past the limit (`wal.backpressure`)."""
+    limit = settings.write_lag_limit_mb
+    held = (row["backlog_bytes"] or 0) / 2**20
+    if limit <= 0 or held < SLOW_FROM * limit:
+        return []
+    state = "refused" if held > limit else "slowed"
+    return [
+        {
+            "kind": f"writes_{state}",
+            "vchannel": row["vchannel"],
+            "message": f"{row['vchannel']}: {held:.0f} MB of log not synced (VCHAN_WRITE_LAG_LIMIT_MB="
+            f"{limit:g}): inserts and deletes are {state} until its DataNode catches up",
+        }
+    ]
 
 
 def _watch_warnings(watches: WatchListing, now: float) -> list[dict[str, Any]]:

@@ -10,12 +10,14 @@ from dataclasses import replace
 
 import pytest
 
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
+from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.backpressure import MB, WriteLagExceededError, WriteLimiter, channel_lag
@@ -69,6 +71,9 @@ def test_a_lagging_channel_slows_then_refuses_inserts_naming_the_channel_and_its
     lag = channel_lag(store, WalReader(storage, vchannel, info), info)
     assert lag.bytes < 0.2 * MB * 1.5, "the log after the checkpoint stays near the limit"
     assert written > 0
+    with Catalog(System(replace(settings, write_lag_limit_mb=0.2), store, storage)) as catalog:
+        warnings = collect_status(catalog, orphans=False)["warnings"]
+    assert any(w["kind"] == "writes_refused" and w["vchannel"] == vchannel for w in warnings), warnings
 
 
 def test_flush_goes_on_and_writes_resume_by_themselves_once_a_sync_catches_up(
