@@ -18,7 +18,8 @@ Writes resume by themselves: the lag is read again at most every `REFRESH_SECOND
 channel (one etcd get of the checkpoint, and the footers of the log files written since
 the last reading; a `WalReader` caches the older ones), never once per insert. Between two
 readings the producer adds what it writes itself (`wrote`), so a fast producer does not run
-past the limit on a stale reading.
+past the limit on a stale reading. A reading that fails (etcd or storage unavailable, a
+damaged log file) keeps the last one: back-pressure never refuses a write it cannot measure.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from dataclasses import dataclass, replace
 
 from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
+from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, physical_ms
-from vchan_assets.storage import Storage
+from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.format import LogError
 from vchan_assets.wal.reader import WalReader
 
@@ -146,7 +148,15 @@ class WriteLimiter:
             reader = self._readers.get(vchannel)
             if reader is None or reader.collection.id != collection.id:
                 reader = self._readers[vchannel] = WalReader(self.storage, vchannel, collection)
-            lag = self._lags[vchannel] = channel_lag(self.store, reader, collection)
+            try:
+                lag = channel_lag(self.store, reader, collection)
+            except (MetaUnavailableError, StorageError, LogError) as exc:
+                # Not a reason to refuse a write: the append retries etcd and storage itself,
+                # and a damaged log is the sync's to report. Keep the last reading meanwhile.
+                log.warning("write lag of %s unknown (%s): keeping the last reading", vchannel, exc)
+                last = cached or ChannelLag(vchannel, 0, 0.0, 0.0)
+                lag = replace(last, bytes=last.bytes + self._since.get(vchannel, 0))
+            self._lags[vchannel] = replace(lag, read_at=time.monotonic())
             self._since[vchannel] = 0
             return lag
 
