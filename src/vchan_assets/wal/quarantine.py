@@ -98,11 +98,11 @@ def inspect_log_file(system: System, path: str) -> DamagedLogFile:
     vchannel = parts[1]
     info = _collection_of(system, vchannel)
     reader = WalReader(storage, vchannel, info)
-    keys = reader._keys()
+    keys = reader.keys()
     if key not in keys:
         raise NotDamagedError(storage.path(key), "no such log file")
     try:  # as a sync reads it: the footer, then the whole file and its data file
-        reader._describe(key)
+        reader.describe(key)
         messages = read_log_file(storage, key, info.schema).num_rows
     except CorruptLogError as exc:
         reason = exc.reason
@@ -119,7 +119,7 @@ def inspect_log_file(system: System, path: str) -> DamagedLogFile:
     timestamp = 0
     if at > 0:
         try:
-            before = reader._describe(keys[at - 1])
+            before = reader.describe(keys[at - 1])
             timestamp = before.last_timestamp if before is not None else 0
         except CorruptLogError:
             timestamp = 0
