@@ -19,6 +19,7 @@ BENCHMARKS = (
     "read_tail",
     "import",
     "scale",
+    "overload",
 )
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "spark.session.SparkJobTimeoutError": ("sync c_0", 600.0),
     "storage.fs.ObjectExistsError": ("a/b",),
     "storage.fs.StorageError": ("a/b", "permission denied"),
+    "wal.backpressure.WriteLagExceededError": ("c_0", 2100.5, 310.0, "VCHAN_WRITE_LAG_LIMIT_MB=2048"),
     "wal.format.CorruptLogError": ("wal/c_0/1.parquet", "footer has no offsets"),
     "wal.format.SchemaMismatchError": (
         "wal/c_0/1.parquet",
@@ -75,6 +76,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
         pa.schema([("pk", pa.string()), ("w", pa.float32())]),
     ),
     "wal.format.UnknownMessageTypeError": ("wal/c_0/1.parquet", 3, "upsert"),
+    "wal.quarantine.NotDamagedError": ("wal/c_0/1.parquet", "it reads (3 messages)"),
     "wal.writer.InvalidBatchError": ("c_0", "timestamps go back"),
     "wal.writer.LogConflictError": ("wal/c_0/1.parquet", "c_0"),
 }

@@ -15,10 +15,14 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
+from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import cli_env
+from vchan_assets.wal.reader import WalReader
 
 VCHAN = Path(sys.executable).parent / "vchan"
 
@@ -207,3 +211,55 @@ def test_a_spark_connect_record_without_its_pid_or_port_counts_as_no_server(tmp_
         server.state_file.write_text(record)
         assert server.recorded() is None, record
         assert server.url() is None
+
+
+# --- etcd unreachable at start: VCHAN_ETCD_CONNECT_TIMEOUT ---------------------------------
+
+
+def _vchan(settings: Settings, *args: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(VCHAN), *args],
+        env=cli_env(settings, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_vchan_produce_started_while_etcd_restarts_waits_for_it_and_writes_its_rows(
+    private_etcd: EmbeddedEtcd, private_settings: Settings
+) -> None:
+    created = _vchan(private_settings, "create-collection", "--collection", "c1", "--dim", "4")
+    assert created.wait(timeout=120) == 0, created.communicate()[1][-2000:]
+    private_etcd.stop()
+    produce = _vchan(
+        private_settings, "produce", "--collection", "c1", "--rows", "100", VCHAN_ETCD_CONNECT_TIMEOUT="60"
+    )
+    assert produce.stderr is not None
+    retrying = produce.stderr.readline()  # its first failed attempt, logged at WARNING
+    assert "connect to etcd" in retrying and "retrying" in retrying, retrying
+    private_etcd.restart()
+
+    out, err = produce.communicate(timeout=120)
+
+    assert produce.returncode == 0, err[-2000:]
+    store = MetaStore.connect(private_settings)
+    try:
+        info = CollectionRegistry(store).get_by_name("c1")
+        rows = sum(
+            WalReader(Storage.from_settings(private_settings), v, info).backlog().messages
+            for v in info.vchannels
+        )
+    finally:
+        store.close()
+    assert rows >= 100 + 2 * len(info.vchannels)  # the rows, their ticks and the create messages
+
+
+def test_an_etcd_that_stays_down_fails_the_command_after_the_connect_timeout_saying_so(
+    private_etcd: EmbeddedEtcd, private_settings: Settings
+) -> None:
+    private_etcd.stop()
+    status = _vchan(private_settings, "status", VCHAN_ETCD_CONNECT_TIMEOUT="1")
+    _, err = status.communicate(timeout=120)
+    assert status.returncode == 1
+    assert private_etcd.endpoint in err and "tried for 1s (VCHAN_ETCD_CONNECT_TIMEOUT)" in err, err[-2000:]

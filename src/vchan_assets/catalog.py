@@ -12,6 +12,7 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
     cat.segments()               # state, level, rows, bytes, binlog count, sorted
     cat.binlogs(); cat.deltalogs()
     cat.imports()                # bulk import jobs: state, reason, progress, rows, segments
+    cat.data_losses()            # damaged log files quarantined: the offsets lost, for good
     cat.indexes()                # vector indexes: definition, indexed rows / total, failed builds
     cat.read_collection("books") # the rows a query would see: deletes applied
     cat.search("books", vectors, k=10)  # nearest neighbours: query, pk, distance
@@ -57,6 +58,7 @@ from vchan_assets.query.prune import parse_where
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
+from vchan_assets.wal.quarantine import list_data_losses
 from vchan_assets.wal.reader import WalReader
 
 log = logging.getLogger(__name__)
@@ -384,6 +386,37 @@ class Catalog:
         columns = [
             "plan_id", "collection", "partition_id", "vchannel", "type", "state", "reason", "inputs",
             "outputs", "rows_in", "rows_out", "bytes_in", "bytes_out", "created_at", "finished_at",
+        ]  # fmt: skip
+        return pd.DataFrame(rows, columns=columns)
+
+    def data_losses(self, collection: str | None = None) -> pd.DataFrame:
+        """One row per damaged file an operator quarantined (`vchan quarantine`,
+        `meta/data-loss/`): a log file's channel and offsets lost, or a binlog's segment and
+        rows lost; where the file was and is kept, why it was unreadable, when. Never
+        emptied: a loss stays visible for good."""
+        names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
+        rows = [
+            {
+                "loss_id": loss.loss_id,
+                "collection": names.get(loss.collection_id, str(loss.collection_id)),
+                "kind": loss.kind,
+                "vchannel": loss.vchannel,
+                "first_offset": loss.first_offset,
+                "last_offset": loss.last_offset,
+                "messages": loss.messages,
+                "segment_id": loss.segment_id,
+                "rows": loss.rows,
+                "path": loss.path,
+                "moved_to": loss.moved_to,
+                "reason": loss.reason,
+                "at": _utc(loss.at),
+            }
+            for loss in list_data_losses(self.system)
+            if collection is None or names.get(loss.collection_id) == collection
+        ]
+        columns = [
+            "loss_id", "collection", "kind", "vchannel", "first_offset", "last_offset", "messages",
+            "segment_id", "rows", "path", "moved_to", "reason", "at",
         ]  # fmt: skip
         return pd.DataFrame(rows, columns=columns)
 

@@ -135,6 +135,16 @@ def root(name: str, raw: str) -> str:
 
 
 @parser
+def switch(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise ConfigError(name, raw, "on or off")
+
+
+@parser
 def text(name: str, raw: str) -> str:
     return raw
 
@@ -177,6 +187,8 @@ def _as_text(value: Any) -> str | None:
         return None
     if isinstance(value, tuple):
         return ",".join(value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
@@ -255,6 +267,7 @@ class Settings:
     etcd_cert: str | None = FROM_TABLE
     etcd_key: str | None = FROM_TABLE
     etcd_timeout: float = FROM_TABLE
+    etcd_connect_timeout: float = FROM_TABLE
     storage_uri: str = FROM_TABLE
     s3_endpoint: str | None = FROM_TABLE
     s3_region: str = FROM_TABLE
@@ -263,7 +276,10 @@ class Settings:
     session_ttl: float = FROM_TABLE
     append_lock_ttl: float = FROM_TABLE
     client_retry_timeout: float = FROM_TABLE
+    write_lag_limit_mb: float = FROM_TABLE
+    write_lag_limit_seconds: float = FROM_TABLE
     watch_timeout: float = FROM_TABLE
+    auto_balance: bool = FROM_TABLE
     tickler_interval: float = FROM_TABLE
     segment_max_size_mb: float = FROM_TABLE
     segment_seal_proportion: float = FROM_TABLE
@@ -273,6 +289,7 @@ class Settings:
     sync_buffer_mb: float = FROM_TABLE
     sync_max_age: float = FROM_TABLE
     timetick_lag_warn: float = FROM_TABLE
+    gc_enabled: bool = FROM_TABLE
     gc_interval: float = FROM_TABLE
     gc_missing_tolerance: float = FROM_TABLE
     gc_drop_tolerance: float = FROM_TABLE
@@ -282,6 +299,7 @@ class Settings:
     read_pin_ttl: float = FROM_TABLE
     stream_idle_timeout: float = FROM_TABLE
     sort_scan_interval: float = FROM_TABLE
+    compaction_enabled: bool = FROM_TABLE
     compaction_check_interval: float = FROM_TABLE
     l0_compaction_trigger_count: int = FROM_TABLE
     l0_compaction_trigger_mb: float = FROM_TABLE

@@ -562,6 +562,36 @@ class TaskRecord(Record):
     OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before"})
 
 
+@dataclass(frozen=True)
+class DataLoss(Record):
+    """A damaged file an operator quarantined (`vchan quarantine`), so its channel or
+    segment could go on without it: `meta/data-loss/{collection}/{loss}`, never deleted, so
+    the loss stays visible (`vchan status`, the catalog's `data_losses`).
+
+    A log file (`kind` "log"): the offsets `first_offset`..`last_offset` of `vchannel` are
+    lost; a placeholder of time ticks holds their place in the log. A binlog of a flushed
+    segment (`kind` "binlog"): its `rows` of `segment_id` are lost (the same rows' files of
+    the other column groups and their stats log leave the segment too); its other binlog
+    files are kept."""
+
+    loss_id: int
+    collection_id: int
+    kind: str  # "log" or "binlog"
+    path: str  # the damaged file, where it was
+    moved_to: str  # where it is kept now (for forensics)
+    reason: str  # why it could not be read
+    vchannel: str = ""
+    first_offset: int = -1
+    last_offset: int = -1
+    at: float = 0.0
+    segment_id: int = 0
+    rows: int = 0
+
+    @property
+    def messages(self) -> int:
+        return self.last_offset - self.first_offset + 1 if self.kind == "log" else 0
+
+
 # --- sessions, leases and watch infos ----------------------------------------------------
 
 

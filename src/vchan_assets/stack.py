@@ -5,6 +5,11 @@ reuses a running one; `start_etcd=False`, for Dagster's sensors and runs and Spa
 workers, only reuses one), connects, and prepares storage. A `Stack` is the `System`
 it opened (pass it to any service) plus the embedded etcd; `close()` stops what it
 started. Spark is started lazily by whoever needs it (`spark.session.get_spark`).
+
+An etcd that does not answer at start (restarting, not up yet) is tried again with backoff
+for VCHAN_ETCD_CONNECT_TIMEOUT (`connect_with_retry`), so a process or a `vchan produce`
+started during an etcd restart waits a few seconds instead of failing; an etcd that answers
+and refuses (user, password, certificate, permissions) fails at once.
 """
 
 from __future__ import annotations
@@ -15,11 +20,36 @@ from typing import Any
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd, server_version
+from vchan_assets.meta.errors import MetaUnavailableError
+from vchan_assets.meta.retry import retry_transient
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
+
+
+def connect_with_retry(settings: Settings, endpoints: tuple[str, ...]) -> MetaStore:
+    """A client of `endpoints` whose access is checked, retried while etcd is unavailable
+    for VCHAN_ETCD_CONNECT_TIMEOUT; then MetaUnavailableError saying how long it tried."""
+
+    def attempt() -> MetaStore:
+        store = MetaStore.connect(settings, endpoints)
+        try:
+            store.check_access(settings)
+        except Exception:
+            store.close()
+            raise
+        return store
+
+    timeout = settings.etcd_connect_timeout
+    try:
+        return retry_transient("connect to etcd", attempt, timeout, (MetaUnavailableError,), max_pause=2.0)
+    except MetaUnavailableError as exc:
+        if timeout <= 0:
+            raise
+        tried = f"{exc.operation}, tried for {timeout:g}s (VCHAN_ETCD_CONNECT_TIMEOUT)"
+        raise MetaUnavailableError(exc.endpoints, tried, exc.reason) from exc
 
 
 @dataclass(frozen=True)
@@ -37,11 +67,9 @@ class Stack(System):
             embedded = EmbeddedEtcd(settings.etcd_dir)
             etcd = embedded.start(detach=detach) if start_etcd else embedded.attach()
             endpoints = (etcd.endpoint,)
-        store = MetaStore.connect(settings, endpoints)
         try:
-            store.check_access(settings)
+            store = connect_with_retry(settings, endpoints)
         except Exception:
-            store.close()
             if etcd is not None and etcd.owned:
                 etcd.stop()
             raise

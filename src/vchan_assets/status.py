@@ -4,6 +4,8 @@
 (owner, watch state, checkpoint, lag), segments by state and level, and warnings:
   - time-tick lag: a channel with unsynced messages whose checkpoint is older than
     `timetick_lag_warn` seconds (DataCoord's time-tick lag warning);
+  - write back-pressure: a channel whose unsynced log is past half VCHAN_WRITE_LAG_LIMIT_MB
+    (`writes_slowed`) or past it (`writes_refused`);
   - stuck watches: ToWatch / ToRelease past their timeout (`watch_timeout`);
   - channels on a node without a live session (the node died; the active coordinator
     moves them, and if there is none the warning says so and how to start one) and
@@ -16,7 +18,9 @@
   - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
     and damaged files wholly below the checkpoint (already synced; nothing stops);
   - idle change streams: a registered stream unseen for VCHAN_STREAM_IDLE_TIMEOUT, which
-    no longer holds log retention back.
+    no longer holds log retention back;
+  - data lost: every damaged log file or binlog an operator quarantined (`vchan
+    quarantine`), with the offsets or rows lost, for good (the records are never deleted).
 The report also lists the change streams (`datacoord.streams`): committed offsets, how
 far behind the log head, last seen, and whether they hold retention back.
 `render_status(report)` draws it as rich tables.
@@ -46,6 +50,7 @@ from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.model import NodeSession, SegmentState, TaskState
+from vchan_assets.wal.backpressure import SLOW_FROM
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
 DAGSTER_COORDINATOR = "dagster:datacoord"
@@ -96,7 +101,7 @@ def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
 JSON_CHANNEL_COLUMNS = [
     "vchannel", "collection", "owner_node", "owner_alive", "watch_state", "lease_node",
     "checkpoint_offset", "checkpoint_time", "head_offset", "lag_rows", "lag_seconds",
-    "checkpoint_age_seconds", "syncs", "log_error", "log_damaged",
+    "checkpoint_age_seconds", "syncs", "log_error", "log_damaged", "backlog_bytes",
 ]  # fmt: skip
 
 
@@ -186,6 +191,7 @@ def _channel_warnings(
                     "message": f"{row['vchannel']}: already synced, the channel goes on: {damage}",
                 }
             )
+        warnings += _write_lag_warning(row, settings)
         age = row["checkpoint_age_seconds"]
         if row["lag_rows"] and age is not None and age > settings.timetick_lag_warn:
             warnings.append(
@@ -224,6 +230,24 @@ def _channel_warnings(
                 }
             )
     return warnings
+
+
+def _write_lag_warning(row: dict[str, Any], settings: Settings) -> list[dict[str, Any]]:
+    """A channel whose unsynced log is past half the write lag limit: its producers are
+    slowed, or refused past the limit (`wal.backpressure`)."""
+    limit = settings.write_lag_limit_mb
+    held = (row["backlog_bytes"] or 0) / 2**20
+    if limit <= 0 or held < SLOW_FROM * limit:
+        return []
+    state = "refused" if held > limit else "slowed"
+    return [
+        {
+            "kind": f"writes_{state}",
+            "vchannel": row["vchannel"],
+            "message": f"{row['vchannel']}: {held:.0f} MB of log not synced (VCHAN_WRITE_LAG_LIMIT_MB="
+            f"{limit:g}): inserts and deletes are {state} until its DataNode catches up",
+        }
+    ]
 
 
 def _watch_warnings(watches: WatchListing, now: float) -> list[dict[str, Any]]:
@@ -358,6 +382,8 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     ]
     tasks = _tasks(catalog)
     warnings += _task_warnings(tasks)
+    losses = _records(catalog.data_losses(), LOSS_COLUMNS)
+    warnings += _loss_warnings(losses)
     orphan_count = None
     if orphans:
         found = catalog.orphans()
@@ -387,6 +413,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
         "imports": _records(catalog.imports(), IMPORT_COLUMNS),
         "tasks": tasks,
+        "data_losses": losses,
         "streams": streams,
         "warnings": warnings,
     }
@@ -430,6 +457,36 @@ def _task_warnings(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+LOSS_COLUMNS = [
+    "loss_id", "collection", "kind", "vchannel", "first_offset", "last_offset", "segment_id", "rows",
+    "path", "reason", "at",
+]  # fmt: skip
+
+
+def _lost(loss: dict[str, Any]) -> str:
+    if loss["kind"] == "binlog":
+        return (
+            f"segment {loss['segment_id']} ({loss['collection']}): {loss['rows']} rows lost, damaged binlog"
+        )
+    return (
+        f"{loss['vchannel']} ({loss['collection']}): offsets {loss['first_offset']}..{loss['last_offset']} "
+        "lost, damaged log file"
+    )
+
+
+def _loss_warnings(losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A warning per quarantined file, for good: the loss is never silent."""
+    return [
+        {
+            "kind": "data_lost",
+            "collection": loss["collection"],
+            "vchannel": loss["vchannel"],
+            "message": f"{_lost(loss)} {loss['path']} quarantined at {loss['at']} ({loss['reason']})",
+        }
+        for loss in losses
+    ]
 
 
 COMPACTION_COLUMNS = [

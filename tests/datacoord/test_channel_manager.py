@@ -219,6 +219,25 @@ def test_a_move_releases_first_and_watches_after_release_success(
     assert sorted(n for es in manager.assignments().values() for n, _ in es) == [a, a, b, b]
 
 
+def test_with_auto_balance_off_a_new_node_gets_no_channel_but_a_dead_nodes_channels_still_move(
+    store: MetaStore, settings: Settings, nodes: Nodes
+) -> None:
+    settings = replace(fast_settings(settings), auto_balance=False)
+    _, infos = create_collections(store, settings, count=1, shards=4)
+    manager = ChannelManager(store, settings)
+    a = nodes.up(7311)
+    manager.reconcile()
+    _answer(store, settings, a)
+    b = nodes.up(7312)
+
+    report = manager.reconcile()
+
+    assert not report.releasing and not report.assigned
+    nodes.down(a)
+    report = manager.reconcile()
+    assert sorted(report.assigned) == sorted((v, b) for v in infos[0].vchannels)
+
+
 def test_watch_with_a_replaced_lease_answers_watch_failure(
     store: MetaStore, settings: Settings, nodes: Nodes
 ) -> None:

@@ -542,3 +542,21 @@ def test_a_small_sync_skips_the_spark_job_and_a_larger_one_runs_it(
         assert sum(asdict(result.phases).values()) == pytest.approx(result.seconds)
     assert results == {small: (True, 0, "DataNode process"), large: (False, 1, "Spark job")}
     assert_exactly_once(store, storage, collection, produced)
+
+
+def test_vchan_sync_of_a_collection_syncs_every_healthy_channel_and_exits_5_naming_the_damaged_one(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produce(producer, collection.name, Produced(), 500, start_pk=0)
+    damaged, healthy = collection.vchannels
+    victim = WalReader(storage, damaged, collection).files()[1].key
+    path = Path(storage.path(victim))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    args = [str(VCHAN), "sync", "--collection", collection.name, "--take-lease", "--engine", "local"]
+
+    done = subprocess.run(args, env=cli_env(settings), capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 5, done.stderr[-2000:]
+    assert f"damaged, not synced: {damaged}" in done.stderr and str(path) in done.stderr
+    assert checkpoint(store, damaged) is None
+    assert checkpoint(store, healthy) == WalReader(storage, healthy, collection).head()

@@ -12,6 +12,7 @@ import pytest
 from vchan_assets import imports
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
+from vchan_assets.imports.executor import ImportExecutor
 from vchan_assets.imports.jobs import ImportJobConflictError, ImportJobNotFoundError, ImportState, get_job
 from vchan_assets.imports.step import import_step
 from vchan_assets.meta.store import MetaStore
@@ -115,6 +116,24 @@ def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
     row = listed.set_index("job_id").loc[job_id]
     assert (row["state"], row["rows"], row["imported_rows"], row["files"]) == ("Completed", 450, 450, 3)
     assert get_job(store, job_id).model.segment_ids == tuple(row["segments"])
+
+
+def test_import_tasks_on_spark_are_admitted_by_memory_in_jobs_that_fit_the_budget(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    parts = [rows(100, i * 1000, seed=i) for i in range(3)]
+    paths = [write_parquet(tmp_path / f"p{i}.parquet", t) for i, t in enumerate(parts)]
+    # A task's estimate is twice its buffer (2 MiB here): two tasks fit in 5 MiB.
+    tight = replace(settings, import_buffer_mb=1.0, task_memory_mb=5.0)
+    job_id = imports.submit(info.name, paths, store=store, settings=tight)
+    executor = ImportExecutor(System(tight, store, storage), "spark")
+
+    job = executor.run(job_id)
+
+    assert job.state is ImportState.COMPLETED, job.reason
+    assert executor.jobs == [[0, 1], [2]]
+    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
 
 
 def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(

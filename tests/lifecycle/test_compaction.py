@@ -13,7 +13,7 @@ import pytest
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import list_orphans
-from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger, input_memory_mb
 from vchan_assets.lifecycle.plans import (
     CompactionPlan,
     CompactionType,
@@ -37,6 +37,23 @@ def collection(producer: Producer) -> CollectionInfo:
 
 def executor(store: MetaStore, storage: Storage, settings: Settings) -> CompactionExecutor:
     return CompactionExecutor(System(settings, store, storage), engine="local")
+
+
+def test_plans_are_admitted_by_memory_estimate_and_the_rest_run_in_a_later_job(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    before = live_l1(store, collection)
+    one = max(input_memory_mb([s]) for s in before)
+    plans = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
+    tight = executor(store, storage, replace(settings, task_memory_mb=one * 2.5))  # two plans fit
+
+    outcomes = tight.run_pending()
+
+    assert [len(job) for job in tight.jobs] == [2, 1]
+    assert sorted(p for job in tight.jobs for p in job) == sorted(p.plan_id for p in plans)
+    assert [o.state for o in outcomes] == [PlanState.COMPLETED] * 3
+    assert_lifecycle_invariants(store, storage, settings, collection, produced)
 
 
 def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_commit(

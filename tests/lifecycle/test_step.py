@@ -58,6 +58,20 @@ def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_
     assert_lifecycle_invariants(store, storage, settings, collection, produced)
 
 
+def test_with_compaction_and_gc_off_the_step_only_sorts(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    flushed_batches(store, storage, settings, producer, collection, batches=3)
+    off = replace(settings, compaction_enabled=False, gc_enabled=False)
+
+    report = lifecycle_step(System(off, store, storage), engine="local")
+
+    assert report.gc is None  # due at the first step, but switched off
+    assert {d.model.type for d in list_plans(store)} == {CompactionType.SORT}
+    assert all(s.is_sorted and len(s.compaction_from) == 1 for s in live_l1(store, collection))
+    assert len(live_l1(store, collection)) == 3  # nothing merged
+
+
 def test_datacoord_process_runs_the_lifecycle_step_on_its_interval(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:

@@ -32,6 +32,7 @@ Configure = Callable[[argparse.ArgumentParser], None]
 
 EXIT_LEASE_LOST = 3
 EXIT_SESSION_LOST = 4
+EXIT_DAMAGED = 5  # `vchan sync`: a channel's log is damaged (the others were synced)
 
 
 class UsageError(ValueError):

@@ -1,4 +1,5 @@
-"""The segment lifecycle by hand: `vchan compact` and `vchan gc`."""
+"""The segment lifecycle by hand: `vchan compact`, `vchan gc`, and `vchan quarantine` (a
+damaged log file moved aside, its loss recorded: `wal.quarantine`)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,41 @@ def gc(args: argparse.Namespace, settings: Settings) -> int:
             f"{report.bytes / 1e6:.1f} MB"
         )
         return 0
+
+
+# --- getting past damage ----------------------------------------------------------------
+
+
+def _quarantine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--file", required=True, help="the damaged log file (its path, as the error named it)"
+    )
+    parser.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+@command(
+    "quarantine",
+    "move a damaged log file or binlog aside and go on without it (the loss is recorded for good)",
+    _quarantine_args,
+)
+def quarantine(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.lifecycle.quarantine import DamagedBinlog, inspect_binlog, is_binlog, quarantine_binlog
+    from vchan_assets.wal.quarantine import inspect_log_file, quarantine_log_file
+
+    with opened(settings) as stack:
+        binlog = is_binlog(stack, args.file)
+        damaged = inspect_binlog(stack, args.file) if binlog else inspect_log_file(stack, args.file)
+        print(damaged.describe())
+        if not args.yes:
+            answer = input("quarantine it? type yes to go on: ")
+            if answer.strip().lower() != "yes":
+                print("nothing was changed")
+                return 1
+        if isinstance(damaged, DamagedBinlog):
+            loss = quarantine_binlog(stack, damaged)
+            lost = f"segment {loss.segment_id}: {loss.rows} rows"
+        else:
+            loss = quarantine_log_file(stack, damaged)
+            lost = f"{loss.vchannel} offsets {loss.first_offset}..{loss.last_offset}"
+    print(f"quarantined: kept at {loss.moved_to}; loss {loss.loss_id} recorded ({lost}); the rest goes on")
+    return 0

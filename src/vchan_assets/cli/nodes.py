@@ -1,5 +1,9 @@
 """The roles of the nodes: `vchan sync` (one sync, here), and the long-running
-`vchan datanode` and `vchan datacoord` (until SIGTERM)."""
+`vchan datanode` and `vchan datacoord` (until SIGTERM).
+
+`vchan sync` over several channels syncs every one it can: a channel whose log is damaged
+is named on stderr and skipped, and the command exits with EXIT_DAMAGED (5) naming them
+all at the end."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from vchan_assets.cli.base import (
+    EXIT_DAMAGED,
     EXIT_LEASE_LOST,
     EXIT_SESSION_LOST,
     command,
@@ -25,6 +30,7 @@ from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.system import System
+from vchan_assets.wal.format import LogError
 
 log = logging.getLogger("vchan")
 
@@ -51,6 +57,7 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.meta.allocator import IdAllocator
     from vchan_assets.meta.errors import LeaseLostError
 
+    damaged: dict[str, LogError] = {}
     with opened_collection(settings, args.collection) as (stack, info):
         store = stack.store
         channels = [args.channel] if args.channel else list(info.vchannels)
@@ -64,6 +71,10 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
             except LeaseLostError as exc:
                 print(f"vchan sync: stopped {vchannel}: {exc}", file=sys.stderr)
                 return EXIT_LEASE_LOST
+            except LogError as exc:  # this channel's log is damaged: the others go on
+                print(f"vchan sync: {vchannel} not synced: {exc}", file=sys.stderr)
+                damaged[vchannel] = exc
+                continue
             if result.skipped:
                 print(f"{vchannel}: nothing to sync ({result.skipped})")
             else:
@@ -73,6 +84,13 @@ def sync(args: argparse.Namespace, settings: Settings) -> int:
                     f"{len(result.flushed_segments)} segments flushed in {result.seconds:.2f}s "
                     f"({result.written_by}; {result.phases})"
                 )
+    if damaged:
+        print(
+            f"vchan sync: damaged, not synced: {', '.join(damaged)} "
+            "(see docs/protection.md: `vchan quarantine --file PATH` gets a channel past a damaged log file)",
+            file=sys.stderr,
+        )
+        return EXIT_DAMAGED
     return 0
 
 

@@ -226,7 +226,7 @@ class ChannelManager:
         for lost in self._write_assignments(pending, report):
             load[lost.node_id] -= 1
         moving |= bool(report.assigned)
-        if not moving:
+        if not moving and self.settings.auto_balance:  # VCHAN_AUTO_BALANCE=off: channels stay put
             self._balance(view, load, report)
         if report.changed:
             log.info(

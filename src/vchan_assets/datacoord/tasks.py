@@ -17,7 +17,9 @@ keeps the queue:
 - **Admission**: a task takes one slot per million rows (at least one) of VCHAN_TASK_SLOTS
   and its kind's memory estimate of VCHAN_TASK_MEMORY_MB; a kind's batch takes its queued
   tasks, oldest first, while what the running batches leave holds them (a task over the
-  whole budget runs alone).
+  whole budget runs alone). Compaction plans and import tasks, which run outside these
+  queues, are admitted against the same budget by `memory_batches`: the ones that do not
+  fit run in a later batch.
 - **Bounded retries with backoff**: a failed attempt goes back to the queue with its
   reason, not to run again before `not_before`: VCHAN_TASK_RETRY_BACKOFF seconds after
   the first failure, doubled at each further one, at most VCHAN_TASK_RETRY_BACKOFF_MAX
@@ -43,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.errors import CasConflictError
@@ -55,6 +57,8 @@ from vchan_assets.system import System
 log = logging.getLogger(__name__)
 
 ROWS_PER_SLOT = 1_000_000
+
+T = TypeVar("T")
 
 
 class Outcome(NamedTuple):
@@ -108,6 +112,23 @@ class TaskKind(Protocol):
 
 def task_slots(rows: int) -> int:
     return max(1, math.ceil(rows / ROWS_PER_SLOT))
+
+
+def memory_batches(items: Sequence[T], memory_mb: Callable[[T], float], budget_mb: float) -> list[list[T]]:
+    """`items` in their order, cut into batches whose memory estimates sum to at most
+    `budget_mb` (VCHAN_TASK_MEMORY_MB; an item over the whole budget runs alone): the
+    admission of work run outside the scheduler's queue (compaction plans, import tasks),
+    whose batches run one after the other."""
+    batches: list[list[T]] = []
+    used = 0.0
+    for item in items:
+        need = memory_mb(item)
+        if not batches or used + need > budget_mb:
+            batches.append([])
+            used = 0.0
+        batches[-1].append(item)
+        used += need
+    return batches
 
 
 @dataclass

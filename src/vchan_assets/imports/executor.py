@@ -27,6 +27,7 @@ from typing import Any
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.datacoord.segment_manager import max_rows_of
+from vchan_assets.datacoord.tasks import memory_batches
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
 from vchan_assets.imports.files import FileSource, ImportInputError
@@ -59,6 +60,9 @@ log = logging.getLogger(__name__)
 # etcd's default limit is 128 operations per transaction; the commit makes every segment
 # of a job visible at once, plus the job and the collection.
 MAX_SEGMENTS_PER_JOB = 120
+# What an import task holds: its row buffer (VCHAN_IMPORT_BUFFER_MB) and the binlogs it
+# encodes from it; its estimate against VCHAN_TASK_MEMORY_MB.
+IMPORT_MEMORY_FACTOR = 2.0
 LOG_IDS_PER_TASK = 10_000
 Progress = Callable[[ImportJob], None]
 
@@ -77,6 +81,10 @@ class _Slice:
     rows: int
 
 
+def import_memory_mb(spec: ImportSpec) -> float:
+    return IMPORT_MEMORY_FACTOR * spec.buffer_bytes / 2**20
+
+
 class ImportExecutor:
     """Moves jobs from any state to Completed or Failed; safe to run again after a crash."""
 
@@ -93,6 +101,7 @@ class ImportExecutor:
         self.ids = IdAllocator(system.store)
         self.tso = TimestampOracle(system.store)
         self.source = FileSource(system.settings.s3_endpoint, system.settings.s3_region)
+        self.jobs: list[list[int]] = []  # the tasks of each Spark job run (admitted by memory)
 
     def run(self, job_id: int) -> ImportJob:
         """Drive the job to Completed or Failed; returns its final meta. Raises
@@ -235,13 +244,22 @@ class ImportExecutor:
         return out
 
     def _run(self, specs: list[ImportSpec]) -> list[TaskResult]:
-        if self.engine == "local":
-            results = []
+        results: list[TaskResult] = []
+        if self.engine == "local":  # one task at a time
             for i, spec in enumerate(specs):
                 results.append(outcome_of(run_pickled(spec)))
                 self._tasks_done(i + 1, len(specs))
             return results
-        return _run_on_spark(self.settings, specs, self.timeout, self.spark, self._tasks_done)
+        # Admitted by memory (VCHAN_TASK_MEMORY_MB): a Spark job of the tasks that fit, then the next.
+        for batch in memory_batches(specs, import_memory_mb, self.settings.task_memory_mb):
+            before = len(results)
+
+            def progress(done: int, _total: int, before: int = before) -> None:
+                self._tasks_done(before + done, len(specs))
+
+            self.jobs.append([spec.task for spec in batch])
+            results += _run_on_spark(self.settings, batch, self.timeout, self.spark, progress)
+        return results
 
     def _tasks_done(self, done: int, total: int) -> None:
         """Progress 10..90 with the tasks finished, written to the job: it is also the

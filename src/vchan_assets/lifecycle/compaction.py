@@ -31,6 +31,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.segment_manager import max_rows_of
+from vchan_assets.datacoord.tasks import memory_batches
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import (
@@ -74,6 +75,9 @@ log = logging.getLogger(__name__)
 # Inputs of one plan at most: its commit writes every input and output and the plan in one
 # etcd transaction, and etcd refuses more than 128 operations in one (--max-txn-ops).
 MAX_PLAN_SEGMENTS = 60
+# What a compaction or sort holds in memory, over its input's binlog bytes (read, merged or
+# sorted, written): its estimate against VCHAN_TASK_MEMORY_MB.
+COMPACTION_MEMORY_FACTOR = 3.0
 # L0 segments of one L0 plan at most: the rest of its transaction holds targets.
 MAX_L0_PER_PLAN = MAX_PLAN_SEGMENTS // 2
 
@@ -343,8 +347,19 @@ class PlanOutcome:
     next_link: int = 0  # a chained L0 plan: the plan its commit created (0: none)
 
 
+def input_memory_mb(segments: Sequence[SegmentInfo]) -> float:
+    return COMPACTION_MEMORY_FACTOR * sum(b.size_bytes for s in segments for b in s.binlog_files) / 2**20
+
+
+def compaction_memory_mb(spec: CompactionSpec) -> float:
+    """A plan's memory estimate: its inputs (and an L0 plan's targets) read and rewritten."""
+    return input_memory_mb([*spec.inputs, *spec.targets])
+
+
 class CompactionExecutor:
-    """Runs Pending plans: every plan's task in one Spark job (or in-process)."""
+    """Runs Pending plans: every plan's task in one Spark job (or in-process), the plans
+    admitted by their memory estimates against VCHAN_TASK_MEMORY_MB (`memory_batches`):
+    what does not fit runs in the next job. `jobs`: the plan ids of each job run."""
 
     def __init__(self, system: System, engine: Engine = "spark", timeout: float = 600.0) -> None:
         self.store, self.storage, self.settings = system.store, system.storage, system.settings
@@ -352,6 +367,7 @@ class CompactionExecutor:
         self.ids = IdAllocator(system.store)
         self.collections = CollectionRegistry(system.store)
         self.applied_ts: dict[int, int] = {}  # plan id -> newest delete its task may apply
+        self.jobs: list[list[int]] = []
 
     def run_pending(self, plan_ids: Sequence[int] | None = None) -> list[PlanOutcome]:
         """Run the Pending plans (those of `plan_ids` if given), then the links their
@@ -377,9 +393,12 @@ class CompactionExecutor:
                 outcomes.append(ready)
             elif ready is not None:
                 started.append(ready)
-        results = self._run([spec for _, spec in started])
-        for (plan, _spec), result in zip(started, results, strict=True):
-            outcomes.append(self.finish(plan, result))
+        budget = self.settings.task_memory_mb
+        for batch in memory_batches(started, lambda s: compaction_memory_mb(s[1]), budget):
+            self.jobs.append([spec.plan_id for _, spec in batch])
+            results = self._run([spec for _, spec in batch])
+            for (plan, _spec), result in zip(batch, results, strict=True):
+                outcomes.append(self.finish(plan, result))
         return outcomes
 
     def start(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from vchan_assets.datacoord.tasks import DEFERRED, DONE, Outcome, TaskSpec, failed
+from vchan_assets.lifecycle.compaction import input_memory_mb
 from vchan_assets.lifecycle.handoff import awaits_sort
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
 from vchan_assets.lifecycle.step import sort_step, unsorted_segments
@@ -14,12 +15,9 @@ from vchan_assets.model import SegmentInfo, TaskRecord
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
-# What a sort holds in memory, over its input's binlog bytes (read, sorted, written).
-SORT_MEMORY_FACTOR = 3.0
-
 
 def sort_memory_mb(seg: SegmentInfo) -> float:
-    return SORT_MEMORY_FACTOR * sum(b.size_bytes for b in seg.binlog_files) / 2**20
+    return input_memory_mb([seg])
 
 
 class SortTasks:

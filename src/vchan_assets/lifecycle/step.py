@@ -1,7 +1,8 @@
 """One DataCoord lifecycle step, the same whoever runs it (the `vchan datacoord` process
 or the Dagster lifecycle assets): time out and clean up plans, trigger sort (the stats
 task after flush) and mix compaction, run Pending plans, and garbage-collect once the
-interval has passed.
+interval has passed. The seed's switches turn compaction (VCHAN_COMPACTION_ENABLED)
+and garbage collection (VCHAN_GC_ENABLED) off.
 
 `compaction_check` is the cheap part of it the DataCoord runs in between (every
 VCHAN_COMPACTION_CHECK_INTERVAL): L0 compaction of partitions past a count or size of L0
@@ -90,7 +91,7 @@ def lifecycle_step(
         then = (CompactionType.MIX, CompactionType.SORT) if sort else (CompactionType.MIX,)
         _compact(system, engine, report, then)
     gc = GarbageCollector(system, passes=gc_passes)
-    if collect and gc.due():
+    if collect and system.settings.gc_enabled and gc.due():
         report.gc = gc.run()
     return report
 
@@ -114,10 +115,16 @@ def _compact(
 ) -> None:
     """L0 compaction first (deletes into the segments that hold their pks), then the kinds
     `then`: a round of each, so neither keeps the other's segments busy forever. A round
-    runs every plan it made (as one job), the chained links of L0 plans after."""
+    runs every plan it made (as one job), the chained links of L0 plans after.
+
+    VCHAN_COMPACTION_ENABLED=off plans no L0 or mix compaction: only the sort is left (it
+    is the stats task after flush, which makes segments visible, not a compaction)."""
     trigger = CompactionTrigger(system)
     executor = CompactionExecutor(system, engine)
-    for kinds in ((CompactionType.L0,), then):
+    rounds = [(CompactionType.L0,), then]
+    if not system.settings.compaction_enabled:
+        rounds = [tuple(k for k in kinds if k is CompactionType.SORT) for kinds in rounds]
+    for kinds in filter(None, rounds):
         planned = [
             p.plan_id
             for info in CollectionRegistry(system.store).list()

@@ -105,6 +105,9 @@ class Keys:
     # change streams: the offsets their sinks committed (log retention keeps what follows)
     stream = _Family("meta/stream/{stream}")
 
+    # damaged files an operator quarantined (`vchan quarantine`): what was lost, kept for good
+    data_loss = _Family("meta/data-loss/{collection}/{loss}")
+
     def gc_pause(self) -> str:
         return self._k("meta", "gc", "pause")
 

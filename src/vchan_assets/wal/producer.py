@@ -14,6 +14,9 @@ offsets stay dense, timestamps increase with the offset, and a segment sealed at
 lock) only holds rows with smaller timestamps, every one of them in the log before any
 time tick at or above `seal_ts`.
 
+Inserts and deletes meet back-pressure first (`wal.backpressure`): a channel whose
+checkpoint lags too far slows them, then refuses them with `WriteLagExceededError`.
+
 Every call retries while etcd or storage is unavailable, up to
 `VCHAN_CLIENT_RETRY_TIMEOUT`, then raises the last error; a retried append never
 writes its batch twice. Collection meta is cached here and refreshed on a miss.
@@ -47,6 +50,7 @@ from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, Field
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.appender import Built, ChannelAppender, Prepared, Timing
+from vchan_assets.wal.backpressure import WriteLimiter
 from vchan_assets.wal.format import SYSTEM_SCHEMA, MsgType, arrow_type, log_schema
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
@@ -97,6 +101,7 @@ class Producer:
         self._collections: dict[str, CollectionInfo] = {}
         self._writers: dict[str, WalWriter] = {}
         self._appenders: dict[str, ChannelAppender] = {}
+        self.limiter = WriteLimiter(store, system.storage, settings)
 
     def close(self) -> None:
         """Give up this producer's append locks at once (else their lease expires)."""
@@ -222,7 +227,10 @@ class Producer:
         partition_id = self._partition_id(info, partition)
         table = to_insert_table(info.schema, rows)
         self.last_sealed = []
-        parts = self._route(info, table, table.column(info.schema.primary.name))
+        parts = list(self._route(info, table, table.column(info.schema.primary.name)))
+        self.limiter.admit(info, [v for v, _ in parts])  # back-pressure: may sleep or refuse
+        for v, part in parts:
+            self.limiter.wrote(v, part.nbytes)
         # Every channel's data file first, no lock held: the locks then cover small files only.
         prepared = [(v, part.num_rows, self._appender(info, v).prepare(part)) for v, part in parts]
         return self._each_channel(
@@ -239,7 +247,10 @@ class Producer:
         keys = pa.array(np.asarray(pks, dtype=np.int64))
         if len(keys) == 0:
             raise ValueError("no primary keys to delete")
-        parts = self._route(info, pa.table({"pk": keys}), keys)
+        parts = list(self._route(info, pa.table({"pk": keys}), keys))
+        self.limiter.admit(info, [v for v, _ in parts])
+        for v, part in parts:
+            self.limiter.wrote(v, part.nbytes * len(partition_ids))
         return self._each_channel(
             {
                 v: functools.partial(self._append_deletes, info, v, partition_ids, part.column("pk"))

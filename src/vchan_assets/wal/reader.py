@@ -353,6 +353,16 @@ class WalReader:
                 f"the log has a gap: no file starts at offset {end_offset}, this one starts later",
             )
 
+    def keys(self) -> list[str]:
+        """The names of the channel's log files in offset order, none opened (for an
+        operator's tools: a damaged file is listed like any other)."""
+        return self._keys()
+
+    def describe(self, key: str) -> WalFile | None:
+        """One log file's footer (cached); CorruptLogError if it cannot be read, None if it
+        is gone."""
+        return self._describe(key)
+
     def files(self) -> list[WalFile]:
         """Every log file of the channel in offset order, checked to be contiguous
         (one footer read per file: for garbage collection and checks, not for syncs)."""
