@@ -39,9 +39,15 @@ from bench import bench_stack
 from bench.index_build import clustered
 from bench.lifecycle_soak import datacoord, sync_all
 from vchan_assets.indexes.meta import create_index, list_builds
-from vchan_assets.indexes.params import MIN_ROWS_TO_BUILD
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionSchema, SegmentIndexState, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import (
+    MIN_ROWS_TO_BUILD,
+    CollectionSchema,
+    SegmentIndexState,
+    SegmentInfo,
+    SegmentLevel,
+    SegmentState,
+)
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
