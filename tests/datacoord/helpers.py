@@ -6,8 +6,11 @@ from __future__ import annotations
 import threading
 import time
 
+from datanode.helpers import assert_exactly_once
+
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, WatchState
+from vchan_assets.storage import Storage
 from vchan_assets.testing.harness import (
     FAST,
     Cluster,
@@ -36,6 +39,7 @@ __all__ = [
     "checkpoint_of",
     "create_collections",
     "fast_settings",
+    "finish_and_check",
     "owners",
     "wait_until",
     "watches",
@@ -103,3 +107,15 @@ class Load(threading.Thread):
         self._halt.set()
         self.join(30)
         assert self.error is None, f"producer failed: {self.error}"
+
+
+def finish_and_check(cluster: Cluster, store: MetaStore, producer_infos: tuple, load: Load) -> None:
+    """Stop the load, let the nodes sync everything, then check exactly-once."""
+    producer, infos = producer_infos
+    load.stop()
+    for info in infos:
+        producer.time_tick(info.name)
+    storage = Storage.from_settings(cluster.settings)
+    wait_until(lambda: all_synced(store, storage, infos), 40, "every channel synced to its head")
+    for info in infos:
+        assert_exactly_once(store, storage, info, load.produced[info.name])
