@@ -33,7 +33,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.failover import spawn
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
@@ -57,22 +57,11 @@ from vchan_assets.model import (
 )
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA, Produced, cli_env, exactly_once, produce
+from vchan_assets.testing.harness import SCHEMA, Produced, all_synced, cli_env, exactly_once, produce
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
-VCHAN = Path(sys.executable).parent / "vchan"
 RESULTS = Path(__file__).with_name("results") / "rolling.json"
-
-
-def _spawn(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], int]:
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([str(VCHAN), *args], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{args[0]} did not start: {log.read_text()[-2000:]}")
-    return proc, int(line.split()[1])
 
 
 def _wait(condition: Any, timeout: float, what: str, step: float = 0.02) -> None:
@@ -229,15 +218,6 @@ class Producers:
         return every
 
 
-def _synced(store: MetaStore, storage: Storage, info: CollectionInfo) -> bool:
-    for v in info.vchannels:
-        head = WalReader(storage, v, info).head()
-        cp = _checkpoint(store, v)
-        if head is not None and (cp is None or cp.offset < head.offset):
-            return False
-    return True
-
-
 def _settings(etcd: EmbeddedEtcd, work: Path) -> Settings:
     return replace(
         Settings(),
@@ -266,11 +246,11 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
     )
     procs: list[subprocess.Popen[str]] = []
     try:
-        coord, _ = _spawn(["datacoord", "--interval", "0.5"], env, work / "coord.log")
+        coord, _ = spawn(["datacoord", "--interval", "0.5"], env, work / "coord.log")
         procs.append(coord)
         running: list[tuple[subprocess.Popen[str], int]] = []
         for i in range(nodes):
-            running.append(_spawn(["datanode", "--engine", "local"], env, work / f"node{i}.log"))
+            running.append(spawn(["datanode", "--engine", "local"], env, work / f"node{i}.log"))
             procs.append(running[-1][0])
         _wait(lambda: len(_syncing_owners(store)) == channels, 60, "every channel watched")
         load = Producers(settings, info.name, producers)
@@ -311,14 +291,14 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
                 f"exited ({exit_code}) after {exited:.2f}s",
                 flush=True,
             )
-            new = _spawn(["datanode", "--engine", "local"], env, work / f"node{nodes + i}.log")
+            new = spawn(["datanode", "--engine", "local"], env, work / f"node{nodes + i}.log")
             procs.append(new[0])
             running.append(new)
             _wait(lambda new_id=new[1]: _healthy(store, new_id), 60, "the new node HEALTHY")
             time.sleep(2)  # let balance move channels onto it before the next one goes
         roll_s = time.monotonic() - started
         produced = load.stop()
-        _wait(lambda: _synced(store, storage, info), 120, "every channel synced to its head", 0.2)
+        _wait(lambda: all_synced(store, storage, [info]), 120, "every channel synced to its head", 0.2)
         sampler.stop()
         tally = exactly_once(store, storage, info, produced)
         return {
@@ -351,11 +331,11 @@ def datacoord_handover(etcd: EmbeddedEtcd, work: Path, rounds: int) -> dict[str,
     procs: list[subprocess.Popen[str]] = []
     took = []
     try:
-        active, _ = _spawn(["datacoord"], env, work / "coord-a.log")
+        active, _ = spawn(["datacoord"], env, work / "coord-a.log")
         procs.append(active)
         _wait(lambda: store.get(key) is not None, 30, "a leader")
         for i in range(rounds):
-            standby, _ = _spawn(["datacoord"], env, work / f"coord-{i}.log")
+            standby, _ = spawn(["datacoord"], env, work / f"coord-{i}.log")
             procs.append(standby)
             time.sleep(1.5)  # the standby campaigns
             held = store.get(key)
@@ -387,10 +367,10 @@ def spark_first_flush(etcd: EmbeddedEtcd, work: Path, rows: int, channels: int) 
     info = producer.create_collection("spark", SCHEMA, num_channels=channels)
     procs: list[subprocess.Popen[str]] = []
     try:
-        coord, _ = _spawn(["datacoord", "--interval", "0.5"], env, work / "coord.log")
+        coord, _ = spawn(["datacoord", "--interval", "0.5"], env, work / "coord.log")
         procs.append(coord)
         launched = time.monotonic()
-        node, node_id = _spawn(["datanode", "--engine", "spark"], env, work / "spark-node.log")
+        node, node_id = spawn(["datanode", "--engine", "spark"], env, work / "spark-node.log")
         procs.append(node)
         _wait(lambda: _healthy(store, node_id), 300, "the Spark node HEALTHY", 0.05)
         healthy_s = time.monotonic() - launched
@@ -401,7 +381,7 @@ def spark_first_flush(etcd: EmbeddedEtcd, work: Path, rows: int, channels: int) 
             producer.insert(info.name, generate_rows(SCHEMA, min(batch, rows + 1 - pk), start_pk=pk, seed=pk))
         producer.flush(info.name)
         produced_s = time.monotonic() - started
-        _wait(lambda: _synced(store, storage, info), 600, "persisted", 0.1)
+        _wait(lambda: all_synced(store, storage, [info]), 600, "persisted", 0.1)
         persisted_s = time.monotonic() - started
         print(
             f"spark node HEALTHY {healthy_s:.1f}s after launch; {rows:,} rows produced in {produced_s:.1f}s, "

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from datanode.helpers import Produced, assert_exactly_once, produce
 
-from vchan_assets import __version__
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager
 from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.datanode.channel import NodeContext, sync_once
-from vchan_assets.datanode.node import DataNode, watch_channel
+from vchan_assets.datanode.node import DataNode
 from vchan_assets.meta.codec import decode, encode
 from vchan_assets.meta.errors import LeaseLostError
-from vchan_assets.meta.session import Session, SessionRefusedError
+from vchan_assets.meta.session import SessionRefusedError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
 from vchan_assets.model import (
@@ -30,58 +28,8 @@ from vchan_assets.model import (
     WatchState,
 )
 from vchan_assets.storage import Storage
-from vchan_assets.system import System
 
-from .helpers import create_collections, fast_settings, wait_until
-
-
-class Sessions:
-    """DataNode sessions registered by the test (no node loop: the test answers for them)."""
-
-    def __init__(self, store: MetaStore) -> None:
-        self.store = store
-        self.held: dict[int, Session] = {}
-
-    def up(
-        self,
-        node_id: int,
-        state: SessionState = SessionState.HEALTHY,
-        version: str = __version__,
-        ttl: float = 30,
-    ) -> Session:
-        record = NodeSession(node_id, "", version, time.time(), state, time.time())
-        self.held[node_id] = Session.for_datanode(self.store, record, ttl=ttl).register()
-        return self.held[node_id]
-
-    def enter(self, node_id: int, state: SessionState, since: float | None = None) -> None:
-        session = self.held[node_id]
-        assert isinstance(session.value, NodeSession)
-        session.update(session.value.entered(state, since))
-
-    def close(self) -> None:
-        for s in self.held.values():
-            s.close()
-
-
-@pytest.fixture
-def sessions(store: MetaStore) -> Iterator[Sessions]:
-    s = Sessions(store)
-    yield s
-    s.close()
-
-
-def _system(store: MetaStore, settings: Settings) -> System:
-    return System(settings, store, Storage.from_settings(settings))
-
-
-def _answer(store: MetaStore, settings: Settings, node_id: int) -> None:
-    """What a DataNode does with its ToWatch infos (no channel work started)."""
-    ctx = NodeContext(_system(store, settings), node_id)
-    for kv in store.list_prefix(store.keys.channel_watch.under(node_id)).items:
-        found = store.get_model(kv.key, ChannelWatchInfo)
-        assert found is not None
-        if found.model.state is WatchState.TO_WATCH:
-            watch_channel(ctx, kv.key, kv.version, found.model)
+from .helpers import Sessions, answer, create_collections, fast_settings, node_system, wait_until
 
 
 def _one_owner_each(manager: ChannelManager, channels: list[str]) -> dict[str, int]:
@@ -96,22 +44,22 @@ def _one_owner_each(manager: ChannelManager, channels: list[str]) -> dict[str, i
 
 
 def test_only_a_healthy_node_gets_channels_and_a_stopping_nodes_channels_move_at_once(
-    store: MetaStore, settings: Settings, sessions: Sessions
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=4)
     channels = list(infos[0].vchannels)
     manager = ChannelManager(store, settings)
-    sessions.up(9101)
-    sessions.up(9102, SessionState.INITIALIZING)
-    sessions.up(9103, SessionState.ABNORMAL)
+    nodes.up(9101)
+    nodes.up(9102, SessionState.INITIALIZING)
+    nodes.up(9103, SessionState.ABNORMAL)
     report = manager.reconcile()
     assert report.live_nodes == (9101,)
     assert set(_one_owner_each(manager, channels).values()) == {9101}
-    _answer(store, settings, 9101)
+    answer(store, settings, 9101)
     leases = {v: store.read_lease(v) for v in channels}
-    sessions.enter(9102, SessionState.HEALTHY)
-    sessions.enter(9101, SessionState.STOPPING)
+    nodes.enter(9102, SessionState.HEALTHY)
+    nodes.enter(9101, SessionState.STOPPING)
     # One step: no session has expired, yet every channel of the stopping node moves.
     report = manager.reconcile()
     assert sorted(v for v, _, why in report.removed if why == "node is STOPPING") == sorted(channels)
@@ -124,12 +72,12 @@ def test_only_a_healthy_node_gets_channels_and_a_stopping_nodes_channels_move_at
 
 
 def test_a_node_stopping_past_the_stop_timeout_is_cut_off_and_its_old_session_is_refused(
-    store: MetaStore, settings: Settings, sessions: Sessions
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     manager = ChannelManager(store, settings)
-    stuck = sessions.up(9201, ttl=3)
-    sessions.enter(9201, SessionState.STOPPING, since=time.time() - 5)
+    stuck = nodes.held[nodes.up(9201, ttl=3)]
+    nodes.enter(9201, SessionState.STOPPING, since=time.time() - 5)
     assert not manager.reconcile().cut_off  # within VCHAN_STOP_TIMEOUT (30 s)
     report = manager.reconcile(now=time.time() + settings.stop_timeout)
     assert report.cut_off == [9201]
@@ -143,7 +91,7 @@ def test_a_node_stopping_past_the_stop_timeout_is_cut_off_and_its_old_session_is
 
 
 def test_a_mixed_version_cluster_holds_balance_upgrades_lease_less_watches_and_never_has_two_owners(
-    store: MetaStore, settings: Settings, sessions: Sessions
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     """Node 9301 speaks the older protocol: its session has no state, its watch infos were
     written by an older coordinator (no lease id), and it commits through the DataCoord's
@@ -162,13 +110,13 @@ def test_a_mixed_version_cluster_holds_balance_upgrades_lease_less_watches_and_n
                 VchannelInfo(info.id, v), WatchState.WATCH_SUCCESS, time.time(), time.time() + 60
             ),
         )
-    old_ctx = NodeContext(_system(store, settings), old)
+    old_ctx = NodeContext(node_system(store, settings), old)
     produced = Produced()
     produce(producer, info.name, produced, 200, 1, deletes=3)
     producer.time_tick(info.name)
     assert sync_once(old_ctx, info, channels[0], lease=None, force=True) is not None  # the older path
 
-    sessions.up(9302)  # the new node
+    nodes.up(9302)  # the new node
     manager = ChannelManager(store, settings)
     report = manager.reconcile()
     # The new node has nothing and the old one four, but auto balance waits for the old one.
@@ -192,8 +140,8 @@ def test_a_mixed_version_cluster_holds_balance_upgrades_lease_less_watches_and_n
     assert set(_one_owner_each(manager, channels).values()) == {9302}
     with pytest.raises(LeaseLostError):  # a late commit of the old node is refused
         sync_once(old_ctx, info, channels[2], lease=None, force=True)
-    _answer(store, settings, 9302)
-    new_ctx = NodeContext(_system(store, settings), 9302)
+    answer(store, settings, 9302)
+    new_ctx = NodeContext(node_system(store, settings), 9302)
     for v in channels:
         current = store.read_lease(v)
         assert current is not None
@@ -214,7 +162,7 @@ def test_a_datanode_goes_healthy_then_says_stopping_before_its_session_ends(
 
     with PrefixWatcher(store, prefix, on_event=on_event, on_relist=lambda s: None) as watcher:
         watcher.wait_for(store.revision(), 10)
-        node = DataNode(_system(store, settings)).start()
+        node = DataNode(node_system(store, settings)).start()
         assert node.ready.wait(10) and node.state is SessionState.HEALTHY
         node.stop(final_sync=False)
         key = store.keys.datanode_session(node.node_id)
