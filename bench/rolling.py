@@ -43,6 +43,7 @@ from typing import Any
 
 from bench.failover import spawn
 from vchan_assets.config import Settings
+from vchan_assets.meta.channelwatch import list_watches
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
@@ -83,14 +84,7 @@ def _healthy(store: MetaStore, node_id: int) -> bool:
 
 
 def _watches(store: MetaStore) -> list[tuple[int, str, ChannelWatchInfo]]:
-    root = store.keys.channel_watch.prefix
-    found, _ = store.list_models(root, ChannelWatchInfo, skip_malformed=True)
-    out = []
-    for d in found:
-        node, _, vchannel = d.kv.key[len(root) :].partition("/")
-        if node.isdigit():
-            out.append((int(node), vchannel, d.model))
-    return out
+    return [(e.node_id, e.vchannel, e.info) for e in list_watches(store).entries]
 
 
 def _leases(store: MetaStore) -> dict[str, ChannelLease]:
