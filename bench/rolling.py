@@ -87,6 +87,10 @@ def _watches(store: MetaStore) -> list[tuple[int, str, ChannelWatchInfo]]:
     return [(e.node_id, e.vchannel, e.info) for e in list_watches(store).entries]
 
 
+def _states(store: MetaStore) -> list[tuple[int, str, WatchState]]:
+    return [(n, v, info.state) for n, v, info in _watches(store)]
+
+
 def _leases(store: MetaStore) -> dict[str, ChannelLease]:
     prefix = store.keys.channel_lease.prefix
     found, _ = store.list_models(prefix, ChannelLease, skip_malformed=True)
@@ -98,13 +102,15 @@ def _checkpoint(store: MetaStore, vchannel: str) -> MsgPosition | None:
     return None if found is None else found.model
 
 
-def _syncing_owners(store: MetaStore) -> dict[str, int]:
-    """vchannel -> the HEALTHY node holding it in WatchSuccess under its current lease."""
+def _syncing_owners(store: MetaStore, releasing: bool = False) -> dict[str, int]:
+    """vchannel -> the HEALTHY node holding it in WatchSuccess (or, with `releasing`, in
+    ToRelease: doing its last sync before a balance move) under its current lease."""
     sessions, leases = _sessions(store), _leases(store)
+    states = (WatchState.WATCH_SUCCESS, WatchState.TO_RELEASE) if releasing else (WatchState.WATCH_SUCCESS,)
     out = {}
     for node, vchannel, info in _watches(store):
         s, lease = sessions.get(node), leases.get(vchannel)
-        if info.state is not WatchState.WATCH_SUCCESS or s is None or s.state is not SessionState.HEALTHY:
+        if info.state not in states or s is None or s.state is not SessionState.HEALTHY:
             continue
         if info.lease_id is None or (lease is not None and lease.lease_id == info.lease_id):
             out[vchannel] = node
@@ -113,8 +119,9 @@ def _syncing_owners(store: MetaStore) -> dict[str, int]:
 
 @dataclass(eq=False)
 class Sampler(threading.Thread):
-    """Every 20 ms: which channels have a syncing owner (longest gap per channel); every
-    0.5 s: each channel's checkpoint lag (peak)."""
+    """Every 20 ms (as fast as etcd answers): which channels have a syncing owner (longest
+    gap per channel; gaps over 1 s are listed with when they started and what etcd said
+    then); every 0.5 s: each channel's checkpoint lag (peak)."""
 
     store: MetaStore
     storage: Storage
@@ -123,32 +130,44 @@ class Sampler(threading.Thread):
     lag_messages: dict[str, int] = field(default_factory=dict)
     lag_seconds: dict[str, float] = field(default_factory=dict)
     samples: int = 0
+    long_gaps: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__(daemon=True)
         self.halt = threading.Event()
+        self.t0 = time.monotonic()
 
     def run(self) -> None:
-        without: dict[str, float] = {}
+        without: dict[str, tuple[float, str]] = {}
         last_lag = 0.0
+        t0 = self.t0
         while not self.halt.is_set():
             now = time.monotonic()
-            owners = _syncing_owners(self.store)
+            owners = _syncing_owners(self.store, releasing=True)
             self.samples += 1
             for v in self.info.vchannels:
                 if v in owners:
-                    start = without.pop(v, None)
-                    if start is not None:
-                        self.gaps[v] = max(self.gaps.get(v, 0.0), now - start)
-                else:
-                    without.setdefault(v, now)
+                    gap = without.pop(v, None)
+                    if gap is not None:
+                        self._gap(v, gap, now, t0)
+                elif v not in without:
+                    seen = [f"{st.value} on {n}" for n, c, st in _states(self.store) if c == v]
+                    without[v] = (now, ", ".join(seen) or "no watch info")
             if now - last_lag >= 0.5:
                 last_lag = now
                 self._lag()
             time.sleep(0.02)
         now = time.monotonic()
-        for v, start in without.items():
-            self.gaps[v] = max(self.gaps.get(v, 0.0), now - start)
+        for v, gap in without.items():
+            self._gap(v, gap, now, t0)
+
+    def _gap(self, v: str, gap: tuple[float, str], now: float, t0: float) -> None:
+        start, seen = gap
+        self.gaps[v] = max(self.gaps.get(v, 0.0), now - start)
+        if now - start > 1:
+            self.long_gaps.append(
+                {"vchannel": v, "at_s": round(start - t0, 1), "gap_s": round(now - start, 2), "etcd": seen}
+            )
 
     def _lag(self) -> None:
         for v in self.info.vchannels:
@@ -277,6 +296,7 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
                     "node": node_id,
                     "channels": len(held),
                     "handover_s": round(handover, 3),
+                    "sigterm_at_s": round(sent - sampler.t0, 1),
                     "exit_s": round(exited, 3),
                 }
             )
@@ -309,6 +329,7 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
             "peak_lag_seconds": round(max(sampler.lag_seconds.values(), default=0.0), 2),
             "baseline_peak_lag_seconds": round(baseline, 2),
             "samples": sampler.samples,
+            "gaps_over_1s": sampler.long_gaps,
             "exactly_once": tally.ok,
             "tally": tally.describe() if not tally.ok else "ok",
         }

@@ -12,7 +12,8 @@ grant a lease or move a channel after a newer leader was elected.
 
 The active coordinator watches the DataNode sessions (etcd watch): a node that appears,
 changes state (STOPPING: a graceful stop) or disappears wakes the loop at once, so its
-channels move without waiting for the next tick; the tick every `interval` stays as the
+channels move without waiting for the next tick; so does a node's answer in
+`channelwatch/` (ReleaseSuccess lets a balance move go on to its ToWatch at once); the tick every `interval` stays as the
 safety net and for the seal policies. `stop()` (SIGTERM) is the seed's Stop: the
 election key says STOPPING first, then the coordinator resigns, and a standby (which
 watches that key) takes over at once.
@@ -30,11 +31,13 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager, ReconcileReport
 from vchan_assets.datacoord.segment_manager import FlushRecovery, SealedSegment, SegmentManager
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.errors import MetaError, NotLeaderError
+from vchan_assets.meta.channelwatch import END_STATES
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError, MetaError, NotLeaderError
 from vchan_assets.meta.session import Election
 from vchan_assets.meta.store import Fence, MetaStore, Snapshot
-from vchan_assets.meta.watch import PrefixWatcher, WatchEvent
-from vchan_assets.model import NodeSession, SessionState
+from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
+from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +185,7 @@ class DataCoordinator:
                 log.info("datacoord %s won the election", self.server_id)
                 try:
                     self.activate()
-                    with self._session_watch():
+                    with self._session_watch(), self._answer_watch():
                         self._lead()
                 except MetaError as exc:
                     log.warning("datacoord activation failed (%s); campaigning again", exc)
@@ -212,6 +215,27 @@ class DataCoordinator:
             on_event=self._session_changed,
             on_relist=self._sessions_listed,
         )
+
+    def _answer_watch(self) -> PrefixWatcher:
+        return PrefixWatcher(
+            self.store,
+            self.store.keys.channel_watch.prefix,
+            on_event=self._answer_written,
+            on_relist=self._sessions_listed,
+        )
+
+    def _answer_written(self, event: WatchEvent) -> None:
+        """A node's answer (ReleaseSuccess, WatchFailure, ...) lets the next step of a move
+        run now; the coordinator's own writes and the ticklers' do not wake it."""
+        if event.kind is EventKind.DELETE or not event.value:
+            return
+        try:
+            state = decode(event.key, event.value, ChannelWatchInfo).state
+        except MalformedValueError:
+            return  # the step logs and removes it
+        if state in END_STATES:
+            self.wakes += 1
+            self.wake.set()
 
     def _session_changed(self, event: WatchEvent) -> None:
         self.wakes += 1

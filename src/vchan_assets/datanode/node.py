@@ -42,7 +42,7 @@ from vchan_assets.datacoord.collections import (
 from vchan_assets.datacoord.recovery import compare_recovery, recovery_info
 from vchan_assets.datanode.channel import ChannelWorker, NodeContext, sync_once
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.channelwatch import parse_watch_info, vchannel_of
+from vchan_assets.meta.channelwatch import END_STATES, parse_watch_info, vchannel_of
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, MetaUnavailableError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore, Snapshot
@@ -75,15 +75,6 @@ __all__ = [
     "sync_once",
     "watch_channel",
 ]
-
-END_STATES = frozenset(
-    {
-        WatchState.WATCH_SUCCESS,
-        WatchState.WATCH_FAILURE,
-        WatchState.RELEASE_SUCCESS,
-        WatchState.RELEASE_FAILURE,
-    }
-)
 
 StartChannel = Callable[[CollectionInfo, ChannelLease | None, VchannelInfo], None]
 StopChannel = Callable[[str], None]
