@@ -11,7 +11,7 @@ from datanode.helpers import Produced, assert_exactly_once, produce
 
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import ChannelWatchInfo, VchannelInfo, WatchState
+from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
 
 from .helpers import (
@@ -254,6 +254,14 @@ def test_a_spark_datanode_syncs_a_channel_end_to_end(cluster: Cluster, store: Me
     producer, infos = create_collections(store, cluster.settings, count=1, shards=1)
     node = cluster.node(engine="spark", poll=0.5, VCHAN_SESSION_TTL="10")
     cluster.coordinator()
+
+    def healthy() -> bool:
+        found = store.get_model(store.keys.datanode_session(node.id), NodeSession)
+        return found is not None and found.model.state is SessionState.HEALTHY
+
+    # The node is HEALTHY (and gets the channel) only once its Spark session is up.
+    wait_until(healthy, 240, "the Spark node HEALTHY")
+    assert "Spark session up" in node.log()
     wait_until(lambda: owners(store, list(infos[0].vchannels)), 30, "the channel watched")
     produced = Produced()
     produce(producer, infos[0].name, produced, 500, 1, deletes=5)
@@ -263,7 +271,9 @@ def test_a_spark_datanode_syncs_a_channel_end_to_end(cluster: Cluster, store: Me
     wait_until(lambda: all_synced(store, storage, infos), 120, "the Spark node synced the channel")
     assert_exactly_once(store, storage, infos[0], produced)
     assert node.terminate() == 0
-    assert "engine spark" in node.log()
+    log = node.log()
+    assert "engine spark" in log
+    assert log.index("Spark session up") < log.index(" syncing ")  # no sync paid the JVM start
 
 
 def test_sigterm_releases_a_nodes_channels_and_hands_over_the_coordinator_at_once(
