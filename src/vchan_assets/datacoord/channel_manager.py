@@ -13,8 +13,9 @@ node (a graceful stop) move at once, without waiting for its session to end. A n
 STOPPING for longer than VCHAN_STOP_TIMEOUT is cut off: its session lease is revoked.
 
 Rules of one step, per vchannel of every non-dropped collection:
-- a watch info of a node whose session is gone or not HEALTHY is deleted and the channel
-  reassigned with a NEW lease (granting it fences off the old writer: lease MEP);
+- a watch info of a node whose session is gone or not HEALTHY is replaced, in one
+  transaction, by the channel's ToWatch for another node with a NEW lease (granting it
+  fences off the old writer: lease MEP); with no live node it is deleted;
 - a WatchSuccess without a lease id (written by an older coordinator, served through
   DataCoord's watcher check) is upgraded: the channel's lease for its node is written
   into it (the node's current lease if it has one, else a new one), one transaction;
@@ -131,6 +132,7 @@ class _Assignment:
     watch_key: str
     puts: dict[str, bytes]
     deletes: tuple[str, ...]  # its channelwatch/remaining entry, if it waited there
+    replaced: tuple[tuple[WatchEntry, str], ...] = ()  # watch infos of a node not live, and why
 
     @property
     def size(self) -> int:
@@ -238,7 +240,10 @@ class ChannelManager:
             if collection is None:
                 self._retire(vchannel, entries, view, report)
                 continue
-            holders, exclude = self._settle(vchannel, entries, view, load, now, report)
+            holders, exclude, leaving = self._settle(vchannel, entries, view, load, now, report)
+            if holders or not view.nodes:
+                for e, why in leaving:
+                    self._delete(e.kv, report, vchannel, e.node_id, why)
             if holders:
                 moving |= any(h.info.state in MOVING for h in holders)
                 if holders[0].info.lease_id is None and holders[0].info.state is WatchState.WATCH_SUCCESS:
@@ -257,7 +262,7 @@ class ChannelManager:
             candidates = [n for n in load if n not in exclude] or list(load)
             target = min(candidates, key=lambda n: (load[n], n))
             parked = view.remaining.get(vchannel)
-            pending.append(self._assignment(collection, vchannel, target, now, recovery, parked))
+            pending.append(self._assignment(collection, vchannel, target, now, recovery, parked, leaving))
             load[target] += 1
         for lost in self._write_assignments(pending, report):
             load[lost.node_id] -= 1
@@ -294,18 +299,24 @@ class ChannelManager:
         load: dict[int, int],
         now: float,
         report: ReconcileReport,
-    ) -> tuple[list[WatchEntry], set[int]]:
-        """Remove watch infos that no longer hold the channel; return those that do, and
-        nodes not to pick again for it."""
+    ) -> tuple[list[WatchEntry], set[int], list[tuple[WatchEntry, str]]]:
+        """Remove watch infos that no longer hold the channel; return those that do, the
+        nodes not to pick again for it, and the watch infos of nodes that are gone or not
+        HEALTHY (with why): those are replaced by the new ToWatch in its own transaction,
+        so the channel is never without a watch info in between."""
         holders: list[WatchEntry] = []
         exclude: set[int] = set()
+        leaving: list[tuple[WatchEntry, str]] = []
         for e in entries:
             state = e.info.state
             why = ""
             if e.node_id not in view.nodes:
                 session = view.states.get(e.node_id)
-                why = "node session is gone" if session is None else f"node is {session.state.value}"
-            elif state in (WatchState.RELEASE_SUCCESS, WatchState.RELEASE_FAILURE):
+                leaving.append(
+                    (e, "node session is gone" if session is None else f"node is {session.state.value}")
+                )
+                continue
+            if state in (WatchState.RELEASE_SUCCESS, WatchState.RELEASE_FAILURE):
                 why = f"node answered {state.value}"
                 exclude.add(e.node_id)
             elif state is WatchState.WATCH_FAILURE:
@@ -326,7 +337,7 @@ class ChannelManager:
             ):
                 load[e.node_id] -= 1
         holders.sort(key=lambda e: (e.info.state is not WatchState.WATCH_SUCCESS, e.node_id))
-        return holders, exclude
+        return holders, exclude, leaving
 
     def _retire(
         self, vchannel: str, entries: list[WatchEntry], view: ChannelView, report: ReconcileReport
@@ -348,6 +359,7 @@ class ChannelManager:
         now: float,
         snapshot: RecoverySnapshot,
         parked: KeyValue | None,
+        replaced: list[tuple[WatchEntry, str]] | None = None,
     ) -> _Assignment:
         """ToWatch on `node_id` with a fresh lease (which fences off any earlier writer),
         to be written by `_write_assignments`."""
@@ -375,6 +387,7 @@ class ChannelManager:
             watch_key,
             {self.store.keys.channel_lease(vchannel): encode(lease), watch_key: encode(info)},
             () if parked is None else (parked.key,),
+            tuple(replaced or ()),
         )
 
     def _write_assignments(self, pending: list[_Assignment], report: ReconcileReport) -> list[_Assignment]:
@@ -391,14 +404,17 @@ class ChannelManager:
             else:
                 written = [a for a in batch if len(batch) > 1 and self._write([a])]
             report.assigned.extend((a.vchannel, a.node_id) for a in written)
+            report.removed.extend((a.vchannel, e.node_id, why) for a in written for e, why in a.replaced)
             lost.extend(a for a in batch if a not in written)
         report.conflicts += len(lost)
         return lost
 
     def _write(self, batch: list[_Assignment]) -> bool:
-        expect = {a.watch_key: 0 for a in batch}
+        expect = {a.watch_key: 0 for a in batch} | {
+            e.kv.key: e.kv.version for a in batch for e, _ in a.replaced
+        }
         puts = {k: v for a in batch for k, v in a.puts.items()}
-        deletes = [k for a in batch for k in a.deletes]
+        deletes = [k for a in batch for k in a.deletes] + [e.kv.key for a in batch for e, _ in a.replaced]
         return self.store.txn(expect, puts, deletes) is not None
 
     def _to_release(self, e: WatchEntry, why: str, report: ReconcileReport) -> bool:
