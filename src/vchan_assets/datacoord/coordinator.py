@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vchan_assets import __version__
@@ -185,7 +186,9 @@ class DataCoordinator:
                 log.info("datacoord %s won the election", self.server_id)
                 try:
                     self.activate()
-                    with self._session_watch(), self._answer_watch():
+                    sessions = self._watch(self.store.keys.datanode_session.prefix, self._session_changed)
+                    answers = self._watch(self.store.keys.channel_watch.prefix, self._answer_written)
+                    with sessions, answers:
                         self._lead()
                 except MetaError as exc:
                     log.warning("datacoord activation failed (%s); campaigning again", exc)
@@ -208,21 +211,9 @@ class DataCoordinator:
                 log.warning("datacoord tick failed (%s); retrying", exc)
             self.wake.wait(self.interval)
 
-    def _session_watch(self) -> PrefixWatcher:
-        return PrefixWatcher(
-            self.store,
-            self.store.keys.datanode_session.prefix,
-            on_event=self._session_changed,
-            on_relist=self._sessions_listed,
-        )
-
-    def _answer_watch(self) -> PrefixWatcher:
-        return PrefixWatcher(
-            self.store,
-            self.store.keys.channel_watch.prefix,
-            on_event=self._answer_written,
-            on_relist=self._sessions_listed,
-        )
+    def _watch(self, prefix: str, on_event: Callable[[WatchEvent], None]) -> PrefixWatcher:
+        """A watch whose events may wake the loop (a relist always does)."""
+        return PrefixWatcher(self.store, prefix, on_event=on_event, on_relist=self._listed)
 
     def _answer_written(self, event: WatchEvent) -> None:
         """A node's answer (ReleaseSuccess, WatchFailure, ...) lets the next step of a move
@@ -241,7 +232,7 @@ class DataCoordinator:
         self.wakes += 1
         self.wake.set()
 
-    def _sessions_listed(self, snapshot: Snapshot) -> None:
+    def _listed(self, snapshot: Snapshot) -> None:
         self.wake.set()
 
     def _stop_on(self, stop: threading.Event) -> None:
