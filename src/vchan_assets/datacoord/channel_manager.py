@@ -300,10 +300,12 @@ class ChannelManager:
         now: float,
         report: ReconcileReport,
     ) -> tuple[list[WatchEntry], set[int], list[tuple[WatchEntry, str]]]:
-        """Remove watch infos that no longer hold the channel; return those that do, the
-        nodes not to pick again for it, and the watch infos of nodes that are gone or not
-        HEALTHY (with why): those are replaced by the new ToWatch in its own transaction,
-        so the channel is never without a watch info in between."""
+        """Sort the watch infos of a channel: those that hold it; the nodes not to pick
+        again for it; and those that no longer hold it, with why (a node gone or not
+        HEALTHY, an answered release, a failed or stuck watch, a fenced lease). Those are
+        deleted by the caller, or, when the channel is assigned again, replaced by the new
+        ToWatch in its transaction, so the channel is never without a watch info between two
+        etcd round trips."""
         holders: list[WatchEntry] = []
         exclude: set[int] = set()
         leaving: list[tuple[WatchEntry, str]] = []
@@ -330,11 +332,8 @@ class ChannelManager:
             if not why:
                 holders.append(e)
                 continue
-            if (
-                self._delete(e.kv, report, vchannel, e.node_id, why)
-                and e.node_id in load
-                and state in HOLDING
-            ):
+            leaving.append((e, why))
+            if e.node_id in load and state in HOLDING:
                 load[e.node_id] -= 1
         holders.sort(key=lambda e: (e.info.state is not WatchState.WATCH_SUCCESS, e.node_id))
         return holders, exclude, leaving
@@ -410,11 +409,16 @@ class ChannelManager:
         return lost
 
     def _write(self, batch: list[_Assignment]) -> bool:
-        expect = {a.watch_key: 0 for a in batch} | {
-            e.kv.key: e.kv.version for a in batch for e, _ in a.replaced
-        }
+        expect: dict[str, int] = {}
+        deletes: list[str] = []
+        for a in batch:
+            expect[a.watch_key] = 0
+            deletes.extend(a.deletes)
+            for e, _ in a.replaced:
+                expect[e.kv.key] = e.kv.version
+                if e.kv.key != a.watch_key:  # the same node again: the ToWatch overwrites it
+                    deletes.append(e.kv.key)
         puts = {k: v for a in batch for k, v in a.puts.items()}
-        deletes = [k for a in batch for k in a.deletes] + [e.kv.key for a in batch for e, _ in a.replaced]
         return self.store.txn(expect, puts, deletes) is not None
 
     def _to_release(self, e: WatchEntry, why: str, report: ReconcileReport) -> bool:
