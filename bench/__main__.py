@@ -12,6 +12,7 @@ import sys
 BENCHMARKS = (
     "sync",
     "failover",
+    "rolling",
     "latency",
     "compaction",
     "lifecycle_soak",

@@ -48,7 +48,7 @@ def _env(settings: Settings, ttl: float) -> dict[str, str]:
     return cli_env(settings, VCHAN_SESSION_TTL=str(ttl), VCHAN_SYNC_MAX_AGE="0.5")
 
 
-def _spawn(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], int]:
+def spawn(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], int]:
     with open(log, "wb") as err:
         proc = subprocess.Popen([str(VCHAN), *args], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None
@@ -100,10 +100,10 @@ def one_round(etcd: EmbeddedEtcd, work: Path, ttl: float) -> dict[str, float]:
     stop = threading.Event()
     try:
         for i in range(2):
-            proc, _ = _spawn(["datanode", "--engine", "local", "--poll", "0.2"], env, work / f"node{i}.log")
+            proc, _ = spawn(["datanode", "--engine", "local", "--poll", "0.2"], env, work / f"node{i}.log")
             procs.append(proc)
         node_ids = []
-        coord, _ = _spawn(["datacoord", "--interval", "0.2"], env, work / "coord.log")
+        coord, _ = spawn(["datacoord", "--interval", "0.2"], env, work / "coord.log")
         procs.append(coord)
 
         def load() -> None:

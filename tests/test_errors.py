@@ -57,6 +57,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "meta.errors.SegmentNotFoundError": (14,),
     "meta.errors.SyncSupersededError": ("c_0",),
     "meta.session.SessionConflictError": ("session/1", 0),
+    "meta.session.SessionRefusedError": ("session/datanode/1", 7),
     "datacoord.read_pins.ReadPinLostError": (7, 600.0, "insert_log/1/2/3/4"),
     "query.asof.TimeTravelError": ("1999-01-01", "older than the time-travel window"),
     "query.stream_source.StreamCollectionDroppedError": ("books", 7, '{"c_0": 41}'),

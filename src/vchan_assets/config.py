@@ -274,6 +274,8 @@ class Settings:
     spark_master: str = FROM_TABLE
     spark_remote: str | None = FROM_TABLE
     session_ttl: float = FROM_TABLE
+    stop_timeout: float = FROM_TABLE
+    balance_version: str | None = FROM_TABLE
     append_lock_ttl: float = FROM_TABLE
     client_retry_timeout: float = FROM_TABLE
     write_lag_limit_mb: float = FROM_TABLE

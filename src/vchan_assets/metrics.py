@@ -5,6 +5,7 @@ can serve them: `vchan metrics` prints them once, `vchan metrics --serve PORT` a
 `GET /metrics` on 127.0.0.1:PORT. What is exported:
 
   vchan_datanode_sessions                    live DataNode sessions
+  vchan_node_state{role,node,state}          1 per session (DataNode, active DataCoord) by state
   vchan_channels{node}                       vchannels watched per node ("remaining": none)
   vchan_channel_watch{vchannel,node,state}   1 per watch info
   vchan_channel_checkpoint_offset{vchannel}  offset of the channel checkpoint
@@ -34,6 +35,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from vchan_assets.catalog import Catalog
+from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.model import NodeSession
 from vchan_assets.status import collect_status
 
 log = logging.getLogger(__name__)
@@ -106,7 +109,17 @@ def _node_metrics(catalog: Catalog, report: dict[str, Any]) -> list[Metric]:
         watch.add(1, vchannel=entry.vchannel, node=str(entry.node_id), state=entry.info.state.value)
     for bad in watches.malformed:
         watch.add(1, vchannel=bad.vchannel, node=bad.node, state="Malformed")
-    return [sessions, per_node, watch]
+    states = Metric("vchan_node_state", "1 per session (DataNodes, the active DataCoord), by state.")
+    for n in report["nodes"]:
+        states.add(1, role="datanode", node=str(n["node_id"]), state=str(n["state"]))
+    try:
+        coord = catalog.store.get_model(catalog.store.keys.datacoord_session(), NodeSession)
+    except MalformedValueError as exc:
+        log.error("metrics: %s", exc)
+        coord = None
+    if coord is not None:
+        states.add(1, role="datacoord", node=str(coord.model.node_id), state=coord.model.state.value)
+    return [sessions, states, per_node, watch]
 
 
 def _channel_metrics(report: dict[str, Any]) -> list[Metric]:

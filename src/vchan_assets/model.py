@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
+import time
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -596,17 +598,44 @@ class DataLoss(Record):
 
 
 class SessionState(enum.StrEnum):
-    INITIALIZING = "INITIALIZING"  # registered, not yet watching its channels
+    """A node's state in its session (seed: stateCode). Only a HEALTHY node gets channels."""
+
+    INITIALIZING = "INITIALIZING"  # registered, not yet able to work (watch, Spark session)
     HEALTHY = "HEALTHY"
+    ABNORMAL = "ABNORMAL"  # alive but unable to work (its Spark session failed)
+    STOPPING = "STOPPING"  # leaving (SIGTERM): its channels move at once
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """A package version's numbers, to compare (`"0.1.0"` -> (0, 1, 0)); () if it has none."""
+    return tuple(int(n) for n in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 @dataclass(frozen=True)
 class NodeSession(Record):
+    """A node's session value (`session/datanode/{id}`, or the DataCoord's election key).
+
+    `version` is the node's package version (rolling upgrades compare it); `since` is when
+    the node entered `state` (seconds since the epoch; 0 in sessions of older nodes, which
+    write no such field)."""
+
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"since"})
+
     node_id: int
     address: str
     version: str
     started_at: float
     state: SessionState = SessionState.HEALTHY
+    since: float = 0.0
+
+    def entered(self, state: SessionState, now: float | None = None) -> NodeSession:
+        """This session in `state`, entered now."""
+        return replace(self, state=state, since=time.time() if now is None else now)
+
+    def older_than(self, version: str) -> bool:
+        """Whether this node runs a package older than `version` (either unparsable: no)."""
+        want, have = version_key(version), version_key(self.version)
+        return bool(want and have) and have < want
 
 
 @dataclass(frozen=True)

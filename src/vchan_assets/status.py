@@ -49,7 +49,7 @@ from vchan_assets.deploy.service import daemon_state, instance_home
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.model import NodeSession, SegmentState, TaskState
+from vchan_assets.model import NodeSession, SegmentState, SessionState, TaskState
 from vchan_assets.wal.backpressure import SLOW_FROM
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
@@ -113,6 +113,7 @@ def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> l
             "address": s.address,
             "version": s.version,
             "state": s.state,
+            "state_since": pd.Timestamp(s.since, unit="s", tz="UTC").isoformat() if s.since else None,
             "started_at": pd.Timestamp(s.started_at, unit="s", tz="UTC").isoformat(),
             "uptime_seconds": round(max(0.0, now - s.started_at), 1),
             "channels": per_node.get(str(s.node_id), 0),
@@ -280,7 +281,8 @@ def active_coordinator(catalog: Catalog) -> str | None:
     if found is None:
         return None
     host = "the Dagster sensor" if found.model.address == DAGSTER_COORDINATOR else found.model.address
-    return f"node {found.model.node_id} ({host or 'vchan datacoord'})"
+    state = "" if found.model.state is SessionState.HEALTHY else f" {found.model.state.value}"
+    return f"node {found.model.node_id} ({host or 'vchan datacoord'}){state}"
 
 
 def dagster_services(settings: Settings, now: float | None = None) -> dict[str, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.meta.allocator import IdAllocator
@@ -29,6 +30,7 @@ from .helpers import VCHAN, Known, cli_env
 NODE_CHILD = """
 import sys, time, threading
 from dataclasses import replace
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
@@ -275,3 +277,31 @@ def test_status_json_with_real_node_processes_shows_a_killed_nodes_channels_move
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_status_and_metrics_show_every_sessions_state(catalog: Catalog, store: MetaStore) -> None:
+    from vchan_assets.metrics import collect, render
+    from vchan_assets.model import SessionState
+    from vchan_assets.status import active_coordinator, collect_status
+
+    now = time.time()
+    held = [
+        Session.for_datanode(store, NodeSession(n, "", "0.1.0", now, state, now), ttl=30).register()
+        for n, state in ((61, SessionState.HEALTHY), (62, SessionState.STOPPING))
+    ]
+    coord = NodeSession(60, "host:1", "0.1.0", now, SessionState.STOPPING, now)
+    held.append(Session(store, store.keys.datacoord_session(), coord, ttl=30).register())
+    try:
+        nodes = {n["node_id"]: n for n in collect_status(catalog)["nodes"]}
+        assert nodes[61]["state"] == "HEALTHY" and nodes[62]["state"] == "STOPPING"
+        assert nodes[62]["state_since"] is not None
+        assert active_coordinator(catalog) == "node 60 (host:1) STOPPING"
+        states = parse(render(collect(catalog)))["vchan_node_state"]
+        assert sorted((lb["role"], lb["node"], lb["state"]) for lb, v in states if v == 1) == [
+            ("datacoord", "60", "STOPPING"),
+            ("datanode", "61", "HEALTHY"),
+            ("datanode", "62", "STOPPING"),
+        ]
+    finally:
+        for s in held:
+            s.close()

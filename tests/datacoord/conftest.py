@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import Settings
+from vchan_assets.meta.store import MetaStore
 
-from .helpers import Cluster, fast_settings
+from .helpers import Cluster, Sessions, fast_settings
 
 
 @pytest.fixture
@@ -22,3 +23,11 @@ def private_cluster(private_settings: Settings, tmp_path: Path) -> Iterator[Clus
     c = Cluster(fast_settings(private_settings), tmp_path)
     yield c
     c.cleanup()
+
+
+@pytest.fixture
+def nodes(store: MetaStore) -> Iterator[Sessions]:
+    """DataNode sessions the test registers and answers for."""
+    n = Sessions(store)
+    yield n
+    n.close()

@@ -4,7 +4,6 @@ process on a real etcd (the functions a Dagster sensor calls)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import pytest
@@ -14,55 +13,21 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager
 from vchan_assets.datacoord.watchers import NotWatcherError, lease_for_watcher
 from vchan_assets.datanode.channel import NodeContext, sync_once
-from vchan_assets.datanode.node import release_channel, watch_channel
+from vchan_assets.datanode.node import watch_channel
 from vchan_assets.meta.codec import encode
 from vchan_assets.meta.errors import CasConflictError, LeaseLostError
-from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     ChannelWatchInfo,
     CollectionInfo,
     MsgPosition,
-    NodeSession,
     VchannelInfo,
     WatchState,
 )
 from vchan_assets.storage import Storage
-from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
-from .helpers import create_collections, fast_settings
-
-
-class Nodes:
-    """DataNode sessions registered in this process (no node loop: the test drives it)."""
-
-    def __init__(self, store: MetaStore) -> None:
-        self.store = store
-        self.sessions: dict[int, Session] = {}
-
-    def up(self, node_id: int) -> int:
-        record = NodeSession(node_id, "", "test", time.time(), "HEALTHY")
-        self.sessions[node_id] = Session.for_datanode(self.store, record, ttl=30).register()
-        return node_id
-
-    def down(self, node_id: int) -> None:
-        self.sessions.pop(node_id).close()
-
-    def close(self) -> None:
-        for s in self.sessions.values():
-            s.close()
-
-
-@pytest.fixture
-def nodes(store: MetaStore) -> Iterator[Nodes]:
-    n = Nodes(store)
-    yield n
-    n.close()
-
-
-def _system(store: MetaStore, settings: Settings) -> System:
-    return System(settings, store, Storage.from_settings(settings))
+from .helpers import Sessions, answer, create_collections, fast_settings, node_system
 
 
 def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchInfo, int] | None:
@@ -85,7 +50,7 @@ class Assigned:
 
 
 def _assign_one_channel(
-    store: MetaStore, settings: Settings, nodes: Nodes, node_id: int, rows: int = 0
+    store: MetaStore, settings: Settings, nodes: Sessions, node_id: int, rows: int = 0
 ) -> Assigned:
     """A collection of one vchannel (with `rows` inserted and a time tick) assigned to
     node `node_id`, whose ToWatch nobody has answered yet."""
@@ -116,20 +81,8 @@ def _rewrite_watch(
     return again
 
 
-def _answer(store: MetaStore, settings: Settings, node_id: int) -> None:
-    """What a node does with its ToWatch/ToRelease infos (no channel work started)."""
-    ctx = NodeContext(_system(store, settings), node_id)
-    for kv in store.list_prefix(store.keys.channel_watch.under(node_id)).items:
-        found = store.get_model(kv.key, ChannelWatchInfo)
-        assert found is not None
-        if found.model.state is WatchState.TO_WATCH:
-            watch_channel(ctx, kv.key, kv.version, found.model)
-        elif found.model.state is WatchState.TO_RELEASE:
-            release_channel(ctx, kv.key, kv.version, found.model)
-
-
 def test_with_no_live_node_channels_wait_as_remaining_and_go_to_the_first_node(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=3)
@@ -151,14 +104,14 @@ def test_with_no_live_node_channels_wait_as_remaining_and_go_to_the_first_node(
 
 
 def test_a_dead_nodes_channels_are_reassigned_with_new_lease_ids(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
     manager = ChannelManager(store, settings)
     a = nodes.up(7101)
     manager.reconcile()
-    _answer(store, settings, a)
+    answer(store, settings, a)
     old = {v: store.read_lease(v) for v in infos[0].vchannels}
     b = nodes.up(7102)
     nodes.down(a)
@@ -173,7 +126,7 @@ def test_a_dead_nodes_channels_are_reassigned_with_new_lease_ids(
 
 
 def test_to_watch_stuck_past_the_timeout_or_watch_failure_is_reassigned(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = replace(fast_settings(settings), watch_timeout=5)
     _, infos = create_collections(store, settings, count=1, shards=2)
@@ -198,36 +151,36 @@ def test_to_watch_stuck_past_the_timeout_or_watch_failure_is_reassigned(
 
 
 def test_a_move_releases_first_and_watches_after_release_success(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=4)
     manager = ChannelManager(store, settings)
     a = nodes.up(7301)
     manager.reconcile()
-    _answer(store, settings, a)
+    answer(store, settings, a)
     b = nodes.up(7302)
     report = manager.reconcile()
     assert len(report.releasing) == 2 and not report.assigned
     moving = [v for v, _, _ in report.releasing]
     # Until node a answers, node b gets nothing: never two watchers.
     assert not manager.reconcile().assigned
-    _answer(store, settings, a)
+    answer(store, settings, a)
     report = manager.reconcile()
     assert sorted(report.assigned) == sorted((v, b) for v in moving)
-    _answer(store, settings, b)
+    answer(store, settings, b)
     assert sorted(n for es in manager.assignments().values() for n, _ in es) == [a, a, b, b]
 
 
 def test_with_auto_balance_off_a_new_node_gets_no_channel_but_a_dead_nodes_channels_still_move(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = replace(fast_settings(settings), auto_balance=False)
     _, infos = create_collections(store, settings, count=1, shards=4)
     manager = ChannelManager(store, settings)
     a = nodes.up(7311)
     manager.reconcile()
-    _answer(store, settings, a)
+    answer(store, settings, a)
     b = nodes.up(7312)
 
     report = manager.reconcile()
@@ -239,12 +192,12 @@ def test_with_auto_balance_off_a_new_node_gets_no_channel_but_a_dead_nodes_chann
 
 
 def test_watch_with_a_replaced_lease_answers_watch_failure(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     one = _assign_one_channel(store, settings, nodes, 7401)
     store.put(store.keys.channel_lease(one.vchannel), {"lease_id": 1, "node_id": 99, "granted_at": 0.0})
-    ctx = NodeContext(_system(store, settings), one.node_id)
+    ctx = NodeContext(node_system(store, settings), one.node_id)
     result = watch_channel(ctx, one.key, one.version, one.info)
     assert result.state is WatchState.WATCH_FAILURE and "not current" in result.reason
     # A stale version (the coordinator moved on) is a conflict, not a silent overwrite.
@@ -253,14 +206,14 @@ def test_watch_with_a_replaced_lease_answers_watch_failure(
 
 
 def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_check(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     one = _assign_one_channel(store, settings, nodes, 7501)
     producer, info, vchannel, a, key = one.producer, one.collection, one.vchannel, one.node_id, one.key
     # An older coordinator's watch info: no lease id.
     found = _rewrite_watch(store, a, vchannel, lease_id=None)
-    ctx = NodeContext(_system(store, settings), a)
+    ctx = NodeContext(node_system(store, settings), a)
     assert watch_channel(ctx, key, found[1], found[0]).state is WatchState.WATCH_SUCCESS
     produced = Produced()
     produce(producer, info.name, produced, 300, 1, deletes=4)
@@ -271,7 +224,7 @@ def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_che
     # Another node is refused: it is not the channel's watcher.
     with pytest.raises(NotWatcherError):
         lease_for_watcher(store, vchannel, 7599)
-    other = NodeContext(_system(store, settings), 7599)
+    other = NodeContext(node_system(store, settings), 7599)
     produce(producer, info.name, produced, 10, 1000)
     producer.time_tick(info.name)
     with pytest.raises(LeaseLostError):
@@ -279,24 +232,24 @@ def test_a_watch_info_without_lease_id_commits_through_the_datacoord_watcher_che
 
 
 def test_channels_of_a_dropped_collection_are_released_and_forgotten(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = fast_settings(settings)
     producer, infos = create_collections(store, settings, count=1, shards=2)
     manager = ChannelManager(store, settings)
     a = nodes.up(7601)
     manager.reconcile()
-    _answer(store, settings, a)
+    answer(store, settings, a)
     producer.drop_collection(infos[0].name)
     report = manager.reconcile()
     assert sorted(v for v, *_ in report.releasing) == sorted(infos[0].vchannels)
-    _answer(store, settings, a)
+    answer(store, settings, a)
     manager.reconcile()
     assert manager.assignments() == {}
 
 
 def test_the_tickler_keeps_a_slow_watch_from_timing_out(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     settings = replace(fast_settings(settings), tickler_interval=0.2, watch_timeout=1.0)
     one = _assign_one_channel(store, settings, nodes, 7701)
@@ -314,7 +267,7 @@ def test_the_tickler_keeps_a_slow_watch_from_timing_out(
             assert not manager.reconcile().removed
             time.sleep(0.1)
 
-    ctx = NodeContext(_system(store, settings), a)
+    ctx = NodeContext(node_system(store, settings), a)
     result = watch_channel(ctx, key, found[1], found[0], start=slow_start)
     assert result.state is WatchState.WATCH_SUCCESS and result.progress == 100
     assert max(p for p, _ in seen) > 0
@@ -322,14 +275,14 @@ def test_the_tickler_keeps_a_slow_watch_from_timing_out(
 
 
 def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     from vchan_assets.datanode.node import DataNode
 
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
     v0, v1 = infos[0].vchannels
-    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
+    node = DataNode(node_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         manager = ChannelManager(store, settings)
         manager.reconcile()
@@ -353,7 +306,7 @@ def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
 
 
 def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_that_channel(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     """The relist and the watch stream race: a snapshot read before a ToWatch was written,
     handled after the ToWatch's event, must not release the channel it does not list."""
@@ -361,7 +314,7 @@ def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_tha
 
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
-    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
+    node = DataNode(node_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         stale = store.list_prefix(store.keys.channel_watch.under(node.node_id))  # nothing yet
         ChannelManager(store, settings).reconcile()
@@ -398,7 +351,7 @@ def test_the_coordinator_reloads_segment_meta_only_when_its_revision_moved(
 
 
 def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     from vchan_assets.datacoord.leases import grant_channel_lease
     from vchan_assets.datanode.node import DataNode
@@ -407,7 +360,7 @@ def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(
     settings = fast_settings(settings)
     producer, infos = create_collections(store, settings, count=1, shards=2)
     v0, v1 = infos[0].vchannels
-    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
+    node = DataNode(node_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         ChannelManager(store, settings).reconcile()
         deadline = time.monotonic() + 10
@@ -437,7 +390,7 @@ def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
     settings = replace(fast_settings(settings), tickler_interval=0.002)
     producer, infos = create_collections(store, settings, count=1, shards=1)
     vchannel = infos[0].vchannels[0]
-    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
+    node = DataNode(node_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         ChannelManager(store, settings).reconcile()
         key = store.keys.channel_watch(node.node_id, vchannel)
@@ -468,17 +421,17 @@ def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
 
 
 def _one_watched_channel(
-    store: MetaStore, settings: Settings, nodes: Nodes, node_id: int
+    store: MetaStore, settings: Settings, nodes: Sessions, node_id: int
 ) -> tuple[ChannelManager, str, int]:
     """One collection of one vchannel, watched (WatchSuccess) by node `node_id`."""
     settings = fast_settings(settings)
     one = _assign_one_channel(store, settings, nodes, node_id)
-    _answer(store, settings, one.node_id)
+    answer(store, settings, one.node_id)
     return one.manager, one.vchannel, one.node_id
 
 
 def test_a_to_watch_that_loses_its_compare_and_swap_grants_no_lease(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     """Lease grant and ToWatch are one transaction: when the ToWatch cannot be written
     (here: the target node's key is taken by a value the manager cannot read), the
@@ -495,7 +448,7 @@ def test_a_to_watch_that_loses_its_compare_and_swap_grants_no_lease(
 
 
 def test_a_holder_fenced_by_a_newer_lease_is_noticed_and_the_channel_reassigned(
-    store: MetaStore, settings: Settings, nodes: Nodes
+    store: MetaStore, settings: Settings, nodes: Sessions
 ) -> None:
     """A WatchSuccess whose lease id is not the channel's current lease holds nothing: the
     node stopped the channel when its commit was refused. The manager removes that watch
@@ -587,7 +540,7 @@ def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
     settings = fast_settings(settings)
     _, infos = create_collections(store, settings, count=1, shards=2)
     v0, v1 = infos[0].vchannels
-    node = DataNode(_system(store, settings), engine="local", poll_interval=0.1).start()
+    node = DataNode(node_system(store, settings), engine="local", poll_interval=0.1).start()
     releasing, finish = threading.Event(), threading.Event()
     try:
         node.lanes.submit(v0, lambda: (releasing.set(), finish.wait(60)))
@@ -612,7 +565,7 @@ def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
 
 
 def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_reads_under_the_lease(
-    store: MetaStore, settings: Settings, nodes: Nodes, caplog: pytest.LogCaptureFixture
+    store: MetaStore, settings: Settings, nodes: Sessions, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The ToWatch's VchannelInfo is read before the lease is granted; the node reads the
     channel again once the lease is its own. Newer meta (a commit landed in between) is
@@ -624,7 +577,7 @@ def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_read
     found = (one.info, one.version)
     assigned = one.info.vchan
     (segment_id,) = assigned.unflushed_segment_ids
-    ctx = NodeContext(_system(store, settings), a)
+    ctx = NodeContext(node_system(store, settings), a)
 
     # Older than meta: the previous holder's last checkpoint landed after the coordinator read.
     store.put(store.keys.channel_checkpoint(vchannel), encode(MsgPosition(vchannel, 41, 4100)))
@@ -652,6 +605,6 @@ def test_the_node_checks_the_coordinators_vchannel_info_against_the_meta_it_read
     assert (vchannel, b) in report.assigned
     again = _watch(store, b, vchannel)
     assert again is not None and again[0].vchan.seek_position == MsgPosition(vchannel, 41, 4100)
-    ctx_b = NodeContext(_system(store, settings), b)
+    ctx_b = NodeContext(node_system(store, settings), b)
     result = watch_channel(ctx_b, store.keys.channel_watch(b, vchannel), again[1], again[0])
     assert result.state is WatchState.WATCH_SUCCESS

@@ -11,7 +11,7 @@ from datanode.helpers import Produced, assert_exactly_once, produce
 
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import ChannelWatchInfo, VchannelInfo, WatchState
+from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
 
 from .helpers import (
@@ -21,6 +21,7 @@ from .helpers import (
     all_synced,
     checkpoint_of,
     create_collections,
+    finish_and_check,
     owners,
     wait_until,
 )
@@ -59,18 +60,6 @@ def test_three_nodes_watch_eight_channels_and_a_fourth_node_is_balanced_in_witho
     assert not checker.violations, checker.violations[:5]
 
 
-def _finish_and_check(cluster: Cluster, store: MetaStore, producer_infos: tuple, load: Load) -> None:
-    """Stop the load, let the nodes sync everything, then check exactly-once."""
-    producer, infos = producer_infos
-    load.stop()
-    for info in infos:
-        producer.time_tick(info.name)
-    storage = Storage.from_settings(cluster.settings)
-    wait_until(lambda: all_synced(store, storage, infos), 40, "every channel synced to its head")
-    for info in infos:
-        assert_exactly_once(store, storage, info, load.produced[info.name])
-
-
 def test_kill_9_of_a_node_under_load_moves_its_channels_and_loses_or_duplicates_nothing(
     cluster: Cluster, store: MetaStore
 ) -> None:
@@ -105,7 +94,7 @@ def test_kill_9_of_a_node_under_load_moves_its_channels_and_loses_or_duplicates_
         return True
 
     wait_until(resumed, 20, "syncing resumed from the checkpoint on the new owners")
-    _finish_and_check(cluster, store, (producer, infos), load)
+    finish_and_check(cluster, store, (producer, infos), load)
     assert took <= cluster.settings.session_ttl + 6
 
 
@@ -143,7 +132,7 @@ def test_a_node_paused_mid_sync_past_its_ttl_is_fenced_by_the_lease_when_it_resu
     # paused channel logs anything). Either way nothing of it landed: checked below.
     assert "was revoked or replaced" in log or "unavailable during" in log, log[-3000:]
     assert "WatchSuccess" not in log.split("lost its session")[-1]
-    _finish_and_check(cluster, store, (producer, infos), load)
+    finish_and_check(cluster, store, (producer, infos), load)
 
 
 def test_standby_coordinator_takes_over_and_finishes_a_pending_move(
@@ -265,6 +254,14 @@ def test_a_spark_datanode_syncs_a_channel_end_to_end(cluster: Cluster, store: Me
     producer, infos = create_collections(store, cluster.settings, count=1, shards=1)
     node = cluster.node(engine="spark", poll=0.5, VCHAN_SESSION_TTL="10")
     cluster.coordinator()
+
+    def healthy() -> bool:
+        found = store.get_model(store.keys.datanode_session(node.id), NodeSession)
+        return found is not None and found.model.state is SessionState.HEALTHY
+
+    # The node is HEALTHY (and gets the channel) only once its Spark session is up.
+    wait_until(healthy, 240, "the Spark node HEALTHY")
+    assert "Spark session up" in node.log()
     wait_until(lambda: owners(store, list(infos[0].vchannels)), 30, "the channel watched")
     produced = Produced()
     produce(producer, infos[0].name, produced, 500, 1, deletes=5)
@@ -274,7 +271,9 @@ def test_a_spark_datanode_syncs_a_channel_end_to_end(cluster: Cluster, store: Me
     wait_until(lambda: all_synced(store, storage, infos), 120, "the Spark node synced the channel")
     assert_exactly_once(store, storage, infos[0], produced)
     assert node.terminate() == 0
-    assert "engine spark" in node.log()
+    log = node.log()
+    assert "engine spark" in log
+    assert log.index("Spark session up") < log.index(" syncing ")  # no sync paid the JVM start
 
 
 def test_sigterm_releases_a_nodes_channels_and_hands_over_the_coordinator_at_once(

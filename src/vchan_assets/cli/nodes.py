@@ -120,7 +120,9 @@ def datanode(args: argparse.Namespace, settings: Settings) -> int:
         while not stop.wait(0.5):
             pass
     finally:
-        node.stop(final_sync=not node.session_lost.is_set())
+        # Graceful stop: STOPPING first (the coordinator moves the channels at once, under
+        # new leases), the sync in flight finishes or is refused, then the session ends.
+        node.stop(final_sync=False)
         system.store.close()
     if node.session_lost.is_set():
         reason = node.session.expiry_reason if node.session else ""

@@ -9,6 +9,14 @@ it finds is finished by `ChannelManager.reconcile`).
 Every write of the active coordinator is fenced by its election term (`MetaStore.fenced`):
 a coordinator deposed in the middle of a tick (paused past its TTL, partitioned) cannot
 grant a lease or move a channel after a newer leader was elected.
+
+The active coordinator watches the DataNode sessions (etcd watch): a node that appears,
+changes state (STOPPING: a graceful stop) or disappears wakes the loop at once, so its
+channels move without waiting for the next tick; so does a node's answer in
+`channelwatch/` (ReleaseSuccess lets a balance move go on to its ToWatch at once); the tick every `interval` stays as the
+safety net and for the seal policies. `stop()` (SIGTERM) is the seed's Stop: the
+election key says STOPPING first, then the coordinator resigns, and a standby (which
+watches that key) takes over at once.
 """
 
 from __future__ import annotations
@@ -16,41 +24,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from vchan_assets import __version__
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager, ReconcileReport
 from vchan_assets.datacoord.segment_manager import FlushRecovery, SealedSegment, SegmentManager
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.errors import MetaError, NotLeaderError
+from vchan_assets.meta.channelwatch import END_STATES
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError, MetaError, NotLeaderError
 from vchan_assets.meta.session import Election
-from vchan_assets.meta.store import Fence, MetaStore
-from vchan_assets.model import MsgPosition, NodeSession, SessionState
+from vchan_assets.meta.store import Fence, MetaStore, Snapshot
+from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
+from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class MetaReloader:
-    """Lease MEP, "DataCoord reloads from metastore periodically": channel checkpoints
-    first, then segment meta only if it changed since it was seen last (the open segments
-    live in the channel heads in etcd; what is reloaded here are Growing segments on no
-    head, which get sealed). A change is a higher mod revision or a different count of
-    segment keys: a deletion moves no remaining key's revision."""
+    """Lease MEP, "DataCoord reloads from metastore periodically": segment meta, only if it
+    changed since it was seen last (the open segments live in the channel heads in etcd;
+    what is reloaded here are Growing segments on no head, which get sealed). A change is
+    a higher mod revision or a different count of segment keys: a deletion moves no
+    remaining key's revision. (Channel checkpoints are read where they are used: by the
+    recovery info of an assignment.)"""
 
     store: MetaStore
     segments: SegmentManager
-    checkpoints: dict[str, MsgPosition] = field(default_factory=dict)
     seen: tuple[int, int] = (0, 0)  # (highest mod revision, count) of segment keys
     reloads: int = 0  # metric
 
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded."""
-        found, _ = self.store.list_models(
-            self.store.keys.channel_checkpoint.prefix, MsgPosition, skip_malformed=True
-        )
-        self.checkpoints = {d.kv.key.rsplit("/", 1)[-1]: d.model for d in found}
         snap = self.store.list_prefix(self.store.keys.segment.prefix)
         seen = (max((kv.mod_revision for kv in snap.items), default=0), len(snap.items))
         if seen == self.seen:
@@ -98,6 +106,7 @@ class DataCoordinator:
         self.interval = interval
         self.reload_interval = reload_interval
         self.ids = IdAllocator(store, batch=100)
+        self.address = address
         self.server_id = server_id or self.ids.alloc()
         self.election = Election(
             store,
@@ -111,11 +120,15 @@ class DataCoordinator:
         self.reloader: MetaReloader | None = None
         self.recovered: list[FlushRecovery] = []
         self.active = threading.Event()
+        self.stopping = threading.Event()
+        self.wake = threading.Event()  # a DataNode session changed: reconcile now
+        self.wakes = 0  # metric: session changes that woke the loop
         self.last_reload = 0.0  # wall clock: a sensor host carries it from tick to tick
 
     def session_record(self, address: str) -> NodeSession:
         """What the election key holds while this contender leads."""
-        return NodeSession(self.server_id, address, __version__, time.time(), SessionState.HEALTHY)
+        now = time.time()
+        return NodeSession(self.server_id, address, __version__, now, SessionState.HEALTHY, now)
 
     # --- step functions (also for a sensor) ------------------------------------------------
 
@@ -162,24 +175,21 @@ class DataCoordinator:
     # --- long-running ------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Campaign; while active, tick every `interval`; on leadership loss campaign again.
-        On `stop`, resign (a standby takes over at once)."""
+        """Campaign; while active, tick every `interval` and whenever a DataNode session
+        changes; on leadership loss campaign again. On `stop`, `self.stop()`: STOPPING, then
+        resign (a standby takes over at once)."""
+        threading.Thread(target=self._stop_on, args=(stop,), name="datacoord stop", daemon=True).start()
         try:
-            while not stop.is_set():
-                if not self.election.campaign(timeout=self.interval):
+            while not self.stopping.is_set():
+                if not self.election.campaign(timeout=max(self.interval, 2.0)):
                     continue
                 log.info("datacoord %s won the election", self.server_id)
                 try:
                     self.activate()
-                    while not stop.is_set() and self.election.is_leader:
-                        try:
-                            self.tick()
-                        except NotLeaderError as exc:
-                            log.error("datacoord %s was deposed mid-tick: %s", self.server_id, exc)
-                            break
-                        except MetaError as exc:
-                            log.warning("datacoord tick failed (%s); retrying", exc)
-                        stop.wait(self.interval)
+                    sessions = self._watch(self.store.keys.datanode_session.prefix, self._session_changed)
+                    answers = self._watch(self.store.keys.channel_watch.prefix, self._answer_written)
+                    with sessions, answers:
+                        self._lead()
                 except MetaError as exc:
                     log.warning("datacoord activation failed (%s); campaigning again", exc)
                 self.election.resign()
@@ -188,6 +198,65 @@ class DataCoordinator:
             self._stand_by()
             self.election.resign()
             log.info("datacoord %s stopped", self.server_id)
+
+    def _lead(self) -> None:
+        while not self.stopping.is_set() and self.election.is_leader:
+            self.wake.clear()
+            try:
+                self.tick()
+            except NotLeaderError as exc:
+                log.error("datacoord %s was deposed mid-tick: %s", self.server_id, exc)
+                return
+            except MetaError as exc:
+                log.warning("datacoord tick failed (%s); retrying", exc)
+            self.wake.wait(self.interval)
+
+    def _watch(self, prefix: str, on_event: Callable[[WatchEvent], None]) -> PrefixWatcher:
+        """A watch whose events may wake the loop (a relist always does)."""
+        return PrefixWatcher(self.store, prefix, on_event=on_event, on_relist=self._listed)
+
+    def _answer_written(self, event: WatchEvent) -> None:
+        """A node's answer (ReleaseSuccess, WatchFailure, ...) lets the next step of a move
+        run now; the coordinator's own writes and the ticklers' do not wake it."""
+        if event.kind is EventKind.DELETE or not event.value:
+            return
+        try:
+            state = decode(event.key, event.value, ChannelWatchInfo).state
+        except MalformedValueError:
+            return  # the step logs and removes it
+        if state in END_STATES:
+            self.wakes += 1
+            self.wake.set()
+
+    def _session_changed(self, event: WatchEvent) -> None:
+        self.wakes += 1
+        self.wake.set()
+
+    def _listed(self, snapshot: Snapshot) -> None:
+        self.wake.set()
+
+    def _stop_on(self, stop: threading.Event) -> None:
+        stop.wait()
+        self.stop()
+
+    def stop(self) -> None:
+        """Seed `Stop`: the election key says STOPPING first (while this one leads), then
+        resign at once, so a standby takes over without waiting for the TTL. A write of a
+        tick still in flight is refused by the fence (every step is a compare-and-swap, so
+        the standby continues from what etcd holds)."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        session = self.election.session
+        if session is not None and session.alive:
+            try:
+                session.update(self.session_record(self.address).entered(SessionState.STOPPING))
+            except MetaError as exc:
+                log.warning("datacoord %s: could not say STOPPING (%s)", self.server_id, exc)
+        self.active.clear()
+        self.election.resign()
+        self.wake.set()
+        log.info("datacoord %s is STOPPING: resigned", self.server_id)
 
     def _stand_by(self) -> None:
         self.active.clear()

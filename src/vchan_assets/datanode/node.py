@@ -1,9 +1,15 @@
 """The DataNode process role (seed `datanode_server.go`, MEP 7, lease MEP).
 
-Lifecycle: a unique, never-reused node id from the ID allocator; a session under
-`session/datanode/{id}` on an etcd lease (INITIALIZING, then HEALTHY) kept alive by
-`Session`; losing it stops every channel at once (no zombie writer) and the process
-exits. The node follows `channelwatch/{id}/` with a `PrefixWatcher`, which lists the
+Lifecycle (seed: stateCode): a unique, never-reused node id from the ID allocator; a
+session under `session/datanode/{id}` on an etcd lease kept alive by `Session`, whose
+state is INITIALIZING until the node can work (watching its channels; with the Spark
+engine, its Spark session started in the background at launch, so no sync pays the JVM
+start), then HEALTHY (ABNORMAL if the Spark session failed: no channel is assigned to
+it). Only a HEALTHY node gets channels. `stop()` is the graceful stop (SIGTERM): the
+session says STOPPING first, so the coordinator moves the channels at once under new
+leases; the node lets each sync in flight finish (or be refused by the new lease), then
+revokes its session. Losing the session stops every channel at once (no zombie writer)
+and the process exits. The node follows `channelwatch/{id}/` with a `PrefixWatcher`, which lists the
 whole prefix at start and after a compaction (invariant 5).
 
 Per-event logic lives in plain functions so a Dagster sensor or run can call it too:
@@ -36,7 +42,7 @@ from vchan_assets.datacoord.collections import (
 from vchan_assets.datacoord.recovery import compare_recovery, recovery_info
 from vchan_assets.datanode.channel import ChannelWorker, NodeContext, sync_once
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.channelwatch import parse_watch_info, vchannel_of
+from vchan_assets.meta.channelwatch import END_STATES, parse_watch_info, vchannel_of
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, MetaUnavailableError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore, Snapshot
@@ -69,15 +75,6 @@ __all__ = [
     "sync_once",
     "watch_channel",
 ]
-
-END_STATES = frozenset(
-    {
-        WatchState.WATCH_SUCCESS,
-        WatchState.WATCH_FAILURE,
-        WatchState.RELEASE_SUCCESS,
-        WatchState.RELEASE_FAILURE,
-    }
-)
 
 StartChannel = Callable[[CollectionInfo, ChannelLease | None, VchannelInfo], None]
 StopChannel = Callable[[str], None]
@@ -337,6 +334,8 @@ class DataNode:
         self.lanes = ChannelLanes("datanode events")
         self._handled: dict[str, int] = {}  # key -> mod_revision handled
         self._resync: threading.Thread | None = None
+        self.record: NodeSession | None = None  # the session's value, in its current state
+        self.ready = threading.Event()  # set once the node left INITIALIZING
 
     @property
     def ctx(self) -> NodeContext:
@@ -358,27 +357,72 @@ class DataNode:
         self.session = Session.for_datanode(
             self.store, record, self.settings.session_ttl, on_expired=self._lost_session
         ).register()
+        self.record = record
         self.watcher = PrefixWatcher(
             self.store,
             self.store.keys.channel_watch.under(self.node_id),
             on_event=self._on_event,
             on_relist=self._on_relist,
         ).start()
-        self.store.put(
-            self.session.key, replace(record, state=SessionState.HEALTHY), lease=self.session.lease_id
-        )
         self._resync = threading.Thread(target=self._resync_loop, name="channelwatch resync", daemon=True)
         self._resync.start()
-        log.info("datanode %s is HEALTHY (engine %s)", self.node_id, self.engine)
+        if self.engine == "spark":
+            threading.Thread(target=self._start_spark, name="spark start", daemon=True).start()
+        else:
+            self._enter(SessionState.HEALTHY)
         return self
 
+    @property
+    def state(self) -> SessionState:
+        return SessionState.INITIALIZING if self.record is None else self.record.state
+
+    def _enter(self, state: SessionState) -> bool:
+        """Write `state` into the session (unless the node is already STOPPING)."""
+        with self._lock:
+            if self.session is None or self.record is None:
+                return False
+            if self.record.state is SessionState.STOPPING and state is not SessionState.STOPPING:
+                return False
+            record = self.record.entered(state)
+            try:
+                self.session.update(record)
+            except MetaError as exc:
+                log.error("datanode %s could not enter %s: %s", self.node_id, state.value, exc)
+                return False
+            self.record = record
+        if state is not SessionState.INITIALIZING:
+            self.ready.set()
+        log.info("datanode %s is %s (engine %s)", self.node_id, state.value, self.engine)
+        return True
+
+    def _start_spark(self) -> None:
+        """Start the Spark session at launch (the JVM start took 12 s of the first sync),
+        then go HEALTHY; ABNORMAL if it cannot start."""
+        from vchan_assets.spark.session import get_spark
+
+        started = time.monotonic()
+        try:
+            spark = get_spark(self.settings)
+            spark.range(1).count()  # the executors answer, not only the driver
+        except Exception:
+            log.exception("datanode %s: the Spark session did not start", self.node_id)
+            self._enter(SessionState.ABNORMAL)
+            return
+        log.info("datanode %s: Spark session up in %.1fs", self.node_id, time.monotonic() - started)
+        self._enter(SessionState.HEALTHY)
+
     def stop(self, final_sync: bool = True) -> None:
-        """Stop cleanly: stop watching, stop every channel (after a final sync of what the
-        log holds), then revoke the session so the coordinator reassigns at once."""
+        """Graceful stop: the session says STOPPING (the coordinator moves the channels at
+        once, under new leases); stop watching; stop every channel (with `final_sync`, after
+        a last sync of what the log holds, which the new owner's lease refuses if it was
+        already granted; without, the sync in flight finishes or is refused); then revoke
+        the session. Each channel gets VCHAN_STOP_TIMEOUT to stop."""
         if self.stopped.is_set():
             return
         self.stopped.set()
-        self.lanes.close()
+        self.lanes.close()  # the coordinator's deletes of the watch infos need no handling
+        if not self.session_lost.is_set():
+            self._enter(SessionState.STOPPING)
         if self.watcher is not None:
             self.watcher.stop()
         if self._resync is not None:
@@ -386,7 +430,11 @@ class DataNode:
         with self._lock:
             workers, self.workers = list(self.workers.values()), {}
         for w in workers:
-            w.stop(final_sync=final_sync and not self.session_lost.is_set(), timeout=60, reason="node stop")
+            w.stop(
+                final_sync=final_sync and not self.session_lost.is_set(),
+                timeout=self.settings.stop_timeout,
+                reason="node stop",
+            )
         for w in self._retired:
             # A sync in flight when the session was lost ends here: its commit is rejected by
             # the lease (a new owner holds it) and nothing partial is written.

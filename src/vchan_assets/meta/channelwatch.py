@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import KeyValue, MetaStore
-from vchan_assets.model import ChannelWatchInfo
+from vchan_assets.model import ChannelWatchInfo, WatchState
+
+# A node's answers, which the coordinator waits for and a node ignores (seed: isEndWatchState).
+END_STATES = frozenset(
+    {
+        WatchState.WATCH_SUCCESS,
+        WatchState.WATCH_FAILURE,
+        WatchState.RELEASE_SUCCESS,
+        WatchState.RELEASE_FAILURE,
+    }
+)
 
 REMAINING = "remaining"
 

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vchan_assets.errors import DeclaredError
-from vchan_assets.meta.errors import CasConflictError, MetaError, MetaUnavailableError
-from vchan_assets.meta.store import Fence, KeyValue, MetaStore, Value
+from vchan_assets.meta.errors import CasConflictError, MetaError, MetaUnavailableError, NotLeaderError
+from vchan_assets.meta.store import Fence, KeyValue, MetaStore, Snapshot, Value
+from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
 from vchan_assets.model import NodeSession
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,20 @@ class SessionConflictError(DeclaredError, MetaError):
         return (
             f"session {self.key} is already registered ({holder}): another process with this identity "
             "is alive, or its session has not expired yet"
+        )
+
+
+class SessionRefusedError(DeclaredError, MetaError):
+    """A session's key is no longer the one it created (its lease was revoked or expired:
+    the node was cut off): the session may not write it again, nor come back under it."""
+
+    key: str
+    lease_id: int
+
+    def __str__(self) -> str:
+        return (
+            f"session {self.key} on lease {self.lease_id} is gone (cut off or expired): "
+            "an old session cannot come back; start the node again under a new session"
         )
 
 
@@ -123,6 +138,26 @@ class Session:
             thread.start()
         log.info("session %s registered on lease %s (ttl %ss)", self.key, lease_id, self.ttl)
         return self
+
+    def update(self, value: Value) -> None:
+        """Rewrite the session's value (a state change), on its lease, only while the key is
+        still the one this session created. A session whose key was removed (its lease
+        revoked by the coordinator's stop timeout, or expired) is refused with
+        SessionRefusedError: an old session never writes its key back."""
+        if self.lease_id is None:
+            raise MetaError(f"session {self.key} is not registered")
+        if self._expired or self._closed:
+            raise SessionRefusedError(self.key, self.lease_id)
+        try:
+            self.store.fenced(Fence(self.key, self.create_revision)).put(self.key, value, lease=self.lease_id)
+        except NotLeaderError:
+            raise SessionRefusedError(self.key, self.lease_id) from None
+        except MetaUnavailableError:
+            raise
+        except MetaError as exc:  # etcd: "requested lease not found"
+            log.warning("session %s: update refused: %s", self.key, exc)
+            raise SessionRefusedError(self.key, self.lease_id) from exc
+        self.value = value
 
     def suspend_keepalive(self) -> None:
         """Stop refreshing the lease without revoking it (tests and fault injection): the
@@ -242,10 +277,11 @@ class Session:
 class Election:
     """Active-standby election for the DataCoord on `session/datacoord` (one leader).
 
-    The leader holds the key on its own session lease. A standby polls until the key is
-    gone (the leader resigned, or its lease expired), then creates it with a
-    compare-and-swap on version 0; exactly one contender wins each round.
-    `on_lost()` is called if the leader's session loses liveness.
+    The leader holds the key on its own session lease. A standby watches the key (etcd
+    watch, with a poll every `poll_interval` as a safety net) until it is gone (the leader
+    resigned, or its lease expired), then creates it with a compare-and-swap on version 0;
+    exactly one contender wins each round. `on_lost()` is called if the leader's session
+    loses liveness.
     """
 
     def __init__(
@@ -262,9 +298,10 @@ class Election:
         self.ttl = ttl
         self.key = key or store.keys.datacoord_session()
         self.on_lost = on_lost
-        self.poll_interval = poll_interval if poll_interval is not None else min(0.5, ttl / 4)
+        self.poll_interval = poll_interval if poll_interval is not None else min(2.0, ttl / 4)
         self._session: Session | None = None
         self._resigned = threading.Event()
+        self._changed = threading.Event()  # the key changed (watch), or resign()
 
     @property
     def is_leader(self) -> bool:
@@ -301,28 +338,42 @@ class Election:
         return True
 
     def campaign(self, timeout: float | None = None) -> bool:
-        """Wait (polling) until this contender leads; False on timeout or after `resign()`."""
+        """Wait until this contender leads (tries again as soon as the watch sees the key
+        change, and every `poll_interval`); False on timeout or after `resign()`."""
         self._resigned.clear()
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                if self.try_acquire():
-                    return True
-            except MetaUnavailableError as exc:
-                log.warning("%s: campaign attempt failed (%s); retrying", self.key, exc)
-            wait = self.poll_interval
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+        watcher = PrefixWatcher(self.store, self.key, on_event=self._on_change, on_relist=self._on_relist)
+        with watcher:
+            while True:
+                self._changed.clear()
+                try:
+                    if self.try_acquire():
+                        return True
+                except MetaUnavailableError as exc:
+                    log.warning("%s: campaign attempt failed (%s); retrying", self.key, exc)
+                wait = self.poll_interval
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    wait = min(wait, remaining)
+                self._changed.wait(wait)
+                if self._resigned.is_set():
                     return False
-                wait = min(wait, remaining)
-            if self._resigned.wait(wait):
-                return False
+
+    def _on_change(self, event: WatchEvent) -> None:
+        if event.key == self.key and event.kind is EventKind.DELETE:
+            self._changed.set()
+
+    def _on_relist(self, snapshot: Snapshot) -> None:
+        if all(kv.key != self.key for kv in snapshot.items):
+            self._changed.set()
 
     def resign(self) -> None:
         """Give up leadership (revoke the session: a standby takes over at once), or stop
         campaigning."""
         self._resigned.set()
+        self._changed.set()
         session, self._session = self._session, None
         if session is not None:
             session.close()

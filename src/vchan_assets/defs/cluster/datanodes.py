@@ -117,8 +117,9 @@ class DagsterDataNode:
             )
         node_id = IdAllocator(self.store, batch=1).alloc()
         lease = self.store.grant(self.session_ttl)
+        now = time.time()
         record = NodeSession(
-            node_id, f"{DAGSTER_ADDRESS}{self.slot}", __version__, time.time(), SessionState.HEALTHY
+            node_id, f"{DAGSTER_ADDRESS}{self.slot}", __version__, now, SessionState.HEALTHY, now
         )
         self.store.cas(self.store.keys.datanode_session(node_id), 0, record, lease=lease)
         log.info("datanode %s registered for sensor slot %s (lease %s)", node_id, self.slot, lease)
