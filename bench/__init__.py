@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -55,6 +56,14 @@ def bench_system(prefix: str) -> Iterator[tuple[Path, System]]:
     finally:
         etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def bench_parser(doc: str | None, rows: int, out: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring as help, `--rows` and `--out`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=rows)
+    parser.add_argument("--out", default=out, help="the run's figures as JSON")
+    return parser
 
 
 def write_report(path: str | Path, report: dict[str, Any]) -> None:

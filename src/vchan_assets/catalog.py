@@ -629,6 +629,20 @@ class Catalog:
         reader = spark.read.format("vchan").options(**read_options(self.settings, self.store.endpoints))
         return reader.options(collection=name, **options).load()
 
+    def spark_changes(self, name: str, stream_id: str, spark: Any = None, **options: str) -> Any:
+        """The collection's changes as a streaming Spark DataFrame
+        (`readStream.format("vchan")` on this catalog's etcd and storage): every insert and
+        delete of its log, once, with `op`, `ts`, `vchannel` and `offset`. `stream_id`
+        names the stream in etcd (keep it across the query's restarts); `options` are the
+        stream's (startingOffsets, upTo, maxRowsPerTrigger, fields, vectors): see
+        docs/streams.md."""
+        from vchan_assets.query.spark_source import read_options, spark_session
+
+        self.collection(name)  # fails here, naming the collection, if it is unknown
+        spark = spark_session(self.system.with_spark(spark) if spark else self.system)
+        reader = spark.readStream.format("vchan").options(**read_options(self.settings, self.store.endpoints))
+        return reader.options(collection=name, streamId=stream_id, **options).load()
+
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())
 

@@ -25,13 +25,21 @@ from vchan_assets.defs.sync.jobs import CHANNEL_TAG, sync_job
 from vchan_assets.deploy.service import INSTANCE_CONFIG
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-NAMES = ["01_quickstart", "02_channel_health", "03_segments_and_binlogs", "04_operate", "05_indexes"]
+NAMES = [
+    "01_quickstart",
+    "02_channel_health",
+    "03_segments_and_binlogs",
+    "04_operate",
+    "05_indexes",
+    "06_change_stream",
+]
 TIMEOUT = {
     "01_quickstart": 120,
     "02_channel_health": 180,
     "03_segments_and_binlogs": 120,
     "04_operate": 180,
     "05_indexes": 120,
+    "06_change_stream": 240,
 }
 LIVE_TIMEOUT = 420  # a cell waits for the deployment's Dagster runs to persist the collection
 
@@ -180,6 +188,7 @@ def test_notebook_runs_against_a_live_vchan_up_stack(
             "02_channel_health": "events",
             "03_segments_and_binlogs": "products",
             "05_indexes": "vectors",
+            "06_change_stream": "orders",
         }
         assert re.search(rf"{base[name]}_\d{{8}}_\d{{6}}", text), (
             f"{name}: its collection is not in the outputs"

@@ -6,11 +6,34 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.model import CollectionInfo
-from vchan_assets.testing.harness import cli_env
+from vchan_assets.testing.harness import cli_env, fast_settings
+
+TIME_TRAVEL = 6.0  # seconds: GC removes a dropped segment's files this long after its drop
+# A read in the past goes back at least this far, and stays this far inside the window
+# (its own "now" is taken a moment after the test picks its T).
+MARGIN = 1.5
+
+
+def race_settings(settings: Settings) -> Settings:
+    """The lifecycle at test speed, for the processes and the reader alike: a lifecycle step
+    and a GC pass every second, dropped segments collected TIME_TRAVEL seconds after their
+    drop, a plan whose executor was killed failed after 5 s."""
+    return replace(
+        fast_settings(settings),
+        lifecycle_interval=1.0,
+        gc_interval=1.0,
+        gc_drop_tolerance=1.0,
+        gc_missing_tolerance=120.0,  # far above any sync's files-to-meta time, even under load
+        wal_retention=1.0,
+        compaction_timeout=5.0,
+        time_travel=TIME_TRAVEL,
+    )
+
 
 READ = """
 import json

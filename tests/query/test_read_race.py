@@ -21,15 +21,16 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from datacoord.helpers import Cluster, Role, all_synced, create_collections, fast_settings, wait_until
+from datacoord.helpers import Cluster, Role, all_synced, create_collections, wait_until
 
+from query.helpers import MARGIN, TIME_TRAVEL, race_settings
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType, PlanState, list_plans
@@ -41,27 +42,6 @@ from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, checkpoint_of
 from vchan_assets.wal.producer import ChannelAppend, Producer, generate_rows
-
-TIME_TRAVEL = 6.0  # seconds: GC removes a dropped segment's files this long after its drop
-# A read in the past goes back at least this far, and stays this far inside the window
-# (its own "now" is taken a moment after the test picks its T).
-MARGIN = 1.5
-
-
-def race_settings(settings: Settings) -> Settings:
-    """The lifecycle at test speed, for the processes and the reader alike: a lifecycle step
-    and a GC pass every second, dropped segments collected TIME_TRAVEL seconds after their
-    drop, a plan whose executor was killed failed after 5 s."""
-    return replace(
-        fast_settings(settings),
-        lifecycle_interval=1.0,
-        gc_interval=1.0,
-        gc_drop_tolerance=1.0,
-        gc_missing_tolerance=120.0,  # far above any sync's files-to-meta time, even under load
-        wal_retention=1.0,
-        compaction_timeout=5.0,
-        time_travel=TIME_TRAVEL,
-    )
 
 
 @dataclass

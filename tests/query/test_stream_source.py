@@ -348,6 +348,9 @@ def test_a_stream_that_starts_over_under_its_old_id_holds_the_log_from_its_new_s
         ({"startingOffsets": '{"x": 1}'}, StreamOffsetError, "not the collection's ['x']"),
         ({"startingOffsets": "[1]"}, StreamOffsetError, "expected a JSON object"),
         ({"fields": "nope"}, ReadOptionError, "has no field 'nope'"),
+        ({"maxRowsPerTriger": "10"}, ReadOptionError, "unknown option 'maxrowspertriger'"),
+        ({"pks": "1", "as_of": "0"}, ReadOptionError, "unknown options 'as_of', 'pks'"),
+        ({"pks": "1"}, ReadOptionError, "options of the batch reader"),
     ],
 )
 def test_bad_options_are_clear_errors(
@@ -378,6 +381,35 @@ def test_offsets_from_a_checkpoint_must_be_the_collections(log: Streamed) -> Non
         reader.latestOffset({a: 3}, limit)
     with pytest.raises(StreamOffsetError, match="integers >= -1"):
         reader.latestOffset({a: "3", b: -2}, limit)
+
+
+def test_a_checkpoint_of_a_collection_created_again_with_more_vchannels_is_a_clear_error(
+    log: Streamed,
+) -> None:
+    log.write(0, n=60, deletes=6)
+    reader = log.reader(upTo="head")
+    _, end = log.first_batch(reader)
+    log.producer.drop_collection(log.info.name)
+    again = log.producer.create_collection(log.info.name, SCHEMA, num_channels=3)
+    restarted = log.reader(upTo="head")  # Spark restarting the query from its checkpoint: at `end`
+    with pytest.raises(StreamOffsetError, match="start the stream afresh") as err:
+        restarted.latestOffset(end, restarted.getDefaultReadLimit())
+    assert all(v in str(err.value) for v in [*again.vchannels, *log.info.vchannels])
+
+
+def test_a_malformed_offset_in_the_spark_checkpoint_fails_the_restarted_query_naming_it(
+    log: Streamed, tmp_path: Path
+) -> None:
+    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    log.write(0, n=50, deletes=5)
+    log.persist()
+    sink, checkpoint = str(tmp_path / "sink"), tmp_path / "checkpoint"
+    sink_changes(spark, log.options(), sink, str(checkpoint))
+    last = max((p for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    version, metadata, _ = last.read_text().splitlines()
+    last.write_text(f"{version}\n{metadata}\n{json.dumps({'elsewhere': 12})}")
+    with pytest.raises(Exception, match=re.escape("""stream offsets {"elsewhere": 12}""")):
+        sink_changes(spark, log.options(), sink, str(checkpoint))
 
 
 def test_status_lists_streams_and_warns_of_an_idle_one(log: Streamed) -> None:

@@ -63,7 +63,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
@@ -102,6 +101,18 @@ from vchan_assets.wal.format import CorruptLogError, MsgType, first_offset_of, w
 from vchan_assets.wal.reader import WalFile, WalReader, read_log_file
 
 STREAM_ID_OPTION = "streamid"
+# The stream's options (lower case, as Spark passes them), and the batch reader's that a
+# stream does not take: either is named in the error an unknown option raises.
+STREAM_OPTIONS = (
+    "collection",
+    "streamId",
+    "startingOffsets",
+    "upTo",
+    "maxRowsPerTrigger",
+    "fields",
+    "vectors",
+)
+BATCH_ONLY_OPTIONS = ("partition", "segments", "task_mb", "as_of", "pks", "pk_min", "pk_max")
 UP_TO = ("checkpoint", "head")
 CHANGE_COLUMNS = ("op", "ts", "vchannel", "offset", "partition_id")
 PARTITION_MESSAGES = 262_144  # log messages of one Spark task, at most (whole files; one file at least)
@@ -157,6 +168,7 @@ class StreamRequest:
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> StreamRequest:
         opts = {k.lower(): v for k, v in options.items()}
+        _check_known(opts)
         stream_id = opts.get(STREAM_ID_OPTION, "").strip()
         if not stream_id:
             raise ReadOptionError(
@@ -182,6 +194,20 @@ class StreamRequest:
             raise ReadOptionError(f"option maxRowsPerTrigger={raw_max!r}: expected a number of rows > 0")
         starting = opts.get("startingoffsets", "earliest").strip()
         return cls(read, stream_id, starting.lower() if starting.isalpha() else starting, up_to, max_rows)
+
+
+def _check_known(opts: Mapping[str, str]) -> None:
+    """Every option is the stream's or a setting (VCHAN_*): a misspelt one fails, naming it."""
+    known = {o.lower() for o in STREAM_OPTIONS}
+    unknown = sorted(k for k in opts if k not in known and not k.upper().startswith("VCHAN_"))
+    if not unknown:
+        return
+    batch = [k for k in unknown if k in BATCH_ONLY_OPTIONS]
+    raise ReadOptionError(
+        f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+        f'readStream.format("vchan"): expected {", ".join(STREAM_OPTIONS)} or VCHAN_* settings'
+        + (f" ({', '.join(batch)}: options of the batch reader, spark.read)" if batch else "")
+    )
 
 
 def stream_schema(info: CollectionInfo, request: ReadRequest) -> StructType:
@@ -213,7 +239,9 @@ def parse_offsets(raw: Any, vchannels: Sequence[str]) -> Offsets:
             text[:200],
             f"the collection's vchannels are {sorted(vchannels)}"
             + (f"; missing {missing}" if missing else "")
-            + (f"; not the collection's {unknown}" if unknown else ""),
+            + (f"; not the collection's {unknown}" if unknown else "")
+            + " (offsets of another collection, or of one dropped and created again under its name:"
+            " start the stream afresh, with a new checkpoint)",
         )
     bad = {v: o for v, o in found.items() if isinstance(o, bool) or not isinstance(o, int) or o < -1}
     if bad:
@@ -462,18 +490,25 @@ def _groups(files: Sequence[WalFile]) -> list[list[WalFile]]:
 
 def changes(table: pa.Table, vchannel: str, start: int, end: int) -> pa.Table:
     """The inserts and deletes of one log file at offsets in (start, end], in offset order,
-    with the change columns."""
+    with the change columns.
+
+    A file's changes are usually one run of rows (a batch's inserts or deletes, then its
+    time tick): then they are a zero-copy slice, not a filter that copies every column."""
     offsets = table["offset"]
     keep = pc.and_(
         pc.and_(pc.greater(offsets, start), pc.less_equal(offsets, end)),
         pc.is_in(table["msg_type"], value_set=_CHANGES),
     )
-    rows = table.filter(keep)
-    n = rows.num_rows
+    n = pc.sum(keep).as_py() or 0
+    first = pc.index(keep, True).as_py() if n else 0
+    if n and first + n <= table.num_rows and pc.all(keep.slice(first, n)).as_py():
+        rows = table.slice(first, n)
+    else:
+        rows = table.filter(keep)
     rows = rows.rename_columns(
         ["op" if c == "msg_type" else "ts" if c == "timestamp" else c for c in rows.column_names]
     )
-    return rows.append_column("vchannel", pa.array(np.full(n, vchannel, dtype=object), pa.string()))
+    return rows.append_column("vchannel", pa.repeat(pa.scalar(vchannel, pa.string()), n))
 
 
 def change_rows(rows: pa.Table, fields: Sequence[FieldSchema], vectors: str) -> pa.Table:
