@@ -12,7 +12,7 @@ import dagster as dg
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.defs.health import checkpoints_fresh
+from vchan_assets.defs.health import checkpoint_freshness_sensor, checkpoints_fresh
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.allocator import IdAllocator
@@ -20,6 +20,7 @@ from vchan_assets.model import CollectionInfo
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
+from .helpers import evaluate
 
 
 def _evaluate(settings: Settings, limit: float) -> dg.AssetCheckResult:
@@ -68,3 +69,21 @@ def test_rows_waiting_longer_than_the_limit_make_the_check_fail(
         fresh.passed
         and fresh.metadata["with_messages_to_sync"].value == stale.metadata["with_messages_to_sync"].value
     )
+
+
+def test_the_sensor_reports_the_evaluation_without_a_run(
+    dsettings: Settings, producer: Producer, collection: CollectionInfo, instance: dg.DagsterInstance
+) -> None:
+    """`checkpoint_freshness_sensor` evaluates the same check and returns its evaluation as an
+    asset event of the tick (no run request)."""
+    producer.insert(collection.name, generate_rows(SCHEMA, 20, start_pk=1, seed=1))
+    time.sleep(1.2)
+    vchan = VchanResource.from_settings(replace(dsettings, checkpoint_freshness=1.0))
+
+    result = evaluate(checkpoint_freshness_sensor, instance, vchan)
+
+    assert not result.run_requests
+    (event,) = result.asset_events
+    assert isinstance(event, dg.AssetCheckEvaluation)
+    assert event.asset_check_key == dg.AssetCheckKey(dg.AssetKey("channel_checkpoints"), "checkpoints_fresh")
+    assert not event.passed and event.severity == dg.AssetCheckSeverity.ERROR

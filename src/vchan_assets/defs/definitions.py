@@ -1,8 +1,8 @@
 """The Dagster definitions of vchan_assets (loaded by workspace.yaml).
 
 Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`,
-`defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`), the freshness check
-(`defs/health`), the declarative automation sensor (`defs/automation`) and the two resources. The
+`defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`), the freshness check and its
+sensor (`defs/health`), the declarative automation sensor (`defs/automation`) and the two resources. The
 settings are read once per load.
 """
 
@@ -12,7 +12,7 @@ import dagster as dg
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.automation import automation_sensor
-from vchan_assets.defs.health import checkpoints_fresh
+from vchan_assets.defs.health import checkpoint_freshness_sensor, checkpoints_fresh
 from vchan_assets.defs.imports.assets import import_job, import_sensor, imported_segments
 from vchan_assets.defs.indexes.assets import index_job, index_sensor, segment_indexes
 from vchan_assets.defs.lifecycle.assets import (
@@ -51,6 +51,7 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             import_sensor,
             index_sensor,
             automation_sensor,
+            checkpoint_freshness_sensor,
         ],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
     )
