@@ -22,11 +22,10 @@ from vchan_assets.deploy.service import DagsterService, daemon_state, graphql
 from vchan_assets.deploy.supervisor import Supervisor
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
-from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.wal.producer import Producer
 
-from .test_deployment import wait_until
+from .test_deployment import live_settings, running, wait_until
 
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
@@ -53,28 +52,14 @@ def pg_deployment(
     etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PgDeployment]:
     tmp = tmp_path_factory.mktemp("pg-deployment")
-    settings = Settings(
-        home=tmp / "home",
-        root=f"pg-{uuid.uuid4().hex[:8]}",
-        etcd_endpoints=(etcd.endpoint,),
-        storage_uri=str(tmp / "storage"),
-        spark_remote=spark_remote,
-        session_ttl=5.0,
-        sync_max_age=1.0,
-    )
+    settings = live_settings(tmp, "pg", etcd.endpoint, spark_remote, session_ttl=10.0)
     postgres = PostgresServer(tmp / "postgres")
     postgres.start()
     service = DagsterService(settings, dagster_home=tmp / "dagster_home", storage=postgres.storage_config())
-    store = MetaStore.connect(settings)
     try:
-        url = service.start()
-        storage = Storage.from_settings(settings)
-        storage.ensure_root()
-        producer = Producer(System(settings, store, storage))
-        yield PgDeployment(url, settings, store, postgres, service, producer, tmp / "dagster_home")
+        with running(service) as (url, store, producer):
+            yield PgDeployment(url, settings, store, postgres, service, producer, tmp / "dagster_home")
     finally:
-        store.close()
-        service.stop(stop_spark=False)
         postgres.stop()
 
 
