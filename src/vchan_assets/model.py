@@ -486,6 +486,9 @@ class SegmentIndex(Record):
     files: tuple[str, ...] = ()  # storage keys
     serialized_size: int = 0
     engine_version: str = ""  # the library that built it, e.g. "faiss-1.15.1"
+    # The index engine version its file was built for (`indexes.engine`); 0: built before
+    # versions were recorded (read as version 1, the only one there was).
+    engine: int = 0
     created_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
@@ -526,12 +529,27 @@ class SessionState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class IndexEngine(Record):
+    """The index engine versions a process reads (the seed's IndexEngineVersion): index
+    files of versions `minimal` to `current`; builds use the lowest `current` stated."""
+
+    current: int
+    minimal: int
+
+    def reads(self, version: int) -> bool:
+        return self.minimal <= version <= self.current
+
+
+@dataclass(frozen=True)
 class NodeSession(Record):
+    OMIT_WHEN_NONE = frozenset({"index_engine"})
+
     node_id: int
     address: str
     version: str
     started_at: float
     state: SessionState = SessionState.HEALTHY
+    index_engine: IndexEngine | None = None  # stated by the processes that load indexes
 
 
 @dataclass(frozen=True)

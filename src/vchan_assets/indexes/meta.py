@@ -330,6 +330,7 @@ class BuiltFiles:
     files: tuple[str, ...]
     serialized_size: int
     engine_version: str
+    engine: int  # the index engine version written for (`indexes.engine`)
 
 
 def finish_build(
@@ -343,9 +344,17 @@ def finish_build(
         files=built.files,
         serialized_size=built.serialized_size,
         engine_version=built.engine_version,
+        engine=built.engine,
         finished_at=time.time(),
     )
     return _swap(store, build, done)
+
+
+def reissue_build(store: MetaStore, build: Decoded[SegmentIndex]) -> Decoded[SegmentIndex] | None:
+    """Back to Unissued, to be built again under its next version (a Failed build retried,
+    a Finished one rebuilt: its file unusable, or of an older engine version); None if it
+    changed since it was read. The old version's files become GC's (superseded)."""
+    return _swap(store, build, replace(build.model, state=SegmentIndexState.UNISSUED))
 
 
 def fail_build(store: MetaStore, build: Decoded[SegmentIndex], reason: str) -> Decoded[SegmentIndex] | None:
