@@ -596,6 +596,38 @@ class Catalog:
         frame.attrs["exact_segments"] = exact_segments(table)
         return frame
 
+    def search_dataframe(
+        self,
+        collection: str,
+        queries: Any,
+        k: int = 10,
+        id_column: str = "query",
+        vector_column: str = "vector",
+        by: str = "segment",
+        **options: Any,
+    ) -> Any:
+        """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
+        the Spark DataFrame `queries` (an integer `id_column` and an array-of-floats
+        `vector_column` per row), one Spark task per segment (`by="segment"`) or per slice
+        of the queries (`by="query"`); the same hits as `search` (same `options`: field,
+        metric, filter, as_of, params, output_fields), as a Spark DataFrame of
+        `id_column`, the primary key, `distance` and the output fields."""
+        from vchan_assets.query.batch_search import search_dataframe
+
+        info = self.collection(collection)
+        if self._stack is not None:
+            self.state_index_engine()
+        return search_dataframe(
+            self.system,
+            info,
+            queries,
+            k,
+            id_column,
+            vector_column,
+            by=by,
+            **options,  # type: ignore[arg-type]
+        )
+
     def state_index_engine(self) -> None:
         """Register this catalog's reader session, stating the index engine versions it
         reads (builds then stay loadable by it), unless it has one."""

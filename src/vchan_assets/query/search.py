@@ -384,7 +384,7 @@ def finish(
                 "segment %d: rebuild of index build %d queued", fallback.segment, build.model.build_id
             )
     listed = [{"segment": f.segment, "file": f.file, "reason": f.reason} for f in fallbacks]
-    merged = _merge(request, hits)
+    merged = merge_hits(request, hits)
     if not listed:
         return merged
     return merged.replace_schema_metadata(
@@ -564,7 +564,7 @@ def _hits(request: SearchRequest, rows: pa.Table, distances: np.ndarray, positio
     return pa.table(columns)
 
 
-def _merge(request: SearchRequest, hits: list[pa.Table]) -> pa.Table:
+def merge_hits(request: SearchRequest, hits: list[pa.Table]) -> pa.Table:
     """The k best candidates per query, sorted by query, nearness, then pk."""
     if not hits:
         return request.result_schema.empty_table()
