@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import pyarrow as pa
@@ -603,7 +603,7 @@ class Catalog:
         k: int = 10,
         id_column: str = "query",
         vector_column: str = "vector",
-        by: str = "segment",
+        by: Literal["segment", "query"] = "segment",
         **options: Any,
     ) -> Any:
         """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
@@ -618,14 +618,7 @@ class Catalog:
         if self._stack is not None:
             self.state_index_engine()
         return search_dataframe(
-            self.system,
-            info,
-            queries,
-            k,
-            id_column,
-            vector_column,
-            by=by,
-            **options,  # type: ignore[arg-type]
+            self.system, info, queries, k, id_column=id_column, vector_column=vector_column, by=by, **options
         )
 
     def state_index_engine(self) -> None:

@@ -33,7 +33,7 @@ bounds a batch to what it holds in memory (100,000 queries of 128 floats: 51 MB)
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.indexes.engine import OURS
-from vchan_assets.model import CollectionInfo, IndexEngine, MetricType
+from vchan_assets.model import CollectionInfo, IndexEngine
 from vchan_assets.query.asof import resolve_as_of, views_at
 from vchan_assets.query.search import (
     Fallback,
@@ -140,31 +140,11 @@ def collect_queries(
     return ids.astype(np.int64), vectors
 
 
-def search_dataframe(
-    system: System,
-    info: CollectionInfo,
-    queries: Any,
-    k: int = 10,
-    id_column: str = "query",
-    vector_column: str = "vector",
-    field: str | None = None,
-    metric: MetricType | str | None = None,
-    filter: str | pc.Expression | None = None,
-    as_of: Any = None,
-    params: Mapping[str, object] | None = None,
-    output_fields: Sequence[str] = (),
-    by: Distribution = "segment",
-    engine: IndexEngine = OURS,
-    timeout: float = 900.0,
-) -> Any:
+def search_dataframe(system: System, info: CollectionInfo, queries: Any, k: int = 10, **options: Any) -> Any:
     """The k nearest rows of each query of the `queries` DataFrame (module docstring), as
     a DataFrame on the same Spark session: `id_column`, the primary key, `distance` and
-    the `output_fields`."""
-    table = search_table(
-        system, info, queries, k, id_column, vector_column, field, metric, filter, as_of, params,
-        output_fields, by, engine, timeout,
-    )  # fmt: skip
-    return queries.sparkSession.createDataFrame(table)
+    the `output_fields`. `options`: `search_table`'s."""
+    return queries.sparkSession.createDataFrame(search_table(system, info, queries, k, **options))
 
 
 def search_table(
@@ -174,24 +154,21 @@ def search_table(
     k: int = 10,
     id_column: str = "query",
     vector_column: str = "vector",
-    field: str | None = None,
-    metric: MetricType | str | None = None,
-    filter: str | pc.Expression | None = None,
-    as_of: Any = None,
-    params: Mapping[str, object] | None = None,
-    output_fields: Sequence[str] = (),
     by: Distribution = "segment",
+    as_of: Any = None,
     engine: IndexEngine = OURS,
     timeout: float = 900.0,
+    **request_options: Any,
 ) -> pa.Table:
     """`search_dataframe`'s hits as an Arrow table (on the driver), with the segments
-    searched exactly in its metadata (`query.search.exact_segments`)."""
+    searched exactly in its metadata (`query.search.exact_segments`). `request_options`:
+    field, metric, filter, params, output_fields, as `query.search.search` takes them."""
     from vchan_assets.spark.session import run_arrow_tasks
 
     if by not in ("segment", "query"):
         raise SearchError(info.name, f"by must be 'segment' or 'query', got {by!r}")
     ids, vectors = collect_queries(info, queries, id_column, vector_column)
-    request = check_request(system, info, vectors, k, field, metric, filter, params, output_fields)
+    request = check_request(system, info, vectors, k, **request_options)
     spark = queries.sparkSession
     ts = resolve_as_of(system.store, system.settings, as_of)
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):

@@ -198,11 +198,11 @@ def check_request(
     info: CollectionInfo,
     vectors: Any,
     k: int,
-    field: str | None,
-    metric: MetricType | str | None,
-    filter: str | pc.Expression | None,
-    params: Mapping[str, object] | None,
-    output_fields: Sequence[str],
+    field: str | None = None,
+    metric: MetricType | str | None = None,
+    filter: str | pc.Expression | None = None,
+    params: Mapping[str, object] | None = None,
+    output_fields: Sequence[str] = (),
 ) -> SearchRequest:
     """The search checked before anything is read: SearchError naming what is wrong."""
 
