@@ -23,8 +23,10 @@ exactly, the same request checks and errors) with the segments searched by Spark
 
 Why by segment: a segment's index is loaded (read and deserialized) by one task only,
 and each task's work is one faiss batch search of all queries; by query, every task
-loads every index and reads every unindexed segment, so that work is repeated once per
-task (BENCHMARKS.md, "Batch search in Spark", measures both).
+loads every index and reads every segment's columns, so that work is repeated once per
+task. On 2 shared cores the two tie (BENCHMARKS.md, "Batch search in Spark": both run 2
+tasks at a time, and by segment's extra tasks cost what it saves); by segment is what
+scales with executors and segments.
 
 The queries and the candidates (tasks x queries x k rows) pass through the driver, which
 bounds a batch to what it holds in memory (100,000 queries of 128 floats: 51 MB).
