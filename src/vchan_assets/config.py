@@ -286,6 +286,7 @@ class Settings:
     l0_compaction_trigger_count: int = FROM_TABLE
     l0_compaction_trigger_mb: float = FROM_TABLE
     invisible_segment_limit: int = FROM_TABLE
+    index_handoff_timeout: float = FROM_TABLE
     index_recall_floor: float = FROM_TABLE
     compaction_small_proportion: float = FROM_TABLE
     compaction_tier_factor: float = FROM_TABLE
@@ -297,6 +298,8 @@ class Settings:
     task_memory_mb: float = FROM_TABLE
     task_max_attempts: int = FROM_TABLE
     task_timeout: float = FROM_TABLE
+    task_retry_backoff: float = FROM_TABLE
+    task_retry_backoff_max: float = FROM_TABLE
     import_interval: float = FROM_TABLE
     import_buffer_mb: float = FROM_TABLE
     import_timeout: float = FROM_TABLE

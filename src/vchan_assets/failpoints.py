@@ -16,8 +16,10 @@ and inside each sync task (a Spark Python worker, or the local engine's process)
 by bulk import (imports/executor.py): import_after_preimport, import_after_binlogs,
 import_before_commit; by the lifecycle: handoff_taken (the DataCoord got a flush's push, no
 sort planned yet), compaction_after_files, compaction_after_commit, compaction_before_cleanup,
-gc_after_files; by index builds (indexes/step.py): index_after_files (the build's file
-written, the build not yet Finished); by reads: read_checkpointed (query/asof.py: channel
+gc_after_files; by index builds: index_built (indexes/build.py, in the process that builds:
+a Spark Python worker, or the local engine's; the index file written, the outcome not
+returned) and index_after_files (indexes/step.py, in the committing process: the build's
+file written, the build not yet Finished); by reads: read_checkpointed (query/asof.py: channel
 checkpoints read, segment meta not listed yet), read_planned (query/reads.py: pinned,
 segments chosen, no file opened yet), stream_read (a change stream's task handed one log
 file's changes to Spark, more to come).

@@ -362,11 +362,16 @@ class SegmentInfo(Record):
     # or above every timestamp issued before it, which can run seconds ahead of the wall
     # clock of `dropped_at`. A read at an earlier T serves the segment again (query/asof.py).
     dropped_ts: int = 0
+    # A mix compaction output that waits for its index (`awaited_indexes`): the timestamp
+    # from which it replaces its inputs in the query view, stamped by the commit of its
+    # last awaited build (or when the wait is given up: a build Failed for good, or
+    # VCHAN_INDEX_HANDOFF_TIMEOUT). 0: not stamped (still waiting, or it never waited).
+    ready_ts: int = 0
 
     # Left out when None: as written before they existed.
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job", "flushed_at"})
     # Left out when False (0): as written before they existed.
-    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible", "dropped_ts"})
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible", "dropped_ts", "ready_ts"})
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)
@@ -417,6 +422,15 @@ class IndexType(enum.StrEnum):
     HNSW = "HNSW"
 
 
+# Segments with fewer rows get no index files (Milvus' minimum): searched exactly.
+MIN_ROWS_TO_BUILD = 1024
+
+
+def needs_build(kind: IndexType, rows: int) -> bool:
+    """Whether a segment of `rows` rows gets index files (FLAT and small segments do not)."""
+    return kind is not IndexType.FLAT and rows >= MIN_ROWS_TO_BUILD
+
+
 class MetricType(enum.StrEnum):
     L2 = "L2"  # squared Euclidean distance: smaller is nearer
     IP = "IP"  # inner product: larger is nearer
@@ -457,6 +471,32 @@ class FieldIndex(Record):
         """Same name, field, type, metric and params (what makes a create idempotent)."""
         mine = (self.name, self.field_id, self.type, self.metric, self.params)
         return mine == (other.name, other.field_id, other.type, other.metric, other.params)
+
+
+def awaited_indexes(seg: SegmentInfo, indexes: Sequence[FieldIndex]) -> list[FieldIndex]:
+    """The indexes a compaction output waits for before it replaces its inputs in the query
+    view (a search would otherwise lose the inputs' indexes): the live indexes of its
+    collection, created before it (a fixed set: a read in the past decides as it did then),
+    that get files for its rows. A sort output's input is invisible: it never waits (the
+    view replaces an invisible input at once)."""
+    if not seg.compaction_from or seg.level is SegmentLevel.L0:
+        return []
+    return [
+        i
+        for i in indexes
+        if not i.deleted
+        and i.collection_id == seg.collection_id
+        and i.created_at <= seg.created_at
+        and needs_build(i.type, seg.num_rows)
+    ]
+
+
+def replaces_inputs_at(seg: SegmentInfo, indexes: Sequence[FieldIndex], ts: int | None = None) -> bool:
+    """Whether a compaction output replaces its (visible) inputs in a read at `ts` (None:
+    now): it awaits no index, or it was stamped ready at or before `ts`."""
+    if seg.ready_ts:
+        return ts is None or seg.ready_ts <= ts
+    return not awaited_indexes(seg, indexes)
 
 
 class SegmentIndexState(enum.StrEnum):
@@ -518,6 +558,11 @@ class TaskRecord(Record):
     worker: str = ""  # host:pid@term of the DataCoord running it
     created_at: float = 0.0
     started_at: float = 0.0
+    # A failed attempt's backoff: the task is not run again before this wall-clock time.
+    not_before: float = 0.0
+
+    # Left out when 0: as written before it existed.
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before"})
 
 
 # --- sessions, leases and watch infos ----------------------------------------------------

@@ -3,6 +3,7 @@ segments, small enough that every build takes well under a second."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -102,3 +103,13 @@ def exact_neighbours(data: Data, queries: np.ndarray, k: int) -> list[set[int]]:
     pks, vectors = data.live()
     d = ((queries[:, None, :] - vectors[None, :, :]) ** 2).sum(-1)
     return [set(pks[np.argsort(row, kind="stable")[:k]].tolist()) for row in d]
+
+
+class Clock:
+    """A wall clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now

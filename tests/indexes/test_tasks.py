@@ -1,25 +1,37 @@
 """The DataCoord's one task scheduler with its two kinds, sort and index builds: sorts run
 before the builds they push, a segment is queued once per kind, a failing build is
-retried a bounded number of times then Failed (and shown by `vchan status`) until
-`vchan index --retry`, admission by memory, and a dead worker's task back in the queue."""
+retried a bounded number of times, each after a doubling backoff, then Failed (and shown
+by `vchan status`) until `vchan index --retry`, admission by memory, and a dead worker's
+task back in the queue."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
 from lifecycle.helpers import run_vchan
 from rich.console import Console
 
-from indexes.helpers import Data, flushed_segments, ivf_indexed, live_sorted, new_collection, sorted_segments
+from indexes.helpers import (
+    Clock,
+    Data,
+    flushed_segments,
+    ivf_indexed,
+    live_sorted,
+    new_collection,
+    sorted_segments,
+)
 from vchan_assets.catalog import Catalog
-from vchan_assets.datacoord.tasks import TaskScheduler, TaskSpec, list_tasks
+from vchan_assets.datacoord.tasks import Outcome, RoundReport, TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.sort_tasks import SortTasks
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import SegmentIndexState, SegmentInfo, SegmentState, TaskRecord, TaskState
+from vchan_assets.spark import Engine
 from vchan_assets.status import collect_status, render_status
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
@@ -30,8 +42,10 @@ def data(producer: Producer) -> Data:
     return new_collection(producer)
 
 
-def scheduler(system: System) -> TaskScheduler:
-    return TaskScheduler([SortTasks(), IndexTasks()], system.settings)
+def scheduler(system: System, clock: Clock | None = None, backoff: float = 0.0) -> TaskScheduler:
+    """The DataCoord's scheduler; failed attempts retried in the next round unless `backoff`."""
+    settings = replace(system.settings, task_retry_backoff=backoff)
+    return TaskScheduler([SortTasks(), IndexTasks()], settings, clock or time.time)
 
 
 def states(system: System, data: Data) -> list[SegmentIndexState]:
@@ -94,7 +108,7 @@ def test_a_segment_is_queued_once_per_kind(system: System, producer: Producer, d
     assert len(list_tasks(system.store)) == 2
 
 
-def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retried_on_request(
+def test_a_failing_build_is_retried_after_a_doubling_backoff_up_to_the_limit_then_failed_shown_and_retried_on_request(
     system: System, producer: Producer, data: Data
 ) -> None:
     ivf_indexed(system, producer, data, [1500])
@@ -104,11 +118,24 @@ def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retrie
     saved = {b.path: system.storage.read_bytes(b.path) for b in vec_group.logs}
     for path in saved:
         system.storage.delete(path)
-    sched = scheduler(system)
+    clock = Clock()
+    sched = scheduler(system, clock, backoff=30.0)
     sched.scan(system)
 
-    rounds = [sched.round(system, "local") for _ in range(3)]
+    rounds = [sched.round(system, "local")]
+    task = tasks(system)[("index", seg.id)]
+    assert "vectors unreadable" in task.reason and task.state is TaskState.QUEUED
+    assert task.not_before == pytest.approx(clock.now + 30.0), "30 s after the first failure"
+    clock.now += 29.0
+    waited = sched.round(system, "local")
+    assert waited.ran == [] and waited.backing_off == 1, "not run again before its backoff"
+    clock.now += 2.0
+    rounds.append(sched.round(system, "local"))
+    assert tasks(system)[("index", seg.id)].not_before == pytest.approx(clock.now + 60.0), "doubled"
+    clock.now += 61.0
+    rounds.append(sched.round(system, "local"))
 
+    assert [len(r.ran) for r in rounds] == [1, 1, 1]
     assert [len(r.retried) for r in rounds] == [1, 1, 0]
     assert [len(r.failed) for r in rounds] == [0, 0, 1]
     task = tasks(system)[("index", seg.id)]
@@ -131,6 +158,7 @@ def test_a_failing_build_is_retried_up_to_the_limit_then_failed_shown_and_retrie
     assert done.returncode == 0, done.stderr
     assert "re-queued 1 failed index builds" in done.stdout
     assert tasks(system)[("index", seg.id)].attempts == 0
+    assert tasks(system)[("index", seg.id)].not_before == 0.0
     assert states(system, data) == [SegmentIndexState.UNISSUED]
     assert sched.round(system, "local").done == [("index", seg.id)]
     assert states(system, data) == [SegmentIndexState.FINISHED]
@@ -190,3 +218,52 @@ def test_a_task_of_a_dead_worker_goes_back_to_the_queue_and_is_finished(
     assert report.recovered == [("index", seg.id)]
     assert report.done == [("index", seg.id)]
     assert states(system, data) == [SegmentIndexState.FINISHED]
+
+
+class GatedIndexTasks(IndexTasks):
+    """The real index kind, whose batches wait for `gate` before they build: a build that
+    takes minutes, on demand."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().run(system, engine, tasks)
+
+
+def rounds_until(sched: TaskScheduler, system: System, done: Callable[[RoundReport], bool]) -> RoundReport:
+    total = RoundReport()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        report = sched.round(system, "local", wait=False)
+        total.ran += report.ran
+        total.done += report.done
+        if done(total):
+            return total
+        time.sleep(0.1)
+    raise AssertionError(f"rounds never got there: {total}")
+
+
+def test_a_sort_runs_and_is_recorded_while_an_index_batch_is_still_building(
+    system: System, producer: Producer, data: Data
+) -> None:
+    ivf_indexed(system, producer, data, [1500, 1400])
+    index = GatedIndexTasks()
+    sched = TaskScheduler([SortTasks(), index], replace(system.settings, task_slots=2))
+    sched.scan(system)
+
+    first = sched.round(system, "local", wait=False)
+    assert [kind for kind, _ in first.ran] == ["index"], "index builds hold at most half the slots"
+    assert first.waiting == 1 and sched.busy == ["index"]
+    flushed_segments(system, producer, data, [1300])
+    sched.scan(system, kinds=["sort"])
+
+    report = rounds_until(sched, system, lambda r: any(kind == "sort" for kind, _ in r.done))
+    assert sched.busy == ["index"], "the sort did not wait for the index batch"
+    assert not any(kind == "index" for kind, _ in report.done)
+    assert len(live_sorted(system, data.info)) == 3
+
+    index.gate.set()
+    rounds_until(sched, system, lambda r: not sched.busy and not list_tasks(system.store))
+    assert states(system, data) == [SegmentIndexState.FINISHED] * 3, "the sort's push queued its build"

@@ -92,11 +92,11 @@ def run_vchan(settings: Settings, *args: str, **env: str) -> subprocess.Complete
     )
 
 
-def start_datacoord(settings: Settings, **env: str) -> subprocess.Popen[bytes]:
-    """A `vchan datacoord --engine local` process on `settings` and the variables `env`,
+def start_datacoord(settings: Settings, engine: str = "local", **env: str) -> subprocess.Popen[bytes]:
+    """A `vchan datacoord --engine {engine}` process on `settings` and the variables `env`,
     its output piped (read it with `communicate` after `terminate`)."""
     return subprocess.Popen(
-        [str(VCHAN), "datacoord", "--engine", "local"],
+        [str(VCHAN), "datacoord", "--engine", engine],
         env=cli_env(settings, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

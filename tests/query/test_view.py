@@ -9,7 +9,6 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
-import pytest
 from lifecycle.helpers import sync_all
 
 from vchan_assets import model
@@ -18,7 +17,6 @@ from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrig
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
-from vchan_assets.query import view as view_module
 from vchan_assets.query.reads import read_collection
 from vchan_assets.query.view import QueryView, query_view, read_query_view
 from vchan_assets.storage import Storage
@@ -36,14 +34,9 @@ def seg(seg_id: int, state: SegmentState = FLUSHED, **fields: object) -> Segment
     return SegmentInfo(seg_id, 1, 2, state=state, **values)  # type: ignore[arg-type]
 
 
-def view(*segments: SegmentInfo, checkpoint: MsgPosition | None = None) -> QueryView:
-    return query_view(segments, V, checkpoint, START)
-
-
-@pytest.fixture
-def not_indexed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As once the index side exists: no mix output is ready to replace its inputs."""
-    monkeypatch.setattr(view_module, "ready_to_replace_parents", lambda child: False)
+def view(*segments: SegmentInfo, checkpoint: MsgPosition | None = None, ready: bool = True) -> QueryView:
+    """The view; `ready=False`: no mix output is indexed yet (none replaces its inputs)."""
+    return query_view(segments, V, checkpoint, START, lambda child: ready)
 
 
 # --- classification ---------------------------------------------------------------------------
@@ -109,13 +102,18 @@ def test_a_mix_output_replaces_its_inputs() -> None:
     assert v.flushed_ids == {3} and v.dropped_ids == {1, 2}
 
 
-def test_a_mix_output_not_yet_indexed_leaves_its_inputs_served(not_indexed: None) -> None:
-    v = view(seg(1, DROPPED), seg(2, DROPPED), seg(3, compaction_from=(1, 2), is_sorted=True, num_rows=5000))
+def test_a_mix_output_not_yet_indexed_leaves_its_inputs_served() -> None:
+    v = view(
+        seg(1, DROPPED),
+        seg(2, DROPPED),
+        seg(3, compaction_from=(1, 2), is_sorted=True, num_rows=5000),
+        ready=False,
+    )
 
     assert v.flushed_ids == {1, 2} and not v.dropped
 
 
-def test_inputs_are_found_through_lineage_recursively(not_indexed: None) -> None:
+def test_inputs_are_found_through_lineage_recursively() -> None:
     # 1, 2 -> 3 (itself compacted with 4) -> 5: neither output is ready, so 1, 2 and 4 serve.
     v = view(
         seg(1, DROPPED),
@@ -123,6 +121,7 @@ def test_inputs_are_found_through_lineage_recursively(not_indexed: None) -> None
         seg(3, DROPPED, compaction_from=(1, 2)),
         seg(4, DROPPED),
         seg(5, compaction_from=(3, 4)),
+        ready=False,
     )
 
     assert v.flushed_ids == {1, 2, 4} and v.dropped_ids == {3}
@@ -139,9 +138,11 @@ def test_an_invisible_compaction_output_is_skipped_and_its_inputs_stay_served() 
         assert not v.growing and not v.dropped  # the output is in no class
 
 
-def test_a_sort_output_replaces_its_invisible_input_at_once(not_indexed: None) -> None:
-    dropped_input = view(seg(1, DROPPED, is_invisible=True), seg(2, compaction_from=(1,), is_sorted=True))
-    live_input = view(seg(1, is_invisible=True), seg(2, compaction_from=(1,), is_sorted=True))
+def test_a_sort_output_replaces_its_invisible_input_at_once() -> None:
+    dropped_input = view(
+        seg(1, DROPPED, is_invisible=True), seg(2, compaction_from=(1,), is_sorted=True), ready=False
+    )
+    live_input = view(seg(1, is_invisible=True), seg(2, compaction_from=(1,), is_sorted=True), ready=False)
 
     assert dropped_input.flushed_ids == {2} and dropped_input.dropped_ids == {1}
     assert live_input.flushed_ids == {2} and not live_input.growing  # not served twice
@@ -153,8 +154,8 @@ def test_an_output_whose_inputs_are_still_flushed_is_not_served_twice() -> None:
     assert v.flushed_ids == {1, 2}
 
 
-def test_an_output_whose_inputs_are_collected_is_served(not_indexed: None) -> None:
-    assert view(seg(3, compaction_from=(1, 2))).flushed_ids == {3}
+def test_an_output_whose_inputs_are_collected_is_served() -> None:
+    assert view(seg(3, compaction_from=(1, 2)), ready=False).flushed_ids == {3}
 
 
 # --- seek position ----------------------------------------------------------------------------

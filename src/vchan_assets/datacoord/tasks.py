@@ -10,18 +10,24 @@ keeps the queue:
   only if it is absent, so a segment is never queued twice for a kind (dedupe). A done task
   is deleted; the queue is read from etcd at every round, so a restarted or new DataCoord
   carries on with it (reload).
-- **Priority**: a queue per kind, run in the kinds' order (sort before index): a round
-  runs the queued sorts first, then the index builds, and a sort waits at most for one
-  round's index batch, never behind the whole index queue.
+- **Priority**: a queue per kind, in the kinds' order (sort before index), each run in
+  its own lane: a round starts a kind's next batch as soon as its previous one ended, so
+  a sort never waits behind an index batch (builds of large segments take minutes), and
+  the index builds hold at most half the budget, so a sort always finds room.
 - **Admission**: a task takes one slot per million rows (at least one) of VCHAN_TASK_SLOTS
-  and its kind's memory estimate of VCHAN_TASK_MEMORY_MB; a round admits tasks, oldest
-  first in each kind, while both hold (a task over the whole budget runs alone).
-- **Bounded retries**: a failed attempt goes back to the queue with its reason until
-  VCHAN_TASK_MAX_ATTEMPTS attempts, then the task is Failed (shown by `vchan status`) until
-  `retry` re-queues it (`vchan index --retry`).
+  and its kind's memory estimate of VCHAN_TASK_MEMORY_MB; a kind's batch takes its queued
+  tasks, oldest first, while what the running batches leave holds them (a task over the
+  whole budget runs alone).
+- **Bounded retries with backoff**: a failed attempt goes back to the queue with its
+  reason, not to run again before `not_before`: VCHAN_TASK_RETRY_BACKOFF seconds after
+  the first failure, doubled at each further one, at most VCHAN_TASK_RETRY_BACKOFF_MAX
+  (a segment whose files are briefly unreadable, or a worker short of memory, is not
+  retried at once into the same failure). After VCHAN_TASK_MAX_ATTEMPTS attempts the task
+  is Failed (shown by `vchan status`) until `retry` re-queues it (`vchan index --retry`).
 - **Dead workers**: a task InProgress under another worker (a DataCoord that died, or
   whose term ended: the worker names its term) or past VCHAN_TASK_TIMEOUT goes back to the
-  queue; its attempt counts, so a task that kills its worker every time ends Failed.
+  queue at once (the worker's death, not the task's failure: no backoff); its attempt
+  counts, so a task that kills its worker every time ends Failed.
 
 Every write is a compare-and-swap on the record's version, through the DataCoord's fenced
 store: a deposed DataCoord changes no task.
@@ -33,8 +39,9 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
@@ -112,6 +119,7 @@ class RoundReport:
     failed: list[tuple[str, int, str]] = field(default_factory=list)  # out of attempts
     recovered: list[tuple[str, int]] = field(default_factory=list)  # dead workers' tasks re-queued
     waiting: int = 0  # queued tasks not admitted this round
+    backing_off: int = 0  # queued tasks whose backoff after a failed attempt has not passed
 
 
 def this_process() -> str:
@@ -141,11 +149,14 @@ def swap_task(
     return store.get_model(d.kv.key, TaskRecord)
 
 
-def enqueue_tasks(store: MetaStore, kind: str, specs: Iterable[TaskSpec]) -> list[int]:
+def enqueue_tasks(
+    store: MetaStore, kind: str, specs: Iterable[TaskSpec], now: float | None = None
+) -> list[int]:
     """Queue a task of `kind` for each spec whose segment has none (dedupe by key), from
-    any process (the DataCoord's next round runs it). Returns the segments queued now."""
+    any process (the DataCoord's next round runs it), created at `now` (default: the
+    time). Returns the segments queued now."""
     queued = []
-    now = time.time()
+    now = time.time() if now is None else now
     for s in specs:
         record = TaskRecord(
             kind, s.collection_id, s.partition_id, s.segment_id, s.rows, s.memory_mb, created_at=now
@@ -166,18 +177,55 @@ def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -
         t = d.model
         if t.state is not TaskState.FAILED or collection_id not in (None, t.collection_id):
             continue
-        fresh = replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0)
+        fresh = replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
         if swap_task(store, d, fresh) is not None:
             again.append(fresh)
     return again
 
 
-class TaskScheduler:
-    """The queues of `kinds` (in priority order: the first runs first)."""
+@dataclass
+class _Lane:
+    """One kind's batch, run in its own thread; its outcomes, recorded by a later round."""
 
-    def __init__(self, kinds: Sequence[TaskKind], settings: Settings) -> None:
+    kind: TaskKind
+    system: System
+    started: list[Decoded[TaskRecord]]
+    thread: threading.Thread = field(init=False)
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return sum(task_slots(d.model.rows) for d in self.started)
+
+    @property
+    def memory_mb(self) -> float:
+        return sum(d.model.memory_mb for d in self.started)
+
+    def run(self, engine: Engine) -> None:
+        tasks = [d.model for d in self.started]
+        try:
+            self.outcomes = self.kind.run(self.system, engine, tasks)
+        except Exception as exc:  # the batch failed as a whole: an attempt of each
+            log.exception("%s tasks %s failed", self.kind.name, [t.segment_id for t in tasks])
+            self.outcomes = {t.segment_id: failed(f"{type(exc).__name__}: {exc}") for t in tasks}
+
+
+class TaskScheduler:
+    """The queues of `kinds` (in priority order: the first runs first). `clock`: the wall
+    clock that starts, times out and backs off tasks."""
+
+    def __init__(
+        self, kinds: Sequence[TaskKind], settings: Settings, clock: Callable[[], float] = time.time
+    ) -> None:
         self.kinds = list(kinds)
         self.settings = settings
+        self._lanes: dict[str, _Lane] = {}  # the batch running per kind
+        self.clock = clock
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds a task waits after its `attempts`-th attempt failed."""
+        base, most = self.settings.task_retry_backoff, self.settings.task_retry_backoff_max
+        return min(most, base * 2.0 ** min(max(attempts - 1, 0), 60))
 
     def worker(self, store: MetaStore) -> str:
         """This process under the store's term (0: unfenced)."""
@@ -188,7 +236,7 @@ class TaskScheduler:
     def enqueue(self, store: MetaStore, kind: str, specs: Iterable[TaskSpec]) -> list[int]:
         """Queue a task of `kind` for each spec whose segment has none (dedupe by key).
         Returns the segments queued now."""
-        return enqueue_tasks(store, kind, specs)
+        return enqueue_tasks(store, kind, specs, self.clock())
 
     def scan(
         self, system: System, collections: Collection[int] | None = None, kinds: Collection[str] | None = None
@@ -214,71 +262,108 @@ class TaskScheduler:
 
     # --- one round ------------------------------------------------------------------
 
-    def round(self, system: System, engine: Engine) -> RoundReport:
-        """Recover dead workers' tasks, then each kind in priority order: admit its queued
-        tasks within what is left of the budget, run them as one batch, record their
-        outcomes, and push the kinds that follow it."""
+    def round(self, system: System, engine: Engine, wait: bool = True) -> RoundReport:
+        """Recover dead workers' tasks and record the batches that ended, then each kind in
+        priority order whose lane is free: admit its queued tasks within what is left of
+        the budget and run them as one batch in its lane. `wait`: each batch runs to its
+        end before the next kind is admitted (and its done tasks push the kinds that
+        follow it); otherwise the batches run in the background and a later round records
+        them (the DataCoord's loop: a long index batch never holds up the next sort)."""
         report = RoundReport()
-        store = system.store
-        self.recover(store, report)
-        slots, memory = self.settings.task_slots, self.settings.task_memory_mb
-        admitted_any = False
+        self.recover(system.store, report)
+        self.collect(report)
         for kind in self.kinds:
-            queued = sorted(
-                (d for d in list_tasks(store, kind.name) if d.model.state is TaskState.QUEUED),
-                key=lambda d: (d.model.created_at, d.model.segment_id),
-            )
-            batch: list[Decoded[TaskRecord]] = []
-            for d in queued:
-                need = task_slots(d.model.rows)
-                if admitted_any and (need > slots or d.model.memory_mb > memory):
-                    report.waiting += 1
-                    continue
-                slots, memory = slots - need, memory - d.model.memory_mb
-                admitted_any = True
-                batch.append(d)
-            if batch:
-                done = self._run(system, engine, kind, batch, report)
-                if done:
-                    for follower in self.kinds:
-                        if follower.follows == kind.name:
-                            report.queued += self.scan(system, done, {follower.name})
+            if kind.name in self._lanes:
+                continue
+            batch = self._admit(system.store, kind, report)
+            if batch and (lane := self._start(system, engine, kind, batch, report)) is not None and wait:
+                lane.thread.join()
+                self.collect(report)
         return report
 
-    def _run(
+    @property
+    def busy(self) -> list[str]:
+        """The kinds whose batch is running."""
+        return list(self._lanes)
+
+    def _admit(self, store: MetaStore, kind: TaskKind, report: RoundReport) -> list[Decoded[TaskRecord]]:
+        """Queued tasks of `kind`, oldest first, while the budget the running batches leave
+        holds them. A kind after the first may hold at most half the budget, so the first
+        (the sort) always finds room. A task over what is left runs alone."""
+        held = list(self._lanes.values())
+        slots = self.settings.task_slots - sum(lane.slots for lane in held)
+        memory = self.settings.task_memory_mb - sum(lane.memory_mb for lane in held)
+        if kind is not self.kinds[0]:
+            slots = min(slots, max(1, self.settings.task_slots // 2))
+            memory = min(memory, self.settings.task_memory_mb / 2)
+        queued = sorted(
+            (d for d in list_tasks(store, kind.name) if d.model.state is TaskState.QUEUED),
+            key=lambda d: (d.model.created_at, d.model.segment_id),
+        )
+        now = self.clock()
+        report.backing_off += sum(1 for d in queued if d.model.not_before > now)
+        batch: list[Decoded[TaskRecord]] = []
+        for d in (d for d in queued if d.model.not_before <= now):
+            need = task_slots(d.model.rows)
+            if (batch or held) and (need > slots or d.model.memory_mb > memory):
+                report.waiting += 1
+                continue
+            slots, memory = slots - need, memory - d.model.memory_mb
+            batch.append(d)
+        return batch
+
+    def _start(
         self,
         system: System,
         engine: Engine,
         kind: TaskKind,
         batch: list[Decoded[TaskRecord]],
         report: RoundReport,
-    ) -> set[int]:
-        """Start, run and record one batch; the collections with a task done."""
-        store = system.store
-        worker, now = self.worker(store), time.time()
+    ) -> _Lane | None:
+        """Mark the batch InProgress under this worker and run it in its lane's thread."""
+        worker, now = self.worker(system.store), self.clock()
         started: list[Decoded[TaskRecord]] = []
         for d in batch:
             t = d.model
             mine = replace(
-                t, state=TaskState.IN_PROGRESS, attempts=t.attempts + 1, worker=worker, started_at=now
+                t,
+                state=TaskState.IN_PROGRESS,
+                attempts=t.attempts + 1,
+                worker=worker,
+                started_at=now,
+                not_before=0.0,
             )
-            if (found := swap_task(store, d, mine)) is not None:
+            if (found := swap_task(system.store, d, mine)) is not None:
                 started.append(found)
         if not started:
-            return set()
+            return None
         report.ran += [(kind.name, d.model.segment_id) for d in started]
-        try:
-            outcomes = kind.run(system, engine, [d.model for d in started])
-        except Exception as exc:  # the batch failed as a whole: an attempt of each
-            log.exception("%s tasks %s failed", kind.name, [d.model.segment_id for d in started])
-            outcomes = {d.model.segment_id: failed(f"{type(exc).__name__}: {exc}") for d in started}
-        done: set[int] = set()
-        for d in started:
-            outcome = outcomes.get(d.model.segment_id, DONE)
-            self._record(store, d, outcome, report)
-            if outcome.state == "done":
-                done.add(d.model.collection_id)
-        return done
+        lane = _Lane(kind, system, started)
+        lane.thread = threading.Thread(
+            target=lane.run, args=(engine,), name=f"tasks-{kind.name}", daemon=True
+        )
+        self._lanes[kind.name] = lane
+        lane.thread.start()
+        return lane
+
+    def collect(self, report: RoundReport) -> None:
+        """Record the outcomes of the batches that ended, and push the kinds that follow
+        theirs with the collections that had a task done."""
+        for name, lane in list(self._lanes.items()):
+            if lane.thread.is_alive():
+                continue
+            del self._lanes[name]
+            store = lane.system.store  # the term the batch started in: a deposed one writes nothing
+            done: set[int] = set()
+            for d in lane.started:
+                outcome = lane.outcomes.get(d.model.segment_id, DONE)
+                self._record(store, d, outcome, report)
+                if outcome.state == "done":
+                    done.add(d.model.collection_id)
+            if done:
+                followers = {k.name for k in self.kinds if k.follows == name}
+                if followers:
+                    report.queued += self.scan(lane.system, done, followers)
 
     def _record(
         self, store: MetaStore, d: Decoded[TaskRecord], outcome: Outcome, report: RoundReport
@@ -291,7 +376,7 @@ class TaskScheduler:
         if outcome.state == "deferred":
             swap_task(store, d, replace(t, state=TaskState.QUEUED, attempts=t.attempts - 1, worker=""))
             return
-        self._spent(store, d, outcome.reason, report.retried, report.failed)
+        self._spent(store, d, outcome.reason, report.retried, report.failed, self.backoff(d.model.attempts))
 
     def _spent(
         self,
@@ -300,28 +385,36 @@ class TaskScheduler:
         reason: str,
         retried: list[tuple[str, int, str]],
         failed_out: list[tuple[str, int, str]],
+        backoff: float = 0.0,
     ) -> bool:
-        """An attempt failed: back to the queue, or Failed once out of attempts."""
+        """An attempt failed: back to the queue (not run again for `backoff` seconds), or
+        Failed once out of attempts."""
         t = d.model
         out = t.attempts >= self.settings.task_max_attempts
         state = TaskState.FAILED if out else TaskState.QUEUED
-        if swap_task(store, d, replace(t, state=state, reason=reason, worker="")) is None:
+        not_before = 0.0 if out or not backoff else self.clock() + backoff
+        changed = replace(t, state=state, reason=reason, worker="", not_before=not_before)
+        if swap_task(store, d, changed) is None:
             return False
         (failed_out if out else retried).append((t.kind, t.segment_id, reason))
         if out:
             log.error("%s task of segment %d failed %d times: %s", t.kind, t.segment_id, t.attempts, reason)
         else:
             log.warning(
-                "%s task of segment %d failed (attempt %d): %s", t.kind, t.segment_id, t.attempts, reason
-            )
+                "%s task of segment %d failed (attempt %d, next in %.0fs): %s",
+                t.kind, t.segment_id, t.attempts, backoff, reason,
+            )  # fmt: skip
         return True
 
     def recover(self, store: MetaStore, report: RoundReport) -> None:
         """Tasks InProgress under another worker (dead, or of an ended term) or past
         VCHAN_TASK_TIMEOUT back to the queue (an attempt spent)."""
-        me, now = self.worker(store), time.time()
+        me, now = self.worker(store), self.clock()
+        running = {(name, d.model.segment_id) for name, lane in self._lanes.items() for d in lane.started}
         for d in list_tasks(store):
             t = d.model
+            if (t.kind, t.segment_id) in running and self._lanes[t.kind].thread.is_alive():
+                continue  # its batch runs in this process: recorded when it ends
             if t.state is not TaskState.IN_PROGRESS or (
                 t.worker == me and now - t.started_at < self.settings.task_timeout
             ):

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from vchan_assets.errors import DeclaredError
+from vchan_assets.failpoints import failpoint
 from vchan_assets.indexes.params import for_segment
 from vchan_assets.model import FieldIndex, FieldSchema, IndexType, MetricType, SegmentInfo
 from vchan_assets.storage import Storage, StorageError
@@ -135,6 +136,7 @@ def build(spec: BuildSpec, threads: int = 0) -> BuildOutput:
         spec.storage.write_atomic(key, pa.py_buffer(blob))
     except StorageError as exc:
         raise IndexBuildError(spec.build_id, seg.id, str(exc)) from None
+    failpoint("index_built")  # in the builder (a Spark Python worker): file written, not returned
     return BuildOutput(
         spec.build_id, (key,), int(blob.nbytes), len(data), engine_version(), time.monotonic() - started
     )

@@ -5,9 +5,11 @@
   1. builds of a dropped index (or one gone): their files, then their record; the dropped
      index's record once it has no builds left;
   2. builds of a segment whose meta is gone (GC deleted it after the drop tolerance, time
-     travel and read pins let it): files, then record. A compaction's input waits until
-     every live segment made from it (`compaction_from`) has its build of the same index
-     Finished, so a search never loses the inputs' index before their output has one;
+     travel and read pins let it, and its output stopped waiting for its index): files,
+     then record. A compaction's input waits until every live segment made from it
+     (`compaction_from`) has its build of the same index Finished, or was stamped ready
+     without it (`ready_ts`: its build Failed for good or took too long), so a search never
+     loses the inputs' index before their output has one;
   3. files under `index_files/` of a build no record names (its record deleted, a crash
      between the two) and files of a version other than its record's (a build started
      again: the older builder's files are never committed), once older than
@@ -37,9 +39,9 @@ def collect_indexes(gc: GarbageCollector, report: GcReport) -> None:
     finished = {
         (b.model.index_id, b.model.segment_id) for b in builds if b.model.state is SegmentIndexState.FINISHED
     }
-    children: dict[int, list[int]] = {}  # input segment -> live segments made from it
+    children: dict[int, list[int]] = {}  # input segment -> live segments made from it, not ready
     for seg in segments.values():
-        if seg.state is not SegmentState.DROPPED:
+        if seg.state is not SegmentState.DROPPED and not seg.ready_ts:
             for parent in seg.compaction_from:
                 children.setdefault(parent, []).append(seg.id)
     files: dict[int, list[tuple[str, int, int, float]]] = {}  # build -> (key, version, size, mtime)

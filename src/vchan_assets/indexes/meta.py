@@ -29,14 +29,14 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from vchan_assets.datacoord.collections import CollectionNotFoundError, validate_name
 from vchan_assets.errors import DeclaredError
-from vchan_assets.indexes.params import build_params, needs_build
-from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.indexes.params import build_params
+from vchan_assets.meta.allocator import IdAllocator, fresh_ts
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import Decoded, MetaStore
@@ -50,6 +50,8 @@ from vchan_assets.model import (
     SegmentInfo,
     SegmentLevel,
     SegmentState,
+    awaited_indexes,
+    needs_build,
 )
 
 # Builds created in one transaction at most (etcd refuses more than 128 operations in one).
@@ -337,7 +339,12 @@ def finish_build(
     store: MetaStore, build: Decoded[SegmentIndex], built: BuiltFiles
 ) -> Decoded[SegmentIndex] | None:
     """InProgress -> Finished with its files (written before this, under its version);
-    None if the record changed since the start (the files are then orphans)."""
+    None if the record changed since the start, or its index was dropped meanwhile (the
+    transaction compares the index's record too: a DropIndex during the build is never
+    undone by its commit): the files are then orphans, for GC. When it is
+    the last build a compaction output waits for (`model.awaited_indexes`), the same
+    transaction stamps the output's `ready_ts`: from then on it replaces its inputs in the
+    query view."""
     done = replace(
         build.model,
         state=SegmentIndexState.FINISHED,
@@ -347,7 +354,84 @@ def finish_build(
         engine=built.engine,
         finished_at=time.time(),
     )
-    return _swap(store, build, done)
+    b = build.model
+    segment_key = store.keys.segment(b.collection_id, b.partition_id, b.segment_id)
+    index_key = store.keys.field_index(b.collection_id, b.index_id)
+
+    def attempt() -> Decoded[SegmentIndex] | None:
+        index = store.get_model(index_key, FieldIndex)
+        if index is None or index.model.deleted:
+            return None  # dropped while it was built
+        expect: dict[str, int] = {build.kv.key: build.kv.version, index_key: index.kv.version}
+        puts: dict[str, Any] = {build.kv.key: done}
+        seg = store.get_model(segment_key, SegmentInfo)
+        if seg is not None and _all_built(store, seg.model, done):
+            expect[segment_key] = seg.kv.version
+            puts[segment_key] = replace(seg.model, ready_ts=fresh_ts(store))
+        if store.txn(expect, puts) is None:
+            current = store.get(build.kv.key)
+            if current is None or current.version != build.kv.version:
+                return None  # started again by another builder: this one's files are orphans
+            raise CasConflictError(segment_key, expect.get(segment_key, 0), -1)  # segment or index changed
+        return store.get_model(build.kv.key, SegmentIndex)
+
+    return retry_on_conflict(f"finish index build {b.build_id}", attempt)
+
+
+def _all_built(store: MetaStore, seg: SegmentInfo, done: SegmentIndex) -> bool:
+    """`seg` waits for its indexes, and with `done` each has a Finished build of it."""
+    if seg.ready_ts or seg.state is SegmentState.DROPPED:
+        return False
+    awaited = awaited_indexes(seg, [d.model for d in list_indexes(store, seg.collection_id)])
+    if not awaited:
+        return False
+    prefix = store.keys.segment_index.under(seg.collection_id, seg.partition_id, seg.id)
+    found, _ = store.list_models(prefix, SegmentIndex, skip_malformed=True)
+    finished = {d.model.index_id for d in found if d.model.state is SegmentIndexState.FINISHED}
+    finished.add(done.index_id)
+    return all(i.index_id in finished for i in awaited)
+
+
+def release_waiting_outputs(
+    store: MetaStore, collection_id: int, timeout: float, active: Collection[int] = ()
+) -> list[int]:
+    """Stamp `ready_ts` on the collection's compaction outputs that wait for an index that
+    will not come, so that reads never wedge on them: a build of an awaited index that is
+    Failed and not being retried (its segment not in `active`, the scheduler's queued or
+    running index tasks), or a wait longer than `timeout` seconds since the output was
+    made. Also an output whose awaited builds are all Finished (stamped by the last one's
+    commit; this catches an index dropped meanwhile). Returns the segments stamped."""
+    indexes = [d.model for d in list_indexes(store, collection_id)]
+    if not indexes:
+        return []
+    found, _ = store.list_models(store.keys.segment.under(collection_id), SegmentInfo, True)
+    waiting = [
+        d
+        for d in found
+        if not d.model.ready_ts
+        and d.model.state is not SegmentState.DROPPED
+        and awaited_indexes(d.model, indexes)
+    ]
+    if not waiting:
+        return []
+    builds = {(d.model.segment_id, d.model.index_id): d.model for d in list_builds(store, collection_id)}
+    stamped = []
+    now = time.time()
+    for d in waiting:
+        seg = d.model
+        states = [builds.get((seg.id, i.index_id)) for i in awaited_indexes(seg, indexes)]
+        finished = all(b is not None and b.state is SegmentIndexState.FINISHED for b in states)
+        failed = seg.id not in active and any(
+            b is not None and b.state is SegmentIndexState.FAILED for b in states
+        )
+        if not (finished or failed or now - seg.created_at > timeout):
+            continue
+        try:
+            store.cas(d.kv.key, d.kv.version, replace(seg, ready_ts=fresh_ts(store)))
+        except CasConflictError:
+            continue  # changed meanwhile: the next call looks again
+        stamped.append(seg.id)
+    return stamped
 
 
 def reissue_build(store: MetaStore, build: Decoded[SegmentIndex]) -> Decoded[SegmentIndex] | None:

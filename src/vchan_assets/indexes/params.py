@@ -27,9 +27,6 @@ from dataclasses import dataclass
 
 from vchan_assets.model import IndexParam, IndexType
 
-# Segments with fewer rows are not worth an index (Milvus' minimum): searched exactly.
-MIN_ROWS_TO_BUILD = 1024
-# faiss's minimum of training points per centroid (k-means warns below it).
 POINTS_PER_CENTROID = 39
 MAX_NLIST = 65536
 MAX_K = 16384  # as Milvus' topk limit
@@ -118,11 +115,6 @@ def for_segment(kind: IndexType, params: tuple[IndexParam, ...], dim: int, rows:
     if kind is IndexType.HNSW:
         return SegmentBuildParams(M=given.get("M", 16), ef_construction=given.get("efConstruction", 200))
     return SegmentBuildParams()
-
-
-def needs_build(kind: IndexType, rows: int) -> bool:
-    """Whether a segment of `rows` rows gets index files (FLAT and small segments do not)."""
-    return kind is not IndexType.FLAT and rows >= MIN_ROWS_TO_BUILD
 
 
 def search_params(kind: IndexType, params: Mapping[str, object], k: int) -> dict[str, int]:

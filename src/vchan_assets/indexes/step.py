@@ -10,7 +10,8 @@ are not started.
 
 `index_step(system, engine)` is the periodic scan (Milvus keeps one as a safety net beside
 its pushes): a build for every indexable segment of every live index that has none, then
-`IndexBuilder.run`. CreateIndex makes the builds of the segments there are at once
+`IndexBuilder.run`, then `release_waiting_outputs` (compaction outputs whose build Failed
+or that waited too long replace their inputs without it). CreateIndex makes the builds of the segments there are at once
 (`create_builds`), so the step only finds those sorted since.
 """
 
@@ -40,6 +41,7 @@ from vchan_assets.indexes.meta import (
     list_builds,
     list_indexes,
     node_name,
+    release_waiting_outputs,
     start_build,
 )
 from vchan_assets.meta.store import Decoded
@@ -210,6 +212,10 @@ def index_step(system: System, engine: Engine = "spark") -> IndexReport:
     """The periodic scan: builds for the indexable segments that have none, then every
     Unissued build run (one job)."""
     report = IndexReport()
-    for info in CollectionRegistry(system.store).list():
+    infos = CollectionRegistry(system.store).list()
+    for info in infos:
         report.created += [b.build_id for b in create_missing_builds(system.store, info)]
-    return report.merge(IndexBuilder(system, engine).run())
+    report.merge(IndexBuilder(system, engine).run())
+    for info in infos:  # outputs whose builds Failed (not retried here) or took too long
+        release_waiting_outputs(system.store, info.id, system.settings.index_handoff_timeout)
+    return report

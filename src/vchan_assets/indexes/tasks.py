@@ -28,13 +28,20 @@ from vchan_assets.datacoord.tasks import (
     TaskSpec,
     enqueue_tasks,
     failed,
+    list_tasks,
     retry_tasks,
 )
 from vchan_assets.indexes.engine import OURS, build_engine, target_engine
-from vchan_assets.indexes.meta import create_missing_builds, list_builds, list_indexes, reissue_build
+from vchan_assets.indexes.meta import (
+    create_missing_builds,
+    list_builds,
+    list_indexes,
+    reissue_build,
+    release_waiting_outputs,
+)
 from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.meta.store import Decoded, MetaStore
-from vchan_assets.model import IndexEngine, SegmentIndex, SegmentIndexState, TaskRecord
+from vchan_assets.model import IndexEngine, SegmentIndex, SegmentIndexState, TaskRecord, TaskState
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
@@ -59,8 +66,11 @@ class IndexTasks:
 
     def discover(self, system: System, collections: Collection[int] | None) -> list[TaskSpec]:
         """Builds for the indexable segments without one, then a task for each segment
-        with an Unissued or Failed build of a live index."""
+        with an Unissued or Failed build of a live index. Also releases the compaction
+        outputs that waited for a build Failed for good (its task Failed) or too long
+        (`release_waiting_outputs`)."""
         store = system.store
+        tasks = [d.model for d in list_tasks(store, KIND)]
         specs: dict[int, TaskSpec] = {}
         for info in CollectionRegistry(store).list():
             if collections is not None and info.id not in collections:
@@ -69,6 +79,10 @@ class IndexTasks:
             if not indexes:
                 continue
             create_missing_builds(store, info, list(indexes.values()))
+            active = {
+                t.segment_id for t in tasks if t.collection_id == info.id and t.state is not TaskState.FAILED
+            }
+            release_waiting_outputs(store, info.id, system.settings.index_handoff_timeout, active)
             dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
             for d in list_builds(store, info.id):
                 b = d.model

@@ -8,8 +8,10 @@ One pass, in this order:
      tolerance (a sync in flight writes files before their meta);
   2. Dropped segments, once dropped longer than the drop tolerance AND once the channel
      checkpoint is past their dml_position (a replay from an older checkpoint would need
-     the meta to skip their rows): files first, then meta (a crash between the two
-     leaves a Dropped meta naming missing files, which the next pass finishes);
+     the meta to skip their rows) AND once no compaction output made from them waits for
+     its index (`model.awaited_indexes` without a `ready_ts`: the query view serves its
+     inputs meanwhile), nor became ready within the time-travel window: files first, then meta (a crash between the two leaves a Dropped
+     meta naming missing files, which the next pass finishes);
   3. log retention: a vchannel's log files wholly below its checkpoint and older than the
      retention, each with its data file (log format 2); the file holding the checkpoint
      and the newest file always stay. A data file no log file names once older than the
@@ -39,7 +41,7 @@ from vchan_assets.lifecycle.plans import busy_segments, list_plans
 from vchan_assets.meta.codec import decode_dict
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import Decoded
-from vchan_assets.model import SegmentInfo, SegmentState, physical_ms
+from vchan_assets.model import FieldIndex, SegmentInfo, SegmentState, awaited_indexes, physical_ms
 from vchan_assets.storage.layout import BINLOG_ROOTS, segment_of
 from vchan_assets.system import System
 from vchan_assets.wal.format import data_prefix, wal_prefix
@@ -169,9 +171,12 @@ class GarbageCollector:
         # A read at a timestamp within the time-travel window may serve a dropped segment
         # again (query.asof.segments_at): its files stay at least that long.
         oldest = self.clock() - max(self.settings.gc_drop_tolerance, self.settings.time_travel)
+        held = self._inputs_served(found, oldest)
         for d in found:
             seg = d.model
             if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest or is_pinned(seg, pins):
+                continue
+            if seg.id in held:
                 continue
             if not self._checkpoint_past(seg):
                 continue
@@ -186,6 +191,33 @@ class GarbageCollector:
                 except CasConflictError:
                     continue  # changed meanwhile: the next pass looks again
             report.dropped_segments.append(seg.id)
+
+    def _inputs_served(self, found: list[Decoded[SegmentInfo]], oldest: float) -> set[int]:
+        """The visible inputs of compaction outputs (kept in meta) that wait for their index,
+        or became ready after `oldest` (a read at a time before their `ready_ts`, within
+        the time-travel window, serves the inputs): the query view serves these inputs in
+        their place."""
+        outputs = [d.model for d in found if d.model.compaction_from]
+        if not outputs:
+            return set()
+        listed, _ = self.store.list_models(
+            self.store.keys.field_index.prefix, FieldIndex, skip_malformed=True
+        )
+        indexes = [d.model for d in listed]
+        by_id = {d.model.id: d.model for d in found}
+
+        def holds(seg: SegmentInfo) -> bool:
+            if seg.ready_ts:
+                return physical_ms(seg.ready_ts) / 1000.0 > oldest
+            return bool(awaited_indexes(seg, indexes))
+
+        return {
+            p
+            for seg in outputs
+            if holds(seg)
+            for p in seg.compaction_from
+            if p in by_id and not by_id[p].is_invisible
+        }
 
     def _checkpoint_past(self, seg: SegmentInfo) -> bool:
         if seg.dml_position is None:

@@ -168,6 +168,7 @@ def run_lifecycle(
 # Seconds between the scheduler's rounds without a push, and scans of the kinds that
 # follow another (index builds: CreateIndex makes builds the next scan queues).
 TASK_SCAN_INTERVAL = 2.0
+TASK_POLL_INTERVAL = 0.5
 
 
 def _task_round(
@@ -184,12 +185,14 @@ def _task_round(
         tasks.scan(
             system, kinds=[k.name for k in tasks.kinds if k.follows is not None] if next_tasks else None
         )
-    report = tasks.round(system, engine)
+    report = tasks.round(system, engine, wait=False)
     if report.ran or report.recovered:
         log.info(
             "tasks: ran %d, done %d, retried %d, failed %d, dead workers' %d",
             len(report.ran), len(report.done), len(report.retried), len(report.failed), len(report.recovered),
         )  # fmt: skip
-    if report.retried or report.waiting or report.recovered:
-        return now  # more queued: the next round at once
+    if report.waiting or report.recovered:
+        return now  # more queued: the next round at once (a failed attempt waits its backoff)
+    if tasks.busy:
+        return now + TASK_POLL_INTERVAL  # a batch runs: record it soon after it ends
     return now + TASK_SCAN_INTERVAL

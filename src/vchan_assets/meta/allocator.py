@@ -70,6 +70,16 @@ def timestamp_ceiling(store: MetaStore, key: str | None = None) -> int:
     return compose_ts(mark) - 1 if mark else 0
 
 
+def now_ts(store: MetaStore) -> int:
+    """ "Now" for a read: at or above every timestamp issued so far, by any process (the
+    timestamp oracles' persisted window), and at least the wall clock. Every message
+    acknowledged before the call is at or before it. An oracle issues from a window it
+    persisted ahead (3 s), so a message appended within that window after the call can
+    still fall at or before it: to read exactly what one producer had written, read at the
+    timestamp its append returned."""
+    return max(compose_ts(int(time.time() * 1000)), timestamp_ceiling(store))
+
+
 class TimestampOracle:
     """Hybrid timestamps (physical ms << 18 | logical), strictly increasing.
 
@@ -117,3 +127,11 @@ class TimestampOracle:
             return
 
     _floor = 0
+
+
+def fresh_ts(store: MetaStore) -> int:
+    """A timestamp above every `now_ts` any process has taken so far, and at or below
+    every later one: the first of a new oracle, which persists a new window above the old
+    ceiling. What a change that reads at T must see exactly from T on is stamped with it
+    (a compaction output's `ready_ts`): a read before the stamp used an earlier T."""
+    return TimestampOracle(store).now()

@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
-from vchan_assets.meta.allocator import timestamp_ceiling
+from vchan_assets.meta.allocator import now_ts
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
 from vchan_assets.query.view import QueryView, collection_segments, collection_views, read_checkpoints
@@ -90,16 +90,6 @@ def parse_time(value: Any) -> int:
     if ts < _SMALLEST_TS:
         raise TimeTravelError(str(value), "not a hybrid timestamp (physical milliseconds << 18)")
     return ts
-
-
-def now_ts(store: MetaStore) -> int:
-    """ "Now" for a read: at or above every timestamp issued so far, by any process (the
-    timestamp oracles' persisted window), and at least the wall clock. Every message
-    acknowledged before the call is at or before it. An oracle issues from a window it
-    persisted ahead (3 s), so a message appended within that window after the call can
-    still fall at or before it: to read exactly what one producer had written, read at the
-    timestamp its append returned."""
-    return max(compose_ts(int(time.time() * 1000)), timestamp_ceiling(store))
 
 
 def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> int:
@@ -154,12 +144,12 @@ def dropped_after(seg: SegmentInfo, ts: int) -> bool:
 
 def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[SegmentInfo], list[QueryView]]:
     """The collection's segment meta as it stood at `ts` (`segments_at`) and the query views
-    over it; the channel checkpoints are read before the segments are listed
+    over it (a mix output replaces its inputs if it was ready at `ts`: `view.index_ready`); the channel checkpoints are read before the segments are listed
     (`view.read_checkpoints`: a sync committing in between would otherwise lose rows)."""
     checkpoints = read_checkpoints(store, info.vchannels)
     failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
     segments = segments_at(collection_segments(store, info.id), ts)
-    return segments, collection_views(store, info, segments, checkpoints)
+    return segments, collection_views(store, info, segments, checkpoints, ts)
 
 
 @dataclass(frozen=True)

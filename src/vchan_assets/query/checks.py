@@ -41,7 +41,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelHead, CollectionInfo, SegmentInfo, SegmentState, compose_ts
 from vchan_assets.query.asof import at_or_before, iso, segments_at
 from vchan_assets.query.reads import read_views
-from vchan_assets.query.view import QueryView, collection_segments, query_view
+from vchan_assets.query.view import QueryView, collection_segments, index_ready, query_view
 from vchan_assets.storage.rows import apply_deletes_to, read_deletes
 from vchan_assets.system import System
 from vchan_assets.wal.format import MsgType
@@ -133,7 +133,8 @@ def check_rows_served_once(system: System, info: CollectionInfo, vchannel: str, 
         # positions), never in neither.
         found = channel_checkpoint(store, vchannel)
         segments = segments_at(collection_segments(store, info.id), ts)
-        view = query_view(segments, vchannel, found.model if found else None, start_position(info, vchannel))
+        checkpoint, start = found.model if found else None, start_position(info, vchannel)
+        view = query_view(segments, vchannel, checkpoint, start, index_ready(store, info.id, ts))
         served = read_views(system, info, segments, [view], ts, apply_deletes=True, with_vectors=False)
         partitions = {s.partition_id for s in (*view.flushed, *view.growing, *view.l0)}
         # The deletes the read applied, the upserts of bulk imports among them.

@@ -29,9 +29,10 @@ from vchan_assets.datacoord.recovery import channel_segments
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.indexes.build import faiss_metric, load_index, prepared
 from vchan_assets.indexes.meta import indexable, list_builds, list_indexes
-from vchan_assets.indexes.params import MIN_ROWS_TO_BUILD, default_ef, default_nprobe
+from vchan_assets.indexes.params import default_ef, default_nprobe
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
+    MIN_ROWS_TO_BUILD,
     CollectionInfo,
     FieldIndex,
     IndexType,

@@ -37,7 +37,7 @@ import logging
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,7 @@ MIN_SELECTED_FOR_INDEX = 0.07
 # Rows of one block of an exact search: bounds its distance matrix to queries x this.
 EXACT_BLOCK = 65_536
 INDEX_CACHE_SIZE = 32
+SCALAR_CACHE_BYTES = 512 << 20
 
 _POS = "__position"
 _FAISS: Any = faiss  # (its type stubs lack the search parameter classes)
@@ -445,7 +446,7 @@ def search_segment(
     (with the Fallback that says why, when it has an index). Touches no etcd: runs in a
     Spark task too."""
     seg, build = part.segment, part.build
-    rows = segment_rows(storage, seg, with_vectors=False)
+    rows = _cached_scalars(storage, seg)
     allowed = _allowed(request, rows, part.deletes, part.ts)
     if not allowed.any():
         return [], None
@@ -486,33 +487,50 @@ def _indexed(request: SearchRequest, rows: pa.Table, index: Any, allowed: np.nda
     return _hits(request, rows, distances, positions)
 
 
-class _IndexCache:
-    """Loaded indexes by (storage root, file key): a file is written once, never changed."""
+class _Cache:
+    """Values read from immutable files, by key, least recently used dropped past a budget
+    (`weigh` gives a value's share of it). Index files and binlogs are written once and
+    never changed, so a key (storage root, what was read) always means the same value."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, budget: int, weigh: Callable[[Any], int]) -> None:
+        self.budget = budget
+        self.weigh = weigh
         self.lock = threading.Lock()
-        self.found: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.found: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self.held = 0
 
-    def get(self, storage: Storage, key: str) -> Any:
-        name = (storage.base, key)
+    def get(self, key: Hashable, load: Callable[[], Any]) -> Any:
         with self.lock:
-            if name in self.found:
-                self.found.move_to_end(name)
-                return self.found[name]
-        index = load_index(storage.read_bytes(key))
+            if key in self.found:
+                self.found.move_to_end(key)
+                return self.found[key][0]
+        value = load()
+        weight = self.weigh(value)
         with self.lock:
-            self.found[name] = index
-            while len(self.found) > self.size:
-                self.found.popitem(last=False)
-        return index
+            if key not in self.found:
+                self.found[key] = (value, weight)
+                self.held += weight
+            while self.held > self.budget and len(self.found) > 1:
+                _, (_, dropped) = self.found.popitem(last=False)
+                self.held -= dropped
+        return value
 
 
-_INDEXES = _IndexCache(INDEX_CACHE_SIZE)
+_INDEXES = _Cache(INDEX_CACHE_SIZE, weigh=lambda _: 1)
+# The pk, timestamp and scalar columns of segments searched through their index: what a
+# search reads besides the index, on every call (at 1M rows, ~0.1 s a call uncached).
+_SCALARS = _Cache(SCALAR_CACHE_BYTES, weigh=lambda table: table.nbytes)
 
 
 def _cached_index(storage: Storage, key: str) -> Any:
-    return _INDEXES.get(storage, key)
+    return _INDEXES.get((storage.base, key), lambda: load_index(storage.read_bytes(key)))
+
+
+def _cached_scalars(storage: Storage, seg: SegmentInfo) -> pa.Table:
+    """`segment_rows(seg, with_vectors=False)`, cached by the segment's binlog paths (a
+    segment's binlogs only ever change by new files, never in place)."""
+    paths = tuple(b.path for g in seg.binlogs for b in g.logs)
+    return _SCALARS.get((storage.base, seg.id, paths), lambda: segment_rows(storage, seg, with_vectors=False))
 
 
 # --- exactly ----------------------------------------------------------------------------------

@@ -24,8 +24,13 @@ recursively, even when they are Dropped (their files stay until garbage collecti
 - an output whose inputs are still served as flushed (the commit has not dropped them)
   is not served: serving both would return their rows twice;
 - a sort output replaces an invisible input at once (sorting is what makes it visible);
-- a mix output replaces its visible inputs once `ready_to_replace_parents` says so: in
-  Milvus once it is indexed, or at once when it is too small to be indexed;
+- a mix output replaces its visible inputs once it is indexed (`ready`; Milvus' rule, so
+  that a search never loses the inputs' indexes): at once when it awaits no index
+  (`model.awaited_indexes`: none of its collection's live indexes, created before it,
+  gets files for its rows), else from its `ready_ts`, stamped by the commit of its last
+  awaited build, or when the wait is given up (a build Failed for good, or
+  VCHAN_INDEX_HANDOFF_TIMEOUT). A read at T serves it only if `ready_ts` <= T: a read
+  in the past picks the segments it picked then;
 - an output whose inputs are gone from meta (collected) is served: nothing else holds
   its rows.
 
@@ -40,12 +45,23 @@ none.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vchan_assets.datacoord.recovery import channel_checkpoint, start_position
+from vchan_assets.indexes.meta import list_indexes
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import (
+    CollectionInfo,
+    MsgPosition,
+    SegmentInfo,
+    SegmentLevel,
+    SegmentState,
+    replaces_inputs_at,
+)
+
+# Whether a mix compaction output may replace its visible inputs (`index_ready`).
+Ready = Callable[[SegmentInfo], bool]
 
 
 @dataclass(frozen=True)
@@ -88,14 +104,16 @@ class QueryView:
         ]
 
 
-def ready_to_replace_parents(child: SegmentInfo) -> bool:
-    """Whether a mix compaction output may replace its visible inputs.
-
-    In Milvus an output is served once its index is built, or at once when it has fewer
-    rows than an index is built for (1,024): until then a search would lose the inputs'
-    indexes. This project has no indexes yet, so an output replaces its inputs at once.
-    The index side changes this function to ask whether `child` is indexed."""
+def always(_: SegmentInfo) -> bool:
     return True
+
+
+def index_ready(store: MetaStore, collection_id: int, ts: int | None = None) -> Ready:
+    """Whether a mix compaction output of the collection replaces its visible inputs in a
+    read at `ts` (None: now): it awaits no index, or was stamped ready by then
+    (`model.replaces_inputs_at`). Reads the collection's live indexes once."""
+    indexes = [d.model for d in list_indexes(store, collection_id)]
+    return lambda seg: replaces_inputs_at(seg, indexes, ts)
 
 
 def query_view(
@@ -103,9 +121,12 @@ def query_view(
     vchannel: str,
     checkpoint: MsgPosition | None,
     start_position: MsgPosition,
+    ready: Ready = always,
 ) -> QueryView:
     """The query view of `vchannel` from its segment meta (`segments` may hold other
-    vchannels' too), its channel checkpoint and the collection's start position on it."""
+    vchannels' too), its channel checkpoint and the collection's start position on it.
+    `ready`: whether a mix output replaces its visible inputs (`index_ready`; by default
+    at once)."""
     own = {s.id: s for s in segments if s.vchannel == vchannel and s.state is not SegmentState.IMPORTING}
     flushed: set[int] = set()
     growing: set[int] = set()
@@ -123,7 +144,7 @@ def query_view(
             growing.add(seg.id)
         else:
             flushed.add(seg.id)
-    served = _Lineage(own, flushed, growing).resolve(pending)
+    served = _Lineage(own, flushed, growing, ready).resolve(pending)
     replaced = {p for i in served for p in own[i].compaction_from}
     growing -= replaced  # an invisible input its sort output replaced
     live = [s for s in own.values() if s.state is not SegmentState.DROPPED]
@@ -145,8 +166,11 @@ def query_view(
 class _Lineage:
     """Which segments are served as flushed, compaction lineage resolved (module docstring)."""
 
-    def __init__(self, own: Mapping[int, SegmentInfo], flushed: set[int], growing: set[int]) -> None:
+    def __init__(
+        self, own: Mapping[int, SegmentInfo], flushed: set[int], growing: set[int], ready: Ready
+    ) -> None:
         self.own = own
+        self.ready = ready
         self.flushed = flushed  # visible Flushed segments, before lineage
         self.growing = growing
         self.served: set[int] = set()
@@ -179,7 +203,7 @@ class _Lineage:
             return False
         if any(p is not None and p.is_invisible for p in parents):
             return True  # a sort output replaces its invisible input at once
-        return ready_to_replace_parents(seg)
+        return self.ready(seg)
 
     def _an_input_is_served(self, seg: SegmentInfo) -> bool:
         """An input of `seg`, or an input of one of them (all still in meta), is served as
@@ -231,15 +255,19 @@ def read_query_view(
     vchannel: str,
     segments: Sequence[SegmentInfo] | None = None,
     checkpoints: Mapping[str, MsgPosition | None] | None = None,
+    ready: Ready | None = None,
 ) -> QueryView:
     """The query view of one vchannel of the collection, from etcd: its checkpoint, and
     the collection's segments (`segments` when the caller has listed them already, then
-    with `checkpoints` it read before: `read_checkpoints`)."""
+    with `checkpoints` it read before: `read_checkpoints`). `ready`: `index_ready` of the
+    read's time (default: now)."""
     if checkpoints is None or vchannel not in checkpoints:
         checkpoints = read_checkpoints(store, [vchannel])
     if segments is None:
         segments = collection_segments(store, info.id)
-    return query_view(segments, vchannel, checkpoints[vchannel], start_position(info, vchannel))
+    if ready is None:
+        ready = index_ready(store, info.id)
+    return query_view(segments, vchannel, checkpoints[vchannel], start_position(info, vchannel), ready)
 
 
 def collection_views(
@@ -247,17 +275,20 @@ def collection_views(
     info: CollectionInfo,
     segments: Sequence[SegmentInfo] | None = None,
     checkpoints: Mapping[str, MsgPosition | None] | None = None,
+    ts: int | None = None,
 ) -> list[QueryView]:
     """The query view of each vchannel of the collection (and of any other vchannel its
-    segments name, so that no segment goes unseen). A caller that lists `segments` itself
-    passes the `checkpoints` it read before (`read_checkpoints`)."""
+    segments name, so that no segment goes unseen), for a read at `ts` (None: now). A
+    caller that lists `segments` itself passes the `checkpoints` it read before
+    (`read_checkpoints`)."""
     if checkpoints is None:
         checkpoints = read_checkpoints(store, info.vchannels)
     if segments is None:
         segments = collection_segments(store, info.id)
     vchannels = list(info.vchannels)
     vchannels += sorted({s.vchannel for s in segments} - set(vchannels))
-    return [read_query_view(store, info, v, segments, checkpoints) for v in vchannels]
+    ready = index_ready(store, info.id, ts)
+    return [read_query_view(store, info, v, segments, checkpoints, ready) for v in vchannels]
 
 
 def readable_ids(views: Iterable[QueryView]) -> set[int]:
