@@ -60,6 +60,7 @@ class IndexTasks:
 
     name = KIND
     follows: str | None = "sort"
+    versions: IndexEngine = OURS
 
     def __init__(self, versions: IndexEngine = OURS) -> None:
         self.versions = versions
