@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import pyarrow as pa
@@ -107,6 +107,7 @@ class Catalog:
         self.store, self.storage, self.settings = system.store, system.storage, system.settings
         self._stack = stack  # a Stack this catalog opened (closed by close())
         self._readers: dict[str, WalReader] = {}
+        self._reader_session: Any = None  # stating the index engine versions it reads (first search)
 
     # --- construction -------------------------------------------------------------------
 
@@ -121,6 +122,9 @@ class Catalog:
         return cls(stack, stack)
 
     def close(self) -> None:
+        if self._reader_session is not None:
+            self._reader_session.close()
+            self._reader_session = None
         if self._stack is not None:
             # An embedded etcd that another command started keeps running.
             self._stack.close()
@@ -606,13 +610,57 @@ class Catalog:
         (needed when there are several); `metric`: the index's (L2 without one); `params`:
         `nprobe` (IVF) or `ef` (HNSW); `filter`: a pandas expression over the scalar fields
         (`"n > 3 and tag == 'a'"`) or a pyarrow.compute expression. Deleted rows are never
-        returned. A segment whose index file is unreadable is searched exactly, with an
-        `IndexFallbackWarning`."""
-        from vchan_assets.query.search import search
+        returned. A segment whose index cannot be used (its file missing or unreadable: a
+        rebuild is queued; or of an index engine version this process does not read) is
+        searched exactly, with an `IndexFallbackWarning`, and listed in the frame's
+        `attrs["exact_segments"]` (the Arrow table's metadata: `query.search.exact_segments`).
+        The first search of a catalog that opened its own connection (`Catalog.open`)
+        registers its reader session (`indexes.engine`), closed with the catalog; one made
+        on a given system states it with `state_index_engine()`."""
+        from vchan_assets.query.search import exact_segments, search
 
         info = self.collection(collection)
+        if self._stack is not None:
+            self.state_index_engine()
         table = search(self.system, info, vectors, k, field, metric, filter, as_of, params, output_fields)
-        return table if as_arrow else table.to_pandas()
+        if as_arrow:
+            return table
+        frame = table.to_pandas()
+        frame.attrs["exact_segments"] = exact_segments(table)
+        return frame
+
+    def search_dataframe(
+        self,
+        collection: str,
+        queries: Any,
+        k: int = 10,
+        id_column: str = "query",
+        vector_column: str = "vector",
+        by: Literal["segment", "query"] = "segment",
+        **options: Any,
+    ) -> Any:
+        """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
+        the Spark DataFrame `queries` (an integer `id_column` and an array-of-floats
+        `vector_column` per row), one Spark task per segment (`by="segment"`) or per slice
+        of the queries (`by="query"`); the same hits as `search` (same `options`: field,
+        metric, filter, as_of, params, output_fields), as a Spark DataFrame of
+        `id_column`, the primary key, `distance` and the output fields."""
+        from vchan_assets.query.batch_search import search_dataframe
+
+        info = self.collection(collection)
+        if self._stack is not None:
+            self.state_index_engine()
+        return search_dataframe(
+            self.system, info, queries, k, id_column=id_column, vector_column=vector_column, by=by, **options
+        )
+
+    def state_index_engine(self) -> None:
+        """Register this catalog's reader session, stating the index engine versions it
+        reads (builds then stay loadable by it), unless it has one."""
+        from vchan_assets.indexes.engine import reader_session
+
+        if self._reader_session is None or not self._reader_session.alive:
+            self._reader_session = reader_session(self.store, self.settings.session_ttl)
 
     def spark_collection(
         self, name: str, with_vectors: bool = True, spark: Any = None, **options: str

@@ -528,6 +528,9 @@ class SegmentIndex(Record):
     files: tuple[str, ...] = ()  # storage keys
     serialized_size: int = 0
     engine_version: str = ""  # the library that built it, e.g. "faiss-1.15.1"
+    # The index engine version its file was built for (`indexes.engine`); 0: built before
+    # versions were recorded (read as version 1, the only one there was).
+    engine: int = 0
     created_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
@@ -612,6 +615,18 @@ def version_key(version: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class IndexEngine(Record):
+    """The index engine versions a process reads (the seed's IndexEngineVersion): index
+    files of versions `minimal` to `current`; builds use the lowest `current` stated."""
+
+    current: int
+    minimal: int
+
+    def reads(self, version: int) -> bool:
+        return self.minimal <= version <= self.current
+
+
+@dataclass(frozen=True)
 class NodeSession(Record):
     """A node's session value (`session/datanode/{id}`, or the DataCoord's election key).
 
@@ -620,6 +635,7 @@ class NodeSession(Record):
     write no such field)."""
 
     OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"since"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"index_engine"})
 
     node_id: int
     address: str
@@ -627,6 +643,7 @@ class NodeSession(Record):
     started_at: float
     state: SessionState = SessionState.HEALTHY
     since: float = 0.0
+    index_engine: IndexEngine | None = None  # stated by the processes that load indexes
 
     def entered(self, state: SessionState, now: float | None = None) -> NodeSession:
         """This session in `state`, entered now."""

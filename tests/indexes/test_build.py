@@ -110,7 +110,7 @@ def test_a_builder_whose_build_was_started_again_commits_nothing(
     restarted = start_build(system.store, first, "node-b")
     assert restarted is not None and restarted.model.version == 2
 
-    late = finish_build(system.store, first, BuiltFiles(("index_files/x/1/index.faiss",), 10, "faiss"))
+    late = finish_build(system.store, first, BuiltFiles(("index_files/x/1/index.faiss",), 10, "faiss", 1))
 
     assert late is None
     [build] = builds(system, data)

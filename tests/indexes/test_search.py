@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -25,8 +26,11 @@ from indexes.helpers import (
 )
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.step import IndexBuilder
+from vchan_assets.indexes.tasks import IndexTasks
+from vchan_assets.model import SegmentIndex, SegmentIndexState
 from vchan_assets.query.search import IndexFallbackWarning, SearchError
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
@@ -125,18 +129,24 @@ def test_rows_only_in_the_log_tail_and_in_growing_segments_are_found(
     assert frame["distance"].max() < 1e-3  # (float32 rounding of |q|^2 - 2 q.x + |x|^2)
 
 
-def test_a_corrupt_index_file_is_searched_exactly_with_a_warning(system: System, data: Data) -> None:
+def test_a_corrupt_index_file_is_searched_exactly_with_a_warning_and_rebuilt(
+    system: System, data: Data
+) -> None:
     indexed(system, data)
-    build = list_builds(system.store, data.info.id)[0].model
+    [build] = [d.model for d in list_builds(system.store, data.info.id)][:1]
     system.storage.write_atomic(build.files[0], b"not a faiss index")
 
     with pytest.warns(IndexFallbackWarning, match=f"segment {build.segment_id}: index file {build.files[0]}"):
         frame = Catalog(system).search(data.info.name, QUERIES, k=K)
 
     assert recall(hits(frame), exact_neighbours(data, QUERIES, K)) >= 0.9
+    assert [f["segment"] for f in frame.attrs["exact_segments"]] == [build.segment_id]
+    assert_rebuilt_once(system, data, build)
 
 
-def test_a_missing_index_file_is_searched_exactly_with_a_warning(system: System, data: Data) -> None:
+def test_a_missing_index_file_is_searched_exactly_with_a_warning_and_rebuilt(
+    system: System, data: Data
+) -> None:
     indexed(system, data, "IVF_FLAT")
     build = list_builds(system.store, data.info.id)[1].model
     system.storage.delete(build.files[0])
@@ -144,6 +154,33 @@ def test_a_missing_index_file_is_searched_exactly_with_a_warning(system: System,
     with pytest.warns(IndexFallbackWarning, match="is unusable"):
         frame = Catalog(system).search(data.info.name, QUERIES, k=K)
 
+    assert recall(hits(frame), exact_neighbours(data, QUERIES, K)) >= 0.9
+    assert_rebuilt_once(system, data, build)
+
+
+def assert_rebuilt_once(system: System, data: Data, broken: SegmentIndex) -> None:
+    """The broken build is re-issued and its segment's task queued, once (a second search
+    queues nothing more); the scheduler's round rebuilds it and searches use it again."""
+    [again] = [
+        d.model for d in list_builds(system.store, data.info.id) if d.model.build_id == broken.build_id
+    ]
+    assert again.state is SegmentIndexState.UNISSUED
+    queued = [d.model.segment_id for d in list_tasks(system.store, "index")]
+    assert queued == [broken.segment_id]
+    second = Catalog(system).search(data.info.name, QUERIES, k=K)  # the segment waits: exact, no warning
+    assert second.attrs["exact_segments"] == [] and len(list_tasks(system.store, "index")) == 1
+
+    TaskScheduler([IndexTasks()], system.settings).round(system, "local")
+
+    [rebuilt] = [
+        d.model for d in list_builds(system.store, data.info.id) if d.model.build_id == broken.build_id
+    ]
+    assert (rebuilt.state, rebuilt.version) == (SegmentIndexState.FINISHED, broken.version + 1)
+    assert not list_tasks(system.store, "index")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IndexFallbackWarning)
+        frame = Catalog(system).search(data.info.name, QUERIES, k=K)
+    assert frame.attrs["exact_segments"] == []
     assert recall(hits(frame), exact_neighbours(data, QUERIES, K)) >= 0.9
 
 
@@ -208,7 +245,18 @@ def test_a_search_at_a_time_sees_neither_later_rows_nor_later_deletes(
             {"vectors": np.zeros((2, DIM + 1))},
             f"query vectors have dimension {DIM + 1}, field 'vec' has {DIM}",
         ),
+        (
+            {"vectors": np.zeros((1, DIM - 4))},
+            f"query vectors have dimension {DIM - 4}, field 'vec' has {DIM}",
+        ),
+        ({"vectors": np.zeros((2, 2, DIM))}, r"one vector or an \(n, 16\) array, got shape \(2, 2, 16\)"),
+        ({"vectors": np.zeros((0, DIM))}, r"got shape \(0, 16\)"),
+        ({"vectors": [["a"] * DIM]}, "query vectors must be an array of numbers"),
         ({"k": 0}, r"k must be an integer in \[1, 16384\], got 0"),
+        ({"k": -3}, r"k must be an integer in \[1, 16384\], got -3"),
+        ({"k": 2.5}, r"k must be an integer in \[1, 16384\], got 2.5"),
+        ({"k": 16385}, r"k must be an integer in \[1, 16384\], got 16385"),
+        ({"metric": "l3"}, "unknown metric 'l3': one of L2, IP, COSINE"),
         ({"field": "nope"}, r"no field 'nope' \(vector fields: vec\)"),
         ({"field": "n"}, "field 'n' is not a vector field"),
         ({"metric": "HAMMING"}, "unknown metric 'HAMMING': one of L2, IP, COSINE"),

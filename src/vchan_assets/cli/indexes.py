@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened, opened_collection
 from vchan_assets.config import Settings
@@ -102,30 +103,46 @@ def drop_index(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-# --- index --retry -----------------------------------------------------------------------
+# --- index --retry / --upgrade -----------------------------------------------------------
 
 
 def _index_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument(
         "--retry",
         action="store_true",
-        required=True,
         help="re-queue failed index builds (their attempts reset; the DataCoord runs them)",
+    )
+    action.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="queue rebuilds of the segment indexes of an older engine version than builds write now",
     )
     parser.add_argument("--collection", help="only this collection's (default: every collection's)")
 
 
-@command("index", "manage index builds: --retry re-queues the failed ones", _index_args)
+@command(
+    "index",
+    "manage index builds: --retry re-queues the failed ones, --upgrade rebuilds older engine versions",
+    _index_args,
+)
 def index(args: argparse.Namespace, settings: Settings) -> int:
-    from vchan_assets.indexes.tasks import retry_failed_builds
+    from vchan_assets.datacoord.collections import CollectionRegistry
+    from vchan_assets.indexes.tasks import retry_failed_builds, upgrade_builds
 
-    if args.collection:
-        with opened_collection(settings, args.collection) as (stack, info):
-            builds, tasks = retry_failed_builds(stack.store, info.id)
-    else:
-        with opened(settings) as stack:
-            builds, tasks = retry_failed_builds(stack.store)
     where = f" of {args.collection}" if args.collection else ""
+    with opened(settings) as stack:
+        collection_id = (
+            CollectionRegistry(stack.store).get_by_name(args.collection).id if args.collection else None
+        )
+        if args.upgrade:
+            target, again = upgrade_builds(stack.store, collection_id)
+            segments = sorted({b.segment_id for b in again})
+            print(
+                f"queued {len(again)} index rebuilds{where} to engine version {target}: segments {segments}"
+            )
+            return 0
+        builds, tasks = retry_failed_builds(stack.store, collection_id)
     print(f"re-queued {builds} failed index builds{where} ({tasks} failed tasks back in the queue)")
     return 0
 
@@ -195,7 +212,8 @@ def _search_args(parser: argparse.ArgumentParser) -> None:
 def search(args: argparse.Namespace, settings: Settings) -> int:
     import numpy as np
 
-    from vchan_assets.query.search import SearchError
+    from vchan_assets.indexes.engine import reader_session
+    from vchan_assets.query.search import SearchError, exact_segments
     from vchan_assets.query.search import search as run_search
 
     params = key_values(args.param, "--param")
@@ -210,12 +228,15 @@ def search(args: argparse.Namespace, settings: Settings) -> int:
             dim = next((f.dim for f in info.schema.vector_fields if f.name == field), None) or 1
             vectors = np.random.default_rng(args.seed).random((args.random, dim), dtype=np.float32)
         try:
-            hits = run_search(
-                stack, info, vectors, args.k, args.field, args.metric, args.filter, args.as_of, params,
-                names(args.output_fields),
-            )  # fmt: skip
+            with reader_session(stack.store, settings.session_ttl):
+                hits = run_search(
+                    stack, info, vectors, args.k, args.field, args.metric, args.filter, args.as_of, params,
+                    names(args.output_fields),
+                )  # fmt: skip
         except SearchError as exc:
             raise UsageError(str(exc)) from None
+    for fallback in exact_segments(hits):
+        print(f"segment {fallback['segment']} searched exactly: {fallback['reason']}", file=sys.stderr)
     frame = hits.to_pandas()
     if args.json:
         for record in frame.to_dict("records"):

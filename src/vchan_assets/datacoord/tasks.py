@@ -170,6 +170,26 @@ def swap_task(
     return store.get_model(d.kv.key, TaskRecord)
 
 
+def enqueue_tasks(
+    store: MetaStore, kind: str, specs: Iterable[TaskSpec], now: float | None = None
+) -> list[int]:
+    """Queue a task of `kind` for each spec whose segment has none (dedupe by key), from
+    any process (the DataCoord's next round runs it), created at `now` (default: the
+    time). Returns the segments queued now."""
+    queued = []
+    now = time.time() if now is None else now
+    for s in specs:
+        record = TaskRecord(
+            kind, s.collection_id, s.partition_id, s.segment_id, s.rows, s.memory_mb, created_at=now
+        )
+        try:
+            store.cas(task_key(store, record), 0, record)
+        except CasConflictError:
+            continue  # queued already (or Failed: waits for a retry)
+        queued.append(s.segment_id)
+    return queued
+
+
 def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -> list[TaskRecord]:
     """Failed tasks of `kind` (of one collection if given) back to the queue with their
     attempts reset (`vchan index --retry`). Returns them as re-queued."""
@@ -237,18 +257,7 @@ class TaskScheduler:
     def enqueue(self, store: MetaStore, kind: str, specs: Iterable[TaskSpec]) -> list[int]:
         """Queue a task of `kind` for each spec whose segment has none (dedupe by key).
         Returns the segments queued now."""
-        queued = []
-        now = self.clock()
-        for s in specs:
-            record = TaskRecord(
-                kind, s.collection_id, s.partition_id, s.segment_id, s.rows, s.memory_mb, created_at=now
-            )
-            try:
-                store.cas(task_key(store, record), 0, record)
-            except CasConflictError:
-                continue  # queued already (or Failed: waits for a retry)
-            queued.append(s.segment_id)
-        return queued
+        return enqueue_tasks(store, kind, specs, self.clock())
 
     def scan(
         self, system: System, collections: Collection[int] | None = None, kinds: Collection[str] | None = None

@@ -332,6 +332,7 @@ class BuiltFiles:
     files: tuple[str, ...]
     serialized_size: int
     engine_version: str
+    engine: int  # the index engine version written for (`indexes.engine`)
 
 
 def finish_build(
@@ -350,6 +351,7 @@ def finish_build(
         files=built.files,
         serialized_size=built.serialized_size,
         engine_version=built.engine_version,
+        engine=built.engine,
         finished_at=time.time(),
     )
     b = build.model
@@ -430,6 +432,13 @@ def release_waiting_outputs(
             continue  # changed meanwhile: the next call looks again
         stamped.append(seg.id)
     return stamped
+
+
+def reissue_build(store: MetaStore, build: Decoded[SegmentIndex]) -> Decoded[SegmentIndex] | None:
+    """Back to Unissued, to be built again under its next version (a Failed build retried,
+    a Finished one rebuilt: its file unusable, or of an older engine version); None if it
+    changed since it was read. The old version's files become GC's (superseded)."""
+    return _swap(store, build, replace(build.model, state=SegmentIndexState.UNISSUED))
 
 
 def fail_build(store: MetaStore, build: Decoded[SegmentIndex], reason: str) -> Decoded[SegmentIndex] | None:

@@ -32,6 +32,7 @@ from vchan_assets.indexes.build import (
     builds_arrow,
     outcome_of,
 )
+from vchan_assets.indexes.engine import OURS, target_engine
 from vchan_assets.indexes.meta import (
     BuiltFiles,
     create_missing_builds,
@@ -46,6 +47,7 @@ from vchan_assets.indexes.meta import (
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
     FieldIndex,
+    IndexEngine,
     SegmentIndex,
     SegmentIndexState,
     SegmentInfo,
@@ -77,12 +79,22 @@ class IndexReport:
 
 
 class IndexBuilder:
-    """Runs Unissued builds: all of them in one Spark job (or in this process)."""
+    """Runs Unissued builds: all of them in one Spark job (or in this process). `versions`:
+    the index engine versions this builder can write (`indexes.engine`); each run writes
+    the lowest current stated by a live session within them."""
 
-    def __init__(self, system: System, engine: Engine = "spark", timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        system: System,
+        engine: Engine = "spark",
+        timeout: float = 900.0,
+        versions: IndexEngine = OURS,
+    ) -> None:
         self.system = system
         self.store, self.storage = system.store, system.storage
         self.engine, self.timeout = engine, timeout
+        self.versions = versions
+        self.target = versions.current  # of the last run
         self.collections = CollectionRegistry(system.store)
 
     def run(
@@ -99,6 +111,7 @@ class IndexBuilder:
         if restart:
             runnable |= {SegmentIndexState.IN_PROGRESS, SegmentIndexState.FAILED}
         report = IndexReport()
+        self.target = target_engine(self.store, self.versions)
         indexes = {d.model.index_id: d.model for d in list_indexes(self.store, collection_id)}
         started: list[tuple[Decoded[SegmentIndex], BuildSpec]] = []
         node = f"{node_name()}/{self.engine}"
@@ -160,7 +173,7 @@ class IndexBuilder:
             self._fail(build, outcome.reason, report)
             return
         failpoint("index_after_files")
-        built = BuiltFiles(outcome.files, outcome.serialized_size, outcome.engine_version)
+        built = BuiltFiles(outcome.files, outcome.serialized_size, outcome.engine_version, self.target)
         if finish_build(self.store, build, built) is None:
             log.warning(
                 "index build %d changed while it ran: its files %s are orphans", b.build_id, outcome.files
@@ -168,8 +181,9 @@ class IndexBuilder:
             report.lost.append(b.build_id)
             return
         log.info(
-            "index build %d (index %d, segment %d, version %d): %d rows, %d bytes in %.2fs",
-            b.build_id, b.index_id, b.segment_id, b.version, outcome.rows, outcome.serialized_size, outcome.seconds,
+            "index build %d (index %d, segment %d, version %d, engine %d): %d rows, %d bytes in %.2fs",
+            b.build_id, b.index_id, b.segment_id, b.version, self.target, outcome.rows, outcome.serialized_size,
+            outcome.seconds,
         )  # fmt: skip
         report.finished.append(b.build_id)
         report.rows += outcome.rows

@@ -9,26 +9,39 @@ queues their builds at once (`discover` of the sorts' collections, which creates
 missing builds first).
 
 `retry_failed_builds` is `vchan index --retry`: Failed builds back to Unissued and their
-Failed tasks back to the queue with their attempts reset.
+Failed tasks back to the queue with their attempts reset. `upgrade_builds` is `vchan index
+--upgrade`: Finished builds of an older engine version than builds now write back to
+Unissued, each segment's task queued. `queue_rebuild` is a search's: a build whose file is
+missing or unreadable, once (of two searches that find it, one re-issues it; the task is
+queued once, deduped by its key).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import replace
 
 from vchan_assets.datacoord.collections import CollectionRegistry
-from vchan_assets.datacoord.tasks import DEFERRED, DONE, Outcome, TaskSpec, failed, list_tasks, retry_tasks
+from vchan_assets.datacoord.tasks import (
+    DEFERRED,
+    DONE,
+    Outcome,
+    TaskSpec,
+    enqueue_tasks,
+    failed,
+    list_tasks,
+    retry_tasks,
+)
+from vchan_assets.indexes.engine import OURS, build_engine, target_engine
 from vchan_assets.indexes.meta import (
     create_missing_builds,
     list_builds,
     list_indexes,
+    reissue_build,
     release_waiting_outputs,
 )
 from vchan_assets.indexes.step import IndexBuilder
-from vchan_assets.meta.errors import CasConflictError
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import SegmentIndexState, TaskRecord, TaskState
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import IndexEngine, SegmentIndex, SegmentIndexState, TaskRecord, TaskState
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
@@ -38,9 +51,19 @@ KIND = "index"
 BUILD_MEMORY_FACTOR = 3.0
 
 
+def build_memory_mb(rows: int, dim: int) -> float:
+    return BUILD_MEMORY_FACTOR * rows * dim * 4 / 2**20
+
+
 class IndexTasks:
+    """`versions`: the index engine versions the builds can write (`indexes.engine`)."""
+
     name = KIND
     follows: str | None = "sort"
+    versions: IndexEngine = OURS
+
+    def __init__(self, versions: IndexEngine = OURS) -> None:
+        self.versions = versions
 
     def discover(self, system: System, collections: Collection[int] | None) -> list[TaskSpec]:
         """Builds for the indexable segments without one, then a task for each segment
@@ -67,7 +90,7 @@ class IndexTasks:
                 index = indexes.get(b.index_id)
                 if index is None or b.state not in (SegmentIndexState.UNISSUED, SegmentIndexState.FAILED):
                     continue
-                mb = BUILD_MEMORY_FACTOR * b.rows * dims.get(index.field_id, 0) * 4 / 2**20
+                mb = build_memory_mb(b.rows, dims.get(index.field_id, 0))
                 if (known := specs.get(b.segment_id)) is not None:
                     mb += known.memory_mb
                 specs[b.segment_id] = TaskSpec(b.collection_id, b.partition_id, b.segment_id, b.rows, mb)
@@ -85,7 +108,7 @@ class IndexTasks:
             if d.model.segment_id in segments and d.model.index_id in live
         ]
         todo = {b.build_id for b in builds if b.state is not SegmentIndexState.FINISHED}
-        report = IndexBuilder(system, engine).run(build_ids=todo, restart=True)
+        report = IndexBuilder(system, engine, versions=self.versions).run(build_ids=todo, restart=True)
         reasons, lost = dict(report.failed), set(report.lost)
         result: dict[int, Outcome] = {}
         for t in tasks:
@@ -103,14 +126,55 @@ class IndexTasks:
 def retry_failed_builds(store: MetaStore, collection_id: int | None = None) -> tuple[int, int]:
     """Failed builds (of one collection if given) back to Unissued, and Failed index tasks
     back to the queue. Returns (builds, tasks) re-queued."""
-    builds = 0
-    for d in list_builds(store, collection_id):
-        b = d.model
-        if b.state is not SegmentIndexState.FAILED:
-            continue
-        try:
-            store.cas(d.kv.key, d.kv.version, replace(b, state=SegmentIndexState.UNISSUED))
-        except CasConflictError:
-            continue
-        builds += 1
+    failed_builds = [
+        d for d in list_builds(store, collection_id) if d.model.state is SegmentIndexState.FAILED
+    ]
+    builds = sum(reissue_build(store, d) is not None for d in failed_builds)
     return builds, len(retry_tasks(store, KIND, collection_id))
+
+
+def _rebuild(store: MetaStore, builds: list[Decoded[SegmentIndex]], dim: int) -> list[SegmentIndex]:
+    """Each build back to Unissued (those that did not change meanwhile) and a task queued
+    for each of their segments that has none. Returns the builds re-issued."""
+    again = [found.model for d in builds if (found := reissue_build(store, d)) is not None]
+    specs = {
+        b.segment_id: TaskSpec(
+            b.collection_id, b.partition_id, b.segment_id, b.rows, build_memory_mb(b.rows, dim)
+        )
+        for b in again
+    }
+    enqueue_tasks(store, KIND, specs.values())
+    return again
+
+
+def queue_rebuild(store: MetaStore, build: Decoded[SegmentIndex], dim: int) -> bool:
+    """A Finished build whose file a reader found missing or unreadable: rebuilt by the
+    DataCoord's next round. False if it changed meanwhile (another reader re-issued it)."""
+    if build.model.state is not SegmentIndexState.FINISHED:
+        return False
+    return bool(_rebuild(store, [build], dim))
+
+
+def upgrade_builds(
+    store: MetaStore, collection_id: int | None = None, builder: IndexEngine = OURS
+) -> tuple[int, list[SegmentIndex]]:
+    """`vchan index --upgrade`: the Finished builds with files (of one collection if given)
+    of an older engine version than builds write now, re-issued and their tasks queued.
+    Returns (the version builds write, the builds re-issued)."""
+    target = target_engine(store, builder)
+    again: list[SegmentIndex] = []
+    for info in CollectionRegistry(store).list():
+        if collection_id not in (None, info.id):
+            continue
+        dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
+        for index in list_indexes(store, info.id):
+            older = [
+                d
+                for d in list_builds(store, info.id)
+                if d.model.index_id == index.model.index_id
+                and d.model.state is SegmentIndexState.FINISHED
+                and d.model.files
+                and build_engine(d.model) < target
+            ]
+            again += _rebuild(store, older, dims.get(index.model.field_id, 0))
+    return target, again

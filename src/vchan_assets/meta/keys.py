@@ -61,9 +61,15 @@ class Keys:
 
     # sessions
     datanode_session = _Family("session/datanode/{node}")
+    # a process that loads indexes (search): states the index engine versions it reads
+    reader_session = _Family("session/reader/{reader}")
 
     def datacoord_session(self) -> str:
         return self._k("session", "datacoord")
+
+    def sessions(self) -> str:
+        """The prefix of every session (datanodes, the DataCoord, readers)."""
+        return self._k("session", "")
 
     # channel watch: a vchannel waiting for a live node sits under the node name "remaining"
     channel_watch = _Family("channelwatch/{node}/{vchannel}")

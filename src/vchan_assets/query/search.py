@@ -11,8 +11,10 @@ best way it can:
   index, loaded from `index_files/...` (kept in a small cache: index files never change);
 - every other part exactly, with numpy: growing and unsorted segments, segments whose
   build is not done, Finished builds without files (FLAT, under 1,024 rows), the log tail;
-  and a segment whose index file is missing or unreadable, with an `IndexFallbackWarning`
-  (and a log line) naming it.
+  and a segment whose index cannot be used: its file missing or unreadable (its build is
+  re-issued and its index task queued: `indexes.tasks.queue_rebuild`), or of an index
+  engine version this process does not read (`indexes.engine`). Those are reported: an
+  `IndexFallbackWarning` and a log line each, and `exact_segments(result)`.
 
 Rows a read at T would not return are never candidates: rows after T, rows a delete at or
 before T removes (Milvus' rule, per partition), rows the `filter` rejects. For an indexed
@@ -30,6 +32,7 @@ product and COSINE the cosine similarity (larger is nearer), as Milvus reports t
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import warnings
@@ -46,6 +49,7 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.errors import DeclaredError
 from vchan_assets.indexes.build import load_index, prepared
+from vchan_assets.indexes.engine import OURS, unreadable_reason
 from vchan_assets.indexes.meta import describe, list_builds, list_indexes
 from vchan_assets.indexes.params import (
     MAX_K,
@@ -53,10 +57,13 @@ from vchan_assets.indexes.params import (
     default_nprobe,
     search_params,
 )
+from vchan_assets.indexes.tasks import queue_rebuild
+from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
     FieldSchema,
+    IndexEngine,
     IndexType,
     MetricType,
     SegmentIndex,
@@ -103,8 +110,34 @@ class SearchError(DeclaredError, ValueError):
 
 
 class IndexFallbackWarning(UserWarning):
-    """A segment's index could not be used (its file is missing or unreadable): the
-    segment was searched exactly."""
+    """A segment's index could not be used (its file is missing or unreadable, or of an
+    engine version this process does not read): the segment was searched exactly."""
+
+
+# The result's schema metadata key listing the segments searched exactly instead of
+# through their index (`exact_segments`).
+EXACT_SEGMENTS = b"vchan.exact_segments"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A segment with a Finished index searched exactly: why, and whether its build is
+    to be rebuilt (a missing or unreadable file; not a file of another engine version)."""
+
+    segment: int
+    file: str
+    reason: str
+    rebuild: bool
+
+    def message(self) -> str:
+        return f"segment {self.segment}: index file {self.file} is unusable ({self.reason}); searched exactly"
+
+
+def exact_segments(result: pa.Table) -> list[dict[str, Any]]:
+    """The segments a search result was searched exactly although they have an index:
+    [{segment, file, reason}] (empty when every index was used)."""
+    raw = (result.schema.metadata or {}).get(EXACT_SEGMENTS)
+    return list(json.loads(raw)) if raw else []
 
 
 @dataclass(frozen=True)
@@ -140,15 +173,25 @@ def search(
     as_of: Any = None,
     params: Mapping[str, object] | None = None,
     output_fields: Sequence[str] = (),
+    engine: IndexEngine = OURS,
 ) -> pa.Table:
     """The k nearest rows of each query vector (module docstring): one row per hit,
     `query` (the query's position in `vectors`), the primary key, `distance` and the
-    `output_fields`, sorted by query and nearness."""
+    `output_fields`, sorted by query and nearness. `engine`: the index engine versions
+    this process reads (what its reader session states). The segments searched exactly
+    although indexed are listed in the result's metadata (`exact_segments`)."""
     request = check_request(system, info, vectors, k, field, metric, filter, params, output_fields)
     ts = resolve_as_of(system.store, system.settings, as_of)
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
         segments, views = views_at(system.store, info, ts)  # checkpoints before segments
-        return _search_views(system, info, request, segments, views, ts)
+        plan = plan_search(system, info, request, segments, views, ts)
+        hits = plan.tail_hits(request)
+        fallbacks = []
+        for part in plan.parts:
+            found, fallback = search_segment(system.storage, request, part, engine)
+            hits += found
+            fallbacks += [fallback] if fallback is not None else []
+        return finish(system, info, request, hits, fallbacks, plan.builds)
 
 
 def check_request(
@@ -156,11 +199,11 @@ def check_request(
     info: CollectionInfo,
     vectors: Any,
     k: int,
-    field: str | None,
-    metric: MetricType | str | None,
-    filter: str | pc.Expression | None,
-    params: Mapping[str, object] | None,
-    output_fields: Sequence[str],
+    field: str | None = None,
+    metric: MetricType | str | None = None,
+    filter: str | pc.Expression | None = None,
+    params: Mapping[str, object] | None = None,
+    output_fields: Sequence[str] = (),
 ) -> SearchRequest:
     """The search checked before anything is read: SearchError naming what is wrong."""
 
@@ -177,9 +220,14 @@ def check_request(
         raise error(f"query vectors must be an array of numbers of shape (n, {target.dim}): {exc}") from None
     if queries.ndim == 1:
         queries = queries.reshape(1, -1)
-    if queries.ndim != 2 or queries.shape[1] != target.dim:
-        found = queries.shape[-1] if queries.ndim else 0
-        raise error(f"query vectors have dimension {found}, field {target.name!r} has {target.dim}")
+    if queries.ndim != 2 or not len(queries):
+        raise error(
+            f"query vectors must be one vector or an (n, {target.dim}) array, got shape {queries.shape}"
+        )
+    if queries.shape[1] != target.dim:
+        raise error(
+            f"query vectors have dimension {queries.shape[1]}, field {target.name!r} has {target.dim}"
+        )
     if not np.isfinite(queries).all():
         raise error("query vectors hold NaN or infinite values")
     found_index = next(
@@ -252,14 +300,44 @@ def _metric(metric: MetricType | str | None, index: FieldIndex | None, error: An
 # --- the parts of a read at T ---------------------------------------------------------------
 
 
-def _search_views(
+@dataclass(frozen=True)
+class SegmentPart:
+    """One segment of a search at T: what its search needs (picklable, for a Spark task)."""
+
+    segment: SegmentInfo
+    build: SegmentIndex | None  # its Finished build with files, if any
+    deletes: pa.Table  # of its partition, at or before T
+    ts: int
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """A search at T: the segments served at T, each with its build and deletes, and the
+    log tail's rows (read here: small)."""
+
+    parts: list[SegmentPart]
+    tails: list[tuple[pa.Table, pa.Table]]  # (rows of one partition, its deletes)
+    builds: dict[int, Decoded[SegmentIndex]]  # by segment: to re-issue a build found unusable
+    ts: int
+
+    def tail_hits(self, request: SearchRequest) -> list[pa.Table]:
+        hits: list[pa.Table] = []
+        for rows, deletes in self.tails:
+            allowed = _allowed(request, rows, deletes, self.ts)
+            hits += _exact(
+                request, rows, float_vectors(rows[request.field.name], request.field.dim or 0), allowed
+            )
+        return hits
+
+
+def plan_search(
     system: System,
     info: CollectionInfo,
     request: SearchRequest,
     segments: list[SegmentInfo],
     views: list[QueryView],
     ts: int,
-) -> pa.Table:
+) -> SearchPlan:
     storage = system.storage
     tails = [tail_of(view, segments, ts).read(storage, info, with_vectors=True) for view in views]
     served = readable_ids(views)
@@ -271,26 +349,57 @@ def _search_views(
         found += [tail.deletes[part] for tail in tails if part in tail.deletes]
         deletes[part] = at_or_before(pa.concat_tables(found, promote_options="permissive"), ts)
     builds = _finished_builds(system, info, request.index)
-    hits: list[pa.Table] = []
-    for seg in segments:  # in key order, as listed
-        if seg.id in served:
-            hits += _search_segment(storage, request, seg, builds.get(seg.id), deletes[seg.partition_id], ts)
+    segment_parts = [
+        SegmentPart(seg, builds[seg.id].model if seg.id in builds else None, deletes[seg.partition_id], ts)
+        for seg in segments  # in key order, as listed
+        if seg.id in served
+    ]
+    tail_parts = []
     for tail in tails:
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
-            rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
-            allowed = _allowed(request, rows, deletes[part], ts)
-            vectors = float_vectors(rows[request.field.name], request.field.dim or 0)
-            hits += _exact(request, rows, vectors, allowed)
-    return _merge(request, hits)
+            tail_parts.append((tail.rows.filter(pc.equal(tail.rows["partition_id"], part)), deletes[part]))
+    return SearchPlan(segment_parts, tail_parts, builds, ts)
+
+
+def finish(
+    system: System,
+    info: CollectionInfo,
+    request: SearchRequest,
+    hits: list[pa.Table],
+    fallbacks: list[Fallback],
+    builds: Mapping[int, Decoded[SegmentIndex]] | None = None,
+) -> pa.Table:
+    """The k best hits per query, with the segments searched exactly although indexed
+    reported: a warning and a log line each, the list in the result's metadata, and a
+    rebuild queued for a missing or unreadable file (`indexes.tasks.queue_rebuild`)."""
+    for fallback in fallbacks:
+        log.warning("%s", fallback.message())
+        warnings.warn(fallback.message(), IndexFallbackWarning, stacklevel=3)
+        build = (builds or {}).get(fallback.segment)
+        if (
+            fallback.rebuild
+            and build is not None
+            and queue_rebuild(system.store, build, request.field.dim or 0)
+        ):
+            log.warning(
+                "segment %d: rebuild of index build %d queued", fallback.segment, build.model.build_id
+            )
+    listed = [{"segment": f.segment, "file": f.file, "reason": f.reason} for f in fallbacks]
+    merged = merge_hits(request, hits)
+    if not listed:
+        return merged
+    return merged.replace_schema_metadata(
+        {**(merged.schema.metadata or {}), EXACT_SEGMENTS: json.dumps(listed)}
+    )
 
 
 def _finished_builds(
     system: System, info: CollectionInfo, index: FieldIndex | None
-) -> dict[int, SegmentIndex]:
+) -> dict[int, Decoded[SegmentIndex]]:
     if index is None:
         return {}
     return {
-        d.model.segment_id: d.model
+        d.model.segment_id: d
         for d in list_builds(system.store, info.id)
         if d.model.index_id == index.index_id
         and d.model.state is SegmentIndexState.FINISHED
@@ -330,29 +439,31 @@ def _filter_mask(request: SearchRequest, rows: pa.Table) -> np.ndarray:
     return mask
 
 
-def _search_segment(
-    storage: Storage,
-    request: SearchRequest,
-    seg: SegmentInfo,
-    build: SegmentIndex | None,
-    deletes: pa.Table,
-    ts: int,
-) -> list[pa.Table]:
+def search_segment(
+    storage: Storage, request: SearchRequest, part: SegmentPart, engine: IndexEngine = OURS
+) -> tuple[list[pa.Table], Fallback | None]:
+    """One segment's candidates: through its index when it has a usable one, else exactly
+    (with the Fallback that says why, when it has an index). Touches no etcd: runs in a
+    Spark task too."""
+    seg, build = part.segment, part.build
     rows = _cached_scalars(storage, seg)
-    allowed = _allowed(request, rows, deletes, ts)
+    allowed = _allowed(request, rows, part.deletes, part.ts)
     if not allowed.any():
-        return []
+        return [], None
+    fallback = None
     if build is not None and allowed.mean() >= MIN_SELECTED_FOR_INDEX:
-        try:
-            index = _cached_index(storage, build.files[0])
-            if index.ntotal != rows.num_rows:
-                raise RuntimeError(f"it holds {index.ntotal} rows, the segment {rows.num_rows}")
-            return [_indexed(request, rows, index, allowed)]
-        except (StorageError, RuntimeError) as exc:
-            message = f"segment {seg.id}: index file {build.files[0]} is unusable ({exc}); searched exactly"
-            log.warning("%s", message)
-            warnings.warn(message, IndexFallbackWarning, stacklevel=2)
-    return _exact(request, rows, segment_vectors(storage, seg, request.field), allowed)
+        reason = unreadable_reason(build, engine)
+        if reason is not None:
+            fallback = Fallback(seg.id, build.files[0], reason, rebuild=False)
+        else:
+            try:
+                index = _cached_index(storage, build.files[0])
+                if index.ntotal != rows.num_rows:
+                    raise RuntimeError(f"it holds {index.ntotal} rows, the segment {rows.num_rows}")
+                return [_indexed(request, rows, index, allowed)], None
+            except (StorageError, RuntimeError) as exc:
+                fallback = Fallback(seg.id, build.files[0], str(exc), rebuild=True)
+    return _exact(request, rows, segment_vectors(storage, seg, request.field), allowed), fallback
 
 
 # --- through an index -----------------------------------------------------------------------
@@ -471,7 +582,7 @@ def _hits(request: SearchRequest, rows: pa.Table, distances: np.ndarray, positio
     return pa.table(columns)
 
 
-def _merge(request: SearchRequest, hits: list[pa.Table]) -> pa.Table:
+def merge_hits(request: SearchRequest, hits: list[pa.Table]) -> pa.Table:
     """The k best candidates per query, sorted by query, nearness, then pk."""
     if not hits:
         return request.result_schema.empty_table()

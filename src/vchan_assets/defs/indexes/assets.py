@@ -19,6 +19,7 @@ from vchan_assets.defs.lifecycle.assets import LIFECYCLE_GROUP, SORTED_SEGMENTS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
+from vchan_assets.indexes.engine import reader_session
 from vchan_assets.indexes.meta import create_missing_builds
 from vchan_assets.indexes.step import IndexBuilder, IndexReport
 from vchan_assets.query.index_checks import (
@@ -65,7 +66,8 @@ def index_vchannel(runtime: VchanRuntime, vchannel: str) -> IndexReport:
 def segment_indexes(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """Build the vchannel's missing segment indexes (one Spark job), then check them all."""
     vchannel = context.partition_key
-    with vchan.open() as runtime:
+    # The checks load the index files: this run states the engine versions it reads.
+    with vchan.open() as runtime, reader_session(runtime.store, runtime.settings.session_ttl):
         report = index_vchannel(runtime, vchannel)
         found = vchannel_indexes(runtime.store, runtime.collection_of(vchannel), vchannel)
         finished = check_builds_finished(found)
