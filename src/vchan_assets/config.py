@@ -304,6 +304,8 @@ class Settings:
     spark_partitions: int = FROM_TABLE
     sync_in_process_mb: float = FROM_TABLE
     dagster_datanodes: int = FROM_TABLE
+    dagster_sync_loop: float = FROM_TABLE
+    dagster_retention_days: float = FROM_TABLE
 
     @property
     def embedded_etcd(self) -> bool:
