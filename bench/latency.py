@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -167,6 +168,27 @@ def _type(entry: dg.EventLogEntry) -> str:
     return entry.dagster_event.event_type_value if entry.dagster_event else ""
 
 
+def fresh_deployment(name: str, **overrides: Any) -> tuple[Path, EmbeddedEtcd, Settings, Path]:
+    """A temporary directory, an embedded etcd in it, the settings of a stack there (any
+    unsynced row older than 1 s is synced; `overrides`) and a fresh DAGSTER_HOME with this
+    repo's dagster.yaml."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"vchan-{name}-"))
+    etcd = EmbeddedEtcd(tmp / "etcd").start()
+    settings = replace(
+        Settings(),
+        home=tmp / "home",
+        root=f"{name}-{uuid.uuid4().hex[:6]}",
+        etcd_endpoints=(etcd.endpoint,),
+        storage_uri=str(tmp / "storage"),
+        sync_max_age=1.0,
+        **overrides,
+    )
+    home = tmp / "dagster_home"
+    home.mkdir()
+    shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
+    return tmp, etcd, settings, home
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="bench.latency")
     parser.add_argument("--repeat", type=int, default=20)
@@ -178,21 +200,11 @@ def main() -> None:
         help="VCHAN_DAGSTER_SYNC_LOOP (0: runs)",
     )
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="vchan-latency-"))
-    etcd = EmbeddedEtcd(tmp / "etcd").start()
-    settings = replace(
-        Settings(),
-        home=tmp / "home",
-        root=f"bench-{uuid.uuid4().hex[:6]}",
-        etcd_endpoints=(etcd.endpoint,),
-        storage_uri=str(tmp / "storage"),
-        sync_max_age=1.0,  # any unsynced row older than 1 s is synced
-        session_ttl=10.0,
-        dagster_sync_loop=args.sync_loop,
+    # Sessions that outlive a starved daemon (a shared machine): a node whose session expires
+    # loses its channel to the other node, and the run is void.
+    tmp, etcd, settings, home = fresh_deployment(
+        "latency", session_ttl=60.0, dagster_sync_loop=args.sync_loop
     )
-    home = tmp / "dagster_home"
-    home.mkdir()
-    shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
     service = DagsterService(settings, dagster_home=home, extra_env={"VCHAN_DAGSTER_DATANODES": "1"})
     store = MetaStore.connect(settings)
     node: subprocess.Popen[bytes] | None = None

@@ -20,6 +20,7 @@ from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG
 from vchan_assets.defs.sync.loop import loop_runs, node_sync_loop_job
 from vchan_assets.defs.sync.sensor import sync_sensor
+from vchan_assets.demo.via_dagster import latest_checks
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.wal.producer import Producer, generate_rows
@@ -35,6 +36,14 @@ def vchan(dsettings: Settings) -> VchanResource:
     minute): the loop ends when its node's session is gone, and these tests end it on
     purpose only."""
     return VchanResource.from_settings(replace(dsettings, session_ttl=300.0))
+
+
+@pytest.fixture
+def node(
+    instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, collection: CollectionInfo
+) -> NodeCursor:
+    """A Dagster-hosted node (sensor slot 1) that watches every channel of `collection`."""
+    return watched_by_a_dagster_node(instance, vchan, store)[0]
 
 
 def run_loop(
@@ -59,11 +68,11 @@ def history(instance: dg.DagsterInstance, vchannel: str) -> list[dg.AssetMateria
 def test_the_loop_reports_every_sync_as_materializations_and_checks_of_its_run(
     instance: dg.DagsterInstance,
     vchan: VchanResource,
+    node: NodeCursor,
     store: MetaStore,
     producer: Producer,
     collection: CollectionInfo,
 ) -> None:
-    node, _ = watched_by_a_dagster_node(instance, vchan, store)
     producer.insert(collection.name, generate_rows(SCHEMA, 1_000, start_pk=1, seed=1))
     time.sleep(1.1)  # VCHAN_SYNC_MAX_AGE=1 in these tests
 
@@ -78,6 +87,9 @@ def test_the_loop_reports_every_sync_as_materializations_and_checks_of_its_run(
     assert all(m.metadata["node_id"].value == node.node_id for m in events)
     checks = first.get_asset_check_evaluations()
     assert len(checks) == 8 and all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]
+    # What `vchan demo` reports: the latest check results of each channel, from the loop run.
+    latest = latest_checks(instance, list(collection.vchannels))
+    assert len(latest) == 8 and all(latest.values()), latest
     for vchannel in collection.vchannels:
         (reported,) = history(instance, vchannel)
         cp = channel_checkpoint(store, vchannel)
@@ -97,14 +109,9 @@ def test_the_loop_reports_every_sync_as_materializations_and_checks_of_its_run(
 
 
 def test_the_loop_of_a_node_whose_session_is_gone_ends_and_syncs_nothing(
-    instance: dg.DagsterInstance,
-    vchan: VchanResource,
-    store: MetaStore,
-    producer: Producer,
-    collection: CollectionInfo,
+    instance: dg.DagsterInstance, vchan: VchanResource, node: NodeCursor, store: MetaStore
 ) -> None:
-    node, _ = watched_by_a_dagster_node(instance, vchan, store)
-    producer.insert(collection.name, generate_rows(SCHEMA, 300, start_pk=1, seed=1))
+    time.sleep(1.1)  # the collection's DDL message waits for a sync (VCHAN_SYNC_MAX_AGE=1)
     store.revoke(node.session_lease)  # the node's sensor stopped for longer than its TTL
     result = run_loop(instance, vchan, node.node_id, node.session_lease, seconds=600)
     assert result.success
@@ -114,31 +121,37 @@ def test_the_loop_of_a_node_whose_session_is_gone_ends_and_syncs_nothing(
 def test_the_node_sensor_keeps_one_loop_run_per_node_and_the_sync_sensor_leaves_its_channels_alone(
     instance: dg.DagsterInstance,
     vchan: VchanResource,
-    store: MetaStore,
+    node: NodeCursor,
     producer: Producer,
     collection: CollectionInfo,
 ) -> None:
-    node, _ = watched_by_a_dagster_node(instance, vchan, store)
     tick = evaluate(NODE1, instance, vchan, node.dump())
     (loop,) = [r for r in tick.run_requests or [] if r.job_name == LOOP_JOB]
     assert loop.run_key == f"loop:{node.node_id}:0" and loop.tags[LOOP_TAG] == str(node.node_id)
     assert loop.run_config["ops"]["node_sync_loop"]["config"]["seconds"] == vchan.settings().dagster_sync_loop
 
-    # The loop is in flight (queued): no second one, and the sync sensor requests no run for
-    # the node's channels even though they have rows to sync.
-    run = instance.create_run_for_job(node_sync_loop_job, run_config=loop.run_config, tags=loop.tags)
+    # The loop is in flight, not started yet: no second one; the sync sensor still serves
+    # the node's channels (a loop that does not run yet syncs nothing).
+    queued = instance.create_run_for_job(node_sync_loop_job, run_config=loop.run_config, tags=loop.tags)
     assert loop_runs(instance, node.node_id, [dg.DagsterRunStatus.NOT_STARTED]) == 1
     again = evaluate(NODE1, instance, vchan, node.dump())
     assert not [r for r in again.run_requests or [] if r.job_name == LOOP_JOB]
     producer.insert(collection.name, generate_rows(SCHEMA, 300, start_pk=1, seed=1))
     time.sleep(1.1)
+    assert evaluate(sync_sensor, instance, vchan).run_requests
+
+    # Once it runs, the channels are the loop's: no sync runs for them.
+    instance.report_run_failed(queued)
+    running = instance.create_run_for_job(
+        node_sync_loop_job, run_config=loop.run_config, tags=loop.tags, status=dg.DagsterRunStatus.STARTED
+    )
     assert not evaluate(sync_sensor, instance, vchan).run_requests
 
-    # It ended: the node sensor asks for the next one, and until that starts the sync
-    # sensor serves the channels as runs.
-    instance.report_run_failed(run)
+    # It ended: the node sensor asks for the next one, and the sync sensor serves the
+    # channels with runs meanwhile.
+    instance.report_run_failed(running)
     nxt = evaluate(NODE1, instance, vchan, node.dump())
-    assert [r.run_key for r in nxt.run_requests or [] if r.job_name == LOOP_JOB] == [f"loop:{node.node_id}:1"]
+    assert [r.run_key for r in nxt.run_requests or [] if r.job_name == LOOP_JOB] == [f"loop:{node.node_id}:2"]
     assert sorted(
         r.partition_key or "" for r in evaluate(sync_sensor, instance, vchan).run_requests or []
     ) == sorted(collection.vchannels)

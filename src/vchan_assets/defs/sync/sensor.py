@@ -117,8 +117,11 @@ def busy_channels(instance: dg.DagsterInstance) -> set[str]:
 
 
 def looping_nodes(instance: dg.DagsterInstance) -> set[int]:
-    """The nodes with a sync loop run in flight (sync/loop.py): their channels are its."""
-    records = instance.get_run_records(dg.RunsFilter(job_name=LOOP_JOB, statuses=IN_FLIGHT))
+    """The nodes whose sync loop run (sync/loop.py) is running: their channels are its. A
+    loop still queued or starting (seconds; on a loaded machine minutes) syncs nothing yet,
+    so until it runs this sensor serves its node's channels with runs."""
+    running = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
+    records = instance.get_run_records(running)
     return {int(r.dagster_run.tags[LOOP_TAG]) for r in records if LOOP_TAG in r.dagster_run.tags}
 
 
