@@ -26,11 +26,14 @@ the same channel commits nothing, and the loop goes on with the next channel.
 """
 
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import dagster as dg
 from dagster_pyspark import PySparkResource
 
+from vchan_assets.datanode.sync import SyncResult
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, previous_checkpoint, sync_results
@@ -77,7 +80,7 @@ def sync_events(results: list[dg.MaterializeResult | dg.AssetCheckResult], vchan
 
 class NodeSyncLoop:
     """The loop's body without Dagster's op around it: `step()` syncs every channel of the
-    node whose sync policy fires and returns the events of those syncs."""
+    node whose sync policy fires, `ready()` returns the events of the syncs reported so far."""
 
     def __init__(self, runtime: VchanRuntime, instance: dg.DagsterInstance, node_id: int) -> None:
         self.runtime = runtime
@@ -86,14 +89,21 @@ class NodeSyncLoop:
         self.previous: dict[str, int | None] = {}  # the checkpoint each channel's last sync reported
         self.syncs = 0
         self.skipped: list[str] = []  # why syncs committed nothing (lease moved, superseded)
+        # A sync's report (its metadata and four checks, two of which read every binlog of the
+        # channel) is made on this thread, in sync order, so the loop goes back to its channels
+        # right after each commit: a change that lands meanwhile does not wait for the checks.
+        self.reports = ThreadPoolExecutor(1, thread_name_prefix="sync reports")
+        self.pending: deque[Future[list[SyncEvent]]] = deque()
 
     def alive(self) -> bool:
         """The node's session is still there (its sensor keeps it alive)."""
         return self.node_id in dagster_nodes(self.runtime)
 
-    def step(self) -> list[SyncEvent]:
+    def step(self) -> int:
+        """Sync every channel of the node whose sync policy fires; how many syncs committed
+        (their reports come from `ready`)."""
         plans = plan_syncs(self.runtime, busy_channels(self.instance), nodes={self.node_id})
-        events: list[SyncEvent] = []
+        synced = 0
         for plan in plans:
             vchannel, lease = plan.vchannel, plan.lease
             if vchannel not in self.previous:
@@ -104,12 +114,28 @@ class NodeSyncLoop:
                 self.skipped.append(f"{vchannel}: {exc}")
                 continue
             config = SyncConfig(lease_id=lease.lease_id, node_id=self.node_id, reason="; ".join(plan.reasons))
-            events += sync_events(
-                sync_results(self.runtime, result, self.previous[vchannel], config), vchannel
-            )
-            self.previous[vchannel] = result.end.offset
-            self.syncs += 1
+            previous, self.previous[vchannel] = self.previous[vchannel], result.end.offset
+            self.pending.append(self.reports.submit(self._report, result, previous, config))
+            synced += 1
+        self.syncs += synced
+        return synced
+
+    def _report(self, result: SyncResult, previous: int | None, config: SyncConfig) -> list[SyncEvent]:
+        return sync_events(sync_results(self.runtime, result, previous, config), result.vchannel)
+
+    def ready(self, wait: bool = False) -> list[SyncEvent]:
+        """The events of the finished reports, in sync order (`wait`: of every report)."""
+        events: list[SyncEvent] = []
+        while self.pending and (wait or self.pending[0].done()):
+            events += self.pending.popleft().result()
         return events
+
+    def close(self) -> list[SyncEvent]:
+        """The events of the reports still pending; no more syncs after this."""
+        try:
+            return self.ready(wait=True)
+        finally:
+            self.reports.shutdown()
 
 
 @dg.op(name="node_sync_loop", out={}, tags={"kind": "spark"})
@@ -122,19 +148,23 @@ def node_sync_loop(
     ends = time.monotonic() + config.seconds
     with vchan.open() as runtime:
         loop = NodeSyncLoop(runtime.with_spark(pyspark.spark_session), context.instance, config.node_id)
-        while True:  # one look at the channels at least, then until the time is up
-            if not loop.alive():
-                context.log.info("node %s has no session any more: its sync loop ends", config.node_id)
-                break
-            events = loop.step()
-            yield from events
-            for skipped in loop.skipped:
-                context.log.info("sync committed nothing: %s", skipped)
-            loop.skipped.clear()
-            if time.monotonic() >= ends:
-                break
-            if not events:
-                time.sleep(config.poll_seconds)
+        try:
+            while True:  # one look at the channels at least, then until the time is up
+                if not loop.alive():
+                    context.log.info("node %s has no session any more: its sync loop ends", config.node_id)
+                    break
+                synced = loop.step()
+                yield from loop.ready()
+                for skipped in loop.skipped:
+                    context.log.info("sync committed nothing: %s", skipped)
+                loop.skipped.clear()
+                if time.monotonic() >= ends:
+                    break
+                if not synced:
+                    time.sleep(config.poll_seconds)
+        finally:
+            events = loop.close()
+        yield from events
     context.log.info("node %s: %d syncs in this loop run", config.node_id, loop.syncs)
 
 
