@@ -11,12 +11,14 @@ M=16, efConstruction=200. Measured in the same run, on the same vectors:
   vectors read from its binlogs and its index file written and committed) against faiss
   building the same segments' indexes from numpy arrays in this process, one after the
   other, each with every core (`omp_set_num_threads(cores)`): ratio faiss / ours (>= 0.9
-  is the target: ours at least 90% of faiss' speed);
+  is the target: ours at least 90% of faiss' speed). The two alternate in rounds of
+  `cores` segments (ours, then faiss on the same segments), so both meet the same load on
+  a shared machine; each round's times, ratio and load average are in the results;
 - recall@10 of `Catalog.search` over the collection at the default search parameters
   (ef = 64) against exact search (faiss IndexFlatL2 over every vector);
 - search throughput (queries/s, batches of `--batch` queries): `Catalog.search` against
   faiss searching the same per-segment index files loaded in this process (ef = 64) and
-  merging the top 10: ratio ours / faiss (target >= 0.8);
+  merging the top 10, batch by batch in turn with ours: ratio ours / faiss (target >= 0.8);
 - Lance (`pylance`, the optional `bench` extra; skipped when not installed): the same
   vectors written as a Lance dataset, `create_index` IVF_PQ (num_partitions sqrt(rows),
   16 sub-vectors) timed, searched one query at a time at its default parameters
@@ -237,6 +239,7 @@ def main() -> None:
         cores = os.cpu_count() or 1
         ours_s = faiss_s = task_s = 0.0
         built_rows = 0
+        rounds: list[dict[str, float]] = []
         # In rounds of `cores` segments, ours then faiss on the same segments: both meet the
         # same load (the machine is shared; phases minutes apart measured different machines).
         for first in range(0, len(segments), cores):
@@ -245,11 +248,20 @@ def main() -> None:
             report = IndexBuilder(system, "spark", timeout=args.timeout).run(
                 build_ids={builds_of[segments[i].id] for i in group}
             )
-            ours_s += time.perf_counter() - started
+            ours_round = time.perf_counter() - started
             assert not report.failed and len(report.finished) == len(group), report
             task_s += report.seconds
             built_rows += report.rows
-            faiss_s += faiss_builds(vectors, [pk_lists[i] for i in group])
+            faiss_round = faiss_builds(vectors, [pk_lists[i] for i in group])
+            ours_s, faiss_s = ours_s + ours_round, faiss_s + faiss_round
+            rounds.append(
+                {
+                    "ours_s": round(ours_round, 2),
+                    "faiss_s": round(faiss_round, 2),
+                    "ratio": round(faiss_round / ours_round, 3),
+                    "load_1m": round(os.getloadavg()[0], 1),
+                }
+            )
             print(
                 f"  segments {first}-{group[-1]}: ours {ours_s:.1f}s, faiss alone {faiss_s:.1f}s (so far)",
                 flush=True,
@@ -292,6 +304,7 @@ def main() -> None:
             "build_ours_task_s_sum": round(task_s, 2),
             "build_faiss_s": round(faiss_s, 2),
             "build_ratio_faiss_over_ours": round(faiss_s / ours_s, 3),
+            "build_rounds": rounds,
             "queries": args.queries,
             "batch": args.batch,
             "ef": default_ef(K),
