@@ -32,6 +32,7 @@ from vchan_assets.demo.direct import (
     DemoOptions,
     _summary,
     check_binlogs,
+    check_index_and_search,
     check_lifecycle,
     check_read,
     create_demo_collection,
@@ -212,6 +213,7 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         check_read(stack, info, what, options.rows, [], console, as_of=inserted_ts)
         _lifecycle_assets(console, replace(settings, spark_remote=_spark_remote(service, settings)))
         check_lifecycle(stack, settings, info, options.rows, deleted, console)
+        check_index_and_search(stack, info, deleted, console)
         console.print(_summary(stack, info))
         (mat,) = catalog.asset_materializations_for_node("segment_table")
         console.print(
