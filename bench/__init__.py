@@ -7,7 +7,8 @@ import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ def bench_system(prefix: str) -> Iterator[tuple[Path, System]]:
     finally:
         etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, step: float = 0.02) -> float:
+    """Poll `condition` every `step` seconds until it holds; the seconds it took
+    (RuntimeError naming `what` past `timeout`)."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(step)
+    return time.monotonic() - started
 
 
 def bench_parser(doc: str | None, rows: int, out: str) -> argparse.ArgumentParser:

@@ -28,8 +28,8 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+from bench import wait_for
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
@@ -75,14 +75,6 @@ def _checkpoint(store: MetaStore, vchannel: str) -> int:
     return -1 if found is None else found.model.offset
 
 
-def _wait(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def one_round(etcd: EmbeddedEtcd, work: Path, ttl: float) -> dict[str, float]:
     settings = replace(
         Settings(),
@@ -120,8 +112,8 @@ def one_round(etcd: EmbeddedEtcd, work: Path, ttl: float) -> dict[str, float]:
             owners = _owners(store)
             return len(owners) == 4 and all(s is WatchState.WATCH_SUCCESS for _, s in owners.values())
 
-        _wait(watched, 60, "channels watched")
-        _wait(lambda: all(_checkpoint(store, v) >= 0 for v in info.vchannels), 60, "first syncs")
+        wait_for(watched, 60, "channels watched")
+        wait_for(lambda: all(_checkpoint(store, v) >= 0 for v in info.vchannels), 60, "first syncs")
         owners = _owners(store)
         node_ids = sorted({n for n, _ in owners.values()})
         victim_id = max(node_ids, key=lambda n: sum(1 for o, _ in owners.values() if o == n))

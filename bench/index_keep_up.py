@@ -38,6 +38,7 @@ import numpy as np
 from bench import bench_stack
 from bench.index_build import clustered
 from bench.lifecycle_soak import datacoord, sync_all
+from vchan_assets.cli.indexes import key_values
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
@@ -80,14 +81,6 @@ def backlog(store: MetaStore, collection_id: int) -> dict[str, int]:
     }
 
 
-def parse_params(pairs: list[str]) -> dict[str, int]:
-    params = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        params[key] = int(value)
-    return params
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,7 +95,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default="bench/results/index_keep_up.json")
     args = parser.parse_args()
-    params = parse_params(args.param or ["M=16", "efConstruction=200"])
+    params = key_values(args.param or ["M=16", "efConstruction=200"], "--param")
     work, etcd, settings = bench_stack("vchan-keepup-")
     coord = None
     try:

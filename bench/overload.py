@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import wait_for
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
@@ -86,15 +87,6 @@ def _lags(store: MetaStore, storage: Storage, info: CollectionInfo) -> dict[str,
     return {v: channel_lag(store, WalReader(storage, v, info), info).bytes / MB for v in info.vchannels}
 
 
-def _wait(condition: Any, timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-    return time.monotonic() - started
-
-
 def run(minutes: float, limit_mb: float, producers: int, batch: int, work: Path) -> dict[str, Any]:
     etcd = EmbeddedEtcd(work / "etcd").start()
     settings = replace(
@@ -142,7 +134,10 @@ def run(minutes: float, limit_mb: float, producers: int, batch: int, work: Path)
         cluster.node()
         resumed = time.monotonic()
         out["writes_accepted_again_after_s"] = round(
-            _wait(lambda: any(t > resumed for load in loads for t in load.accepted_at), 600, "writes"), 1
+            wait_for(
+                lambda: any(t > resumed for load in loads for t in load.accepted_at), 600, "writes", step=0.2
+            ),
+            1,
         )
         time.sleep(20)
         for load in loads:
@@ -152,7 +147,7 @@ def run(minutes: float, limit_mb: float, producers: int, batch: int, work: Path)
                 raise RuntimeError(f"producer failed: {load.error}") from load.error
         flush_at = time.monotonic()
         Producer(system).flush(info.name)
-        _wait(lambda: all_synced(store, storage, [info]), 900, "checkpoints at the heads")
+        wait_for(lambda: all_synced(store, storage, [info]), 900, "checkpoints at the heads", step=0.2)
         out["caught_up_after_resume_s"] = round(time.monotonic() - resumed, 1)
         out["synced_after_stop_s"] = round(time.monotonic() - flush_at, 1)
         produced = Produced([t for load in loads for t in load.produced.rows])

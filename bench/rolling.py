@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import wait_for
 from bench.failover import spawn
 from vchan_assets.config import Settings
 from vchan_assets.meta.channelwatch import list_watches
@@ -63,14 +64,6 @@ from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
 RESULTS = Path(__file__).with_name("results") / "rolling.json"
-
-
-def _wait(condition: Any, timeout: float, what: str, step: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(step)
 
 
 def _sessions(store: MetaStore) -> dict[int, NodeSession]:
@@ -265,10 +258,10 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
         for i in range(nodes):
             running.append(spawn(["datanode", "--engine", "local"], env, work / f"node{i}.log"))
             procs.append(running[-1][0])
-        _wait(lambda: len(_syncing_owners(store)) == channels, 60, "every channel watched")
+        wait_for(lambda: len(_syncing_owners(store)) == channels, 60, "every channel watched")
         load = Producers(settings, info.name, producers)
         load.start()
-        _wait(lambda: all(_checkpoint(store, v) for v in info.vchannels), 60, "first syncs", 0.1)
+        wait_for(lambda: all(_checkpoint(store, v) for v in info.vchannels), 60, "first syncs", 0.1)
         sampler = Sampler(store, storage, info)
         sampler.start()
         time.sleep(10)  # the lag under this load without restarts
@@ -287,7 +280,7 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
                 now = _syncing_owners(store)
                 return all(now.get(v, node_id) != node_id for v in held)
 
-            _wait(moved, 60, f"node {node_id}'s channels moved")
+            wait_for(moved, 60, f"node {node_id}'s channels moved")
             handover = time.monotonic() - sent
             exit_code = proc.wait(120)
             exited = time.monotonic() - sent
@@ -308,11 +301,11 @@ def rolling(etcd: EmbeddedEtcd, work: Path, nodes: int, producers: int, channels
             new = spawn(["datanode", "--engine", "local"], env, work / f"node{nodes + i}.log")
             procs.append(new[0])
             running.append(new)
-            _wait(lambda new_id=new[1]: _healthy(store, new_id), 60, "the new node HEALTHY")
+            wait_for(lambda new_id=new[1]: _healthy(store, new_id), 60, "the new node HEALTHY")
             time.sleep(2)  # let balance move channels onto it before the next one goes
         roll_s = time.monotonic() - started
         produced = load.stop()
-        _wait(lambda: all_synced(store, storage, [info]), 120, "every channel synced to its head", 0.2)
+        wait_for(lambda: all_synced(store, storage, [info]), 120, "every channel synced to its head", 0.2)
         sampler.stop()
         tally = exactly_once(store, storage, info, produced)
         return {
@@ -348,7 +341,7 @@ def datacoord_handover(etcd: EmbeddedEtcd, work: Path, rounds: int) -> dict[str,
     try:
         active, _ = spawn(["datacoord"], env, work / "coord-a.log")
         procs.append(active)
-        _wait(lambda: store.get(key) is not None, 30, "a leader")
+        wait_for(lambda: store.get(key) is not None, 30, "a leader")
         for i in range(rounds):
             standby, _ = spawn(["datacoord"], env, work / f"coord-{i}.log")
             procs.append(standby)
@@ -362,7 +355,7 @@ def datacoord_handover(etcd: EmbeddedEtcd, work: Path, rounds: int) -> dict[str,
                 now = store.get(key)
                 return now is not None and now.create_revision != old
 
-            _wait(replaced, 30, "the standby leads", 0.005)
+            wait_for(replaced, 30, "the standby leads", 0.005)
             took.append(round(time.monotonic() - sent, 3))
             active.wait(30)
             print(f"datacoord round {i + 1}: the standby leads {took[-1]:.3f}s after SIGTERM", flush=True)
@@ -387,16 +380,16 @@ def spark_first_flush(etcd: EmbeddedEtcd, work: Path, rows: int, channels: int) 
         launched = time.monotonic()
         node, node_id = spawn(["datanode", "--engine", "spark"], env, work / "spark-node.log")
         procs.append(node)
-        _wait(lambda: _healthy(store, node_id), 300, "the Spark node HEALTHY", 0.05)
+        wait_for(lambda: _healthy(store, node_id), 300, "the Spark node HEALTHY", 0.05)
         healthy_s = time.monotonic() - launched
-        _wait(lambda: len(_syncing_owners(store)) == channels, 60, "every channel watched")
+        wait_for(lambda: len(_syncing_owners(store)) == channels, 60, "every channel watched")
         started = time.monotonic()
         batch = 50_000
         for pk in range(1, rows + 1, batch):
             producer.insert(info.name, generate_rows(SCHEMA, min(batch, rows + 1 - pk), start_pk=pk, seed=pk))
         producer.flush(info.name)
         produced_s = time.monotonic() - started
-        _wait(lambda: all_synced(store, storage, [info]), 600, "persisted", 0.1)
+        wait_for(lambda: all_synced(store, storage, [info]), 600, "persisted", 0.1)
         persisted_s = time.monotonic() - started
         print(
             f"spark node HEALTHY {healthy_s:.1f}s after launch; {rows:,} rows produced in {produced_s:.1f}s, "
