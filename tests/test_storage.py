@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from vchan_assets.storage import Storage, StorageError
+from vchan_assets.storage.cache import ReadCache
 
 
 def test_files_written_without_waiting_for_the_disk_are_whole_under_their_names_and_made_durable_together(
@@ -28,3 +30,25 @@ def test_files_written_without_waiting_for_the_disk_are_whole_under_their_names_
     # A file that is not there cannot be made durable: the sync must not report it.
     with pytest.raises(StorageError, match="insert_log/1/2/gone"):
         storage.make_durable([*keys, "insert_log/1/2/gone"])
+
+
+def test_the_read_cache_keeps_the_most_recently_used_values_within_its_budget() -> None:
+    loads: list[str] = []
+
+    def loader(key: str) -> Callable[[], str]:
+        def load() -> str:
+            loads.append(key)
+            return key * 10
+
+        return load
+
+    cache: ReadCache[str] = ReadCache(25, weigh=len)
+    assert cache.get("a", loader("a")) == "a" * 10
+    assert cache.get("b", loader("b")) == "b" * 10
+    assert cache.get("a", loader("a")) == "a" * 10  # a hit: "a" is now the most recent
+    cache.get("c", loader("c"))  # 30 > 25: the least recently used ("b") goes
+    assert list(cache.found) == ["a", "c"] and cache.held == 20
+    cache.get("b", loader("b"))
+    assert loads == ["a", "b", "c", "b"]
+    cache.get("huge", lambda: "x" * 100)  # over the budget alone: kept, the rest dropped
+    assert list(cache.found) == ["huge"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -310,27 +309,3 @@ def test_cli_builds_with_wait_and_searches(system: System, settings: Settings, d
         env=cli_env(settings), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 1 and f"query vectors have dimension 2, field 'vec' has {DIM}" in bad.stderr
-
-
-def test_the_read_cache_keeps_the_most_recently_used_values_within_its_budget() -> None:
-    from vchan_assets.query.search import _Cache
-
-    loads: list[str] = []
-
-    def loader(key: str) -> Callable[[], str]:
-        def load() -> str:
-            loads.append(key)
-            return key * 10
-
-        return load
-
-    cache = _Cache(25, weigh=len)
-    assert cache.get("a", loader("a")) == "a" * 10
-    assert cache.get("b", loader("b")) == "b" * 10
-    assert cache.get("a", loader("a")) == "a" * 10  # a hit: "a" is now the most recent
-    cache.get("c", loader("c"))  # 30 > 25: the least recently used ("b") goes
-    assert list(cache.found) == ["a", "c"] and cache.held == 20
-    cache.get("b", loader("b"))
-    assert loads == ["a", "b", "c", "b"]
-    cache.get("huge", lambda: "x" * 100)  # over the budget alone: kept, the rest dropped
-    assert list(cache.found) == ["huge"]

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +30,7 @@ from vchan_assets.datanode.stats import PkStats
 from vchan_assets.errors import DeclaredError
 from vchan_assets.model import CollectionInfo, SegmentInfo
 from vchan_assets.storage import Storage
+from vchan_assets.storage.cache import ReadCache
 
 log = logging.getLogger(__name__)
 
@@ -206,22 +205,10 @@ class StatsCache:
     Least recently used first out past `size` entries."""
 
     def __init__(self, size: int = 2048) -> None:
-        self.size = size
-        self._found: OrderedDict[tuple[str, str], PkStats] = OrderedDict()
-        self._lock = threading.Lock()
+        self._found: ReadCache[PkStats] = ReadCache(size)
 
     def get(self, storage: Storage, path: str) -> PkStats:
-        key = (storage.uri, path)
-        with self._lock:
-            if (found := self._found.get(key)) is not None:
-                self._found.move_to_end(key)
-                return found
-        stats = PkStats.from_bytes(storage.read_bytes(path))
-        with self._lock:
-            self._found[key] = stats
-            while len(self._found) > self.size:
-                self._found.popitem(last=False)
-        return stats
+        return self._found.get((storage.uri, path), lambda: PkStats.from_bytes(storage.read_bytes(path)))
 
 
 STATS = StatsCache()

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +75,7 @@ from vchan_assets.query.view import (
     readable_ids,
 )
 from vchan_assets.storage import Storage, StorageError
+from vchan_assets.storage.cache import ReadCache
 from vchan_assets.storage.rows import (
     apply_deletes_to,
     float_vectors,
@@ -490,39 +489,10 @@ def _indexed(request: SearchRequest, rows: pa.Table, index: Any, allowed: np.nda
     return _hits(request, rows, distances, positions)
 
 
-class _Cache:
-    """Values read from immutable files, by key, least recently used dropped past a budget
-    (`weigh` gives a value's share of it). Index files and binlogs are written once and
-    never changed, so a key (storage root, what was read) always means the same value."""
-
-    def __init__(self, budget: int, weigh: Callable[[Any], int]) -> None:
-        self.budget = budget
-        self.weigh = weigh
-        self.lock = threading.Lock()
-        self.found: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
-        self.held = 0
-
-    def get(self, key: Hashable, load: Callable[[], Any]) -> Any:
-        with self.lock:
-            if key in self.found:
-                self.found.move_to_end(key)
-                return self.found[key][0]
-        value = load()
-        weight = self.weigh(value)
-        with self.lock:
-            if key not in self.found:
-                self.found[key] = (value, weight)
-                self.held += weight
-            while self.held > self.budget and len(self.found) > 1:
-                _, (_, dropped) = self.found.popitem(last=False)
-                self.held -= dropped
-        return value
-
-
-_INDEXES = _Cache(INDEX_CACHE_SIZE, weigh=lambda _: 1)
+_INDEXES: ReadCache[Any] = ReadCache(INDEX_CACHE_SIZE)
 # The pk, timestamp and scalar columns of segments searched through their index: what a
 # search reads besides the index, on every call (at 1M rows, ~0.1 s a call uncached).
-_SCALARS = _Cache(SCALAR_CACHE_BYTES, weigh=lambda table: table.nbytes)
+_SCALARS: ReadCache[pa.Table] = ReadCache(SCALAR_CACHE_BYTES, weigh=lambda table: table.nbytes)
 
 
 def _cached_index(storage: Storage, key: str) -> Any:
