@@ -60,6 +60,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "meta.session.SessionRefusedError": ("session/datanode/1", 7),
     "datacoord.read_pins.ReadPinLostError": (7, 600.0, "insert_log/1/2/3/4"),
     "query.asof.TimeTravelError": ("1999-01-01", "older than the time-travel window"),
+    "query.asof.LogMovedError": ("by-dml_0_1v0", 41, 57),
     "query.stream_source.StreamCollectionDroppedError": ("books", 7, '{"c_0": 41}'),
     "query.stream_source.StreamOffsetError": ('{"c_0": "x"}', "offsets must be integers >= -1"),
     "query.stream_source.StreamOffsetRemovedError": ("c_0", 12, 40),

@@ -47,14 +47,22 @@ with Catalog.open() as catalog:
 
 
 def stopped_read(
-    settings: Settings, info: CollectionInfo, tmp_path: Path, failpoint: str = "read_planned", **env: str
+    settings: Settings,
+    info: CollectionInfo,
+    tmp_path: Path,
+    failpoint: str = "read_planned",
+    action: str = "stop",
+    **env: str,
 ) -> subprocess.Popen[str]:
     """A read of the collection at now in its own process (`catalog.read_collection`),
-    SIGSTOPped at its failpoint until SIGCONT; it prints ROWS n and PKS [sorted pks]."""
+    SIGSTOPped at its failpoint until SIGCONT (`action` "stop-once": only the first time it
+    gets there); it prints ROWS n and PKS [sorted pks]."""
     marker = tmp_path / "failpoint"
     proc = subprocess.Popen(
         [sys.executable, "-c", READ, info.name],
-        env=cli_env(settings, VCHAN_FAILPOINT=f"{failpoint}=stop", VCHAN_FAILPOINT_MARKER=str(marker), **env),
+        env=cli_env(
+            settings, VCHAN_FAILPOINT=f"{failpoint}={action}", VCHAN_FAILPOINT_MARKER=str(marker), **env
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

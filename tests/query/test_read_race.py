@@ -356,7 +356,7 @@ def test_reads_at_t_racing_the_lifecycle_and_a_killed_compactor_return_exactly_t
         killed = coordinator("killed", VCHAN_FAILPOINT=f"{step}=stop")
         assert kill_at_a_commit_of(kinds, store, info, killed, timeout=60) & kinds
         coordinator("survivor")
-        wait_until(covered, 60, "sort, L0 and mix compactions committed, dropped segments collected", 0.2)
+        wait_until(covered, 120, "sort, L0 and mix compactions committed, dropped segments collected", 0.2)
         load.stop()
         producer.flush(info.name)
         producer.time_tick(info.name)

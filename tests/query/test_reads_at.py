@@ -24,7 +24,16 @@ from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.meta.allocator import TimestampOracle
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState, compose_ts, physical_ms
-from vchan_assets.query.asof import TimeTravelError, iso, now_ts
+from vchan_assets.query.asof import (
+    READ_ATTEMPTS,
+    LogMovedError,
+    TimeTravelError,
+    iso,
+    now_ts,
+    replanned,
+    tail_of,
+    views_at,
+)
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, segments
@@ -134,6 +143,68 @@ def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_l
     out, err = reader.communicate(timeout=120)
     assert reader.returncode == 0, err[-2000:]
     assert read_pks(out) == expected_pks(produced)
+
+
+def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses_nothing(
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    collection: CollectionInfo,
+    tmp_path: Path,
+) -> None:
+    """A read plans its log tail from the checkpoint it read; a sync then moves the
+    checkpoint past the tail's first files (their rows into segments the read did not list)
+    and log retention removes those files before the read opens them. Reading on from the
+    files left would silently lose those rows and deletes: the read plans again instead."""
+    produced = Produced()
+    produce(producer, collection.name, produced, 200, start_pk=0, deletes=5)
+    sync_all(store, storage, settings, collection)
+    produce(producer, collection.name, produced, 200, start_pk=10_000, deletes=5)  # only in the log
+    reader = stopped_read(settings, collection, tmp_path, "read_planned", "stop-once")
+    try:
+        sync_all(store, storage, settings, collection)  # the second batch now in segments too
+        later = Produced()  # after the read began (its "now" may still cover it: the TSO's window)
+        produce(producer, collection.name, later, 200, start_pk=20_000)
+        time.sleep(0.05)
+        quick = replace(settings, wal_retention=0.001)
+        removed = GarbageCollector(System(quick, store, storage)).run().wal_files
+        assert removed, "log retention removed the files the read planned to open"
+    finally:
+        reader.send_signal(signal.SIGCONT)
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err[-2000:]
+    with_later = Produced(produced.rows + later.rows, produced.deleted)
+    assert read_pks(out) in (expected_pks(produced), expected_pks(with_later))
+
+
+def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
+    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    """What a Spark task reading a tail planned on the driver gets when retention removed
+    its files meanwhile (it cannot plan again): the error, naming the vchannel."""
+    produce(producer, collection.name, Produced(), 100, start_pk=0, deletes=5)
+    system = System(settings, store, storage)
+    ts = now_ts(store)
+    segs, views = views_at(store, collection, ts)
+    tail = tail_of(views[0], segs, ts)
+    sync_all(store, storage, settings, collection)
+    produce(producer, collection.name, Produced(), 100, start_pk=1_000)
+    time.sleep(0.05)
+    assert GarbageCollector(replace(system, settings=replace(settings, wal_retention=0.001))).run().wal_files
+    with pytest.raises(
+        LogMovedError, match=f"the log of {tail.vchannel} after offset {tail.after_offset} was removed"
+    ):
+        tail.read(storage, collection)
+    calls = []
+
+    def lost() -> None:
+        calls.append(1)
+        tail.plan(storage, collection)
+
+    with pytest.raises(LogMovedError):
+        replanned(lost)
+    assert len(calls) == READ_ATTEMPTS  # planned again, then given up
 
 
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(

@@ -16,9 +16,13 @@ or growing segment's binlogs, or still only in the log after the channel checkpo
   deletes after T removed: `segments_at` puts the inputs back and leaves the outputs out,
   so such a row is still read at T. At or above it the outputs hold exactly the inputs'
   rows at T, and are served. GC keeps a Dropped segment's files at least VCHAN_TIME_TRAVEL for this.
-- **The log tail** (`log_tail`): the messages after a vchannel's checkpoint. Its inserts
+- **The log tail** (`tail_of`): the messages after a vchannel's checkpoint. Its inserts
   not yet in their segment's binlogs (above the segment's dml position) are rows of the
   read; its deletes are deletes of the read. Files that start after T are not opened.
+  Log retention may remove files after the checkpoint a read planned from (a sync moved
+  the checkpoint past them meanwhile, with segments the read did not list): the tail then
+  raises `LogMovedError` instead of reading on without them, and `replanned` plans the
+  read again at the same T.
 
 Rows are then kept when their timestamp is at or before T, and Milvus' delete rule
 applies with the deletes at or before T.
@@ -27,10 +31,11 @@ applies with the deletes at or before T.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -46,8 +51,28 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
 from vchan_assets.wal.reader import WalReader, read_log_file
 
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+# A read planned this many times, each losing its log tail to retention, gives up.
+READ_ATTEMPTS = 3
+
 # Hybrid timestamps are physical milliseconds << 18: anything below this is no such time.
 _SMALLEST_TS = compose_ts(1_000_000_000_000)  # 2001-09-09
+
+
+class LogMovedError(DeclaredError, RuntimeError):
+    """Log retention removed log files a read's tail needed while the read ran: the
+    vchannel's checkpoint passed them after the read had read it (`replanned` plans the
+    read again)."""
+
+    vchannel: str
+    after_offset: int
+    first_offset: int
+    message = (
+        "the log of {vchannel} after offset {after_offset} was removed by log retention while "
+        "the read ran (its oldest file now starts at offset {first_offset}): read again"
+    )
 
 
 class TimeTravelError(DeclaredError, ValueError):
@@ -112,6 +137,21 @@ def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> in
             f"the oldest readable time is {iso(oldest)}",
         )
     return ts
+
+
+def replanned(read: Callable[[], R], attempts: int = READ_ATTEMPTS) -> R:
+    """`read()` (pin, list the views, read them), planned again from fresh meta at the same
+    timestamp when log retention removed part of a log tail under it (`LogMovedError`):
+    the checkpoint that passed those files is then read, with the segments holding their
+    rows. The error once `attempts` have lost that race."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return read()
+        except LogMovedError as exc:
+            if attempt == attempts:
+                raise
+            log.info("%s; planning the read again", exc)
+    raise AssertionError("unreachable")
 
 
 def segments_at(segments: Iterable[SegmentInfo], ts: int) -> list[SegmentInfo]:
@@ -201,8 +241,14 @@ class Tail:
         """The messages at or before `ts`: offset, msg_type, timestamp and `columns`,
         validated; log files that start after `ts` are not opened."""
         reader = WalReader(storage, self.vchannel, info)
+        files = reader.files_after(self.after_offset)
+        if files and files[0].first_offset > self.after_offset + 1:
+            # Log retention removed files after the checkpoint this read planned from: a
+            # sync moved the checkpoint past them since. Their rows are in segments the
+            # read did not list; reading on would silently lose them.
+            raise LogMovedError(self.vchannel, self.after_offset, files[0].first_offset)
         tables = []
-        for f in reader.files_after(self.after_offset):
+        for f in files:
             if f.first_timestamp is not None and f.first_timestamp > self.ts:
                 break  # timestamps grow with offsets on a channel
             table = read_log_file(storage, f.key, info.schema, columns)

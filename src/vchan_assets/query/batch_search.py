@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.indexes.engine import OURS
 from vchan_assets.model import CollectionInfo, IndexEngine
-from vchan_assets.query.asof import resolve_as_of, views_at
+from vchan_assets.query.asof import replanned, resolve_as_of, views_at
 from vchan_assets.query.search import (
     Fallback,
     SearchError,
@@ -174,8 +174,7 @@ def search_table(
     spark = queries.sparkSession
     ts = resolve_as_of(system.store, system.settings, as_of)
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        segments, views = views_at(system.store, info, ts)  # checkpoints before segments
-        plan = plan_search(system, info, request, segments, views, ts)
+        plan = replanned(lambda: plan_search(system, info, request, *views_at(system.store, info, ts), ts))
         slices = max(1, int(spark.conf.get("spark.default.parallelism", "0") or 0) or _cores(spark))
         tasks = plan_tasks(plan.parts, len(request.queries), by, slices)
         inputs = TaskInputs(system.storage, request, engine, tuple(tasks))

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.failpoints import failpoint
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
-from vchan_assets.query.asof import at_or_before, resolve_as_of, tail_of, views_at
+from vchan_assets.query.asof import at_or_before, replanned, resolve_as_of, tail_of, views_at
 from vchan_assets.query.prune import EVERYTHING, Pushdown, prune
 from vchan_assets.query.view import (
     QueryView,
@@ -66,11 +66,15 @@ def read_collection(
     and `partition_id` columns, deletes at or before it applied per partition. Only those
     `pushdown` keeps (`query.prune`): segments whose stats rule its pks out are not read."""
     ts = resolve_as_of(system.store, system.settings, as_of)
-    # Pinned before segment meta is listed: GC keeps every file this read may open.
-    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        segments, views = views_at(system.store, info, ts)
-        failpoint("read_planned")  # segments chosen, no file opened yet
-        return read_views(system, info, segments, views, ts, apply_deletes, with_vectors, pushdown)
+
+    def read() -> pa.Table:
+        # Pinned before segment meta is listed: GC keeps every file this read may open.
+        with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+            segments, views = views_at(system.store, info, ts)
+            failpoint("read_planned")  # segments chosen, no file opened yet
+            return read_views(system, info, segments, views, ts, apply_deletes, with_vectors, pushdown)
+
+    return replanned(read)
 
 
 def read_views(

@@ -68,7 +68,7 @@ from vchan_assets.model import (
     SegmentIndexState,
     SegmentInfo,
 )
-from vchan_assets.query.asof import at_or_before, resolve_as_of, tail_of, views_at
+from vchan_assets.query.asof import at_or_before, replanned, resolve_as_of, tail_of, views_at
 from vchan_assets.query.view import (
     QueryView,
     delete_paths,
@@ -181,9 +181,13 @@ def search(
     although indexed are listed in the result's metadata (`exact_segments`)."""
     request = check_request(system, info, vectors, k, field, metric, filter, params, output_fields)
     ts = resolve_as_of(system.store, system.settings, as_of)
-    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+
+    def planned() -> SearchPlan:
         segments, views = views_at(system.store, info, ts)  # checkpoints before segments
-        plan = plan_search(system, info, request, segments, views, ts)
+        return plan_search(system, info, request, segments, views, ts)
+
+    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+        plan = replanned(planned)  # the log tails are read while planning
         hits = plan.tail_hits(request)
         fallbacks = []
         for part in plan.parts:
