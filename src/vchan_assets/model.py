@@ -515,6 +515,8 @@ class SegmentIndex(Record):
     `index_files/{build}/{version}/`. Finished with no files: nothing to build (FLAT, or a
     segment too small to index), searched exactly."""
 
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"reissue_reason"})
+
     build_id: int
     index_id: int
     collection_id: int
@@ -534,6 +536,9 @@ class SegmentIndex(Record):
     created_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
+    # Why it was last sent back to Unissued (or re-finished without files): its file found
+    # unusable, an engine upgrade, rows of its segment quarantined.
+    reissue_reason: str = ""
 
 
 class TaskState(enum.StrEnum):

@@ -193,6 +193,11 @@ def enqueue_tasks(
     return queued
 
 
+def _requeued(t: TaskRecord) -> TaskRecord:
+    """A Failed task back to the queue with its attempts reset."""
+    return replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
+
+
 def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -> list[TaskRecord]:
     """Failed tasks of `kind` (of one collection if given) back to the queue with their
     attempts reset (`vchan index --retry`). Returns them as re-queued."""
@@ -201,10 +206,26 @@ def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -
         t = d.model
         if t.state is not TaskState.FAILED or collection_id not in (None, t.collection_id):
             continue
-        fresh = replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
-        if swap_task(store, d, fresh) is not None:
+        if swap_task(store, d, fresh := _requeued(t)) is not None:
             again.append(fresh)
     return again
+
+
+def queue_once(store: MetaStore, kind: str, spec: TaskSpec) -> bool:
+    """`spec`'s task queued unless it is queued or running already; a Failed one goes back
+    to the queue with its attempts reset (what it failed on changed). Whether it is queued
+    now (False: it was, or runs: a running batch's outcome decides)."""
+    for _ in range(3):
+        if enqueue_tasks(store, kind, [spec]):
+            return True
+        found = store.get_model(store.keys.task(kind, spec.collection_id, spec.segment_id), TaskRecord)
+        if found is None:
+            continue  # done and deleted meanwhile: queue it again
+        if found.model.state is not TaskState.FAILED:
+            return False
+        if swap_task(store, found, _requeued(found.model)) is not None:
+            return True
+    return False
 
 
 @dataclass
