@@ -610,7 +610,7 @@ class SessionState(enum.StrEnum):
 
     INITIALIZING = "INITIALIZING"  # registered, not yet able to work (watch, Spark session)
     HEALTHY = "HEALTHY"
-    ABNORMAL = "ABNORMAL"  # alive but unable to work (its Spark session failed)
+    ABNORMAL = "ABNORMAL"  # alive but unable to work (its Spark session failed or died): `reason`
     STOPPING = "STOPPING"  # leaving (SIGTERM): its channels move at once
 
 
@@ -637,9 +637,9 @@ class NodeSession(Record):
 
     `version` is the node's package version (rolling upgrades compare it); `since` is when
     the node entered `state` (seconds since the epoch; 0 in sessions of older nodes, which
-    write no such field)."""
+    write no such field); `reason` says why it is ABNORMAL."""
 
-    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"since"})
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"since", "reason"})
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"index_engine"})
 
     node_id: int
@@ -649,10 +649,11 @@ class NodeSession(Record):
     state: SessionState = SessionState.HEALTHY
     since: float = 0.0
     index_engine: IndexEngine | None = None  # stated by the processes that load indexes
+    reason: str = ""
 
-    def entered(self, state: SessionState, now: float | None = None) -> NodeSession:
-        """This session in `state`, entered now."""
-        return replace(self, state=state, since=time.time() if now is None else now)
+    def entered(self, state: SessionState, now: float | None = None, reason: str = "") -> NodeSession:
+        """This session in `state` (for `reason`), entered now."""
+        return replace(self, state=state, since=time.time() if now is None else now, reason=reason)
 
     def older_than(self, version: str) -> bool:
         """Whether this node runs a package older than `version` (either unparsable: no)."""
