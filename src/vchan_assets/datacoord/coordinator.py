@@ -125,6 +125,7 @@ class DataCoordinator:
         self.recovered: list[FlushRecovery] = []
         self.active = threading.Event()
         self.stopping = threading.Event()
+        self._stop_once = threading.Lock()  # held once `stop()` began
         self.wake = threading.Event()  # a DataNode session changed: reconcile now
         self.wakes = 0  # metric: session changes that woke the loop
         self.last_reload = 0.0  # wall clock: a sensor host carries it from tick to tick
@@ -249,9 +250,10 @@ class DataCoordinator:
         queue), then resign at once, so a standby takes over without waiting for the TTL.
         A write of a tick or task still in flight is refused by the fence (every step is a
         compare-and-swap, so the standby continues from what etcd holds)."""
-        if self.stopping.is_set():
+        if not self._stop_once.acquire(blocking=False):
             return
-        self.stopping.set()
+        # `stopping` is set only after the steps below: the loop goes on leading (and the
+        # term's store stays open) until they ran, then it resigns too.
         session = self.election.session
         if session is not None and session.alive:
             try:
@@ -265,6 +267,7 @@ class DataCoordinator:
                     hook(writer)
                 except MetaError as exc:
                     log.warning("datacoord %s: stopping step failed (%s)", self.server_id, exc)
+        self.stopping.set()
         self.active.clear()
         self.election.resign()
         self.wake.set()
