@@ -10,7 +10,14 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from indexes.helpers import Data, clustered, exact_neighbours, new_collection, sorted_segments
+from indexes.helpers import (
+    Data,
+    clustered,
+    exact_neighbours,
+    live_sorted,
+    new_collection,
+    sorted_segments,
+)
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
 from vchan_assets.indexes.meta import (
@@ -62,11 +69,7 @@ def test_quarantining_a_binlog_resets_the_segments_index_builds_and_search_agree
 ) -> None:
     data: Data = new_collection(producer)
     sorted_segments(system, producer, data, [1500, 1300, 1200, 1100])
-    finished, failing, in_flight, kept = sorted(
-        (d.model for d in system.store.list_models(system.store.keys.segment.under(data.info.id), SegmentInfo)[0]
-         if d.model.is_sorted),
-        key=lambda s: s.id,
-    )  # fmt: skip
+    finished, failing, in_flight, kept = sorted(live_sorted(system, data.info), key=lambda s: s.id)
     create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
     damaged = _damage_vectors(system, failing)  # its build fails for good (one attempt)
     tasks = TaskScheduler([IndexTasks()], replace(system.settings, task_max_attempts=1))
@@ -126,8 +129,7 @@ def test_a_reset_build_of_a_segment_with_rows_left_goes_unissued_and_is_built_ag
     tasks = TaskScheduler([IndexTasks()], system.settings)
     tasks.scan(system)
     tasks.round(system, "local")
-    [seg] = [d.model for d in system.store.list_models(system.store.keys.segment.under(data.info.id), SegmentInfo)[0]
-             if d.model.is_sorted]  # fmt: skip
+    [seg] = live_sorted(system, data.info)
     first, _ = _build_of(system, seg)
     assert first.files and first.version == 1
 
