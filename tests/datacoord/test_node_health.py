@@ -82,12 +82,18 @@ def test_a_datanode_whose_spark_jvm_dies_goes_abnormal_its_channels_move_and_it_
     assert shown["state"] in ("ABNORMAL", "HEALTHY")  # (it may have recovered already)
     if shown["state"] == "ABNORMAL":
         assert "does not answer" in shown["state_reason"]
+    # Its channels move at once (the new JVM takes seconds to start: it is still ABNORMAL).
+    wait_until(
+        lambda: set((owners(store, channels) or {0: 0}).values()) == {other.id},
+        30,
+        "the ABNORMAL node's channels moved to the other node",
+    )
 
-    def moved_then_recovered() -> bool:
+    def recovered() -> bool:
         now = _session(store, spark)
         return now is not None and now.state is SessionState.HEALTHY and owners(store, channels) is not None
 
-    wait_until(moved_then_recovered, 180, "the node HEALTHY again on a new Spark session")
+    wait_until(recovered, 180, "the node HEALTHY again on a new Spark session")
     assert spark.alive() and _jvm_of(spark) != jvm
     assert spark.log().count("Spark session up") == 2
     finish_and_check(cluster, store, (producer, infos), load)
