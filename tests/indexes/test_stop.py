@@ -72,6 +72,7 @@ def test_a_datacoord_sent_sigterm_mid_build_exits_in_time_and_the_next_one_finis
                 f"still running {time.monotonic() - sent:.0f}s after SIGTERM "
                 f"(VCHAN_STOP_TIMEOUT {STOP_TIMEOUT:g})"
             ) from None
+        print(f"vchan datacoord exited {time.monotonic() - sent:.1f}s after SIGTERM")  # (-s shows it)
         assert first.returncode == 0, first.communicate()[0].decode()[-3000:]
         output = first.communicate()[0].decode()
     assert "abandoned" in output, output[-3000:]
