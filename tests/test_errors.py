@@ -68,6 +68,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "query.search.SearchError": ("docs", "k must be an integer in [1, 16384], got 0"),
     "query.spark_source.SegmentColumnError": (_SEGMENT, "vec", ["pk"]),
     "spark.session.SparkJobTimeoutError": ("sync c_0", 600.0),
+    "spark.session.SparkUnavailableError": ("Py4JNetworkError: An error occurred while trying to connect",),
     "storage.fs.ObjectExistsError": ("a/b",),
     "storage.fs.StorageError": ("a/b", "permission denied"),
     "wal.backpressure.WriteLagExceededError": ("c_0", 2100.5, 310.0, "VCHAN_WRITE_LAG_LIMIT_MB=2048"),

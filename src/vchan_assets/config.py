@@ -275,6 +275,7 @@ class Settings:
     spark_remote: str | None = FROM_TABLE
     session_ttl: float = FROM_TABLE
     stop_timeout: float = FROM_TABLE
+    health_interval: float = FROM_TABLE
     balance_version: str | None = FROM_TABLE
     append_lock_ttl: float = FROM_TABLE
     client_retry_timeout: float = FROM_TABLE

@@ -515,6 +515,8 @@ class SegmentIndex(Record):
     `index_files/{build}/{version}/`. Finished with no files: nothing to build (FLAT, or a
     segment too small to index), searched exactly."""
 
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"reissue_reason"})
+
     build_id: int
     index_id: int
     collection_id: int
@@ -534,6 +536,9 @@ class SegmentIndex(Record):
     created_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
+    # Why it was last sent back to Unissued (or re-finished without files): its file found
+    # unusable, an engine upgrade, rows of its segment quarantined.
+    reissue_reason: str = ""
 
 
 class TaskState(enum.StrEnum):
@@ -605,7 +610,7 @@ class SessionState(enum.StrEnum):
 
     INITIALIZING = "INITIALIZING"  # registered, not yet able to work (watch, Spark session)
     HEALTHY = "HEALTHY"
-    ABNORMAL = "ABNORMAL"  # alive but unable to work (its Spark session failed)
+    ABNORMAL = "ABNORMAL"  # alive but unable to work (its Spark session failed or died): `reason`
     STOPPING = "STOPPING"  # leaving (SIGTERM): its channels move at once
 
 
@@ -632,9 +637,9 @@ class NodeSession(Record):
 
     `version` is the node's package version (rolling upgrades compare it); `since` is when
     the node entered `state` (seconds since the epoch; 0 in sessions of older nodes, which
-    write no such field)."""
+    write no such field); `reason` says why it is ABNORMAL."""
 
-    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"since"})
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"since", "reason"})
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"index_engine"})
 
     node_id: int
@@ -644,10 +649,11 @@ class NodeSession(Record):
     state: SessionState = SessionState.HEALTHY
     since: float = 0.0
     index_engine: IndexEngine | None = None  # stated by the processes that load indexes
+    reason: str = ""
 
-    def entered(self, state: SessionState, now: float | None = None) -> NodeSession:
-        """This session in `state`, entered now."""
-        return replace(self, state=state, since=time.time() if now is None else now)
+    def entered(self, state: SessionState, now: float | None = None, reason: str = "") -> NodeSession:
+        """This session in `state` (for `reason`), entered now."""
+        return replace(self, state=state, since=time.time() if now is None else now, reason=reason)
 
     def older_than(self, version: str) -> bool:
         """Whether this node runs a package older than `version` (either unparsable: no)."""

@@ -113,6 +113,7 @@ def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> l
             "address": s.address,
             "version": s.version,
             "state": s.state,
+            "state_reason": s.reason or None,  # why it is ABNORMAL
             "state_since": pd.Timestamp(s.since, unit="s", tz="UTC").isoformat() if s.since else None,
             "started_at": pd.Timestamp(s.started_at, unit="s", tz="UTC").isoformat(),
             "uptime_seconds": round(max(0.0, now - s.started_at), 1),
@@ -533,8 +534,9 @@ def render_status(report: dict[str, Any]) -> Group:
     for column in ("node", "address", "version", "state", "uptime s", "channels"):
         nodes.add_column(column)
     for n in report["nodes"]:
+        state = n["state"] + (f" ({n['state_reason']})" if n.get("state_reason") else "")
         nodes.add_row(
-            str(n["node_id"]), n["address"], n["version"], n["state"], _cell(n["uptime_seconds"]),
+            str(n["node_id"]), n["address"], n["version"], state, _cell(n["uptime_seconds"]),
             str(n["channels"]),
         )  # fmt: skip
     if not report["nodes"]:

@@ -8,6 +8,8 @@ import time
 
 from vchan_assets.cli.base import command, engine_arg, opened, opened_collection
 from vchan_assets.config import Settings
+from vchan_assets.model import SegmentIndex, SegmentInfo
+from vchan_assets.system import System
 
 # --- segment lifecycle ------------------------------------------------------------------
 
@@ -103,6 +105,7 @@ def _quarantine_args(parser: argparse.ArgumentParser) -> None:
     _quarantine_args,
 )
 def quarantine(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.indexes.tasks import rebuild_segment
     from vchan_assets.lifecycle.quarantine import DamagedBinlog, inspect_binlog, is_binlog, quarantine_binlog
     from vchan_assets.wal.quarantine import inspect_log_file, quarantine_log_file
 
@@ -116,8 +119,18 @@ def quarantine(args: argparse.Namespace, settings: Settings) -> int:
                 print("nothing was changed")
                 return 1
         if isinstance(damaged, DamagedBinlog):
-            loss = quarantine_binlog(stack, damaged)
+            reset: list[SegmentIndex] = []
+
+            def rebuild(system: System, seg: SegmentInfo, reason: str) -> None:
+                reset.extend(rebuild_segment(system, seg, reason))
+
+            loss = quarantine_binlog(stack, damaged, then=[rebuild])
             lost = f"segment {loss.segment_id}: {loss.rows} rows"
+            if reset:
+                print(
+                    f"index builds of segment {loss.segment_id} reset, to be built again over "
+                    f"its rows now: {', '.join(str(b.build_id) for b in reset)}"
+                )
         else:
             loss = quarantine_log_file(stack, damaged)
             lost = f"{loss.vchannel} offsets {loss.first_offset}..{loss.last_offset}"

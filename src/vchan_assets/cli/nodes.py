@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -175,11 +176,19 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
     stop = stop_on_signals()
     store = connect(settings)
     try:
-        coord = DataCoordinator(settings, store, interval=args.interval, reload_interval=args.reload_interval)
+        # One task scheduler for the tasks after flush: sorts first, then index builds. A
+        # stopping DataCoord gives up its batches in flight (the next one runs them) and
+        # exits without waiting for them.
+        tasks = TaskScheduler([SortTasks(), IndexTasks()], settings)
+        coord = DataCoordinator(
+            settings,
+            store,
+            interval=args.interval,
+            reload_interval=args.reload_interval,
+            on_stopping=[lambda writer: tasks.abandon(writer, "abandoned: the DataCoord running it stopped")],
+        )
         runner = threading.Thread(target=coord.run, args=(stop,), name="datacoord", daemon=True)
         runner.start()
-        # One task scheduler for the tasks after flush: sorts first, then index builds.
-        tasks = TaskScheduler([SortTasks(), IndexTasks()], settings)
         lifecycle = threading.Thread(
             target=run_lifecycle,
             args=(settings, lambda: coord.writer, stop, tasks, args.engine, [collect_indexes]),
@@ -198,4 +207,11 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         store.close()
     print(f"datacoord {coord.server_id} stopped", flush=True)
+    if tasks.abandoned_running:
+        # A build given up by the stop still runs in faiss's native threads, which the
+        # interpreter's exit would abort under ("terminate called without an active
+        # exception"): leave at once, everything this process owed etcd is written.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

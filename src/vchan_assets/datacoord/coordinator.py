@@ -16,7 +16,9 @@ channels move without waiting for the next tick; so does a node's answer in
 `channelwatch/` (ReleaseSuccess lets a balance move go on to its ToWatch at once); the tick every `interval` stays as the
 safety net and for the seal policies. `stop()` (SIGTERM) is the seed's Stop: the
 election key says STOPPING first, then the coordinator resigns, and a standby (which
-watches that key) takes over at once.
+watches that key) takes over at once; the `on_stopping` steps run just before it resigns
+(`vchan datacoord`: the task batches in flight are abandoned, so the process exits at once
+rather than after a build of minutes whose commit its ended term would refuse anyway).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vchan_assets import __version__
@@ -100,8 +102,10 @@ class DataCoordinator:
         reload_interval: float = RELOAD_INTERVAL,
         address: str = "",
         server_id: int | None = None,
+        on_stopping: Sequence[Callable[[MetaStore], object]] = (),
     ) -> None:
         self.settings = settings
+        self.on_stopping = list(on_stopping)  # run by `stop()` with the term's store, before it resigns
         self.store = store
         self.interval = interval
         self.reload_interval = reload_interval
@@ -121,6 +125,7 @@ class DataCoordinator:
         self.recovered: list[FlushRecovery] = []
         self.active = threading.Event()
         self.stopping = threading.Event()
+        self._stop_once = threading.Lock()  # held once `stop()` began
         self.wake = threading.Event()  # a DataNode session changed: reconcile now
         self.wakes = 0  # metric: session changes that woke the loop
         self.last_reload = 0.0  # wall clock: a sensor host carries it from tick to tick
@@ -240,19 +245,29 @@ class DataCoordinator:
         self.stop()
 
     def stop(self) -> None:
-        """Seed `Stop`: the election key says STOPPING first (while this one leads), then
-        resign at once, so a standby takes over without waiting for the TTL. A write of a
-        tick still in flight is refused by the fence (every step is a compare-and-swap, so
-        the standby continues from what etcd holds)."""
-        if self.stopping.is_set():
+        """Seed `Stop`: the election key says STOPPING first (while this one leads), the
+        `on_stopping` steps run (the task scheduler puts its batches in flight back in the
+        queue), then resign at once, so a standby takes over without waiting for the TTL.
+        A write of a tick or task still in flight is refused by the fence (every step is a
+        compare-and-swap, so the standby continues from what etcd holds)."""
+        if not self._stop_once.acquire(blocking=False):
             return
-        self.stopping.set()
+        # `stopping` is set only after the steps below: the loop goes on leading (and the
+        # term's store stays open) until they ran, then it resigns too.
         session = self.election.session
         if session is not None and session.alive:
             try:
                 session.update(self.session_record(self.address).entered(SessionState.STOPPING))
             except MetaError as exc:
                 log.warning("datacoord %s: could not say STOPPING (%s)", self.server_id, exc)
+        writer = self.writer
+        if writer is not None and self.election.is_leader:
+            for hook in self.on_stopping:  # e.g. the task scheduler gives up its batches in flight
+                try:
+                    hook(writer)
+                except MetaError as exc:
+                    log.warning("datacoord %s: stopping step failed (%s)", self.server_id, exc)
+        self.stopping.set()
         self.active.clear()
         self.election.resign()
         self.wake.set()

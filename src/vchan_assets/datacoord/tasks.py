@@ -30,6 +30,9 @@ keeps the queue:
   whose term ended: the worker names its term) or past VCHAN_TASK_TIMEOUT goes back to the
   queue at once (the worker's death, not the task's failure: no backoff); its attempt
   counts, so a task that kills its worker every time ends Failed.
+- **Graceful stop**: a DataCoord stopping (SIGTERM) abandons its batches in flight before
+  it resigns (`abandon`): their tasks go back to the queue at once, no attempt spent, and
+  the process exits without waiting for them (the next active DataCoord runs them).
 
 Every write is a compare-and-swap on the record's version, through the DataCoord's fenced
 store: a deposed DataCoord changes no task.
@@ -190,6 +193,11 @@ def enqueue_tasks(
     return queued
 
 
+def _requeued(t: TaskRecord) -> TaskRecord:
+    """A Failed task back to the queue with its attempts reset."""
+    return replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
+
+
 def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -> list[TaskRecord]:
     """Failed tasks of `kind` (of one collection if given) back to the queue with their
     attempts reset (`vchan index --retry`). Returns them as re-queued."""
@@ -198,10 +206,26 @@ def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -
         t = d.model
         if t.state is not TaskState.FAILED or collection_id not in (None, t.collection_id):
             continue
-        fresh = replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
-        if swap_task(store, d, fresh) is not None:
+        if swap_task(store, d, fresh := _requeued(t)) is not None:
             again.append(fresh)
     return again
+
+
+def queue_once(store: MetaStore, kind: str, spec: TaskSpec) -> bool:
+    """`spec`'s task queued unless it is queued or running already; a Failed one goes back
+    to the queue with its attempts reset (what it failed on changed). Whether it is queued
+    now (False: it was, or runs: a running batch's outcome decides)."""
+    for _ in range(3):
+        if enqueue_tasks(store, kind, [spec]):
+            return True
+        found = store.get_model(store.keys.task(kind, spec.collection_id, spec.segment_id), TaskRecord)
+        if found is None:
+            continue  # done and deleted meanwhile: queue it again
+        if found.model.state is not TaskState.FAILED:
+            return False
+        if swap_task(store, found, _requeued(found.model)) is not None:
+            return True
+    return False
 
 
 @dataclass
@@ -241,6 +265,7 @@ class TaskScheduler:
         self.kinds = list(kinds)
         self.settings = settings
         self._lanes: dict[str, _Lane] = {}  # the batch running per kind
+        self._abandoned: list[_Lane] = []  # given up by a stop, maybe still running
         self.clock = clock
 
     def backoff(self, attempts: int) -> float:
@@ -301,6 +326,13 @@ class TaskScheduler:
                 lane.thread.join()
                 self.collect(report)
         return report
+
+    @property
+    def abandoned_running(self) -> bool:
+        """Whether a batch `abandon` gave up is still running (in native code: a faiss
+        build cannot be interrupted, and the interpreter's normal exit would abort under
+        it, so the process ends with `os._exit`)."""
+        return any(lane.thread.is_alive() for lane in self._abandoned)
 
     @property
     def busy(self) -> list[str]:
@@ -371,9 +403,8 @@ class TaskScheduler:
         """Record the outcomes of the batches that ended, and push the kinds that follow
         theirs with the collections that had a task done."""
         for name, lane in list(self._lanes.items()):
-            if lane.thread.is_alive():
-                continue
-            del self._lanes[name]
+            if lane.thread.is_alive() or self._lanes.pop(name, None) is not lane:
+                continue  # running, or abandoned meanwhile
             store = lane.system.store  # the term the batch started in: a deposed one writes nothing
             done: set[int] = set()
             for d in lane.started:
@@ -427,14 +458,38 @@ class TaskScheduler:
             )  # fmt: skip
         return True
 
+    def abandon(self, store: MetaStore, reason: str) -> list[tuple[str, int]]:
+        """The DataCoord is stopping: every batch in flight is given up, its tasks back to
+        the queue for the next active DataCoord, with no attempt spent (the task did not
+        fail), through `store` (the ending term's, before it resigns). The batches' threads
+        run on unrecorded: their commits are refused once the term has ended, and a build
+        the next DataCoord starts again gets a new version. Returns the tasks given up."""
+        given_up = []
+        for name in list(self._lanes):
+            lane = self._lanes.pop(name, None)
+            if lane is None:
+                continue
+            self._abandoned.append(lane)
+            for d in lane.started:
+                t = d.model
+                back = replace(
+                    t, state=TaskState.QUEUED, attempts=max(t.attempts - 1, 0), worker="", reason=reason
+                )
+                if swap_task(store, d, back) is not None:
+                    given_up.append((t.kind, t.segment_id))
+        if given_up:
+            log.warning("abandoned %d tasks in flight (%s): %s", len(given_up), reason, given_up)
+        return given_up
+
     def recover(self, store: MetaStore, report: RoundReport) -> None:
         """Tasks InProgress under another worker (dead, or of an ended term) or past
         VCHAN_TASK_TIMEOUT back to the queue (an attempt spent)."""
         me, now = self.worker(store), self.clock()
-        running = {(name, d.model.segment_id) for name, lane in self._lanes.items() for d in lane.started}
+        lanes = dict(self._lanes)  # (a stop may abandon them meanwhile)
+        running = {(name, d.model.segment_id) for name, lane in lanes.items() for d in lane.started}
         for d in list_tasks(store):
             t = d.model
-            if (t.kind, t.segment_id) in running and self._lanes[t.kind].thread.is_alive():
+            if (t.kind, t.segment_id) in running and lanes[t.kind].thread.is_alive():
                 continue  # its batch runs in this process: recorded when it ends
             if t.state is not TaskState.IN_PROGRESS or (
                 t.worker == me and now - t.started_at < self.settings.task_timeout

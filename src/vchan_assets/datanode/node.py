@@ -5,7 +5,10 @@ session under `session/datanode/{id}` on an etcd lease kept alive by `Session`, 
 state is INITIALIZING until the node can work (watching its channels; with the Spark
 engine, its Spark session started in the background at launch, so no sync pays the JVM
 start), then HEALTHY (ABNORMAL if the Spark session failed: no channel is assigned to
-it). Only a HEALTHY node gets channels. `stop()` is the graceful stop (SIGTERM): the
+it). Only a HEALTHY node gets channels. A Spark node probes its session every
+VCHAN_HEALTH_INTERVAL: when its JVM no longer answers (killed, crashed, hung), the node
+goes ABNORMAL with the reason in its session (the coordinator moves its channels; a ToWatch
+that still arrives fails), starts a new Spark session and goes HEALTHY again. `stop()` is the graceful stop (SIGTERM): the
 session says STOPPING first, so the coordinator moves the channels at once under new
 leases; the node lets each sync in flight finish (or be refused by the new lease), then
 revokes its session. Losing the session stops every channel at once (no zombie writer)
@@ -31,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 from vchan_assets import __version__
 from vchan_assets.config import Settings
@@ -75,6 +79,9 @@ __all__ = [
     "sync_once",
     "watch_channel",
 ]
+
+# Seconds a health probe waits for the Spark session's JVM to answer.
+PROBE_TIMEOUT = 10.0
 
 StartChannel = Callable[[CollectionInfo, ChannelLease | None, VchannelInfo], None]
 StopChannel = Callable[[str], None]
@@ -336,6 +343,7 @@ class DataNode:
         self._resync: threading.Thread | None = None
         self.record: NodeSession | None = None  # the session's value, in its current state
         self.ready = threading.Event()  # set once the node left INITIALIZING
+        self.recoveries = 0  # restarts of the engine after a failed health probe
 
     @property
     def ctx(self) -> NodeContext:
@@ -367,7 +375,7 @@ class DataNode:
         self._resync = threading.Thread(target=self._resync_loop, name="channelwatch resync", daemon=True)
         self._resync.start()
         if self.engine == "spark":
-            threading.Thread(target=self._start_spark, name="spark start", daemon=True).start()
+            threading.Thread(target=self._watch_engine, name="spark health", daemon=True).start()
         else:
             self._enter(SessionState.HEALTHY)
         return self
@@ -376,14 +384,14 @@ class DataNode:
     def state(self) -> SessionState:
         return SessionState.INITIALIZING if self.record is None else self.record.state
 
-    def _enter(self, state: SessionState) -> bool:
-        """Write `state` into the session (unless the node is already STOPPING)."""
+    def _enter(self, state: SessionState, reason: str = "") -> bool:
+        """Write `state` (for `reason`) into the session (unless the node is already STOPPING)."""
         with self._lock:
             if self.session is None or self.record is None:
                 return False
             if self.record.state is SessionState.STOPPING and state is not SessionState.STOPPING:
                 return False
-            record = self.record.entered(state)
+            record = self.record.entered(state, reason=reason)
             try:
                 self.session.update(record)
             except MetaError as exc:
@@ -392,24 +400,49 @@ class DataNode:
             self.record = record
         if state is not SessionState.INITIALIZING:
             self.ready.set()
-        log.info("datanode %s is %s (engine %s)", self.node_id, state.value, self.engine)
+        because = f": {reason}" if reason else ""
+        log.info("datanode %s is %s (engine %s)%s", self.node_id, state.value, self.engine, because)
         return True
 
-    def _start_spark(self) -> None:
-        """Start the Spark session at launch (the JVM start took 12 s of the first sync),
-        then go HEALTHY; ABNORMAL if it cannot start."""
+    def _watch_engine(self) -> None:
+        """The Spark engine's health: start the session at launch (the JVM start took 12 s of
+        the first sync), then probe it every VCHAN_HEALTH_INTERVAL (`probe_spark`: its JVM
+        answers). HEALTHY while it does; a failed start or probe makes the node ABNORMAL with
+        the reason (the coordinator moves its channels, new ones are refused) and the
+        session is started again (`reset_spark`: a new JVM) at each interval until it
+        works: HEALTHY again."""
+        from vchan_assets.spark.session import SparkUnavailableError, probe_spark, reset_spark
+
+        spark = self._start_spark(first=True)
+        while not self.stopped.wait(self.settings.health_interval) and not self.session_lost.is_set():
+            if spark is not None:
+                try:
+                    probe_spark(spark, PROBE_TIMEOUT)
+                    continue
+                except SparkUnavailableError as exc:
+                    log.error("datanode %s: health probe failed: %s", self.node_id, exc)
+                    self._enter(SessionState.ABNORMAL, str(exc))
+            self.recoveries += 1
+            reset_spark()
+            spark = self._start_spark(first=False)
+
+    def _start_spark(self, first: bool) -> Any:
+        """Start the Spark session and run a first job (the executors answer, not only the
+        driver); HEALTHY if it did, else ABNORMAL with the reason. The session, or None."""
         from vchan_assets.spark.session import get_spark
 
         started = time.monotonic()
         try:
             spark = get_spark(self.settings)
-            spark.range(1).count()  # the executors answer, not only the driver
-        except Exception:
+            spark.range(1).count()
+        except Exception as exc:
             log.exception("datanode %s: the Spark session did not start", self.node_id)
-            self._enter(SessionState.ABNORMAL)
-            return
+            what = "did not start" if first else "did not start again"
+            self._enter(SessionState.ABNORMAL, f"Spark session {what}: {type(exc).__name__}: {exc}"[:500])
+            return None
         log.info("datanode %s: Spark session up in %.1fs", self.node_id, time.monotonic() - started)
         self._enter(SessionState.HEALTHY)
+        return spark
 
     def stop(self, final_sync: bool = True) -> None:
         """Graceful stop: the session says STOPPING (the coordinator moves the channels at
@@ -556,6 +589,9 @@ class DataNode:
         with self._lock:
             if self.session_lost.is_set() or self.stopped.is_set():
                 raise WatchFailedError(f"node {self.node_id} is stopping")
+            if self.state is SessionState.ABNORMAL:  # a ToWatch written before the coordinator saw it
+                reason = self.record.reason if self.record else ""
+                raise WatchFailedError(f"node {self.node_id} is ABNORMAL: {reason}")
             self.workers[vchannel] = worker.start()
         log.info("node %s: watching %s from %s", self.node_id, vchannel, vchan.seek_position)
 

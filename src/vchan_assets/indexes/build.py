@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,11 +171,39 @@ def builds_arrow(specs: list[BuildSpec], batches: Iterator[pa.RecordBatch]) -> I
 
 def build_here(specs: list[BuildSpec]) -> list[BuildOutput | IndexBuildError]:
     """The builds in this process: one alone with every core, several side by side on a
-    thread each (faiss releases the GIL), as many at once as there are cores."""
+    thread each (faiss releases the GIL), as many at once as there are cores. The threads
+    are daemons, not a ThreadPoolExecutor's, which the interpreter joins at exit: a
+    DataCoord stopping (SIGTERM) with a batch in flight abandons it and exits at once."""
     if len(specs) == 1:
         return [outcome_of(build_pickled(specs[0]))]
-    with ThreadPoolExecutor(min(len(specs), os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda spec: outcome_of(build_pickled(spec, 1)), specs))
+    outcomes: list[BuildOutput | IndexBuildError | None] = [None] * len(specs)
+    errors: list[BaseException] = []
+    pending = iter(range(len(specs)))
+    lock = threading.Lock()
+
+    def builder() -> None:
+        while True:
+            with lock:
+                i = next(pending, None)
+            if i is None:
+                return
+            try:
+                outcomes[i] = outcome_of(build_pickled(specs[i], 1))
+            except BaseException as exc:  # raised in the caller's thread below
+                errors.append(exc)
+                return
+
+    threads = [
+        threading.Thread(target=builder, name=f"index build {n}", daemon=True)
+        for n in range(min(len(specs), os.cpu_count() or 1))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [o for o in outcomes if o is not None]
 
 
 def outcome_of(row: dict[str, object]) -> BuildOutput | IndexBuildError:

@@ -434,11 +434,62 @@ def release_waiting_outputs(
     return stamped
 
 
-def reissue_build(store: MetaStore, build: Decoded[SegmentIndex]) -> Decoded[SegmentIndex] | None:
+def reissue_build(
+    store: MetaStore, build: Decoded[SegmentIndex], reason: str = ""
+) -> Decoded[SegmentIndex] | None:
     """Back to Unissued, to be built again under its next version (a Failed build retried,
     a Finished one rebuilt: its file unusable, or of an older engine version); None if it
     changed since it was read. The old version's files become GC's (superseded)."""
-    return _swap(store, build, replace(build.model, state=SegmentIndexState.UNISSUED))
+    changed = replace(build.model, state=SegmentIndexState.UNISSUED)
+    if reason:
+        changed = replace(changed, reissue_reason=reason)
+    return _swap(store, build, changed)
+
+
+def reset_segment_builds(store: MetaStore, seg: SegmentInfo, reason: str) -> list[SegmentIndex]:
+    """`seg`'s rows changed under its builds (a damaged binlog quarantined: rows gone, and
+    the positions of the others, which are the index's ids, moved): each build of a live
+    index goes back to Unissued with `reason` and the segment's row count now, whatever its
+    state. A Finished one's file indexes rows no longer there; an InProgress one's commit is
+    refused (its record changed since its start); a Failed one (its damaged file unreadable)
+    may build now. When the rows left need no files (`needs_build`), the build is Finished
+    without files under a new version instead (the old files are GC's). Returns the builds
+    as written."""
+    indexes = {d.model.index_id: d.model for d in list_indexes(store, seg.collection_id)}
+    prefix = store.keys.segment_index.under(seg.collection_id, seg.partition_id, seg.id)
+
+    def reset(index: FieldIndex, build_key: str) -> SegmentIndex | None:
+        found = store.get_model(build_key, SegmentIndex)
+        if found is None:
+            return None  # collected meanwhile
+        b = found.model
+        if needs_build(index.type, seg.num_rows):
+            changed = replace(b, state=SegmentIndexState.UNISSUED, rows=seg.num_rows, fail_reason="")
+        else:
+            changed = replace(
+                b,
+                state=SegmentIndexState.FINISHED,
+                rows=seg.num_rows,
+                version=b.version + 1,
+                files=(),
+                serialized_size=0,
+                fail_reason="",
+                finished_at=time.time(),
+            )
+        changed = replace(changed, reissue_reason=reason)
+        store.cas(build_key, found.kv.version, changed)  # a builder's start or commit: read again
+        return changed
+
+    written = []
+    found, _ = store.list_models(prefix, SegmentIndex, skip_malformed=True)
+    for d in found:
+        index = indexes.get(d.model.index_id)
+        if index is None:
+            continue  # its index was dropped: GC's
+        attempt = functools.partial(reset, index, d.kv.key)
+        if (b := retry_on_conflict(f"reset index build {d.model.build_id}", attempt)) is not None:
+            written.append(b)
+    return written
 
 
 def fail_build(store: MetaStore, build: Decoded[SegmentIndex], reason: str) -> Decoded[SegmentIndex] | None:

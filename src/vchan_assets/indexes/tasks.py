@@ -13,7 +13,9 @@ Failed tasks back to the queue with their attempts reset. `upgrade_builds` is `v
 --upgrade`: Finished builds of an older engine version than builds now write back to
 Unissued, each segment's task queued. `queue_rebuild` is a search's: a build whose file is
 missing or unreadable, once (of two searches that find it, one re-issues it; the task is
-queued once, deduped by its key).
+queued once, deduped by its key). `rebuild_segment` is `vchan quarantine`'s, given a
+damaged binlog: the segment's rows changed under its builds, every one of them is reset and
+its task queued once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vchan_assets.datacoord.tasks import (
     enqueue_tasks,
     failed,
     list_tasks,
+    queue_once,
     retry_tasks,
 )
 from vchan_assets.indexes.engine import OURS, build_engine, target_engine
@@ -38,10 +41,18 @@ from vchan_assets.indexes.meta import (
     list_indexes,
     reissue_build,
     release_waiting_outputs,
+    reset_segment_builds,
 )
 from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.meta.store import Decoded, MetaStore
-from vchan_assets.model import IndexEngine, SegmentIndex, SegmentIndexState, TaskRecord, TaskState
+from vchan_assets.model import (
+    IndexEngine,
+    SegmentIndex,
+    SegmentIndexState,
+    SegmentInfo,
+    TaskRecord,
+    TaskState,
+)
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
 
@@ -133,10 +144,12 @@ def retry_failed_builds(store: MetaStore, collection_id: int | None = None) -> t
     return builds, len(retry_tasks(store, KIND, collection_id))
 
 
-def _rebuild(store: MetaStore, builds: list[Decoded[SegmentIndex]], dim: int) -> list[SegmentIndex]:
+def _rebuild(
+    store: MetaStore, builds: list[Decoded[SegmentIndex]], dim: int, reason: str
+) -> list[SegmentIndex]:
     """Each build back to Unissued (those that did not change meanwhile) and a task queued
     for each of their segments that has none. Returns the builds re-issued."""
-    again = [found.model for d in builds if (found := reissue_build(store, d)) is not None]
+    again = [found.model for d in builds if (found := reissue_build(store, d, reason)) is not None]
     specs = {
         b.segment_id: TaskSpec(
             b.collection_id, b.partition_id, b.segment_id, b.rows, build_memory_mb(b.rows, dim)
@@ -152,7 +165,7 @@ def queue_rebuild(store: MetaStore, build: Decoded[SegmentIndex], dim: int) -> b
     DataCoord's next round. False if it changed meanwhile (another reader re-issued it)."""
     if build.model.state is not SegmentIndexState.FINISHED:
         return False
-    return bool(_rebuild(store, [build], dim))
+    return bool(_rebuild(store, [build], dim, "its index file was found missing or unreadable"))
 
 
 def upgrade_builds(
@@ -176,5 +189,30 @@ def upgrade_builds(
                 and d.model.files
                 and build_engine(d.model) < target
             ]
-            again += _rebuild(store, older, dims.get(index.model.field_id, 0))
+            reason = f"upgraded to index engine version {target}"
+            again += _rebuild(store, older, dims.get(index.model.field_id, 0), reason)
     return target, again
+
+
+def rebuild_segment(system: System, seg: SegmentInfo, reason: str) -> list[SegmentIndex]:
+    """`seg`'s rows changed under its index builds (`lifecycle.quarantine`: a damaged binlog
+    taken out): every build of it reset (`reset_segment_builds`: Unissued with `reason`, or
+    Finished without files when the rows left need none), and the segment's index task
+    queued once (a Failed one re-queued: its damaged file may be what it failed on), so the
+    DataCoord builds over the rows the segment holds now and a search meanwhile searches
+    it exactly. Returns the builds as written."""
+    store = system.store
+    builds = reset_segment_builds(store, seg, reason)
+    if builds:
+        info = CollectionRegistry(store).get(seg.collection_id, include_dropped=True)
+        dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
+        fields = {d.model.index_id: d.model.field_id for d in list_indexes(store, seg.collection_id)}
+        mb = sum(
+            build_memory_mb(b.rows, dims.get(fields.get(b.index_id, -1), 0))
+            for b in builds
+            if b.state is SegmentIndexState.UNISSUED
+        )
+        # Queued even with nothing left to build: its run finds nothing and deletes it (a
+        # Failed task of the damaged segment would otherwise stay Failed).
+        queue_once(store, KIND, TaskSpec.of(seg, mb))
+    return builds

@@ -10,16 +10,21 @@ loss recorded, never a silent hole:
 2. the segment meta drops file i of every column group and its stats log, its row count
    less those rows, in one compare-and-swap on its version (a segment changed meanwhile,
    by a compaction say, fails with CasConflictError: look again);
-3. the damaged file moves to `quarantine/{its key}`; the same rows' files of the other
+3. the `then` steps run with the segment as it is now (`vchan quarantine`:
+   `indexes.tasks.rebuild_segment`, which resets the segment's index builds, made over the
+   old rows, and queues their rebuild: a search meanwhile searches the segment exactly);
+4. the damaged file moves to `quarantine/{its key}`; the same rows' files of the other
    groups are left to garbage collection (no meta names them any more).
 
-The segment's other files are kept: its remaining rows read as before. Its index builds, if
-any, were made over the old rows: drop and re-create the index to rebuild them.
+The segment's other files are kept: its remaining rows read as before. A crash between 2
+and 3 leaves an index over more rows than the segment holds: a search finds the counts
+differ, searches the segment exactly and queues the rebuild itself.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import pyarrow as pa
@@ -92,8 +97,13 @@ def inspect_binlog(system: System, path: str) -> DamagedBinlog:
     return DamagedBinlog(key, storage.path(key), info, found, index, lost, reason)
 
 
-def quarantine_binlog(system: System, damaged: DamagedBinlog) -> DataLoss:
-    """Record the loss, take the rows' files out of the segment meta, move the file aside."""
+def quarantine_binlog(
+    system: System,
+    damaged: DamagedBinlog,
+    then: Sequence[Callable[[System, SegmentInfo, str], object]] = (),
+) -> DataLoss:
+    """Record the loss, take the rows' files out of the segment meta, run the `then` steps
+    (segment, reason), move the file aside."""
     store, storage = system.store, system.storage
     seg = damaged.segment.model
     loss = DataLoss(
@@ -115,5 +125,8 @@ def quarantine_binlog(system: System, damaged: DamagedBinlog) -> DataLoss:
     stats = seg.statslogs[:i] + seg.statslogs[i + 1 :] if aligned else seg.statslogs
     kept = seg.with_changes(binlogs=groups, statslogs=stats, num_rows=seg.num_rows - damaged.rows)
     store.cas(damaged.segment.kv.key, damaged.segment.kv.version, kept)
+    reason = f"binlog {damaged.path} quarantined: {damaged.rows} rows lost (loss {loss.loss_id})"
+    for step in then:
+        step(system, kept, reason)
     move_to_quarantine(storage, damaged.key)
     return loss

@@ -453,6 +453,8 @@ def search_segment(
     Spark task too."""
     seg, build = part.segment, part.build
     rows = _cached_scalars(storage, seg)
+    if not rows.num_rows:
+        return [], None  # no rows left (its binlogs quarantined): no columns to read either
     allowed = _allowed(request, rows, part.deletes, part.ts)
     if not allowed.any():
         return [], None

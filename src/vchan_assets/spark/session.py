@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -103,6 +104,72 @@ def _get_or_create(builder: SparkSession.Builder, attempts: int = 3) -> SparkSes
             log.warning("Spark's JVM exited at start (attempt %d of %d); retrying", attempt, attempts)
             time.sleep(0.5 * attempt)
     raise AssertionError("unreachable")
+
+
+class SparkUnavailableError(DeclaredError, RuntimeError):
+    """This process's Spark session does not answer (its JVM died, or hangs)."""
+
+    reason: str
+    message = "the Spark session does not answer: {reason}"
+
+
+def probe_spark(spark: SparkSession, timeout: float) -> None:
+    """Whether the session's JVM answers within `timeout` seconds: a call into the driver's
+    JVM (a classic session: no job, so executors busy with a sync do not delay it; Spark
+    Connect: a one-row job). SparkUnavailableError if not."""
+    outcome: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            if settings_is_connect(spark):
+                spark.range(1).count()
+            elif spark.sparkContext._jsc is None or spark.sparkContext._jsc.sc().isStopped():
+                outcome["error"] = "its SparkContext is stopped"
+        except Exception as exc:  # py4j's errors of a dead gateway are many kinds
+            outcome["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        outcome.setdefault("error", None)
+
+    thread = threading.Thread(target=call, name="spark probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" not in outcome:
+        raise SparkUnavailableError(f"no answer within {timeout:g}s")
+    if outcome["error"] is not None:
+        raise SparkUnavailableError(str(outcome["error"]))
+
+
+def reset_spark() -> None:
+    """Forget this process's classic Spark session, whose JVM died or hangs, so that the next
+    `get_spark` launches a new JVM: PySpark keeps the gateway of the dead one in class
+    attributes and would use it again. The old JVM, if still there, is killed."""
+    from pyspark import SparkContext
+    from pyspark.sql import SQLContext
+
+    with SparkContext._lock:  # no session is created on the old gateway meanwhile
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "Unable to cleanly shutdown Spark JVM"
+            sc = SparkContext._active_spark_context
+            if sc is not None:
+                try:
+                    sc.stop()
+                except Exception as exc:  # its JVM is gone: nothing to stop cleanly
+                    log.warning("stopping the dead SparkContext: %s", exc)
+        gateway = SparkContext._gateway
+        if gateway is not None:
+            proc = getattr(gateway, "proc", None)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            try:
+                gateway.shutdown(raise_exception=False)
+            except Exception as exc:  # py4j may still fail closing sockets of a dead peer
+                log.warning("closing the dead Spark gateway: %s", exc)
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+        SparkContext._active_spark_context = None
+        SparkSession._instantiatedSession = None
+        SparkSession._activeSession = None
+        SQLContext._instantiatedContext = None
 
 
 def run_job(spark: SparkSession, description: str, job: Callable[[], T], timeout: float) -> T:

@@ -1,0 +1,101 @@
+"""A DataNode is HEALTHY only while it can work: a real `vchan datanode --engine spark`
+whose Spark JVM is killed (SIGKILL of the py4j gateway's child process) under load says
+ABNORMAL with the reason (shown by `vchan status`), its channels move to the other node,
+it starts a new Spark session and is HEALTHY again; nothing is lost or duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from vchan_assets.catalog import Catalog
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import NodeSession, SessionState
+from vchan_assets.status import collect_status
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+
+from .helpers import (
+    Cluster,
+    Load,
+    OneWriterChecker,
+    Role,
+    checkpoint_of,
+    create_collections,
+    finish_and_check,
+    owners,
+    wait_until,
+)
+
+
+def _jvm_of(role: Role) -> int:
+    """The pid of the node's Spark JVM: its `java` child (started by whichever thread)."""
+    children = [
+        int(pid)
+        for task in Path(f"/proc/{role.pid}/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]
+    java = [pid for pid in children if b"java" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(java) == 1, (children, java)
+    return java[0]
+
+
+def _session(store: MetaStore, node: Role) -> NodeSession | None:
+    found = store.get_model(store.keys.datanode_session(node.id), NodeSession)
+    return None if found is None else found.model
+
+
+def test_a_datanode_whose_spark_jvm_dies_goes_abnormal_its_channels_move_and_it_recovers(
+    cluster: Cluster, store: MetaStore
+) -> None:
+    cluster.env_extra["VCHAN_SESSION_TTL"] = "6"  # a JVM starting on a loaded machine starves keep-alives
+    producer, infos = create_collections(store, cluster.settings, count=1, shards=4)
+    channels = list(infos[0].vchannels)
+    cluster.coordinator()
+    other = cluster.node()
+    spark = cluster.node(engine="spark", VCHAN_HEALTH_INTERVAL="1")
+    load = Load(producer, infos)
+    load.start()
+
+    def spark_holds_channels() -> bool:
+        now = owners(store, channels)
+        return now is not None and spark.id in now.values() and other.id in now.values()
+
+    wait_until(spark_holds_channels, 180, "the Spark node HEALTHY and given channels by balance")
+    wait_until(lambda: all(checkpoint_of(store, v) for v in channels), 30, "every channel synced once")
+    checker = OneWriterChecker(store, channels)
+    checker.start()
+    jvm = _jvm_of(spark)
+
+    os.kill(jvm, signal.SIGKILL)
+
+    def says_abnormal() -> bool:
+        session = _session(store, spark)
+        return session is not None and session.state is SessionState.ABNORMAL
+
+    wait_until(says_abnormal, 30, "the node ABNORMAL")
+    session = _session(store, spark)
+    assert session is not None and "Spark session does not answer" in session.reason, session
+    with Catalog(System(cluster.settings, store, Storage.from_settings(cluster.settings))) as catalog:
+        [shown] = [n for n in collect_status(catalog)["nodes"] if n["node_id"] == spark.id]
+    assert shown["state"] in ("ABNORMAL", "HEALTHY")  # (it may have recovered already)
+    if shown["state"] == "ABNORMAL":
+        assert "does not answer" in shown["state_reason"]
+    # Its channels move at once (the new JVM takes seconds to start: it is still ABNORMAL).
+    wait_until(
+        lambda: set((owners(store, channels) or {0: 0}).values()) == {other.id},
+        30,
+        "the ABNORMAL node's channels moved to the other node",
+    )
+
+    def recovered() -> bool:
+        now = _session(store, spark)
+        return now is not None and now.state is SessionState.HEALTHY and owners(store, channels) is not None
+
+    wait_until(recovered, 180, "the node HEALTHY again on a new Spark session")
+    assert spark.alive() and _jvm_of(spark) != jvm
+    assert spark.log().count("Spark session up") == 2
+    finish_and_check(cluster, store, (producer, infos), load)
+    checker.stop()
+    assert not checker.violations, checker.violations[:5]
