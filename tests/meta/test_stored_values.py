@@ -184,3 +184,19 @@ def test_an_unknown_state_lists_the_allowed_ones() -> None:
         decode("w", raw, ChannelWatchInfo)
 
     assert "field 'state' is 'Watching', expected one of: ToWatch" in str(bad.value)
+
+
+def test_the_same_bytes_decode_once_and_a_malformed_value_raises_every_time() -> None:
+    from vchan_assets.meta.codec import _decoded
+
+    raw = encode(ChannelLease(lease_id=7, node_id=3, granted_at=11.0))
+    before = _decoded.cache_info().hits
+    first = decode("k", raw, ChannelLease)
+    again = decode("k", raw, ChannelLease)
+    assert again == first and again.lease_id == 7
+    assert _decoded.cache_info().hits == before + 1
+    changed = decode("k", encode(ChannelLease(lease_id=8, node_id=3, granted_at=12.0)), ChannelLease)
+    assert changed.lease_id == 8, "new bytes under the same key decode anew"
+    for _ in range(2):
+        with pytest.raises(MalformedValueError):
+            decode("k", b'{"v": 1, "node_id": 3}', ChannelLease)
