@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.indexes.engine import OURS
 from vchan_assets.model import CollectionInfo, IndexEngine
-from vchan_assets.query.asof import resolve_as_of, views_at
+from vchan_assets.query.asof import meta_at, resolve_as_of
 from vchan_assets.query.search import (
     Fallback,
     SearchError,
@@ -170,12 +170,12 @@ def search_table(
     if by not in ("segment", "query"):
         raise SearchError(info.name, f"by must be 'segment' or 'query', got {by!r}")
     ids, vectors = collect_queries(info, queries, id_column, vector_column)
-    request = check_request(system, info, vectors, k, **request_options)
     spark = queries.sparkSession
     ts = resolve_as_of(system.store, system.settings, as_of)
     with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        segments, views = views_at(system.store, info, ts)  # checkpoints before segments
-        plan = plan_search(system, info, request, segments, views, ts)
+        meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
+        request = check_request(system, info, vectors, k, **request_options, indexes=meta.indexes)
+        plan = plan_search(system, info, request, meta, ts)
         slices = max(1, int(spark.conf.get("spark.default.parallelism", "0") or 0) or _cores(spark))
         tasks = plan_tasks(plan.parts, len(request.queries), by, slices)
         inputs = TaskInputs(system.storage, request, engine, tuple(tasks))
