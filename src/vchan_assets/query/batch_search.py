@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
+from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
 from vchan_assets.indexes.engine import OURS
 from vchan_assets.model import CollectionInfo, IndexEngine
 from vchan_assets.query.asof import meta_at, resolve_as_of
@@ -172,7 +172,7 @@ def search_table(
     ids, vectors = collect_queries(info, queries, id_column, vector_column)
     spark = queries.sparkSession
     ts = resolve_as_of(system.store, system.settings, as_of)
-    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+    with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
         meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
         request = check_request(system, info, vectors, k, **request_options, indexes=meta.indexes)
         plan = plan_search(system, info, request, meta, ts)

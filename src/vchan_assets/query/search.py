@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
+from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
 from vchan_assets.errors import DeclaredError
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
@@ -179,7 +179,7 @@ def search(
     this process reads (what its reader session states). The segments searched exactly
     although indexed are listed in the result's metadata (`exact_segments`)."""
     ts = resolve_as_of(system.store, system.settings, as_of)
-    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+    with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
         meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
         request = check_request(
             system, info, vectors, k, field, metric, filter, params, output_fields, meta.indexes
