@@ -7,7 +7,9 @@ one vchannel, an IVF_FLAT index (nlist 256) built in process. Then `--calls` sea
 `--batch` queries each, call by call in turn: `Catalog.search` (k = 10, default nprobe),
 then faiss searching the same per-segment index files loaded in this process and merging
 the top 10 (what bench.index_build compares against). The fixed cost per call is the
-difference of the two, in milliseconds; also counted per call: the etcd requests the
+difference of the two, in milliseconds: the mean, the median of the calls (robust to a
+shared machine's load spikes), and the median in this process's CPU time (what a loaded
+machine inflates least; etcd's own work is not in it); also counted per call: the etcd requests the
 search made and the meta records it decoded anew (not found in the codec's cache).
 `--pin-reuse S`: VCHAN_READ_PIN_REUSE for the searches; `--profile` prints the functions
 a call spends the most time in (cProfile).
@@ -27,12 +29,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from bench import bench_parser, bench_system
-from bench.index_build import K, clustered, load, sorted_segments
+from bench.index_build import K, clustered, faiss_search, load, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.indexes.build import load_index
 from vchan_assets.indexes.meta import create_index, list_builds
@@ -40,7 +41,6 @@ from vchan_assets.indexes.step import index_step
 from vchan_assets.meta import codec
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import IndexType
-from vchan_assets.query.index_checks import search_default
 from vchan_assets.storage.rows import segment_rows
 
 NLIST = 256
@@ -66,17 +66,6 @@ def decodes() -> int:
     """Meta records decoded anew so far (the codec's cache misses, when it has one)."""
     cached = getattr(codec, "_decoded", None)
     return cached.cache_info().misses if cached is not None else -1
-
-
-def faiss_alone(indexes: list[tuple[Any, np.ndarray]], queries: np.ndarray) -> np.ndarray:
-    distances, pks = [], []
-    for index, seg_pks in indexes:
-        d, p = search_default(index, queries, IndexType.IVF_FLAT, K)
-        distances.append(d)
-        pks.append(np.where(p >= 0, seg_pks[np.maximum(p, 0)], -1))
-    d, p = np.hstack(distances), np.hstack(pks)
-    best = np.argsort(d, axis=1, kind="stable")[:, :K]
-    return np.take_along_axis(p, best, axis=1)
 
 
 def main() -> None:
@@ -114,21 +103,26 @@ def main() -> None:
         catalog.search(info.name, queries[: args.batch], k=K, as_arrow=True)  # warm: files cached
         requests = Requests(system.store)
         ours_s = faiss_s = 0.0
+        fixed: list[float] = []  # per call: ours - faiss
+        fixed_cpu: list[float] = []  # the same in this process's CPU time
         same = 0
         decoded = decodes()
         profile = cProfile.Profile() if args.profile else None
         for start in range(0, len(queries), args.batch):
             batch = queries[start : start + args.batch]
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             if profile is not None:
                 profile.enable()
             hits = catalog.search(info.name, batch, k=K, as_arrow=True)
             if profile is not None:
                 profile.disable()
-            ours_s += time.perf_counter() - started
-            started = time.perf_counter()
-            alone = faiss_alone(indexes, batch)
-            faiss_s += time.perf_counter() - started
+            ours, ours_cpu = time.perf_counter() - started, time.process_time() - cpu
+            started, cpu = time.perf_counter(), time.process_time()
+            alone = faiss_search(indexes, batch, IndexType.IVF_FLAT)
+            alone_s, alone_cpu = time.perf_counter() - started, time.process_time() - cpu
+            ours_s, faiss_s = ours_s + ours, faiss_s + alone_s
+            fixed.append(ours - alone_s)
+            fixed_cpu.append(ours_cpu - alone_cpu)
             same += int(np.array_equal(hits["pk"].to_numpy(), alone.reshape(-1)))
         calls = args.calls
         result = {
@@ -142,6 +136,8 @@ def main() -> None:
             "ours_ms_per_call": round(1000 * ours_s / calls, 2),
             "faiss_ms_per_call": round(1000 * faiss_s / calls, 2),
             "fixed_ms_per_call": round(1000 * (ours_s - faiss_s) / calls, 2),
+            "fixed_ms_median": round(1000 * float(np.median(fixed)), 2),
+            "fixed_cpu_ms_median": round(1000 * float(np.median(fixed_cpu)), 2),
             "ratio_faiss_over_ours": round(faiss_s / ours_s, 3),
             "etcd_requests_per_call": round(requests.count / calls, 1),
             "records_decoded_per_call": round((decodes() - decoded) / calls, 1) if decoded >= 0 else None,
