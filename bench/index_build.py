@@ -134,11 +134,13 @@ def faiss_builds(vectors: np.ndarray, pk_lists: list[np.ndarray]) -> float:
     return time.perf_counter() - started
 
 
-def faiss_search(indexes: list[tuple[Any, np.ndarray]], queries: np.ndarray) -> np.ndarray:
-    """The top K pks over every segment's index (ef as Catalog.search's default)."""
+def faiss_search(
+    indexes: list[tuple[Any, np.ndarray]], queries: np.ndarray, kind: IndexType = IndexType.HNSW
+) -> np.ndarray:
+    """The top K pks over every segment's index (ef or nprobe as Catalog.search's default)."""
     distances, pks = [], []
     for index, seg_pks in indexes:
-        d, p = search_default(index, queries, IndexType.HNSW, K)
+        d, p = search_default(index, queries, kind, K)
         distances.append(d)
         pks.append(np.where(p >= 0, seg_pks[np.maximum(p, 0)], -1))
     d, p = np.hstack(distances), np.hstack(pks)

@@ -300,6 +300,7 @@ class Settings:
     lifecycle_interval: float = FROM_TABLE
     time_travel: float = FROM_TABLE
     read_pin_ttl: float = FROM_TABLE
+    read_pin_reuse: float = FROM_TABLE
     stream_idle_timeout: float = FROM_TABLE
     sort_scan_interval: float = FROM_TABLE
     compaction_enabled: bool = FROM_TABLE

@@ -223,18 +223,27 @@ def test_malformed_watch_infos_and_sessions_are_logged_and_skipped(
     _, infos = create_collections(store, cluster.settings, count=1, shards=2)
     channels = list(infos[0].vchannels)
     node = cluster.node()
+    keys = store.keys
+    # A well-formed ToWatch for a collection that does not exist: the node answers WatchFailure.
+    # Written before any coordinator runs: a coordinator retires a channel of no collection
+    # itself (ToRelease), and when its step ran first the node never answered WatchFailure.
+    ghost_key = keys.channel_watch(node.id, "ghost-channel")
+    ghost = ChannelWatchInfo(
+        VchannelInfo(987654, "ghost-channel"), WatchState.TO_WATCH, time.time(), time.time() + 60, lease_id=1
+    )
+    store.put(ghost_key, ghost)
+
+    def answered() -> bool:
+        found = store.get_model(ghost_key, ChannelWatchInfo)
+        return found is not None and found.model.state is WatchState.WATCH_FAILURE
+
+    wait_until(answered, 30, "the node answered WatchFailure")
     coordinator = cluster.coordinator()
     wait_until(lambda: owners(store, channels), 30, "channels watched")
-    keys = store.keys
     store.put(keys.channel_watch(node.id, "bogus-not-json"), b"{not json")
     store.put(keys.channel_watch(node.id, "wrong-version"), b'{"v": 99, "state": "ToWatch"}')
     store.put(keys.datanode_session(424242), b"[1, 2]")
     store.put(keys.datanode_session(434343), b'{"v": 1, "node_id": "x"}')
-    # A well-formed ToWatch for a collection that does not exist: the node answers WatchFailure.
-    ghost = ChannelWatchInfo(
-        VchannelInfo(987654, "ghost-channel"), WatchState.TO_WATCH, time.time(), time.time() + 60, lease_id=1
-    )
-    store.put(keys.channel_watch(node.id, "ghost-channel"), ghost)
     wait_until(
         lambda: "bogus-not-json" in node.log() and "wrong-version" in node.log(), 15, "node logged both"
     )
@@ -243,7 +252,7 @@ def test_malformed_watch_infos_and_sessions_are_logged_and_skipped(
     )
     assert "skipping malformed watch info" in node.log()
     # The coordinator removes the ghost channel (no such collection) once the node answered.
-    wait_until(lambda: store.get(keys.channel_watch(node.id, "ghost-channel")) is None, 15, "ghost removed")
+    wait_until(lambda: store.get(ghost_key) is None, 15, "ghost removed")
     assert "ghost-channel" in node.log() and "WatchFailure" in node.log()
     time.sleep(1)
     assert node.process.poll() is None and coordinator.process.poll() is None

@@ -14,6 +14,7 @@ import pytest
 
 from indexes.helpers import DIM, Data, ivf_indexed, live_sorted, new_collection
 from vchan_assets.catalog import Catalog
+from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.indexes.gc import collect_indexes
 from vchan_assets.indexes.meta import list_builds, list_indexes, release_waiting_outputs
@@ -29,6 +30,13 @@ from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 LATER = 2 * 86400  # past every tolerance of the defaults
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    """GC runs here right after searches: a search's pin ends with it (no reuse window,
+    VCHAN_READ_PIN_REUSE), else GC keeps the segments dropped shortly before it."""
+    return replace(settings, read_pin_reuse=0.0)
 
 
 @pytest.fixture

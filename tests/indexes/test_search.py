@@ -29,7 +29,8 @@ from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.indexes.tasks import IndexTasks
-from vchan_assets.model import SegmentIndex, SegmentIndexState
+from vchan_assets.meta.codec import decode
+from vchan_assets.model import ReadPin, SegmentIndex, SegmentIndexState
 from vchan_assets.query.search import IndexFallbackWarning, SearchError
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
@@ -83,6 +84,20 @@ def test_without_an_index_search_is_exact(system: System, data: Data) -> None:
     row = frame.iloc[0]
     true = float(((vectors[pks == row["pk"]][0] - QUERIES[int(row["query"])]) ** 2).sum())
     assert row["distance"] == pytest.approx(true, rel=1e-4)
+
+
+def test_back_to_back_searches_share_one_read_pin_and_a_search_in_the_past_takes_its_own(
+    system: System, data: Data
+) -> None:
+    catalog = Catalog(replace(system, settings=replace(system.settings, time_travel=3600.0)))
+    pins = system.store.keys.read_pin.prefix
+    first = catalog.search(data.info.name, QUERIES[:2], k=K)
+    [pin] = system.store.list_prefix(pins).items
+    assert catalog.search(data.info.name, QUERIES[:2], k=K).equals(first)
+    assert system.store.list_prefix(pins).items == [pin], "the second search took the first's pin"
+    past = decode(pin.key, pin.value, ReadPin).as_of - 1
+    catalog.search(data.info.name, QUERIES[:2], k=K, as_of=past)  # before the pin's time
+    assert len(system.store.list_prefix(pins).items) == 2
 
 
 def test_hnsw_returns_the_exact_distances(system: System, data: Data) -> None:

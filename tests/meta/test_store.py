@@ -172,6 +172,20 @@ def test_a_txn_unchanged_since_a_listing_fails_once_a_key_under_its_prefix_was_w
     assert store.txn_unchanged_since(empty, [f"{root}/range/c/"], {f"{root}/range/c/1": b"u"}) is not None
 
 
+def test_list_prefixes_reads_every_prefix_in_key_order_in_one_transaction(store: MetaStore) -> None:
+    root = store.keys.root
+    for key in ("many/b/2", "many/a/2", "many/a/1", "many/a1"):
+        store.put(f"{root}/{key}", key.encode())
+    revision = store.put(f"{root}/many/a/1", b"again")  # the newest write: the revision of the read
+
+    a, b, empty = store.list_prefixes([f"{root}/many/a/", f"{root}/many/b/", f"{root}/many/c/"])
+
+    assert [kv.key for kv in a] == [f"{root}/many/a/1", f"{root}/many/a/2"], "a1 is not under a/"
+    assert a[0].value == b"again" and a[0].version == 2 and a[0].mod_revision == revision
+    assert [kv.value for kv in b] == [b"many/b/2"] and empty == []
+    assert a == store.list_prefix(f"{root}/many/a/").items
+
+
 def test_decoding_malformed_json_names_the_key() -> None:
     with pytest.raises(MalformedValueError) as bad:
         decode("vchan/meta/channel-cp/ch-1", b"{not json", MsgPosition)

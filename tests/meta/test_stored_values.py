@@ -7,10 +7,11 @@ the generic codec replaced it; they stand for keys that live clusters hold today
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
-from vchan_assets.meta.codec import decode, encode
+from vchan_assets.meta.codec import decode, encode, immutable
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.model import (
     Binlog,
@@ -21,6 +22,7 @@ from vchan_assets.model import (
     ColumnGroupBinlogs,
     MsgPosition,
     NodeSession,
+    Record,
     SegmentInfo,
     SegmentLevel,
     SegmentState,
@@ -184,3 +186,58 @@ def test_an_unknown_state_lists_the_allowed_ones() -> None:
         decode("w", raw, ChannelWatchInfo)
 
     assert "field 'state' is 'Watching', expected one of: ToWatch" in str(bad.value)
+
+
+def test_the_same_bytes_decode_once_and_a_malformed_value_raises_every_time() -> None:
+    from vchan_assets.meta.codec import _decoded
+
+    raw = encode(ChannelLease(lease_id=7, node_id=3, granted_at=11.0))
+    before = _decoded.cache_info().hits
+    first = decode("k", raw, ChannelLease)
+    again = decode("k", raw, ChannelLease)
+    assert again is first and again.lease_id == 7
+    assert _decoded.cache_info().hits == before + 1
+    changed = decode("k", encode(ChannelLease(lease_id=8, node_id=3, granted_at=12.0)), ChannelLease)
+    assert changed.lease_id == 8, "new bytes under the same key decode anew"
+    for _ in range(2):
+        with pytest.raises(MalformedValueError):
+            decode("k", b'{"v": 1, "node_id": 3}', ChannelLease)
+
+
+@dataclass
+class _Counter(Record):
+    """A record that can change after decoding (not frozen): it must never be shared."""
+
+    n: int
+
+
+@dataclass(frozen=True)
+class _Labelled(Record):
+    label: str
+    counter: _Counter | None = None
+
+
+def test_a_record_that_could_change_is_decoded_anew_for_each_caller() -> None:
+    raw = b'{"v": 1, "n": 1}'
+    first = decode("k", raw, _Counter)
+    first.n = 2  # a caller changing what it was given
+    assert decode("k", raw, _Counter).n == 1, "another caller saw the change"
+    assert not immutable(_Counter) and not immutable(_Labelled), "a frozen record holding a mutable one"
+    nested = b'{"v": 1, "label": "a", "counter": {"n": 1}}'
+    assert decode("k", nested, _Labelled) is not decode("k", nested, _Labelled)
+    assert immutable(ChannelWatchInfo) and decode("k", raw, _Counter) == _Counter(1)
+
+
+def test_every_stored_record_is_immutable_so_the_codec_caches_it() -> None:
+    import vchan_assets.imports.jobs as jobs
+    import vchan_assets.lifecycle.plans as plans
+    import vchan_assets.model as model
+
+    stored = [
+        c
+        for module in (model, jobs, plans)
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, Record) and c is not Record
+    ]
+    assert len(stored) > 20 and SegmentInfo in stored
+    assert [c.__name__ for c in stored if not immutable(c)] == []

@@ -16,7 +16,7 @@ import pytest
 from lifecycle.helpers import sync_all
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.read_pins import pinned, pinned_horizons
+from vchan_assets.datacoord.read_pins import PinHandle, SharedPins, pinned, pinned_horizons
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
@@ -119,3 +119,49 @@ def test_a_pin_holds_its_collection_back_from_its_timestamp_and_ends_with_its_re
         [horizon] = pinned_horizons(store).values()
         assert horizon <= (ts >> 18) / 1000 and horizon <= time.time()
     assert not pin.alive(store) and pinned_horizons(store) == {}
+
+
+def _wait_until_ended(store: MetaStore, *pins: PinHandle) -> None:
+    deadline = time.monotonic() + 30
+    while any(p.alive(store) for p in pins):
+        assert time.monotonic() < deadline, "a shared pin outlived its reuse window"
+        time.sleep(0.1)
+
+
+def test_searches_share_a_young_pin_at_or_before_their_time_and_it_ends_after_its_window(
+    store: MetaStore, settings: Settings, collection: CollectionInfo
+) -> None:
+    shared = SharedPins()  # its own, not the process's
+    quick = replace(settings, read_pin_reuse=1.0)
+    t1 = now_ts(store)
+    with shared.pinned(store, quick, collection.id, t1) as first:
+        assert first.alive(store)
+    assert first.alive(store), "kept for the next search"
+    with shared.pinned(store, quick, collection.id, now_ts(store)) as again:
+        assert again == first
+        [horizon] = pinned_horizons(store).values()
+        assert horizon <= (t1 >> 18) / 1000, "GC keeps what a search at the pin's time may open"
+    with shared.pinned(store, quick, collection.id, t1 - 1) as earlier:  # before the pin's time
+        assert earlier != first and len(store.list_prefix(store.keys.read_pin.prefix).items) == 2
+    _wait_until_ended(store, first, earlier)
+    assert pinned_horizons(store) == {}
+    with shared.pinned(store, quick, collection.id, now_ts(store)) as fresh:
+        assert fresh != first and fresh != earlier
+    shared.close()
+    assert not fresh.alive(store), "closed (as at the process's exit): no search holds it"
+
+
+def test_a_shared_pin_lasts_while_a_search_holds_it_and_a_reuse_of_0_pins_each_search(
+    store: MetaStore, settings: Settings, collection: CollectionInfo
+) -> None:
+    shared = SharedPins()
+    with shared.pinned(store, replace(settings, read_pin_reuse=0.2), collection.id, now_ts(store)) as held:
+        time.sleep(0.5)  # past its window: its timer found it held
+        assert held.alive(store)
+    assert not held.alive(store), "its last search ended it"
+    each = replace(settings, read_pin_reuse=0.0)
+    with shared.pinned(store, each, collection.id, now_ts(store)) as one:
+        assert one.alive(store)
+    with shared.pinned(store, each, collection.id, now_ts(store)) as two:
+        assert two != one
+    assert not one.alive(store) and not two.alive(store) and pinned_horizons(store) == {}

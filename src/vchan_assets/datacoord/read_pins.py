@@ -9,16 +9,28 @@ not remove the files of a segment of a pinned collection dropped at or after the
 pinned T (`pinned_horizons`, `is_pinned`). A read that outlives its pin can find a file
 gone: it then fails with `ReadPinLostError`, naming the pin and its TTL, not with a
 missing-file error.
+
+Searches share pins (`shared_pin`, VCHAN_READ_PIN_REUSE): a pin is three etcd round trips
+(grant, put, revoke), a good part of a small search's cost. A search of a collection at T
+takes the pin of an earlier search of the same collection in the same process when that
+pin is at most `reuse` seconds old (min(VCHAN_READ_PIN_REUSE, VCHAN_READ_PIN_TTL / 2)) and
+its timestamp is at or before T. The guarantee is the same: the search opens segments live
+at T, dropped (if ever) at or after T, so at or after the pin's timestamp, which GC keeps;
+its lease has at least TTL - reuse seconds left. A shared pin ends once it is `reuse`
+seconds old and no search holds it (revoked then, by a timer or by its last search, and at
+the process's exit); a killed process leaves it to its lease, as any pin.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from vchan_assets.config import Settings
@@ -85,6 +97,112 @@ def pinned(store: MetaStore, settings: Settings, collection_id: int, as_of: int)
         yield pin
     finally:
         unpin(store, pin)
+
+
+_Key = tuple[tuple[str, ...], str, int]  # (etcd endpoints, key root, collection id)
+
+
+@dataclass(eq=False)
+class _Shared:
+    """A pin searches share: taken again while younger than the reuse window."""
+
+    store: MetaStore
+    key: _Key
+    pin: PinHandle
+    as_of: int
+    taken: float  # time.monotonic() when granted
+    users: int = 1
+    ended: bool = False  # revoked (or being revoked): no search takes it any more
+
+
+class SharedPins:
+    """The read pins a process's searches share (module docstring): the newest per
+    collection is taken again; each ends `reuse` seconds after it was taken, once no search
+    holds it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._newest: dict[_Key, _Shared] = {}  # by collection: the pin a search may take
+        self._live: set[_Shared] = set()
+        atexit.register(self.close)
+
+    @contextmanager
+    def pinned(
+        self, store: MetaStore, settings: Settings, collection_id: int, as_of: int
+    ) -> Iterator[PinHandle]:
+        """`pinned`, sharing the pin with the process's other searches of the collection."""
+        reuse = min(settings.read_pin_reuse, settings.read_pin_ttl / 2)
+        if reuse <= 0:
+            with pinned(store, settings, collection_id, as_of) as pin:
+                yield pin
+            return
+        key = (store.endpoints, store.keys.root, collection_id)
+        with self._lock:
+            shared = self._newest.get(key)
+            if shared is not None and _reusable(shared, as_of, reuse):
+                shared.users += 1
+            else:
+                shared = None
+        if shared is None:
+            pin = pin_read(store, settings, collection_id, as_of)
+            shared = _Shared(store, key, pin, as_of, time.monotonic())
+            with self._lock:
+                self._newest[key] = shared  # the one before ends by its own timer or search
+                self._live.add(shared)
+            timer = threading.Timer(reuse, self._end_if_idle, (shared, reuse))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield shared.pin
+        finally:
+            with self._lock:
+                shared.users -= 1
+            self._end_if_idle(shared, reuse)
+
+    def _end_if_idle(self, shared: _Shared, reuse: float) -> None:
+        """Revoke the pin once no search holds it and its window is over."""
+        with self._lock:
+            if shared.users or shared.ended or time.monotonic() - shared.taken < reuse:
+                return
+            self._forget(shared)
+        _unpin_quietly(shared.store, shared.pin)
+
+    def _forget(self, shared: _Shared) -> None:
+        shared.ended = True
+        self._live.discard(shared)
+        if self._newest.get(shared.key) is shared:
+            del self._newest[shared.key]
+
+    def close(self) -> None:
+        """End every shared pin no search holds (at exit: else its lease keeps it for its TTL)."""
+        with self._lock:
+            idle = [s for s in self._live if not s.users]
+            for shared in idle:
+                self._forget(shared)
+        for shared in idle:
+            _unpin_quietly(shared.store, shared.pin)
+
+
+def _reusable(shared: _Shared, as_of: int, reuse: float) -> bool:
+    """A search at `as_of` may take the pin: at or before its timestamp, and young."""
+    return not shared.ended and shared.as_of <= as_of and time.monotonic() - shared.taken < reuse
+
+
+def _unpin_quietly(store: MetaStore, pin: PinHandle) -> None:
+    try:
+        unpin(store, pin)
+    except Exception as exc:  # a closed connection (grpc raises ValueError): its lease ends it
+        log.info("read pin %d: not revoked (%s); its lease ends it", pin.pin_id, exc)
+
+
+SHARED_PINS = SharedPins()
+
+
+def shared_pin(
+    store: MetaStore, settings: Settings, collection_id: int, as_of: int
+) -> AbstractContextManager[PinHandle]:
+    """A search's pin: `pinned`, shared with the process's other searches (`SharedPins`)."""
+    return SHARED_PINS.pinned(store, settings, collection_id, as_of)
 
 
 @contextmanager

@@ -111,6 +111,13 @@ def list_indexes(
     family = store.keys.field_index
     prefix = family.prefix if collection_id is None else family.under(collection_id)
     found, _ = store.list_models(prefix, FieldIndex, skip_malformed=True)
+    return live_indexes(found, include_deleted)
+
+
+def live_indexes(
+    found: Iterable[Decoded[FieldIndex]], include_deleted: bool = False
+) -> list[Decoded[FieldIndex]]:
+    """The listed indexes not dropped (all of them with `include_deleted`)."""
     return [d for d in found if include_deleted or not d.model.deleted]
 
 

@@ -86,6 +86,18 @@ def _kv(meta: Any) -> KeyValue:
     )
 
 
+def _pair_kv(value: bytes, meta: Any) -> KeyValue:
+    """A key read by a range of a transaction: its value and etcd3's KVMetadata."""
+    return KeyValue(
+        key=meta.key.decode(),
+        value=bytes(value),
+        version=meta.version,
+        mod_revision=meta.mod_revision,
+        create_revision=meta.create_revision,
+        lease=meta.lease_id,
+    )
+
+
 # What a key is written with: raw bytes, or a model / dict that the codec encodes.
 Value = bytes | Model | dict[str, Any]
 
@@ -248,13 +260,30 @@ class MetaStore:
             resp = self.client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
         return Snapshot([_kv(kv) for kv in resp.kvs], resp.header.revision)
 
+    def list_prefixes(self, prefixes: Sequence[str]) -> list[list[KeyValue]]:
+        """The keys under each of `prefixes` (each list in key order), read in one
+        transaction: one round trip, every prefix at the same revision."""
+        tx = self.client.transactions
+        ranges = [
+            tx.get(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p))) for p in prefixes
+        ]
+        with self._call(f"list {', '.join(prefixes)}"):
+            _, responses = self.client.transaction(compare=[], success=ranges, failure=[])
+        return [[_pair_kv(value, meta) for value, meta in found] for found in responses]
+
     def list_models(
         self, prefix: str, model: type[M], skip_malformed: bool = False
     ) -> tuple[list[Decoded[M]], int]:
         """Decode every value under a prefix; malformed ones raise, or are logged and skipped."""
         snap = self.list_prefix(prefix)
+        return self.decode_models(snap.items, model, skip_malformed), snap.revision
+
+    def decode_models(
+        self, items: Sequence[KeyValue], model: type[M], skip_malformed: bool = False
+    ) -> list[Decoded[M]]:
+        """Decode listed values; malformed ones raise, or are logged and skipped."""
         out: list[Decoded[M]] = []
-        for kv in snap.items:
+        for kv in items:
             try:
                 out.append(Decoded(decode(kv.key, kv.value, model), kv))
             except MalformedValueError as exc:
@@ -262,7 +291,7 @@ class MetaStore:
                     raise
                 self.malformed_skipped += 1
                 log.error("skipping %s", exc)
-        return out, snap.revision
+        return out
 
     def revision(self) -> int:
         """The store's current revision."""
@@ -453,12 +482,7 @@ class MetaStore:
 
 def _range_kv(pairs: list[Any]) -> KeyValue | None:
     """The one key of a transaction's range read ((value, KVMetadata) pairs), or None."""
-    if not pairs:
-        return None
-    value, meta = pairs[0]
-    return KeyValue(
-        meta.key.decode(), bytes(value), meta.version, meta.mod_revision, meta.create_revision, meta.lease_id
-    )
+    return _pair_kv(*pairs[0]) if pairs else None
 
 
 def _txn_revision(responses: list[Any]) -> int:

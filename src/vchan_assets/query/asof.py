@@ -43,10 +43,19 @@ import pyarrow.compute as pc
 from vchan_assets.config import Settings
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
+from vchan_assets.indexes.meta import live_indexes
 from vchan_assets.meta.allocator import now_ts
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, compose_ts, physical_ms
-from vchan_assets.query.view import QueryView, collection_segments, collection_views, read_checkpoints
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import (
+    CollectionInfo,
+    FieldIndex,
+    SegmentIndex,
+    SegmentInfo,
+    SegmentState,
+    compose_ts,
+    physical_ms,
+)
+from vchan_assets.query.view import QueryView, collection_views, read_checkpoints
 from vchan_assets.storage import Storage
 from vchan_assets.wal.format import MsgType, user_fields
 from vchan_assets.wal.reader import WalReader, read_log_file
@@ -183,13 +192,39 @@ def dropped_after(seg: SegmentInfo, ts: int) -> bool:
 
 
 def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[SegmentInfo], list[QueryView]]:
+    """The collection's segment meta as it stood at `ts` and the query views over it
+    (`meta_at`)."""
+    found = meta_at(store, info, ts)
+    return found.segments, found.views
+
+
+@dataclass(frozen=True)
+class MetaAt:
+    """What a read at T lists of a collection's meta (`meta_at`)."""
+
+    segments: list[SegmentInfo]  # as they stood at T (`segments_at`)
+    views: list[QueryView]
+    indexes: list[FieldIndex]  # the live indexes
+    builds: list[Decoded[SegmentIndex]]  # every segment index build (when asked for)
+
+
+def meta_at(store: MetaStore, info: CollectionInfo, ts: int, builds: bool = False) -> MetaAt:
     """The collection's segment meta as it stood at `ts` (`segments_at`) and the query views
-    over it (a mix output replaces its inputs if it was ready at `ts`: `view.index_ready`); the channel checkpoints are read before the segments are listed
-    (`view.read_checkpoints`: a sync committing in between would otherwise lose rows)."""
+    over it (a mix output replaces its inputs if it was ready at `ts`: `view.index_ready`).
+    The channel checkpoints are read first (`view.read_checkpoints`: a sync committing in
+    between would otherwise lose rows), then the segments, the live indexes and (`builds`)
+    the index builds in one etcd transaction: one round trip, one revision, so the indexes
+    and builds a search uses are those of the segments it lists."""
     checkpoints = read_checkpoints(store, info.vchannels)
     failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
-    segments = segments_at(collection_segments(store, info.id), ts)
-    return segments, collection_views(store, info, segments, checkpoints, ts)
+    keys = store.keys
+    prefixes = [keys.segment.under(info.id), keys.field_index.under(info.id)]
+    listed = store.list_prefixes([*prefixes, keys.segment_index.under(info.id)] if builds else prefixes)
+    segments = segments_at([d.model for d in store.decode_models(listed[0], SegmentInfo, True)], ts)
+    indexes = [d.model for d in live_indexes(store.decode_models(listed[1], FieldIndex, True))]
+    found = store.decode_models(listed[2], SegmentIndex, True) if builds else []
+    views = collection_views(store, info, segments, checkpoints, ts, indexes)
+    return MetaAt(segments, views, indexes, found)
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
+from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
 from vchan_assets.indexes.engine import OURS
 from vchan_assets.model import CollectionInfo, IndexEngine
-from vchan_assets.query.asof import replanned, resolve_as_of, views_at
+from vchan_assets.query.asof import meta_at, replanned, resolve_as_of
 from vchan_assets.query.search import (
     Fallback,
     SearchError,
+    SearchPlan,
     SearchRequest,
     SegmentPart,
     check_request,
@@ -170,11 +171,16 @@ def search_table(
     if by not in ("segment", "query"):
         raise SearchError(info.name, f"by must be 'segment' or 'query', got {by!r}")
     ids, vectors = collect_queries(info, queries, id_column, vector_column)
-    request = check_request(system, info, vectors, k, **request_options)
     spark = queries.sparkSession
     ts = resolve_as_of(system.store, system.settings, as_of)
-    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        plan = replanned(lambda: plan_search(system, info, request, *views_at(system.store, info, ts), ts))
+
+    def planned() -> tuple[SearchRequest, SearchPlan]:
+        meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
+        request = check_request(system, info, vectors, k, **request_options, indexes=meta.indexes)
+        return request, plan_search(system, info, request, meta, ts)
+
+    with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+        request, plan = replanned(planned)  # the log tails are read while planning
         slices = max(1, int(spark.conf.get("spark.default.parallelism", "0") or 0) or _cores(spark))
         tasks = plan_tasks(plan.parts, len(request.queries), by, slices)
         inputs = TaskInputs(system.storage, request, engine, tuple(tasks))

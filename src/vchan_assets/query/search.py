@@ -44,11 +44,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
+from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
 from vchan_assets.errors import DeclaredError
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
-from vchan_assets.indexes.meta import describe, list_builds, list_indexes
+from vchan_assets.indexes.meta import describe, list_indexes
 from vchan_assets.indexes.params import (
     MAX_K,
     default_ef,
@@ -68,9 +68,8 @@ from vchan_assets.model import (
     SegmentIndexState,
     SegmentInfo,
 )
-from vchan_assets.query.asof import at_or_before, replanned, resolve_as_of, tail_of, views_at
+from vchan_assets.query.asof import MetaAt, at_or_before, meta_at, replanned, resolve_as_of, tail_of
 from vchan_assets.query.view import (
-    QueryView,
     delete_paths,
     readable_ids,
 )
@@ -179,15 +178,17 @@ def search(
     `output_fields`, sorted by query and nearness. `engine`: the index engine versions
     this process reads (what its reader session states). The segments searched exactly
     although indexed are listed in the result's metadata (`exact_segments`)."""
-    request = check_request(system, info, vectors, k, field, metric, filter, params, output_fields)
     ts = resolve_as_of(system.store, system.settings, as_of)
 
-    def planned() -> SearchPlan:
-        segments, views = views_at(system.store, info, ts)  # checkpoints before segments
-        return plan_search(system, info, request, segments, views, ts)
+    def planned() -> tuple[SearchRequest, SearchPlan]:
+        meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
+        request = check_request(
+            system, info, vectors, k, field, metric, filter, params, output_fields, meta.indexes
+        )
+        return request, plan_search(system, info, request, meta, ts)
 
-    with pinned(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        plan = replanned(planned)  # the log tails are read while planning
+    with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
+        request, plan = replanned(planned)  # the log tails are read while planning
         hits = plan.tail_hits(request)
         fallbacks = []
         for part in plan.parts:
@@ -207,8 +208,10 @@ def check_request(
     filter: str | pc.Expression | None = None,
     params: Mapping[str, object] | None = None,
     output_fields: Sequence[str] = (),
+    indexes: Sequence[FieldIndex] | None = None,
 ) -> SearchRequest:
-    """The search checked before anything is read: SearchError naming what is wrong."""
+    """The search checked before any file is read: SearchError naming what is wrong.
+    `indexes`: the collection's live indexes, when the caller listed them (`meta_at`)."""
 
     def error(reason: str) -> SearchError:
         return SearchError(info.name, reason)
@@ -233,9 +236,9 @@ def check_request(
         )
     if not np.isfinite(queries).all():
         raise error("query vectors hold NaN or infinite values")
-    found_index = next(
-        (d.model for d in list_indexes(system.store, info.id) if d.model.field_id == target.field_id), None
-    )
+    if indexes is None:
+        indexes = [d.model for d in list_indexes(system.store, info.id)]
+    found_index = next((i for i in indexes if i.field_id == target.field_id), None)
     chosen = _metric(metric, found_index, error)
     checked: dict[str, int] = {}
     if found_index is not None:
@@ -334,14 +337,11 @@ class SearchPlan:
 
 
 def plan_search(
-    system: System,
-    info: CollectionInfo,
-    request: SearchRequest,
-    segments: list[SegmentInfo],
-    views: list[QueryView],
-    ts: int,
+    system: System, info: CollectionInfo, request: SearchRequest, meta: MetaAt, ts: int
 ) -> SearchPlan:
+    """The parts of a search at T from the meta listed at T (`meta_at` with its builds)."""
     storage = system.storage
+    segments, views = meta.segments, meta.views
     tails = [tail_of(view, segments, ts).read(storage, info, with_vectors=True) for view in views]
     served = readable_ids(views)
     parts = {s.partition_id for s in segments if s.id in served}
@@ -351,7 +351,7 @@ def plan_search(
         found = [read_deletes(storage, delete_paths(views, part))]
         found += [tail.deletes[part] for tail in tails if part in tail.deletes]
         deletes[part] = at_or_before(pa.concat_tables(found, promote_options="permissive"), ts)
-    builds = _finished_builds(system, info, request.index)
+    builds = _finished_builds(meta.builds, request.index)
     segment_parts = [
         SegmentPart(seg, builds[seg.id].model if seg.id in builds else None, deletes[seg.partition_id], ts)
         for seg in segments  # in key order, as listed
@@ -397,13 +397,13 @@ def finish(
 
 
 def _finished_builds(
-    system: System, info: CollectionInfo, index: FieldIndex | None
+    builds: Sequence[Decoded[SegmentIndex]], index: FieldIndex | None
 ) -> dict[int, Decoded[SegmentIndex]]:
     if index is None:
         return {}
     return {
         d.model.segment_id: d
-        for d in list_builds(system.store, info.id)
+        for d in builds
         if d.model.index_id == index.index_id
         and d.model.state is SegmentIndexState.FINISHED
         and d.model.files

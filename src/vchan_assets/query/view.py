@@ -53,6 +53,7 @@ from vchan_assets.indexes.meta import list_indexes
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     CollectionInfo,
+    FieldIndex,
     MsgPosition,
     SegmentInfo,
     SegmentLevel,
@@ -108,11 +109,15 @@ def always(_: SegmentInfo) -> bool:
     return True
 
 
-def index_ready(store: MetaStore, collection_id: int, ts: int | None = None) -> Ready:
+def index_ready(
+    store: MetaStore, collection_id: int, ts: int | None = None, indexes: Sequence[FieldIndex] | None = None
+) -> Ready:
     """Whether a mix compaction output of the collection replaces its visible inputs in a
     read at `ts` (None: now): it awaits no index, or was stamped ready by then
-    (`model.replaces_inputs_at`). Reads the collection's live indexes once."""
-    indexes = [d.model for d in list_indexes(store, collection_id)]
+    (`model.replaces_inputs_at`). `indexes`: the collection's live indexes, when the caller
+    listed them with (or after) its segments; else they are listed here, once."""
+    if indexes is None:
+        indexes = [d.model for d in list_indexes(store, collection_id)]
     return lambda seg: replaces_inputs_at(seg, indexes, ts)
 
 
@@ -276,18 +281,19 @@ def collection_views(
     segments: Sequence[SegmentInfo] | None = None,
     checkpoints: Mapping[str, MsgPosition | None] | None = None,
     ts: int | None = None,
+    indexes: Sequence[FieldIndex] | None = None,
 ) -> list[QueryView]:
     """The query view of each vchannel of the collection (and of any other vchannel its
     segments name, so that no segment goes unseen), for a read at `ts` (None: now). A
     caller that lists `segments` itself passes the `checkpoints` it read before
-    (`read_checkpoints`)."""
+    (`read_checkpoints`), and may pass the live `indexes` it listed with them (`index_ready`)."""
     if checkpoints is None:
         checkpoints = read_checkpoints(store, info.vchannels)
     if segments is None:
         segments = collection_segments(store, info.id)
     vchannels = list(info.vchannels)
     vchannels += sorted({s.vchannel for s in segments} - set(vchannels))
-    ready = index_ready(store, info.id, ts)
+    ready = index_ready(store, info.id, ts, indexes)
     return [read_query_view(store, info, v, segments, checkpoints, ready) for v in vchannels]
 
 
