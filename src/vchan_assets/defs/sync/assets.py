@@ -6,7 +6,8 @@ multi-asset, partitioned by vchannel, that runs the PySpark `SyncTask` through
 dagster-pyspark's resource. Their lineage in the UI is the commit order.
 
 Downstream, unpartitioned: `segment_table`, one Parquet table of every segment
-(`{storage}/catalog/segments.parquet`) that the notebooks read.
+(`{storage}/catalog/segments.parquet`) that the notebooks read, kept fresh by declarative
+automation (defs/automation.py). The exactly-once checks of the sync are blocking.
 """
 
 import time
@@ -20,6 +21,7 @@ from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
+from vchan_assets.defs.automation import CATALOG_FRESHNESS, catalog_condition
 from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
@@ -63,16 +65,19 @@ CHANNEL_CHECKPOINTS = _commit_step(
 
 CHECK_LOG_ROWS, CHECK_UNIQUE_PKS = asset_checks(
     BINLOGS.key,
+    blocking=True,
     binlog_rows_match_log="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
     "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
     no_duplicate_pks="No primary key twice in the vchannel's insert binlogs.",
 )
 (CHECK_BINLOG_PATHS,) = asset_checks(
     SEGMENTS.key,
+    blocking=True,
     binlog_paths_exist="Every binlog/delta/stats path in segment meta exists.",
 )
 (CHECK_MONOTONIC,) = asset_checks(
     CHANNEL_CHECKPOINTS.key,
+    blocking=True,
     checkpoint_monotonic="The checkpoint is at or after the one of the previous materialization of this partition.",
 )
 
@@ -234,6 +239,8 @@ def _release(runtime: VchanRuntime, config: SyncConfig) -> None:
     deps=[CHANNEL_CHECKPOINTS],
     group_name="catalog",
     kinds={"parquet"},
+    automation_condition=catalog_condition(),  # after syncs whose exactly-once checks passed
+    freshness_policy=CATALOG_FRESHNESS,
 )
 def segment_table(vchan: VchanResource) -> dg.MaterializeResult:
     """Every segment of every collection as one table, `{storage}/catalog/segments.parquet`:
