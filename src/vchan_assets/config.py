@@ -336,6 +336,8 @@ class Settings:
     dagster_datanodes: int = FROM_TABLE
     checkpoint_freshness: float = FROM_TABLE
     dagster_postgres_url: str | None = FROM_TABLE
+    dagster_sync_loop: float = FROM_TABLE
+    dagster_retention_days: float = FROM_TABLE
 
     @property
     def embedded_etcd(self) -> bool:

@@ -28,7 +28,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
-from vchan_assets.defs.sync.jobs import sync_job
+from vchan_assets.defs.sync.jobs import LOOP_JOB, sync_job
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
     INSTANCE_CONFIG,
@@ -199,6 +199,48 @@ def test_the_query_view_of_every_vchannel_is_materialized_on_the_live_stack_with
     )
     deps = {"/".join(d["path"]) for d in found["assetNodes"][0]["dependencyKeys"]}
     assert deps == {"segments", "sorted_segments", "compacted_segments"}
+
+
+def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deployment: Deployment) -> None:
+    """After a channel's first sync (its watch run), its node's sync loop run syncs it: a
+    change reaches the checkpoint with no new run, and the loop's materialization of
+    `channel_checkpoints` for that partition reports the checkpoint etcd has, its checks
+    passed. (After the query view test: these rows are more than it counts.)"""
+    instance, store = deployment.instance, deployment.store
+    appended = deployment.producer.insert(
+        deployment.collection.name, generate_rows(SCHEMA, 100, start_pk=ROWS + 5_001, seed=5)
+    )
+
+    def loops() -> set[str]:
+        return {r.run_id for r in instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB))}
+
+    def reported_by_a_loop(vchannel: str, head: int) -> bool:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("channel_checkpoints"), asset_partitions=[vchannel]),
+            limit=1,
+        ).records
+        mat = records[0].asset_materialization if records else None
+        cp = channel_checkpoint(store, vchannel)
+        return (
+            mat is not None
+            and cp is not None
+            and cp.model.offset >= head
+            and records[0].run_id in loops()
+            and mat.metadata["checkpoint_offset"].value == cp.model.offset
+        )
+
+    wait_until(
+        lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
+        150,
+        "the loops' materializations at the checkpoints past the new rows",
+    )
+    checks = [
+        r.dagster_event.event_specific_data
+        for run_id in loops()
+        for r in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        if r.dagster_event is not None
+    ]
+    assert checks and all(c.passed for c in checks)  # type: ignore[union-attr]
 
 
 def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deployment) -> None:
@@ -488,17 +530,17 @@ def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
         deployment.collection.name, generate_rows(SCHEMA, 500, start_pk=ROWS + 1, seed=2)
     )
     in_flight = dg.RunsFilter(
-        job_name=sync_job.name, statuses=[dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
+        job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
     )
     started: list[str] = []
 
-    def a_sync_is_running() -> bool:
+    def a_sync_is_running() -> bool:  # the nodes' sync loops sync the new rows
         started[:] = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
         return bool(started)
 
     # Its process started (STARTED), or is being started (STARTING): left so for ever by the
     # kill below, unless something fails it (orphaned_runs_sensor; run monitoring's start timeout).
-    wait_until(a_sync_is_running, 60, "a sync run of the new rows to start")
+    wait_until(a_sync_is_running, 60, "a sync loop run to start")
     _kill_daemon(daemon)
     orphaned = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
     after = deployment.producer.insert(
@@ -533,11 +575,15 @@ IN_FLIGHT = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
 
 def _kill_a_run_worker(instance: dg.DagsterInstance, rng: random.Random, timeout: float = 20.0) -> bool:
-    """kill -9 of the process of a sync run in flight (its pid from the run's engine event),
-    waiting up to `timeout` for one; False if none came."""
+    """kill -9 of the process of a sync run or of a node's sync loop run in flight (its pid
+    from the run's engine event), waiting up to `timeout` for one; False if none came."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        records = instance.get_run_records(dg.RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT))
+        records = [
+            r
+            for job in (sync_job.name, LOOP_JOB)
+            for r in instance.get_run_records(dg.RunsFilter(job_name=job, statuses=IN_FLIGHT))
+        ]
         pids = [p for r in records if (p := run_worker_pid(instance, r.dagster_run.run_id)) and pid_alive(p)]
         if pids:
             os.kill(rng.choice(pids), signal.SIGKILL)

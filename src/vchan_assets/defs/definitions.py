@@ -28,6 +28,7 @@ from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
 from vchan_assets.defs.sync.jobs import sync_job
+from vchan_assets.defs.sync.loop import node_sync_loop_job
 
 
 def build_definitions(settings: Settings) -> dg.Definitions:
@@ -42,7 +43,7 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             segment_indexes,
         ],
         asset_checks=[checkpoints_fresh],
-        jobs=[sync_job, lifecycle_job, sort_job, query_view_job, import_job, index_job],
+        jobs=[sync_job, node_sync_loop_job, lifecycle_job, sort_job, query_view_job, import_job, index_job],
         sensors=[
             *all_sensors(settings.dagster_datanodes),
             lifecycle_sensor,

@@ -26,9 +26,13 @@ How a node lives here (the design):
 - **Run keys are stable**: `watch:{node}:{vchannel}:{lease}` and
   `release:{node}:{vchannel}:{mod_revision}`; a tick re-evaluated after a crash
   requests nothing twice.
-- Syncs while watching come from the sync sensor (defs/sync/sensor.py), for channels whose
-  lease belongs to a live Dagster-hosted node (session address `dagster:*`), so a
-  standalone `vchan datanode` process and Dagster never write one channel together.
+- **Syncs while watching come from the node's sync loop** (defs/sync/loop.py): one
+  long-lived run per node, requested by this sensor whenever the node has none in flight
+  (run key `loop:{node}:{n}`), each sync reported as materializations of that run. Without
+  a loop in flight (VCHAN_DAGSTER_SYNC_LOOP=0, or between two loop runs) the sync sensor
+  (defs/sync/sensor.py) requests a run per sync. Both sync only channels whose lease
+  belongs to a live Dagster-hosted node (session address `dagster:*`), so a standalone
+  `vchan datanode` process and Dagster never write one channel together.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
-from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, DAGSTER_ADDRESS, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.sync.loop import loop_run_request, loop_runs, node_sync_loop_job
+from vchan_assets.defs.sync.sensor import IN_FLIGHT
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError
@@ -56,7 +62,6 @@ from vchan_assets.model import NodeSession, SessionState, WatchState
 
 log = logging.getLogger(__name__)
 
-DAGSTER_ADDRESS = "dagster:"
 WATCH_SENSOR_INTERVAL = 1
 # dagster-daemon evaluates sensors at most every 5 s (MIN_INTERVAL_LOOP_TIME in
 # dagster/_daemon/sensor.py), so a sensor-hosted node's session must outlive several
@@ -197,6 +202,7 @@ def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:
     )
     return dg.RunRequest(
         run_key=req.run_key,
+        job_name=sync_job.name,
         partition_key=req.vchannel,
         run_config=sync_run_config(config),
         tags={CHANNEL_TAG: req.vchannel, NODE_TAG: str(node_id), REASON_TAG: reason},
@@ -208,7 +214,7 @@ def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg
 
     @dg.sensor(
         name=f"datanode_{slot}",
-        job=sync_job,
+        jobs=[sync_job, node_sync_loop_job],
         minimum_interval_seconds=WATCH_SENSOR_INTERVAL,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"DataNode slot {slot}: keeps the node's session alive, watches channelwatch/<node>/.",
@@ -216,11 +222,15 @@ def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg
     def _sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
         with vchan.open() as runtime:
             tick = DagsterDataNode(runtime, slot, min_session_ttl).tick(NodeCursor.parse(context.cursor))
+            loop_seconds = runtime.settings.dagster_sync_loop
         if tick.relisted:
             context.log.info("node %s relisted its watch prefix: %s", tick.cursor.node_id, tick.relisted)
         known = set(context.instance.get_dynamic_partitions(VCHANNELS))
         missing = sorted(set(tick.partitions) - known)
         requests = [watch_run_request(tick.cursor.node_id, r) for r in tick.requests]
+        node_id = tick.cursor.node_id
+        if loop_seconds and not loop_runs(context.instance, node_id, IN_FLIGHT):
+            requests.append(loop_run_request(node_id, loop_runs(context.instance, node_id), loop_seconds))
         for r in tick.requests:
             if r.vchannel not in known and r.vchannel not in missing:
                 missing.append(r.vchannel)

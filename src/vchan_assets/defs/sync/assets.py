@@ -97,8 +97,9 @@ def sync_run_config(config: SyncConfig) -> dg.RunConfig:
     return dg.RunConfig(ops={"sync_vchannel": config})
 
 
-def _previous_checkpoint(context: dg.AssetExecutionContext, vchannel: str) -> int | None:
-    records = context.instance.fetch_materializations(
+def previous_checkpoint(instance: dg.DagsterInstance, vchannel: str) -> int | None:
+    """The checkpoint offset the last materialization of the vchannel's checkpoint reported."""
+    records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=CHANNEL_CHECKPOINTS.key, asset_partitions=[vchannel]), limit=1
     ).records
     if not records or records[0].asset_materialization is None:
@@ -193,7 +194,7 @@ def sync_vchannel(
             if lease is None:
                 raise dg.Failure(f"{vchannel} has no channel lease: no node watches it")
             lease_id = lease.lease_id
-        previous = _previous_checkpoint(context, vchannel)
+        previous = previous_checkpoint(context.instance, vchannel)
         try:
             result = runtime.with_spark(pyspark.spark_session).sync(vchannel, lease_id)
         except LeaseLostError as exc:

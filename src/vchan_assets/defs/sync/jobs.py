@@ -1,4 +1,5 @@
-"""The sync job: the three commit-step assets of one vchannel partition, in one process.
+"""The sync job: the three commit-step assets of one vchannel partition, in one process;
+and the names the sync loop (sync/loop.py) and the node sensors share.
 
 In-process executor: the three assets are one op anyway, and a step subprocess would
 add seconds of start-up to every sync (see BENCHMARKS.md). Every run carries the tag
@@ -14,6 +15,12 @@ from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS
 CHANNEL_TAG = "vchan/channel"
 NODE_TAG = "vchan/node"
 REASON_TAG = "vchan/reason"
+# The long-lived sync loop of a Dagster-hosted node (sync/loop.py): its job, and its tag
+# (value: the node id; dagster.yaml admits one run per value).
+LOOP_JOB = "datanode_sync_loop"
+LOOP_TAG = "vchan/loop"
+# The session address of a DataNode hosted by a Dagster sensor: `dagster:{slot}`.
+DAGSTER_ADDRESS = "dagster:"
 
 sync_job = dg.define_asset_job(
     "sync",
