@@ -103,3 +103,15 @@ def test_exactly_once_checks_block_and_derived_assets_are_automated() -> None:
     sensor = defs.get_repository_def().get_sensor_def("vchan_automation")
     assert isinstance(sensor, dg.AutomationConditionSensorDefinition)
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+
+
+def test_a_sync_run_evaluates_the_four_checks_of_the_sync_and_not_the_freshness_check() -> None:
+    """`checkpoints_fresh` is about every vchannel and has its own sensor: a sync run of one
+    vchannel evaluates only the checks its op yields."""
+    checks = defs.get_job_def("sync").asset_layer.asset_graph.asset_check_keys
+    assert {key.name for key in checks} == {
+        "binlog_rows_match_log",
+        "no_duplicate_pks",
+        "binlog_paths_exist",
+        "checkpoint_monotonic",
+    }
