@@ -229,11 +229,25 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
             and mat.metadata["checkpoint_offset"].value == cp.model.offset
         )
 
-    wait_until(
-        lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
-        150,
-        "the loops' materializations at the checkpoints past the new rows",
-    )
+    def where_it_stands() -> str:
+        runs = instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB))
+        latest = {}
+        for v in appended:
+            found = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey("channel_checkpoints"), asset_partitions=[v]),
+                limit=1,
+            ).records
+            latest[v] = (found[0].run_id if found else None, channel_checkpoint(store, v))
+        return f"loop runs {[(r.run_id[:8], r.tags, r.status.value) for r in runs]}; latest {latest}"
+
+    try:
+        wait_until(
+            lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
+            150,
+            "the loops' materializations at the checkpoints past the new rows",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {where_it_stands()}") from None
     checks = [
         r.dagster_event.event_specific_data
         for run_id in loops()
@@ -452,8 +466,9 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
     under its freshness policy; every check of the sync, the view, the sort (the collection is
     flushed, so its segments get sorted) and the checkpoint freshness check has been evaluated
     and passed; the exactly-once checks are blocking. A real headless Chromium renders the
-    asset graph with the index and hand-off assets (`segment_indexes`, `visible_segments`) and
-    the automated catalog table, and the catalog table's page; screenshots in test-artifacts/."""
+    asset graph (its groups), the asset catalog with the index and hand-off assets
+    (`segment_indexes`, `visible_segments`) and the automated catalog table, and the catalog
+    table's page; screenshots in test-artifacts/."""
     url, instance = deployment.url, deployment.instance
     deployment.producer.flush(deployment.collection.name)
 
@@ -492,10 +507,16 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
 
     ARTIFACTS.mkdir(exist_ok=True)
     with chromium() as page:
+        # The global lineage shows one box per group at its default zoom, not the assets:
+        # the groups there, the assets by name in the catalog's list.
         page.open(f"{url}/asset-groups")
-        for asset in ("segment_indexes", "visible_segments", "segment_table", "sorted_segments"):
-            page.wait_for(f"document.body.innerText.includes('{asset}')", 90, f"{asset} on the asset graph")
+        for group in ("vchannel_sync", "segment_lifecycle", "catalog"):
+            page.wait_for(f"document.body.innerText.includes('{group}')", 90, f"{group} on the asset graph")
         page.screenshot(ARTIFACTS / "asset-graph-health.png")
+        page.open(f"{url}/assets")
+        for asset in ("segment_indexes", "visible_segments", "segment_table", "sorted_segments"):
+            page.wait_for(f"document.body.innerText.includes('{asset}')", 90, f"{asset} in the asset catalog")
+        page.screenshot(ARTIFACTS / "asset-catalog.png")
         page.open(f"{url}/assets/segment_table")
         page.wait_for("document.body.innerText.includes('Materialized')", 90, "segment_table's page")
         page.screenshot(ARTIFACTS / "segment-table-freshness.png")
