@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import dagster as dg
 import pytest
+from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
@@ -18,15 +20,15 @@ from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.retention import prune_runs
 from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG
-from vchan_assets.defs.sync.loop import loop_runs, node_sync_loop_job
-from vchan_assets.defs.sync.sensor import sync_sensor
+from vchan_assets.defs.sync.loop import NodeSyncLoop, loop_runs, node_sync_loop_job
+from vchan_assets.defs.sync.sensor import dagster_nodes, sync_sensor
 from vchan_assets.demo.via_dagster import latest_checks
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .conftest import SCHEMA
-from .helpers import NODE1, evaluate
+from .helpers import NODE1, NODE2, evaluate
 from .test_assets import watched_by_a_dagster_node
 
 
@@ -155,6 +157,67 @@ def test_the_node_sensor_keeps_one_loop_run_per_node_and_the_sync_sensor_leaves_
     assert sorted(
         r.partition_key or "" for r in evaluate(sync_sensor, instance, vchan).run_requests or []
     ) == sorted(collection.vchannels)
+
+
+def test_the_loop_keeps_its_node_alive_between_slow_sensor_ticks_unless_the_sensor_was_stopped(
+    instance: dg.DagsterInstance, dsettings: Settings
+) -> None:
+    """A node's session (TTL 2 s here) outlives ticks of its sensor that come later than the
+    TTL (a loaded daemon) while its loop polls; once the node's sensor is stopped the loop no
+    longer keeps it, the session expires and the loop sees its node gone."""
+    short = VchanResource.from_settings(dsettings)  # session TTL 2 s
+    kept, dropped = (NodeCursor.parse(evaluate(slot, instance, short).cursor) for slot in (NODE1, NODE2))
+    assert dsettings.session_ttl == 2.0
+    with short.open() as runtime:
+        loops = [
+            NodeSyncLoop(runtime, instance, kept.node_id, kept.session_lease),
+            NodeSyncLoop(
+                runtime, instance, dropped.node_id, dropped.session_lease, keep_session=lambda: False
+            ),
+        ]
+        alive: list[tuple[bool, bool]] = []
+        ends = time.monotonic() + 3 * dsettings.session_ttl + 1
+        while time.monotonic() < ends:  # no sensor tick meanwhile
+            alive.append((loops[0].alive(), loops[1].alive()))
+            time.sleep(0.25)
+        for loop in loops:
+            loop.close()
+        assert all(a for a, _ in alive)
+        assert alive[-1][1] is False and dropped.node_id not in dagster_nodes(runtime)
+        assert kept.node_id in dagster_nodes(runtime)
+
+
+def test_a_node_that_lost_its_session_cancels_the_queued_loop_of_its_earlier_node(
+    instance: dg.DagsterInstance, dsettings: Settings, store: MetaStore
+) -> None:
+    """Started, a loop of a node that is gone would only find it gone and end, after the
+    seconds a run process takes to start on a loaded machine: the slot's new node cancels it
+    in the queue and asks for its own."""
+    short = VchanResource.from_settings(dsettings)
+    first = evaluate(NODE1, instance, short)
+    old = NodeCursor.parse(first.cursor)
+    (request,) = [r for r in first.run_requests or [] if r.job_name == LOOP_JOB]
+    assert request.run_config["ops"]["node_sync_loop"]["config"]["session_lease"] == old.session_lease
+    tags = {**request.tags, "dagster/sensor_name": NODE1.name}
+    location = InProcessCodeLocationOrigin(LoadableTargetOrigin(module_name="vchan_assets.defs.definitions"))
+    queued = instance.create_run_for_job(  # in the daemon's run queue
+        node_sync_loop_job,
+        run_config=request.run_config,
+        tags=tags,
+        status=dg.DagsterRunStatus.QUEUED,
+        remote_job_origin=RemoteJobOrigin(RemoteRepositoryOrigin(location, "__repository__"), LOOP_JOB),
+    )
+    store.revoke(old.session_lease)  # its sensor did not tick within the TTL
+
+    later = evaluate(NODE1, instance, short, old.dump())
+
+    new = NodeCursor.parse(later.cursor)
+    assert new.node_id != old.node_id
+    cancelled = instance.get_run_by_id(queued.run_id)
+    assert cancelled is not None and cancelled.status == dg.DagsterRunStatus.CANCELED
+    assert [r.run_key for r in later.run_requests or [] if r.job_name == LOOP_JOB] == [
+        f"loop:{new.node_id}:0"
+    ]
 
 
 def test_without_a_loop_the_node_sensor_requests_none(

@@ -52,7 +52,12 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, DAGSTER_ADDRESS, NODE_TAG, REASON_TAG, sync_job
-from vchan_assets.defs.sync.loop import loop_run_request, loop_runs, node_sync_loop_job
+from vchan_assets.defs.sync.loop import (
+    cancel_queued_loops_of_earlier_nodes,
+    loop_run_request,
+    loop_runs,
+    node_sync_loop_job,
+)
 from vchan_assets.defs.sync.sensor import IN_FLIGHT
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info
@@ -211,9 +216,10 @@ def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:
 
 def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg.SensorDefinition:
     """The watch sensor of the DataNode hosted in sensor slot `slot`."""
+    name = f"datanode_{slot}"
 
     @dg.sensor(
-        name=f"datanode_{slot}",
+        name=name,
         jobs=[sync_job, node_sync_loop_job],
         minimum_interval_seconds=WATCH_SENSOR_INTERVAL,
         default_status=dg.DefaultSensorStatus.RUNNING,
@@ -230,7 +236,14 @@ def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg
         requests = [watch_run_request(tick.cursor.node_id, r) for r in tick.requests]
         node_id = tick.cursor.node_id
         if loop_seconds and not loop_runs(context.instance, node_id, IN_FLIGHT):
-            requests.append(loop_run_request(node_id, loop_runs(context.instance, node_id), loop_seconds))
+            number = loop_runs(context.instance, node_id)
+            requests.append(loop_run_request(node_id, number, loop_seconds, tick.cursor.session_lease))
+        if tick.new_session and (
+            stale := cancel_queued_loops_of_earlier_nodes(context.instance, name, node_id)
+        ):
+            context.log.info(
+                "node %s cancelled the queued loop runs of its earlier nodes: %s", node_id, stale
+            )
         for r in tick.requests:
             if r.vchannel not in known and r.vchannel not in missing:
                 missing.append(r.vchannel)

@@ -17,6 +17,13 @@ The datanode sensor of the node requests the loop (`loop_run_request`, run key
 (tag `vchan/loop`). The loop ends, and its run succeeds, when its time is up (the sensor
 starts the next) or when its node's session is gone (the node's sensor stopped, or a new
 node took the slot: the channels move, and the lease fences off whatever was in flight).
+
+The loop keeps its node's session alive too (every `KEEPALIVE_SECONDS`), as a DataNode
+process does, unless the node's sensor was stopped: the daemon evaluates sensors one after
+another on a few threads, and on a loaded machine a node sensor's ticks came 30-60 s apart,
+longer than the session's TTL. The node then lost its session, its channels moved, and each
+new node asked for a new loop run: a run process more to start on a machine already short
+of CPU. While its loop runs, a node lives as long as the loop polls.
 While a node has no loop in flight the sync sensor syncs its channels as runs, as it does
 everywhere with VCHAN_DAGSTER_SYNC_LOOP=0.
 
@@ -25,12 +32,14 @@ Exactly once does not depend on the loop: each sync claims the channel under its
 the same channel commits nothing, and the loop goes on with the next channel.
 """
 
+import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import dagster as dg
+from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
 from dagster_pyspark import PySparkResource
 
 from vchan_assets.datanode.sync import SyncResult
@@ -41,13 +50,18 @@ from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG, NODE_TAG
 from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
 from vchan_assets.meta.errors import LeaseLostError, SyncSupersededError
 
+log = logging.getLogger(__name__)
+
 LOOP_POLL_SECONDS = 0.5  # between two looks at the node's channels when none needed a sync
+KEEPALIVE_SECONDS = 2.0  # between two refreshes of the node's session lease (at most TTL/4)
+SENSOR_STATE_SECONDS = 10.0  # between two looks at whether the node's sensor was stopped
 
 
 class LoopConfig(dg.Config):
     """The node the loop syncs for, and how long it lives (VCHAN_DAGSTER_SYNC_LOOP)."""
 
     node_id: int
+    session_lease: int = 0  # the node's session lease, kept alive by the loop too (0: not)
     seconds: float = 3600.0
     poll_seconds: float = LOOP_POLL_SECONDS
 
@@ -82,10 +96,20 @@ class NodeSyncLoop:
     """The loop's body without Dagster's op around it: `step()` syncs every channel of the
     node whose sync policy fires, `ready()` returns the events of the syncs reported so far."""
 
-    def __init__(self, runtime: VchanRuntime, instance: dg.DagsterInstance, node_id: int) -> None:
+    def __init__(
+        self,
+        runtime: VchanRuntime,
+        instance: dg.DagsterInstance,
+        node_id: int,
+        session_lease: int = 0,
+        keep_session: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.runtime = runtime
         self.instance = instance
         self.node_id = node_id
+        self.session_lease = session_lease
+        self.keep_session = keep_session  # False once the node's sensor was stopped
+        self.kept_alive_at = float("-inf")
         self.previous: dict[str, int | None] = {}  # the checkpoint each channel's last sync reported
         self.syncs = 0
         self.skipped: list[str] = []  # why syncs committed nothing (lease moved, superseded)
@@ -96,7 +120,16 @@ class NodeSyncLoop:
         self.pending: deque[Future[list[SyncEvent]]] = deque()
 
     def alive(self) -> bool:
-        """The node's session is still there (its sensor keeps it alive)."""
+        """The node's session is still there (its sensor keeps it alive, and so does this
+        loop, every KEEPALIVE_SECONDS, while `keep_session()`)."""
+        now = time.monotonic()
+        every = min(KEEPALIVE_SECONDS, self.runtime.settings.session_ttl / 4)
+        if self.session_lease and now - self.kept_alive_at >= every and self.keep_session():
+            self.kept_alive_at = now
+            try:
+                self.runtime.store.keepalive(self.session_lease)
+            except Exception as exc:  # an expired lease is an error on some etcd versions
+                log.info("keep-alive of node %s failed: %s", self.node_id, exc)
         return self.node_id in dagster_nodes(self.runtime)
 
     def step(self) -> int:
@@ -138,6 +171,25 @@ class NodeSyncLoop:
             self.reports.shutdown()
 
 
+class SensorState:
+    """Whether the sensor that requested the loop (its node) was stopped in the UI or with
+    `dagster sensor stop`, looked up at most every SENSOR_STATE_SECONDS."""
+
+    def __init__(self, instance: dg.DagsterInstance, name: str) -> None:
+        self.instance = instance
+        self.name = name
+        self.checked_at = float("-inf")
+        self.stopped = False
+
+    def not_stopped(self) -> bool:
+        now = time.monotonic()
+        if self.name and now - self.checked_at >= SENSOR_STATE_SECONDS:
+            self.checked_at = now
+            states = self.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
+            self.stopped = any(s.name == self.name and s.status == InstigatorStatus.STOPPED for s in states)
+        return not self.stopped
+
+
 @dg.op(name="node_sync_loop", out={}, tags={"kind": "spark"})
 def node_sync_loop(
     context: dg.OpExecutionContext, config: LoopConfig, vchan: VchanResource, pyspark: PySparkResource
@@ -146,8 +198,15 @@ def node_sync_loop(
     materializations of binlogs, segments and channel_checkpoints, until the loop's time
     is up or the node's session is gone."""
     ends = time.monotonic() + config.seconds
+    sensor = SensorState(context.instance, context.run.tags.get("dagster/sensor_name", ""))
     with vchan.open() as runtime:
-        loop = NodeSyncLoop(runtime.with_spark(pyspark.spark_session), context.instance, config.node_id)
+        loop = NodeSyncLoop(
+            runtime.with_spark(pyspark.spark_session),
+            context.instance,
+            config.node_id,
+            config.session_lease,
+            keep_session=sensor.not_stopped,
+        )
         try:
             while True:  # one look at the channels at least, then until the time is up
                 if not loop.alive():
@@ -175,13 +234,14 @@ node_sync_loop_job = dg.GraphDefinition(name=LOOP_JOB, node_defs=[node_sync_loop
 )
 
 
-def loop_run_request(node_id: int, number: int, seconds: float) -> dg.RunRequest:
+def loop_run_request(node_id: int, number: int, seconds: float, session_lease: int = 0) -> dg.RunRequest:
     """The `number`-th loop run of `node_id` (a stable run key: a re-evaluated tick
     requests it once)."""
+    config = LoopConfig(node_id=node_id, session_lease=session_lease, seconds=seconds)
     return dg.RunRequest(
         run_key=f"loop:{node_id}:{number}",
         job_name=LOOP_JOB,
-        run_config=dg.RunConfig(ops={"node_sync_loop": LoopConfig(node_id=node_id, seconds=seconds)}),
+        run_config=dg.RunConfig(ops={"node_sync_loop": config}),
         tags={NODE_TAG: str(node_id), LOOP_TAG: str(node_id)},
     )
 
@@ -193,3 +253,23 @@ def loop_runs(
     return instance.get_runs_count(
         dg.RunsFilter(job_name=LOOP_JOB, tags={LOOP_TAG: str(node_id)}, statuses=statuses or [])
     )
+
+
+def cancel_queued_loops_of_earlier_nodes(
+    instance: dg.DagsterInstance, sensor_name: str, node_id: int
+) -> list[str]:
+    """Cancel the loop runs a node sensor requested for its earlier nodes (their sessions
+    are gone) that are still queued: started, they would only find their node gone and end,
+    after the seconds a run process takes to start. Their ids."""
+    queued = instance.get_runs(
+        dg.RunsFilter(
+            job_name=LOOP_JOB,
+            tags={"dagster/sensor_name": sensor_name},
+            statuses=[dg.DagsterRunStatus.QUEUED],
+        )
+    )
+    stale = [r for r in queued if r.tags.get(LOOP_TAG) != str(node_id)]
+    for run in stale:  # what QueuedRunCoordinator.cancel_run does with a queued run
+        instance.report_run_canceling(run, message=f"node {run.tags.get(LOOP_TAG)} is gone (now {node_id})")
+        instance.report_run_canceled(run)
+    return [r.run_id for r in stale]
