@@ -32,7 +32,7 @@ def vchan(dsettings: Settings) -> VchanResource:
     return VchanResource.from_settings(replace(dsettings, dagster_sync_loop=0.0))
 
 
-# Sensor-hosted nodes with the test's 2 s session TTL (no 20 s floor): expiry is quick.
+# Sensor-hosted nodes with the test's 2 s session TTL (no 60 s floor): expiry is quick.
 def added_partitions(result: dg.SensorResult) -> list[str]:
     return [p for r in result.dynamic_partitions_requests or [] for p in r.partition_keys]  # type: ignore[union-attr]
 

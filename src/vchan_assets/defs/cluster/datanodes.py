@@ -7,7 +7,7 @@ How a node lives here (the design):
   `channelwatch/{nodeID}/` it has seen. Each tick first refreshes the session lease
   (`store.keepalive`); the session (`session/datanode/{id}`, address `dagster:{slot}`)
   therefore lives exactly as long as the sensor keeps ticking. The daemon ticks a
-  sensor every 5 s at best, so the session TTL is max(VCHAN_SESSION_TTL, 20 s). Stop the sensor (UI,
+  sensor every 5 s at best, so the session TTL is max(VCHAN_SESSION_TTL, 60 s). Stop the sensor (UI,
   `dagster sensor stop`, GraphQL `stopSensor`, or the daemon dying) and the session
   expires after that TTL: the coordinator sensor reassigns its channels with
   new leases, which fences off any sync run of the dead node still in flight
@@ -70,8 +70,10 @@ log = logging.getLogger(__name__)
 WATCH_SENSOR_INTERVAL = 1
 # dagster-daemon evaluates sensors at most every 5 s (MIN_INTERVAL_LOOP_TIME in
 # dagster/_daemon/sensor.py), so a sensor-hosted node's session must outlive several
-# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger).
-SESSION_TTL_FLOOR = 20.0
+# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger). On a loaded machine
+# (load average 20-40 on 2 cores) a node sensor's ticks came 20-60 s apart: with 20 s the
+# nodes lost their sessions every minute (docs/dagster.md, "The node's session").
+SESSION_TTL_FLOOR = 60.0
 
 
 @dataclass
