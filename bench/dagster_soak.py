@@ -33,15 +33,7 @@ from bench.latency import fresh_deployment
 from vchan_assets.config import Settings
 from vchan_assets.defs.checks import typed
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
-from vchan_assets.defs.sync.assets import (
-    BINLOGS,
-    CHANNEL_CHECKPOINTS,
-    CHECK_BINLOG_PATHS,
-    CHECK_LOG_ROWS,
-    CHECK_MONOTONIC,
-    CHECK_UNIQUE_PKS,
-    SEGMENTS,
-)
+from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS, SYNC_CHECKS
 from vchan_assets.defs.sync.jobs import LOOP_JOB
 from vchan_assets.defs.sync.loop import sync_events
 from vchan_assets.deploy.service import INSTANCE_CONFIG, DagsterService
@@ -141,7 +133,7 @@ def one_sync() -> list[dg.MaterializeResult | dg.AssetCheckResult]:
                 description=CHECK_TEXT,
                 metadata={"n": 148_000},
             )
-            for c in (CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC)
+            for c in SYNC_CHECKS
         ),
     ]
 
@@ -149,7 +141,7 @@ def one_sync() -> list[dg.MaterializeResult | dg.AssetCheckResult]:
 @dg.multi_asset(
     name="sync_vchannel",
     specs=[BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS],
-    check_specs=[CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC],
+    check_specs=list(SYNC_CHECKS),
     partitions_def=vchannels,
 )
 def recorded_sync() -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:

@@ -80,6 +80,8 @@ CHECK_LOG_ROWS, CHECK_UNIQUE_PKS = asset_checks(
     blocking=True,
     checkpoint_monotonic="The checkpoint is at or after the one of the previous materialization of this partition.",
 )
+# The four checks every sync evaluates (a sync run's, a sync loop's report).
+SYNC_CHECKS = (CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC)
 
 
 class SyncConfig(dg.Config):
@@ -179,7 +181,7 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
 @dg.multi_asset(
     name="sync_vchannel",
     specs=[BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS],
-    check_specs=[CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC],
+    check_specs=list(SYNC_CHECKS),
     partitions_def=vchannels,
 )
 def sync_vchannel(

@@ -14,15 +14,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from vchan_assets.defs.sync.assets import (
-    BINLOGS,
-    CHANNEL_CHECKPOINTS,
-    CHECK_BINLOG_PATHS,
-    CHECK_LOG_ROWS,
-    CHECK_MONOTONIC,
-    CHECK_UNIQUE_PKS,
-    SEGMENTS,
-)
+from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS, SYNC_CHECKS
 
 CHANNEL_TAG = "vchan/channel"
 NODE_TAG = "vchan/node"
@@ -37,9 +29,7 @@ DAGSTER_ADDRESS = "dagster:"
 sync_job = dg.define_asset_job(
     "sync",
     selection=dg.AssetSelection.assets(BINLOGS.key, SEGMENTS.key, CHANNEL_CHECKPOINTS.key).without_checks()
-    | dg.AssetSelection.checks(
-        *(c.key for c in (CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC))
-    ),
+    | dg.AssetSelection.checks(*(c.key for c in SYNC_CHECKS)),
     executor_def=dg.in_process_executor,
     description="Sync one vchannel: binlogs, then segment meta, then the channel checkpoint.",
 )
