@@ -518,7 +518,12 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
             page.wait_for(f"document.body.innerText.includes('{asset}')", 90, f"{asset} in the asset catalog")
         page.screenshot(ARTIFACTS / "asset-catalog.png")
         page.open(f"{url}/assets/segment_table")
-        page.wait_for("document.body.innerText.includes('Materialized')", 90, "segment_table's page")
+        page.wait_for(  # its description, and no "Never materialized"
+            "document.body.innerText.includes('Every segment of every collection as one table')"
+            " && !document.body.innerText.includes('Never materialized')",
+            90,
+            "segment_table's page",
+        )
         page.screenshot(ARTIFACTS / "segment-table-freshness.png")
         page.open(f"{url}/assets/channel_checkpoints?view=checks")
         page.wait_for(
