@@ -148,6 +148,20 @@ def _pids(state: dict[str, Any]) -> list[int]:
     return [int(p) for p in state.get("pids", [])]
 
 
+STRAGGLER_GRACE = 3.0  # seconds the rest of a process group gets after its leader exited
+
+
+def _group_alive(pgid: int) -> bool:
+    """Some process of the group `pgid` is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class DagsterService:
     settings: Settings
@@ -310,18 +324,23 @@ class DagsterService:
 
     @staticmethod
     def _stop_pids(pids: list[int], timeout: float) -> None:
-        """SIGTERM each process group, SIGKILL what is left after `timeout`."""
-        for pid in pids:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGTERM)
+        """SIGTERM each process group, SIGKILL what is left of the groups after `timeout`,
+        or STRAGGLER_GRACE after their leaders exited: the leader (daemon, webserver) exits
+        on SIGTERM, but a code server of its group did not always, and lived on with its
+        memory once the leader was gone."""
+        groups = [pid for pid in pids if pid_alive(pid)]
+        for pid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in groups) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in pids:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        grace = min(deadline, time.monotonic() + STRAGGLER_GRACE)
+        while any(_group_alive(p) for p in groups) and time.monotonic() < grace:
+            time.sleep(0.2)
+        for pid in groups:  # a group id is not reused while a member of the group lives
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
     @staticmethod
     def _spawn(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen[bytes]:
