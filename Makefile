@@ -12,11 +12,16 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# Java 17+ for Spark: Debian's headless JRE when `java` is missing.
+# Java 17+ for Spark: Debian's headless JRE when `java` is missing. PostgreSQL for the
+# Dagster instance of a cluster (deploy/postgres.py): Debian's postgresql when no initdb
+# is on PATH or under /usr/lib/postgresql.
 system-deps:
 	@command -v java >/dev/null 2>&1 || { \
 	  echo "java not found: installing Debian's openjdk-17-jre-headless"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless; }
+	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 || { \
+	  echo "PostgreSQL not found: installing Debian's postgresql (the Dagster instance of a cluster)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
 
 # Chromium for the test that opens the Dagster UI's lineage page (tests only).
 browser:

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -88,3 +89,32 @@ def test_a_half_written_or_foreign_service_record_counts_as_no_service(settings:
         assert service.recorded() is None
         assert service.missing() == []
         assert service.stop() is False
+
+
+# A leader that exits on SIGTERM, with a child in its process group that ignores it (the
+# child prints its pid once it does).
+STRAGGLER = (
+    "import subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import os, signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); time.sleep(600)']); "
+    "time.sleep(600)"
+)
+
+
+def test_stopping_a_service_kills_the_rest_of_its_process_group_after_the_leader_exits() -> None:
+    """The daemon or webserver exits on SIGTERM; a code server of its process group that
+    does not is killed too, not left running with its memory."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", STRAGGLER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert leader.stdout is not None
+    child = int(leader.stdout.readline())
+    assert pid_alive(child)
+
+    DagsterService._stop_pids([leader.pid], timeout=30)
+
+    leader.wait(10)
+    deadline = time.monotonic() + 10
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(child)

@@ -127,6 +127,13 @@ def spark_remote(name: str, raw: str) -> str:
 
 
 @parser
+def postgres_url(name: str, raw: str) -> str:
+    if not raw.startswith(("postgresql://", "postgres://")) or "/" not in raw.split("://", 1)[1]:
+        raise ConfigError(name, raw, "a PostgreSQL URL such as postgresql://user:password@host:5432/dagster")
+    return raw
+
+
+@parser
 def root(name: str, raw: str) -> str:
     root = raw.strip("/")
     if not root or any(c.isspace() for c in root):
@@ -329,6 +336,10 @@ class Settings:
     spark_partitions: int = FROM_TABLE
     sync_in_process_mb: float = FROM_TABLE
     dagster_datanodes: int = FROM_TABLE
+    checkpoint_freshness: float = FROM_TABLE
+    dagster_postgres_url: str | None = FROM_TABLE
+    dagster_sync_loop: float = FROM_TABLE
+    dagster_retention_days: float = FROM_TABLE
 
     @property
     def embedded_etcd(self) -> bool:

@@ -1,5 +1,6 @@
-"""`vchan demo --cluster`: the demo on a 3-member etcd, a Spark master with two workers
-and an S3 server, all started by the command and all stopped when it ends."""
+"""`vchan demo --cluster`: the demo on a 3-member etcd, a Spark master with two workers,
+an S3 server and PostgreSQL (the Dagster instance), all started by the command and all
+stopped when it ends."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def test_demo_cluster_runs_the_demo_on_etcd_spark_workers_and_s3_then_stops_them
     assert re.search(r"\(spark://127\.0\.0\.1:\d+\), storage s3://vchan-demo/", out), out
     assert "after the lifecycle: 1,980 live rows, each once, every delete applied" in out
     assert "demo finished" in out and "cluster stopped" in out
+    # The Dagster instance on PostgreSQL holds a checkpoint of each of the 2 vchannels.
+    assert re.search(
+        r"Dagster instance on PostgreSQL \(127\.0\.0\.1:\d+\): 2 channel checkpoints recorded", out
+    ), out
 
     # Both workers started an executor for the demo's application.
     spark_home = tmp_path / "home" / "cluster-demo" / "spark"
@@ -36,7 +41,9 @@ def test_demo_cluster_runs_the_demo_on_etcd_spark_workers_and_s3_then_stops_them
     # Every process of the table is gone.
     pids = [
         int(p)
-        for p in re.findall(r"^│ (?:etcd member|Spark master|Spark worker|S3 server)[^│]*│ (\d+)", out, re.M)
+        for p in re.findall(
+            r"^│ (?:etcd member|Spark master|Spark worker|S3 server|PostgreSQL)[^│]*│ (\d+)", out, re.M
+        )
     ]
-    assert len(pids) == 3 + 1 + 2 + 1, out
+    assert len(pids) == 3 + 1 + 2 + 1 + 1, out
     assert not [pid for pid in pids if pid_alive(pid)]

@@ -62,7 +62,13 @@ class Page:
         guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }})()"
         deadline = time.monotonic() + timeout
         while not (value := self.eval(guarded)):
-            assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+            if time.monotonic() >= deadline:
+                shown = self.eval(
+                    "(() => { try { return document.body.innerText; } catch (e) { return ''; } })()"
+                )
+                raise AssertionError(
+                    f"timed out after {timeout}s waiting for {what}; the page shows: {shown!r:.1500}"
+                )
             time.sleep(0.5)
         return value
 

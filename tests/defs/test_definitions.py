@@ -71,3 +71,47 @@ def test_the_node_slots_come_from_the_settings_of_the_load() -> None:
         "datanode_2",
         "datanode_3",
     }
+
+
+EXACTLY_ONCE_CHECKS = {
+    "binlog_rows_match_log",
+    "no_duplicate_pks",
+    "binlog_paths_exist",
+    "checkpoint_monotonic",
+    "sorted_rows_conserved",
+    "rows_conserved",
+    "no_pk_in_two_live_segments",
+    "rows_in_files_equal_rows_in_segments",
+    "no_pk_already_in_collection",
+}
+
+
+def test_exactly_once_checks_block_and_derived_assets_are_automated() -> None:
+    """The checks that guard exactly once are blocking, the others not; `segment_table` has
+    an automation condition, evaluated by `vchan_automation`, and a freshness policy; the
+    freshness check of the checkpoints has its sensor."""
+    graph = defs.resolve_asset_graph()
+    specs = {key.name: graph.get_check_spec(key) for key in graph.asset_check_keys}
+    assert {name for name, spec in specs.items() if spec.blocking} == EXACTLY_ONCE_CHECKS
+    assert not specs["checkpoints_fresh"].blocking and not specs["builds_finished"].blocking
+    automated = {
+        key.to_user_string() for key in graph.get_all_asset_keys() if graph.get(key).automation_condition
+    }
+    assert automated == {"segment_table"}
+    assert "checkpoint_freshness_sensor" in {s.name for s in defs.get_repository_def().sensor_defs}
+    assert graph.get(dg.AssetKey("segment_table")).freshness_policy is not None
+    sensor = defs.get_repository_def().get_sensor_def("vchan_automation")
+    assert isinstance(sensor, dg.AutomationConditionSensorDefinition)
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+
+
+def test_a_sync_run_evaluates_the_four_checks_of_the_sync_and_not_the_freshness_check() -> None:
+    """`checkpoints_fresh` is about every vchannel and has its own sensor: a sync run of one
+    vchannel evaluates only the checks its op yields."""
+    checks = defs.get_job_def("sync").asset_layer.asset_graph.asset_check_keys
+    assert {key.name for key in checks} == {
+        "binlog_rows_match_log",
+        "no_duplicate_pks",
+        "binlog_paths_exist",
+        "checkpoint_monotonic",
+    }

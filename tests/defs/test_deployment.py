@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
-from vchan_assets.defs.sync.jobs import sync_job
+from vchan_assets.defs.sync.jobs import LOOP_JOB, sync_job
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
     INSTANCE_CONFIG,
@@ -73,28 +74,46 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
+@contextmanager
+def running(service: DagsterService) -> Iterator[tuple[str, MetaStore, Producer]]:
+    """Start `service` (daemon + webserver) with a store and a producer on its settings;
+    stop it (not the shared Spark Connect server) on exit."""
+    store = MetaStore.connect(service.settings)
+    try:
+        url = service.start()
+        storage = Storage.from_settings(service.settings)
+        storage.ensure_root()
+        yield url, store, Producer(System(service.settings, store, storage))
+    finally:
+        store.close()
+        service.stop(stop_spark=False)
+
+
+def live_settings(
+    tmp: Path, prefix: str, etcd_endpoint: str, spark_remote: str, session_ttl: float
+) -> Settings:
+    """Settings of a live deployment under `tmp`: a root of its own in the shared etcd,
+    syncs as soon as a row is 1 s old."""
+    return Settings(
+        home=tmp / "home",
+        root=f"{prefix}-{uuid.uuid4().hex[:8]}",
+        etcd_endpoints=(etcd_endpoint,),
+        storage_uri=str(tmp / "storage"),
+        spark_remote=spark_remote,
+        session_ttl=session_ttl,
+        sync_max_age=1.0,
+    )
+
+
 @pytest.fixture(scope="module")
 def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("deployment")
-    settings = Settings(
-        home=tmp / "home",
-        root=f"e2e-{uuid.uuid4().hex[:8]}",
-        etcd_endpoints=(etcd.endpoint,),
-        storage_uri=str(tmp / "storage"),
-        spark_remote=spark_remote,
-        session_ttl=5.0,
-        sync_max_age=1.0,
-    )
+    settings = live_settings(tmp, "e2e", etcd.endpoint, spark_remote, session_ttl=5.0)
     home = tmp / "dagster_home"
     home.mkdir()
     shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
     service = DagsterService(settings, dagster_home=home)
-    store = MetaStore.connect(settings)
-    try:
-        url = service.start()
-        storage = Storage.from_settings(settings)
-        storage.ensure_root()
-        producer = Producer(System(settings, store, storage))
+    with running(service) as (url, store, producer):
         collection = producer.create_collection("e2e", SCHEMA, [], num_channels=2)
         producer.insert(collection.name, generate_rows(SCHEMA, ROWS, start_pk=1, seed=1))
         heads = {
@@ -102,9 +121,6 @@ def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory
         }
         with dg.DagsterInstance.from_config(str(home)) as instance:
             yield Deployment(url, settings, store, instance, collection, heads, service, producer)
-    finally:
-        store.close()
-        service.stop(stop_spark=False)
 
 
 def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: Deployment) -> None:
@@ -183,6 +199,62 @@ def test_the_query_view_of_every_vchannel_is_materialized_on_the_live_stack_with
     )
     deps = {"/".join(d["path"]) for d in found["assetNodes"][0]["dependencyKeys"]}
     assert deps == {"segments", "sorted_segments", "compacted_segments"}
+
+
+def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deployment: Deployment) -> None:
+    """After a channel's first sync (its watch run), its node's sync loop run syncs it: a
+    change reaches the checkpoint with no new run, and the loop's materialization of
+    `channel_checkpoints` for that partition reports the checkpoint etcd has, its checks
+    passed. (After the query view test: these rows are more than it counts.)"""
+    instance, store = deployment.instance, deployment.store
+    appended = deployment.producer.insert(
+        deployment.collection.name, generate_rows(SCHEMA, 100, start_pk=ROWS + 5_001, seed=5)
+    )
+
+    def loops() -> set[str]:
+        return {r.run_id for r in instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB))}
+
+    def reported_by_a_loop(vchannel: str, head: int) -> bool:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("channel_checkpoints"), asset_partitions=[vchannel]),
+            limit=1,
+        ).records
+        mat = records[0].asset_materialization if records else None
+        cp = channel_checkpoint(store, vchannel)
+        return (
+            mat is not None
+            and cp is not None
+            and cp.model.offset >= head
+            and records[0].run_id in loops()
+            and mat.metadata["checkpoint_offset"].value == cp.model.offset
+        )
+
+    def where_it_stands() -> str:
+        runs = instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB))
+        latest = {}
+        for v in appended:
+            found = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey("channel_checkpoints"), asset_partitions=[v]),
+                limit=1,
+            ).records
+            latest[v] = (found[0].run_id if found else None, channel_checkpoint(store, v))
+        return f"loop runs {[(r.run_id[:8], r.tags, r.status.value) for r in runs]}; latest {latest}"
+
+    try:
+        wait_until(
+            lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
+            150,
+            "the loops' materializations at the checkpoints past the new rows",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {where_it_stands()}") from None
+    checks = [
+        r.dagster_event.event_specific_data
+        for run_id in loops()
+        for r in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        if r.dagster_event is not None
+    ]
+    assert checks and all(c.passed for c in checks)  # type: ignore[union-attr]
 
 
 def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deployment) -> None:
@@ -352,6 +424,118 @@ def test_the_binlogs_asset_page_plots_rows_bytes_and_seconds(deployment: Deploym
     assert (ARTIFACTS / "binlogs-plots.png").stat().st_size > 10_000
 
 
+HEALTH = """
+{
+  assetNodes(assetKeys: [{path: ["segment_table"]}, {path: ["channel_checkpoints"]}]) {
+    assetKey { path }
+    freshnessStatusInfo { freshnessStatus }
+    automationCondition { label }
+  }
+}
+"""
+CHECK_EXECUTIONS = """
+query ($asset: AssetKeyInput!, $check: String!) {
+  assetCheckExecutions(assetKey: $asset, checkName: $check, limit: 1) {
+    status
+    evaluation { success }
+  }
+}
+"""
+CHECKS = """
+{ assetNodes { assetKey { path } assetChecksOrError { ... on AssetChecks { checks { name blocking } } } } }
+"""
+# The checks every live deployment evaluates: in each sync, in each view run, every minute.
+LIVE_CHECKS = {
+    "binlogs": {"binlog_rows_match_log", "no_duplicate_pks"},
+    "segments": {"binlog_paths_exist"},
+    "channel_checkpoints": {"checkpoint_monotonic", "checkpoints_fresh"},
+    "visible_segments": {"rows_served_once", "invisible_segments_bounded"},
+    "sorted_segments": {"sorted_rows_conserved"},  # once the collection is flushed (below)
+}
+
+
+def _check_passed(url: str, asset: str, check: str) -> bool:
+    variables = {"asset": {"path": [asset]}, "check": check}
+    found = graphql(url, CHECK_EXECUTIONS, variables)["assetCheckExecutions"]
+    return bool(found) and found[0]["status"] == "SUCCEEDED"
+
+
+def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deployment: Deployment) -> None:
+    """The live deployment's health as a Dagster user sees it. Declarative automation
+    (`vchan_automation`) materializes `segment_table` after the syncs, and the asset is fresh
+    under its freshness policy; every check of the sync, the view, the sort (the collection is
+    flushed, so its segments get sorted) and the checkpoint freshness check has been evaluated
+    and passed; the exactly-once checks are blocking. A real headless Chromium renders the
+    asset graph (its groups), the asset catalog with the index and hand-off assets
+    (`segment_indexes`, `visible_segments`) and the automated catalog table, and the catalog
+    table's page; screenshots in test-artifacts/."""
+    url, instance = deployment.url, deployment.instance
+    deployment.producer.flush(deployment.collection.name)
+
+    def automated() -> bool:
+        records = instance.fetch_materializations(dg.AssetKey("segment_table"), limit=5).records
+        runs = [instance.get_run_by_id(r.run_id) for r in records if r.run_id]
+        return any(r is not None and r.tags.get("dagster/sensor_name") == "vchan_automation" for r in runs)
+
+    wait_until(automated, 240, "segment_table materialized by the automation sensor")
+    nodes = {"/".join(n["assetKey"]["path"]): n for n in graphql(url, HEALTH)["assetNodes"]}
+    assert "exactly-once checks passed" in nodes["segment_table"]["automationCondition"]["label"]
+
+    def freshness() -> str:
+        for node in graphql(url, HEALTH)["assetNodes"]:
+            if node["assetKey"]["path"] == ["segment_table"] and node["freshnessStatusInfo"]:
+                return str(node["freshnessStatusInfo"]["freshnessStatus"])
+        return ""
+
+    wait_until(lambda: freshness() == "HEALTHY", 120, "segment_table fresh under its freshness policy")
+    for asset, checks in LIVE_CHECKS.items():
+        for check in sorted(checks):
+            wait_until(
+                lambda a=asset, c=check: _check_passed(url, a, c), 240, f"{asset}:{check} evaluated, passed"
+            )
+    blocking = {
+        check["name"]: check["blocking"]
+        for node in graphql(url, CHECKS)["assetNodes"]
+        for check in (node["assetChecksOrError"] or {}).get("checks", [])
+    }
+    assert (
+        blocking["no_duplicate_pks"]
+        and blocking["checkpoint_monotonic"]
+        and blocking["sorted_rows_conserved"]
+    )
+    assert not blocking["checkpoints_fresh"] and not blocking["index_recall"]
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium() as page:
+        # The global lineage shows one box per group at its default zoom, not the assets:
+        # the groups there, the assets by name in the catalog's list.
+        page.open(f"{url}/asset-groups")
+        for group in ("vchannel_sync", "segment_lifecycle", "catalog"):
+            page.wait_for(f"document.body.innerText.includes('{group}')", 90, f"{group} on the asset graph")
+        page.screenshot(ARTIFACTS / "asset-graph-health.png")
+        page.open(f"{url}/assets")
+        for asset in ("segment_indexes", "visible_segments", "segment_table", "sorted_segments"):
+            page.wait_for(f"document.body.innerText.includes('{asset}')", 90, f"{asset} in the asset catalog")
+        page.screenshot(ARTIFACTS / "asset-catalog.png")
+        page.open(f"{url}/assets/segment_table")
+        page.wait_for(  # its description, and no "Never materialized"
+            "document.body.innerText.includes('Every segment of every collection as one table')"
+            " && !document.body.innerText.includes('Never materialized')",
+            90,
+            "segment_table's page",
+        )
+        page.screenshot(ARTIFACTS / "segment-table-freshness.png")
+        page.open(f"{url}/assets/channel_checkpoints?view=checks")
+        page.wait_for(
+            "document.body.innerText.includes('checkpoints_fresh')", 90, "the checks of checkpoints"
+        )
+        checks_text = page.text()
+        page.screenshot(ARTIFACTS / "checkpoint-checks.png")
+    for check in ("checkpoints_fresh", "checkpoint_monotonic"):
+        assert check in checks_text, checks_text[:2000]
+    assert (ARTIFACTS / "asset-graph-health.png").stat().st_size > 10_000
+
+
 def _kill_daemon(pid: int) -> None:
     """kill -9 of the daemon's process group: its code server and runs too."""
     os.killpg(pid, signal.SIGKILL)
@@ -372,17 +556,17 @@ def test_vchan_up_again_restarts_a_killed_daemon_and_leaves_the_webserver_alone(
         deployment.collection.name, generate_rows(SCHEMA, 500, start_pk=ROWS + 1, seed=2)
     )
     in_flight = dg.RunsFilter(
-        job_name=sync_job.name, statuses=[dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
+        job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
     )
     started: list[str] = []
 
-    def a_sync_is_running() -> bool:
+    def a_sync_is_running() -> bool:  # the nodes' sync loops sync the new rows
         started[:] = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
         return bool(started)
 
     # Its process started (STARTED), or is being started (STARTING): left so for ever by the
     # kill below, unless something fails it (orphaned_runs_sensor; run monitoring's start timeout).
-    wait_until(a_sync_is_running, 60, "a sync run of the new rows to start")
+    wait_until(a_sync_is_running, 60, "a sync loop run to start")
     _kill_daemon(daemon)
     orphaned = [r.dagster_run.run_id for r in deployment.instance.get_run_records(in_flight)]
     after = deployment.producer.insert(
@@ -417,11 +601,15 @@ IN_FLIGHT = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
 
 def _kill_a_run_worker(instance: dg.DagsterInstance, rng: random.Random, timeout: float = 20.0) -> bool:
-    """kill -9 of the process of a sync run in flight (its pid from the run's engine event),
-    waiting up to `timeout` for one; False if none came."""
+    """kill -9 of the process of a sync run or of a node's sync loop run in flight (its pid
+    from the run's engine event), waiting up to `timeout` for one; False if none came."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        records = instance.get_run_records(dg.RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT))
+        records = [
+            r
+            for job in (sync_job.name, LOOP_JOB)
+            for r in instance.get_run_records(dg.RunsFilter(job_name=job, statuses=IN_FLIGHT))
+        ]
         pids = [p for r in records if (p := run_worker_pid(instance, r.dagster_run.run_id)) and pid_alive(p)]
         if pids:
             os.kill(rng.choice(pids), signal.SIGKILL)

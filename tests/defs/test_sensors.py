@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 import dagster as dg
+import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, NodeCursor
@@ -24,7 +25,14 @@ from .conftest import SCHEMA
 from .helpers import NODE1, NODE2, CoordinatorTicks, evaluate, skip_message
 
 
-# Sensor-hosted nodes with the test's 2 s session TTL (no 20 s floor): expiry is quick.
+@pytest.fixture
+def vchan(dsettings: Settings) -> VchanResource:
+    """Nodes without sync loops (VCHAN_DAGSTER_SYNC_LOOP=0): these tests are about the watch
+    and release runs and the sync sensor's runs; the loop requests are test_sync_loop.py's."""
+    return VchanResource.from_settings(replace(dsettings, dagster_sync_loop=0.0))
+
+
+# Sensor-hosted nodes with the test's 2 s session TTL (no 60 s floor): expiry is quick.
 def added_partitions(result: dg.SensorResult) -> list[str]:
     return [p for r in result.dynamic_partitions_requests or [] for p in r.partition_keys]  # type: ignore[union-attr]
 
@@ -126,7 +134,7 @@ def test_compacted_cursor_relists_the_watch_prefix(
     instance: dg.DagsterInstance, dsettings: Settings, private_etcd: EmbeddedEtcd
 ) -> None:
     # A private etcd: compacting the shared one would disturb the other tests.
-    private = replace(dsettings, etcd_endpoints=(private_etcd.endpoint,))
+    private = replace(dsettings, etcd_endpoints=(private_etcd.endpoint,), dagster_sync_loop=0.0)
     vchan = VchanResource.from_settings(private)
     store = MetaStore.connect(private)
     producer = Producer(System(private, store, Storage.from_settings(private)))

@@ -27,7 +27,7 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
         "--cluster",
         action="store_true",
         help="run the direct demo on a cluster started here and torn down after: "
-        "3-member etcd, Spark master + 2 workers, S3 server",
+        "3-member etcd, Spark master + 2 workers, S3 server, PostgreSQL (the Dagster instance)",
     )
 
 

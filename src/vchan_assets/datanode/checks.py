@@ -12,6 +12,8 @@ the log still holds, [first retained offset, checkpoint], and reports that floor
   segments count: compaction drops its inputs.
 - `check_unique_pks`: no primary key appears twice in the channel's insert binlogs.
 - `check_binlog_paths`: every binlog, delta log and stats log path in segment meta exists.
+- `check_checkpoints_fresh`: no vchannel with log messages to sync waits longer than a limit
+  (VCHAN_CHECKPOINT_FRESHNESS) for its checkpoint to advance.
 
 (Checkpoint monotonicity needs the previous materialization: the asset layer checks it.)
 """
@@ -25,8 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
+from vchan_assets.datanode.policies import ChannelBacklog
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.wal.format import CorruptLogError, MsgType, log_schema, wal_prefix
 from vchan_assets.wal.reader import WalReader, read_log_file
@@ -213,4 +216,30 @@ def files_exist_outcome(storage: Storage, paths: list[str], what: str, count_key
         not missing,
         f"{len(paths)} {what}, {len(missing)} missing" + (f": {', '.join(missing[:5])}" if missing else ""),
         {count_key: len(paths), "missing": len(missing)},
+    )
+
+
+def check_checkpoints_fresh(backlogs: Sequence[ChannelBacklog], limit: float, now: float) -> CheckOutcome:
+    """Freshness of the channel checkpoints: fails when a vchannel with log messages to sync
+    (rows, deletes, DDL past its checkpoint) holds a batch older than `limit` seconds, i.e. its checkpoint did
+    not advance past that batch within the limit. A channel with nothing to sync is fresh
+    however old its checkpoint is."""
+    waits = {
+        b.vchannel: max(0.0, now - physical_ms(b.oldest_unsynced_ts) / 1000)
+        for b in backlogs
+        if b.has_unsynced and b.oldest_unsynced_ts is not None
+    }
+    stale = sorted(v for v, wait in waits.items() if wait > limit)
+    oldest = max(waits.values(), default=0.0)
+    summary = f"{len(stale)} of {len(backlogs)} vchannels stale (limit {limit:g}s, oldest unsynced batch {oldest:.0f}s)"
+    return CheckOutcome(
+        not stale,
+        summary + (": " + ", ".join(stale[:20]) if stale else ""),
+        {
+            "vchannels": len(backlogs),
+            "with_messages_to_sync": len(waits),
+            "stale": len(stale),
+            "oldest_unsynced_s": round(oldest, 1),
+            "limit_s": limit,
+        },
     )

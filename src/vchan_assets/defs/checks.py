@@ -1,5 +1,7 @@
 """Asset check results and metadata for every asset, typed so the Dagster UI plots numbers.
 
+Exactly-once checks are declared `blocking` (`asset_checks(..., blocking=True)`).
+
 Every number an asset records (rows, bytes, lag, seconds) goes out as `MetadataValue.int` or
 `MetadataValue.float`: the asset's Plots tab then draws it over time, per partition.
 """
@@ -30,10 +32,19 @@ def typed(values: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
     return out
 
 
-def asset_checks(asset: dg.AssetKey, **descriptions: str) -> tuple[dg.AssetCheckSpec, ...]:
-    """The checks of one asset, declared as check name = description, in that order."""
+def asset_checks(
+    asset: dg.AssetKey, *, blocking: bool = False, **descriptions: str
+) -> tuple[dg.AssetCheckSpec, ...]:
+    """The checks of one asset, declared as check name = description, in that order.
+
+    `blocking`: the checks guard exactly-once (no row lost or duplicated, no file missing):
+    a failure (severity ERROR) stops the downstream work. In the run, Dagster does not
+    start the steps of downstream assets; across runs, declarative automation waits
+    (`AutomationCondition.all_deps_blocking_checks_passed`, in `segment_table`'s
+    condition), and the UI marks the check as blocking."""
     return tuple(
-        dg.AssetCheckSpec(name, asset=asset, description=text) for name, text in descriptions.items()
+        dg.AssetCheckSpec(name, asset=asset, description=text, blocking=blocking)
+        for name, text in descriptions.items()
     )
 
 

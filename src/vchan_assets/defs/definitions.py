@@ -1,7 +1,8 @@
 """The Dagster definitions of vchan_assets (loaded by workspace.yaml).
 
 Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`,
-`defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`) and the two resources. The
+`defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`), the freshness check and its
+sensor (`defs/health`), the declarative automation sensor (`defs/automation`) and the two resources. The
 settings are read once per load.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dagster as dg
 
 from vchan_assets.config import Settings
+from vchan_assets.defs.automation import automation_sensor
+from vchan_assets.defs.health import checkpoint_freshness_sensor, checkpoints_fresh
 from vchan_assets.defs.imports.assets import import_job, import_sensor, imported_segments
 from vchan_assets.defs.indexes.assets import index_job, index_sensor, segment_indexes
 from vchan_assets.defs.lifecycle.assets import (
@@ -25,6 +28,7 @@ from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
 from vchan_assets.defs.sync.jobs import sync_job
+from vchan_assets.defs.sync.loop import node_sync_loop_job
 
 
 def build_definitions(settings: Settings) -> dg.Definitions:
@@ -38,7 +42,8 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             imported_segments,
             segment_indexes,
         ],
-        jobs=[sync_job, lifecycle_job, sort_job, query_view_job, import_job, index_job],
+        asset_checks=[checkpoints_fresh],
+        jobs=[sync_job, node_sync_loop_job, lifecycle_job, sort_job, query_view_job, import_job, index_job],
         sensors=[
             *all_sensors(settings.dagster_datanodes),
             lifecycle_sensor,
@@ -46,6 +51,8 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             query_view_sensor,
             import_sensor,
             index_sensor,
+            automation_sensor,
+            checkpoint_freshness_sensor,
         ],
         resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
     )

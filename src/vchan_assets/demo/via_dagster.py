@@ -12,7 +12,6 @@ with pyarrow (the direct demo's check), and prints a summary and the UI address.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -27,7 +26,7 @@ from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.lifecycle.assets import segment_lifecycle
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.assets import segment_table
-from vchan_assets.defs.sync.jobs import CHANNEL_TAG
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, LOOP_JOB
 from vchan_assets.demo.direct import (
     DemoCheckError,
     DemoOptions,
@@ -57,23 +56,23 @@ def _wait(predicate: Callable[[], object], timeout: float, what: str) -> float:
 
 
 def latest_checks(instance: dg.DagsterInstance, vchannels: list[str]) -> dict[tuple[str, str], bool]:
-    """(vchannel, check) -> passed, from the most recent sync run of each channel that ran checks."""
-    found: dict[tuple[str, str], bool] = {}
-    runs = instance.get_runs(dg.RunsFilter(job_name="sync", statuses=[dg.DagsterRunStatus.SUCCESS]))
-    by_channel: dict[str, list[dg.DagsterRun]] = defaultdict(list)
-    for run in runs:  # newest first
-        by_channel[run.tags.get(CHANNEL_TAG, "")].append(run)
-    for vchannel in vchannels:
-        for run in by_channel.get(vchannel, []):
-            records = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
-            if not records:
-                continue
-            for record in records:
-                assert record.dagster_event is not None
-                data = record.dagster_event.event_specific_data
-                found[(vchannel, data.check_name)] = bool(data.passed)  # type: ignore[union-attr]
-            break
-    return found
+    """(vchannel, check) -> passed, from the most recent sync of each channel that ran checks:
+    a sync run of the channel, or a sync of it in its node's sync loop run (the check's
+    partition names the channel there)."""
+    found: dict[tuple[str, str], tuple[float, bool]] = {}
+    runs = [
+        *instance.get_runs(dg.RunsFilter(job_name="sync", statuses=[dg.DagsterRunStatus.SUCCESS])),
+        *instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB)),
+    ]
+    for run in runs:
+        for record in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
+            assert record.dagster_event is not None
+            data = record.dagster_event.event_specific_data
+            vchannel = data.partition or run.tags.get(CHANNEL_TAG, "")  # type: ignore[union-attr]
+            key = (vchannel, data.check_name)  # type: ignore[union-attr]
+            if vchannel in vchannels and (key not in found or found[key][0] <= record.timestamp):
+                found[key] = (record.timestamp, bool(data.passed))  # type: ignore[union-attr]
+    return {key: passed for key, (_, passed) in found.items()}
 
 
 def _dagster_nodes(stack: Stack) -> list[int]:
@@ -97,7 +96,7 @@ def _runs_in_flight(instance: dg.DagsterInstance, info: CollectionInfo) -> bool:
 
 def _report_checks(console: Console, info: CollectionInfo, checks: dict[tuple[str, str], bool]) -> None:
     """Print the latest asset checks of every vchannel; DemoCheckError unless all passed."""
-    table = Table(title="asset checks (latest sync run of each vchannel)")
+    table = Table(title="asset checks (latest sync of each vchannel)")
     names = sorted({c for _, c in checks})
     table.add_column("vchannel")
     for c in names:

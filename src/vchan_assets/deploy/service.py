@@ -9,6 +9,11 @@ with DAGSTER_HOME and the VCHAN_* settings in their environment, waits until the
 webserver answers GraphQL, and records the pids in `$VCHAN_HOME/dagster/service.json`
 so `vchan down` (another process) can stop them. Started again, it starts only what is
 missing or dead and leaves the healthy ones alone (`vchan up` heals).
+
+The instance keeps its runs, event logs and schedules in SQLite files under its
+DAGSTER_HOME by default; on a cluster, in PostgreSQL (`storage`, or the setting
+VCHAN_DAGSTER_POSTGRES_URL: its `dagster.yaml` gets a `storage: postgres:` section), which
+every daemon and webserver of the cluster shares. deploy/postgres.py starts a server.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vchan_assets.config import Settings
+from vchan_assets.deploy.postgres import postgres_storage
 from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.meta.embedded import free_port, pid_alive, read_record
@@ -40,6 +46,22 @@ DEFAULT_WORKSPACE = REPO / "workspace.yaml"
 # The instance's configuration (run queue, sensors, run monitoring); the instance itself,
 # its runs, cursors and materializations, lives under VCHAN_HOME (`instance_home`).
 INSTANCE_CONFIG = REPO / "dagster_home" / "dagster.yaml"
+
+
+def write_instance_config(dagster_home: Path, storage: dict[str, Any] | None = None) -> Path:
+    """`dagster.yaml` of the instance at `dagster_home`: ours (INSTANCE_CONFIG), with the
+    `storage:` section `storage` when given (PostgreSQL for a cluster: deploy/postgres.py's
+    `storage_config()`); without it the instance keeps its SQLite files in `dagster_home`."""
+    import yaml
+
+    text = INSTANCE_CONFIG.read_text()
+    if storage is not None:
+        text += "\n# The instance's runs, event logs and schedules (set by the deployment).\n"
+        text += yaml.safe_dump({"storage": storage}, sort_keys=False)
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    target = dagster_home / "dagster.yaml"
+    target.write_text(text)
+    return target
 
 
 def instance_home(settings: Settings) -> Path:
@@ -126,6 +148,20 @@ def _pids(state: dict[str, Any]) -> list[int]:
     return [int(p) for p in state.get("pids", [])]
 
 
+STRAGGLER_GRACE = 3.0  # seconds the rest of a process group gets after its leader exited
+
+
+def _group_alive(pgid: int) -> bool:
+    """Some process of the group `pgid` is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class DagsterService:
     settings: Settings
@@ -133,10 +169,16 @@ class DagsterService:
     workspace: Path = DEFAULT_WORKSPACE
     extra_env: dict[str, str] = field(default_factory=dict)
     url: str = ""
+    # The instance's `storage:` section (None: VCHAN_DAGSTER_POSTGRES_URL's database if
+    # set, else SQLite files in dagster_home, or whatever storage an existing dagster.yaml
+    # there names). Given, dagster.yaml is written with it at every start.
+    storage: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dagster_home is None:
             self.dagster_home = instance_home(self.settings)
+        if self.storage is None and self.settings.dagster_postgres_url:
+            self.storage = postgres_storage(self.settings.dagster_postgres_url)
 
     @property
     def home(self) -> Path:
@@ -182,7 +224,9 @@ class DagsterService:
             self._stop_pids([daemon_pid], timeout=10.0)
         port = int(state.get("port") or 0)
         self.home.mkdir(parents=True, exist_ok=True)
-        if not (self.home / "dagster.yaml").exists():
+        if self.storage is not None:
+            write_instance_config(self.home, self.storage)
+        elif not (self.home / "dagster.yaml").exists():
             shutil.copy(INSTANCE_CONFIG, self.home / "dagster.yaml")
         logs = settings.home / "dagster"
         logs.mkdir(parents=True, exist_ok=True)
@@ -280,18 +324,23 @@ class DagsterService:
 
     @staticmethod
     def _stop_pids(pids: list[int], timeout: float) -> None:
-        """SIGTERM each process group, SIGKILL what is left after `timeout`."""
-        for pid in pids:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGTERM)
+        """SIGTERM each process group, SIGKILL what is left of the groups after `timeout`,
+        or STRAGGLER_GRACE after their leaders exited: the leader (daemon, webserver) exits
+        on SIGTERM, but a code server of its group did not always, and lived on with its
+        memory once the leader was gone."""
+        groups = [pid for pid in pids if pid_alive(pid)]
+        for pid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in groups) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in pids:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        grace = min(deadline, time.monotonic() + STRAGGLER_GRACE)
+        while any(_group_alive(p) for p in groups) and time.monotonic() < grace:
+            time.sleep(0.2)
+        for pid in groups:  # a group id is not reused while a member of the group lives
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
     @staticmethod
     def _spawn(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen[bytes]:

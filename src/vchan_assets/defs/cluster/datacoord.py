@@ -3,7 +3,7 @@
 - **One election.** Each tick campaigns in the election `vchan datacoord` processes use
   (`session/datacoord`): the sensor leads only while it holds the key, so a standalone
   coordinator and Dagster never coordinate at once. Its leadership lives on an etcd lease
-  its ticks refresh (TTL max(VCHAN_SESSION_TTL, 20 s), as a sensor-hosted DataNode):
+  its ticks refresh (TTL max(VCHAN_SESSION_TTL, 60 s), as a sensor-hosted DataNode):
   stop the sensor (or kill the daemon) and a standby process takes over after the TTL.
 - **One tick.** A term's first tick activates (`recover_flushing`, the meta reload); every
   tick then runs `DataCoordinator.tick`: channel reconcile (assign, reassign, balance),

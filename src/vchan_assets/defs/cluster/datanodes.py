@@ -7,7 +7,7 @@ How a node lives here (the design):
   `channelwatch/{nodeID}/` it has seen. Each tick first refreshes the session lease
   (`store.keepalive`); the session (`session/datanode/{id}`, address `dagster:{slot}`)
   therefore lives exactly as long as the sensor keeps ticking. The daemon ticks a
-  sensor every 5 s at best, so the session TTL is max(VCHAN_SESSION_TTL, 20 s). Stop the sensor (UI,
+  sensor every 5 s at best, so the session TTL is max(VCHAN_SESSION_TTL, 60 s). Stop the sensor (UI,
   `dagster sensor stop`, GraphQL `stopSensor`, or the daemon dying) and the session
   expires after that TTL: the coordinator sensor reassigns its channels with
   new leases, which fences off any sync run of the dead node still in flight
@@ -26,9 +26,13 @@ How a node lives here (the design):
 - **Run keys are stable**: `watch:{node}:{vchannel}:{lease}` and
   `release:{node}:{vchannel}:{mod_revision}`; a tick re-evaluated after a crash
   requests nothing twice.
-- Syncs while watching come from the sync sensor (defs/sync/sensor.py), for channels whose
-  lease belongs to a live Dagster-hosted node (session address `dagster:*`), so a
-  standalone `vchan datanode` process and Dagster never write one channel together.
+- **Syncs while watching come from the node's sync loop** (defs/sync/loop.py): one
+  long-lived run per node, requested by this sensor whenever the node has none in flight
+  (run key `loop:{node}:{n}`), each sync reported as materializations of that run. Without
+  a loop in flight (VCHAN_DAGSTER_SYNC_LOOP=0, or between two loop runs) the sync sensor
+  (defs/sync/sensor.py) requests a run per sync. Both sync only channels whose lease
+  belongs to a live Dagster-hosted node (session address `dagster:*`), so a standalone
+  `vchan datanode` process and Dagster never write one channel together.
 """
 
 from __future__ import annotations
@@ -47,7 +51,14 @@ from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
-from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, DAGSTER_ADDRESS, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.sync.loop import (
+    cancel_queued_loops_of_earlier_nodes,
+    loop_run_request,
+    loop_runs,
+    node_sync_loop_job,
+)
+from vchan_assets.defs.sync.sensor import IN_FLIGHT
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import parse_watch_info
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError
@@ -56,12 +67,13 @@ from vchan_assets.model import NodeSession, SessionState, WatchState
 
 log = logging.getLogger(__name__)
 
-DAGSTER_ADDRESS = "dagster:"
 WATCH_SENSOR_INTERVAL = 1
 # dagster-daemon evaluates sensors at most every 5 s (MIN_INTERVAL_LOOP_TIME in
 # dagster/_daemon/sensor.py), so a sensor-hosted node's session must outlive several
-# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger).
-SESSION_TTL_FLOOR = 20.0
+# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger). On a loaded machine
+# (load average 20-40 on 2 cores) a node sensor's ticks came 20-60 s apart: with 20 s the
+# nodes lost their sessions every minute (docs/dagster.md, "The node's session").
+SESSION_TTL_FLOOR = 60.0
 
 
 @dataclass
@@ -197,6 +209,7 @@ def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:
     )
     return dg.RunRequest(
         run_key=req.run_key,
+        job_name=sync_job.name,
         partition_key=req.vchannel,
         run_config=sync_run_config(config),
         tags={CHANNEL_TAG: req.vchannel, NODE_TAG: str(node_id), REASON_TAG: reason},
@@ -205,10 +218,11 @@ def watch_run_request(node_id: int, req: WatchRequest) -> dg.RunRequest:
 
 def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg.SensorDefinition:
     """The watch sensor of the DataNode hosted in sensor slot `slot`."""
+    name = f"datanode_{slot}"
 
     @dg.sensor(
-        name=f"datanode_{slot}",
-        job=sync_job,
+        name=name,
+        jobs=[sync_job, node_sync_loop_job],
         minimum_interval_seconds=WATCH_SENSOR_INTERVAL,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"DataNode slot {slot}: keeps the node's session alive, watches channelwatch/<node>/.",
@@ -216,11 +230,22 @@ def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg
     def _sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
         with vchan.open() as runtime:
             tick = DagsterDataNode(runtime, slot, min_session_ttl).tick(NodeCursor.parse(context.cursor))
+            loop_seconds = runtime.settings.dagster_sync_loop
         if tick.relisted:
             context.log.info("node %s relisted its watch prefix: %s", tick.cursor.node_id, tick.relisted)
         known = set(context.instance.get_dynamic_partitions(VCHANNELS))
         missing = sorted(set(tick.partitions) - known)
         requests = [watch_run_request(tick.cursor.node_id, r) for r in tick.requests]
+        node_id = tick.cursor.node_id
+        if loop_seconds and not loop_runs(context.instance, node_id, IN_FLIGHT):
+            number = loop_runs(context.instance, node_id)
+            requests.append(loop_run_request(node_id, number, loop_seconds, tick.cursor.session_lease))
+        if tick.new_session and (
+            stale := cancel_queued_loops_of_earlier_nodes(context.instance, name, node_id)
+        ):
+            context.log.info(
+                "node %s cancelled the queued loop runs of its earlier nodes: %s", node_id, stale
+            )
         for r in tick.requests:
             if r.vchannel not in known and r.vchannel not in missing:
                 missing.append(r.vchannel)

@@ -21,6 +21,7 @@ import_jobs = dg.DynamicPartitionsDefinition(name=IMPORT_JOBS)
 
 CHECK_ROWS, CHECK_PKS = asset_checks(
     IMPORTED_SEGMENTS,
+    blocking=True,
     rows_in_files_equal_rows_in_segments="Rows in the files = rows in the job's segments (counted again from both sides' footers).",
     no_pk_already_in_collection="No imported primary key was already live in the partition (unless the job upserts).",
 )

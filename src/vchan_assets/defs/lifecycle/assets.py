@@ -39,10 +39,12 @@ LIFECYCLE_GROUP = "segment_lifecycle"
 
 (CHECK_SORTED_ROWS,) = asset_checks(
     SORTED_SEGMENTS,
+    blocking=True,
     sorted_rows_conserved="Per sort: rows in = rows out + rows its deletes removed (recomputed).",
 )
 CHECK_ROWS, CHECK_UNIQUE = asset_checks(
     COMPACTED_SEGMENTS,
+    blocking=True,
     rows_conserved="Per compaction of the step: rows in = rows out + rows its deletes removed (recomputed).",
     no_pk_in_two_live_segments="No primary key visible in two live segments of a vchannel (rows a newer delete removes do not count).",
 )

@@ -6,7 +6,8 @@ multi-asset, partitioned by vchannel, that runs the PySpark `SyncTask` through
 dagster-pyspark's resource. Their lineage in the UI is the commit order.
 
 Downstream, unpartitioned: `segment_table`, one Parquet table of every segment
-(`{storage}/catalog/segments.parquet`) that the notebooks read.
+(`{storage}/catalog/segments.parquet`) that the notebooks read, kept fresh by declarative
+automation (defs/automation.py). The exactly-once checks of the sync are blocking.
 """
 
 import time
@@ -20,6 +21,7 @@ from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.datanode.node import release_channel
 from vchan_assets.datanode.sync import SyncResult
+from vchan_assets.defs.automation import CATALOG_FRESHNESS, catalog_condition
 from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.partitions import vchannels
 from vchan_assets.defs.resources import VchanResource
@@ -63,18 +65,23 @@ CHANNEL_CHECKPOINTS = _commit_step(
 
 CHECK_LOG_ROWS, CHECK_UNIQUE_PKS = asset_checks(
     BINLOGS.key,
+    blocking=True,
     binlog_rows_match_log="Insert binlog rows == Insert messages in the committed log range; delta log rows == "
     "Delete messages in it (deletes live in L0 delta logs, not applied to insert binlogs).",
     no_duplicate_pks="No primary key twice in the vchannel's insert binlogs.",
 )
 (CHECK_BINLOG_PATHS,) = asset_checks(
     SEGMENTS.key,
+    blocking=True,
     binlog_paths_exist="Every binlog/delta/stats path in segment meta exists.",
 )
 (CHECK_MONOTONIC,) = asset_checks(
     CHANNEL_CHECKPOINTS.key,
+    blocking=True,
     checkpoint_monotonic="The checkpoint is at or after the one of the previous materialization of this partition.",
 )
+# The four checks every sync evaluates (a sync run's, a sync loop's report).
+SYNC_CHECKS = (CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC)
 
 
 class SyncConfig(dg.Config):
@@ -92,8 +99,9 @@ def sync_run_config(config: SyncConfig) -> dg.RunConfig:
     return dg.RunConfig(ops={"sync_vchannel": config})
 
 
-def _previous_checkpoint(context: dg.AssetExecutionContext, vchannel: str) -> int | None:
-    records = context.instance.fetch_materializations(
+def previous_checkpoint(instance: dg.DagsterInstance, vchannel: str) -> int | None:
+    """The checkpoint offset the last materialization of the vchannel's checkpoint reported."""
+    records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=CHANNEL_CHECKPOINTS.key, asset_partitions=[vchannel]), limit=1
     ).records
     if not records or records[0].asset_materialization is None:
@@ -173,7 +181,7 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
 @dg.multi_asset(
     name="sync_vchannel",
     specs=[BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS],
-    check_specs=[CHECK_LOG_ROWS, CHECK_UNIQUE_PKS, CHECK_BINLOG_PATHS, CHECK_MONOTONIC],
+    check_specs=list(SYNC_CHECKS),
     partitions_def=vchannels,
 )
 def sync_vchannel(
@@ -188,7 +196,7 @@ def sync_vchannel(
             if lease is None:
                 raise dg.Failure(f"{vchannel} has no channel lease: no node watches it")
             lease_id = lease.lease_id
-        previous = _previous_checkpoint(context, vchannel)
+        previous = previous_checkpoint(context.instance, vchannel)
         try:
             result = runtime.with_spark(pyspark.spark_session).sync(vchannel, lease_id)
         except LeaseLostError as exc:
@@ -234,6 +242,8 @@ def _release(runtime: VchanRuntime, config: SyncConfig) -> None:
     deps=[CHANNEL_CHECKPOINTS],
     group_name="catalog",
     kinds={"parquet"},
+    automation_condition=catalog_condition(),  # after syncs whose exactly-once checks passed
+    freshness_policy=CATALOG_FRESHNESS,
 )
 def segment_table(vchan: VchanResource) -> dg.MaterializeResult:
     """Every segment of every collection as one table, `{storage}/catalog/segments.parquet`:

@@ -1,7 +1,9 @@
 """The sync sensor: a sync run for a vchannel partition when a sync policy fires.
 
-Only channels owned by a Dagster-hosted DataNode (datanodes.py) are synced here: the
-run commits under that node's channel lease, as the node.
+Only channels owned by a Dagster-hosted DataNode (datanodes.py) that has no sync loop run
+in flight (sync/loop.py; none at all with VCHAN_DAGSTER_SYNC_LOOP=0) are synced here: the
+run commits under that node's channel lease, as the node. `plan_syncs` is also the loop's
+question "which of my channels need a sync now".
 
 Each tick reads, per vchannel that has a channel lease (some node owns it), the
 backlog between the checkpoint and the log head and asks `datanode.policies` whether
@@ -18,12 +20,19 @@ from dataclasses import dataclass, replace
 
 import dagster as dg
 
-from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
-from vchan_assets.defs.sync.jobs import CHANNEL_TAG, NODE_TAG, REASON_TAG, sync_job
+from vchan_assets.defs.sync.jobs import (
+    CHANNEL_TAG,
+    DAGSTER_ADDRESS,
+    LOOP_JOB,
+    LOOP_TAG,
+    NODE_TAG,
+    REASON_TAG,
+    sync_job,
+)
 from vchan_assets.model import ChannelLease, ChannelWatchInfo, NodeSession, WatchState
 
 SYNC_SENSOR_INTERVAL = 1  # seconds: the latency budget of a change is ~10 s
@@ -56,18 +65,25 @@ def watching(runtime: VchanRuntime, node_id: int, vchannel: str) -> bool:
     return found is not None and found.model.state is WatchState.WATCH_SUCCESS
 
 
-def plan_syncs(runtime: VchanRuntime, busy: set[str], now: float | None = None) -> list[SyncPlan]:
+def plan_syncs(
+    runtime: VchanRuntime, busy: set[str], now: float | None = None, nodes: set[int] | None = None
+) -> list[SyncPlan]:
     """The channels a sync policy fires for: those whose lease belongs to a live
-    Dagster-hosted node that watches them (WatchSuccess), skipping channels in `busy`."""
+    Dagster-hosted node (one of `nodes`, if given) that watches them (WatchSuccess),
+    skipping channels in `busy`."""
     plans = []
-    nodes = dagster_nodes(runtime)
+    live = dagster_nodes(runtime)
+    nodes = live if nodes is None else live & nodes
     for vchannel, info in sorted(runtime.vchannels().items()):
         if vchannel in busy:
             continue
+        lease = runtime.store.read_lease(vchannel)
+        if lease is None or lease.node_id not in nodes:
+            continue  # nobody owns it, or a standalone `vchan datanode` or another node does
         status = runtime.status(vchannel, info)
         lease = status.lease
         if lease is None or lease.node_id not in nodes:
-            continue  # nobody owns it, or a standalone `vchan datanode` does
+            continue  # it moved meanwhile
         if not watching(runtime, lease.node_id, vchannel):
             continue
         reasons = runtime.sync_reasons(status, now)
@@ -100,6 +116,15 @@ def busy_channels(instance: dg.DagsterInstance) -> set[str]:
     return {r.dagster_run.tags[CHANNEL_TAG] for r in records if CHANNEL_TAG in r.dagster_run.tags}
 
 
+def looping_nodes(instance: dg.DagsterInstance) -> set[int]:
+    """The nodes whose sync loop run (sync/loop.py) is running: their channels are its. A
+    loop still queued or starting (seconds; on a loaded machine minutes) syncs nothing yet,
+    so until it runs this sensor serves its node's channels with runs."""
+    running = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
+    records = instance.get_run_records(running)
+    return {int(r.dagster_run.tags[LOOP_TAG]) for r in records if LOOP_TAG in r.dagster_run.tags}
+
+
 def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
     lease = plan.lease
     config = SyncConfig(lease_id=lease.lease_id, node_id=lease.node_id, reason="; ".join(plan.reasons))
@@ -118,8 +143,10 @@ def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
 )
 def sync_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
     """Request a sync of a vchannel partition when a sync policy fires."""
+    looping = looping_nodes(context.instance)
     with vchan.open() as runtime:
         plans = plan_syncs(runtime, busy_channels(context.instance))
+    plans = [p for p in plans if p.lease.node_id not in looping]
     plans = [replace(p, run_key=retry_key(context.instance, p.run_key)) for p in plans]
     known = set(context.instance.get_dynamic_partitions(VCHANNELS))
     missing = sorted({p.vchannel for p in plans} - known)
