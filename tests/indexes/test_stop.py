@@ -24,7 +24,7 @@ from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 WIDE = 128
-ROWS = 14_000  # in two segments: their HNSW builds take 5-20 s in process on a loaded 2-core machine
+ROWS = 20_000  # in two segments: their HNSW builds take 5-30 s in process on a 2-core machine
 STOP_TIMEOUT = 3.0
 MARGIN = 7.0  # the etcd writes of the stop and the interpreter's exit, on a loaded machine
 
@@ -62,7 +62,7 @@ def test_a_datacoord_sent_sigterm_mid_build_exits_in_time_and_the_next_one_finis
             lambda: any(b.state is SegmentIndexState.IN_PROGRESS for b in builds(system, data)),
             "the build started",
         )
-        time.sleep(1.0)  # into faiss's add
+        time.sleep(0.3)  # past reading the vectors, into faiss's add
         first.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         try:
@@ -76,10 +76,14 @@ def test_a_datacoord_sent_sigterm_mid_build_exits_in_time_and_the_next_one_finis
         assert first.returncode == 0, first.communicate()[0].decode()[-3000:]
         output = first.communicate()[0].decode()
     assert "abandoned" in output, output[-3000:]
-    assert not any(b.files for b in builds(system, data)), "the abandoned builds committed nothing"
+    # A build may have finished before the signal (a quiet machine builds fast): the others
+    # were abandoned, and committed nothing.
+    abandoned = [b.build_id for b in builds(system, data) if b.state is not SegmentIndexState.FINISHED]
+    assert abandoned, "no build was in flight at SIGTERM"
+    assert not any(b.files for b in builds(system, data) if b.build_id in abandoned)
     tasks = [d.model for d in list_tasks(system.store, "index")]
-    assert [t.state for t in tasks] == [TaskState.QUEUED] * 2, "back in the queue for the next DataCoord"
-    assert [t.attempts for t in tasks] == [0, 0], "a graceful stop spends no attempt"
+    assert [t.state for t in tasks] == [TaskState.QUEUED] * len(abandoned), "back in the queue"
+    assert all(t.attempts == 0 for t in tasks), "a graceful stop spends no attempt"
 
     with datacoord(system) as second:
         wait_for(
@@ -91,4 +95,5 @@ def test_a_datacoord_sent_sigterm_mid_build_exits_in_time_and_the_next_one_finis
             "the build finished by the next DataCoord",
         )
     for done in builds(system, data):
-        assert done.version == 2 and done.files and system.storage.exists(done.files[0])
+        assert done.files and system.storage.exists(done.files[0])
+        assert done.version == (2 if done.build_id in abandoned else 1)
