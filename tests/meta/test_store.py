@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -302,6 +303,12 @@ def test_frozen_etcd_gives_meta_unavailable_within_bounded_time(
     assert private_etcd.pid is not None
     os.kill(private_etcd.pid, signal.SIGSTOP)
     try:
+        # SIGSTOP is delivered asynchronously: a request sent at once may still be served.
+        stat = Path(f"/proc/{private_etcd.pid}/stat")
+        deadline = time.monotonic() + 5
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "etcd did not stop"
+            time.sleep(0.01)
         started = time.monotonic()
         with pytest.raises(MetaUnavailableError) as down:
             store.get(store.keys.tso())
