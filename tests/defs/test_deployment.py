@@ -460,6 +460,29 @@ def _check_passed(url: str, asset: str, check: str) -> bool:
     return bool(found) and found[0]["status"] == "SUCCEEDED"
 
 
+def _automation_trace(instance: dg.DagsterInstance, asset: str, ticks: int = 5) -> str:
+    """The last `ticks` evaluations of `asset`'s automation condition, each as its tree of
+    labels with what each node held true for (a bool, or the partitions of an upstream
+    asset): what a failed wait says about why the condition did not fire."""
+
+    def tree(evaluation, depth: int = 0) -> list[str]:  # type: ignore[no-untyped-def]
+        snapshot = evaluation.condition_snapshot
+        label = snapshot.label or snapshot.name or snapshot.description
+        lines = [f"{'  ' * depth}{label}: {evaluation.true_subset.value!r:.100}"]
+        for child in evaluation.child_evaluations:
+            lines += tree(child, depth + 1)
+        return lines
+
+    records = instance.schedule_storage.get_auto_materialize_asset_evaluations(  # type: ignore[union-attr]
+        dg.AssetKey(asset), limit=ticks
+    )
+    lines = [f"last {len(records)} automation evaluations of {asset}:"]
+    for record in records:
+        lines.append(f"- evaluation {record.evaluation_id} at {record.timestamp:.0f}")
+        lines += tree(record.get_evaluation_with_run_ids().evaluation, 1)
+    return "\n".join(lines)
+
+
 def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deployment: Deployment) -> None:
     """The live deployment's health as a Dagster user sees it. Declarative automation
     (`vchan_automation`) materializes `segment_table` after the syncs, and the asset is fresh
@@ -477,7 +500,10 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
         runs = [instance.get_run_by_id(r.run_id) for r in records if r.run_id]
         return any(r is not None and r.tags.get("dagster/sensor_name") == "vchan_automation" for r in runs)
 
-    wait_until(automated, 240, "segment_table materialized by the automation sensor")
+    try:
+        wait_until(automated, 240, "segment_table materialized by the automation sensor")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_automation_trace(instance, 'segment_table')}") from None
     nodes = {"/".join(n["assetKey"]["path"]): n for n in graphql(url, HEALTH)["assetNodes"]}
     assert "exactly-once checks passed" in nodes["segment_table"]["automationCondition"]["label"]
 

@@ -4,11 +4,11 @@ channel watch keys, flushed segments waiting for their sort, index builds, impor
 the DataCoord election); an asset that is a function of its upstream assets is
 materialized by an `AutomationCondition` instead:
 
-- `segment_table` (the catalog table): after syncs (`channel_checkpoints` updated; at most
-  every 2 min), and every CATALOG_REFRESH_CRON so it stays fresh on an idle stack, never while a run
-  of it is in flight, and only while the blocking (exactly-once) checks of its upstream
-  assets passed: a sync whose rows do not match its log stops the catalog from publishing
-  it. Its `FreshnessPolicy` (CATALOG_FRESHNESS) shows fresh/stale on the asset graph.
+- `segment_table` (the catalog table): at once when it is missing (a new stack), after syncs
+  (`channel_checkpoints` updated; at most every 2 min), and every CATALOG_REFRESH_CRON so it
+  stays fresh on an idle stack; never while a run of it is in flight, nor while a blocking
+  (exactly-once) check of its upstream assets failed: a sync whose rows do not match its
+  log stops the catalog from publishing it. Its `FreshnessPolicy` (CATALOG_FRESHNESS) shows fresh/stale on the asset graph.
 
 The freshness check of `channel_checkpoints` is evaluated by a sensor of its own, without
 runs (defs/health.py).
@@ -36,19 +36,28 @@ CATALOG_FRESHNESS = dg.FreshnessPolicy.time_window(
 
 def catalog_condition() -> dg.AutomationCondition:
     """When a catalog table derived from the syncs is materialized (see the module doc):
-    when it is missing; at the first CATALOG_AFTER_SYNCS_CRON tick after a sync updated
-    `channel_checkpoints`; at every
-    CATALOG_REFRESH_CRON tick. Never while a run of it is in flight, and only while the
-    blocking checks of its upstream assets passed."""
+    while it is missing (once: not again after a failed run, until the next tick below); at
+    the first CATALOG_AFTER_SYNCS_CRON tick after a sync updated `channel_checkpoints`; at
+    every CATALOG_REFRESH_CRON tick. Never while a run of it is in flight, nor while the
+    latest evaluation of a blocking check of an upstream asset failed, in any partition.
+
+    Dagster's `newly_missing()` would not do for the first materialization: an asset missing
+    at the condition's first evaluation is never *newly* missing (the first evaluation resets
+    `since_last_handled`). Nor would `all_deps_blocking_checks_passed()`: it is false until a
+    check has *passed*, so a table missing before the first sync waited for one; the
+    condition waits only while a check *failed*, in any vchannel."""
     conditions = dg.AutomationCondition
     sync_tick: dg.AutomationCondition[Any] = conditions.cron_tick_passed(CATALOG_AFTER_SYNCS_CRON)
     refresh_tick: dg.AutomationCondition[Any] = conditions.cron_tick_passed(CATALOG_REFRESH_CRON)
-    missing: dg.AutomationCondition[Any] = conditions.newly_missing()
+    missing = (conditions.missing() & ~conditions.execution_failed()).with_label("missing")
     after_syncs = sync_tick.since_last_handled() & conditions.any_deps_updated().since_last_handled()
+    check_failed = conditions.any_deps_match(
+        conditions.any_checks_match(conditions.check_failed(), blocking_only=True)
+    ).with_label("a blocking check of a dependency failed")
     return (
-        (missing.since_last_handled() | after_syncs | refresh_tick.since_last_handled())
+        (missing | after_syncs | refresh_tick.since_last_handled())
         & ~conditions.in_progress()
-        & conditions.all_deps_blocking_checks_passed()
+        & ~check_failed
     ).with_label("after syncs (at most every 2 min), every 30 min; exactly-once checks passed")
 
 

@@ -40,8 +40,8 @@ def asset_checks(
     `blocking`: the checks guard exactly-once (no row lost or duplicated, no file missing):
     a failure (severity ERROR) stops the downstream work. In the run, Dagster does not
     start the steps of downstream assets; across runs, declarative automation waits
-    (`AutomationCondition.all_deps_blocking_checks_passed`, in `segment_table`'s
-    condition), and the UI marks the check as blocking."""
+    while a blocking check of a dependency failed (`segment_table`'s condition,
+    defs/automation.py), and the UI marks the check as blocking."""
     return tuple(
         dg.AssetCheckSpec(name, asset=asset, description=text, blocking=blocking)
         for name, text in descriptions.items()
