@@ -220,22 +220,24 @@ class NodeSyncLoop:
         self.pending.clear()
         store = self.runtime.store
         key = store.keys.datanode_session(self.node_id)
+        gone, lease = False, self.session_lease
         try:
             found = store.get_model(key, NodeSession)
-            if found is None:
-                return f"node {self.node_id} is leaving ({why}); its session was gone already"
-            lease = found.kv.lease or self.session_lease
-            stopping = found.model.entered(SessionState.STOPPING, reason=why)
-            store.cas(key, found.kv.version, stopping, lease=lease or None)
-            log.info("datanode %s is STOPPING: %s", self.node_id, why)
+            gone = found is None
+            if found is not None:
+                lease = found.kv.lease or self.session_lease
+                stopping = found.model.entered(SessionState.STOPPING, reason=why)
+                store.cas(key, found.kv.version, stopping, lease=lease or None)
+                log.info("datanode %s is STOPPING: %s", self.node_id, why)
         except MetaError as exc:  # etcd unreachable: the session expires after its TTL
             log.error("datanode %s could not say STOPPING: %s", self.node_id, exc)
-            lease = self.session_lease
         in_flight = self.in_flight
         abandoned = False
         if in_flight is not None:
             abandoned = bool(wait([in_flight], timeout=LEAVE_GRACE_SECONDS).not_done)
         self.syncer.shutdown(wait=False, cancel_futures=True)
+        if gone:
+            return f"node {self.node_id} left ({why}); its session was gone already"
         try:
             if lease:
                 store.revoke(lease)
