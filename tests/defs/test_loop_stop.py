@@ -6,6 +6,8 @@ Dagster's own context builder."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import dagster as dg
 from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datanodes import NodeCursor
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
-from vchan_assets.defs.sync.loop import NodeSyncLoop
+from vchan_assets.defs.sync.loop import AtTeardown, NodeSyncLoop, node_sync_loop_job
 from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.store import MetaStore
@@ -173,3 +175,60 @@ def test_a_stopping_node_gets_no_syncs_and_its_sensor_starts_a_new_node(
     assert new.node_id != node.node_id
     still = store.get_model(key, NodeSession)
     assert still is not None and still.model.state is SessionState.STOPPING
+
+
+class InterruptOnMaterialization(logging.Handler):
+    """Sends this process SIGINT when Dagster logs the loop's first materialization: the
+    signal arrives while Dagster (not the op) runs, as it does when a run worker gets SIGTERM
+    while Dagster stores an event the loop reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.sent and "ASSET_MATERIALIZATION" in record.getMessage():
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_loop_interrupted_while_dagster_stores_its_event_still_leaves_at_once(
+    instance: dg.DagsterInstance, dsettings: Settings, store: MetaStore, producer: Producer
+) -> None:
+    """Dagster raises such an interrupt outside the op, whose generator is closed only after
+    the run: the node leaves from the teardown of the run's resources (`AtTeardown`)."""
+    vchan = VchanResource.from_settings(replace(dsettings, session_ttl=TTL))
+    info = producer.create_collection("interrupted", SCHEMA, [], num_channels=1)
+    node, _ = watched_by_a_dagster_node(instance, vchan, store)
+    produce(producer, info.name, Produced(), 100, start_pk=0)
+    time.sleep(1.1)  # VCHAN_SYNC_MAX_AGE=1: the sync policy fires
+    handler = InterruptOnMaterialization()
+
+    @dg.logger
+    def interrupting(_: dg.InitLoggerContext) -> logging.Logger:
+        logger = logging.Logger("interrupting", level=logging.DEBUG)
+        logger.addHandler(handler)
+        return logger
+
+    job = node_sync_loop_job.graph.to_job(
+        name="interrupted_loop",
+        executor_def=dg.in_process_executor,
+        logger_defs={"interrupting": interrupting},
+    )
+    before = store.list_prefix(store.keys.datanode_session.prefix).revision
+    config = {"node_id": node.node_id, "session_lease": node.session_lease, "seconds": 600.0}
+    result = job.execute_in_process(
+        run_config={"ops": {"node_sync_loop": {"config": config}}, "loggers": {"interrupting": {}}},
+        instance=instance,
+        resources={"vchan": vchan, "pyspark": pyspark_resource(vchan.settings()), "teardown": AtTeardown()},
+        raise_on_error=False,
+    )
+
+    assert handler.sent and not result.success
+    assert result.asset_materializations_for_node("node_sync_loop")  # the op got as far
+    key = store.keys.datanode_session(node.node_id)
+    assert store.get(key) is None  # gone when the run ended, not after the TTL
+    changes = poll_changes(store, key, before)
+    stopping = [decode(key, e.value, NodeSession) for e in changes.events if e.kind is EventKind.PUT]
+    assert [s.state for s in stopping] == [SessionState.STOPPING]
+    assert "while Dagster stored an event" in stopping[0].reason  # left from the teardown
