@@ -20,7 +20,7 @@ from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.retention import prune_runs
 from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG
-from vchan_assets.defs.sync.loop import NodeSyncLoop, loop_runs, node_sync_loop_job
+from vchan_assets.defs.sync.loop import AtTeardown, NodeSyncLoop, loop_runs, node_sync_loop_job
 from vchan_assets.defs.sync.sensor import dagster_nodes, sync_sensor
 from vchan_assets.demo.via_dagster import latest_checks
 from vchan_assets.meta.store import MetaStore
@@ -56,7 +56,7 @@ def run_loop(
     return node_sync_loop_job.execute_in_process(
         run_config={"ops": {"node_sync_loop": {"config": {"node_id": node_id, "seconds": seconds}}}},
         instance=instance,
-        resources={"vchan": vchan, "pyspark": pyspark_resource(vchan.settings())},
+        resources={"vchan": vchan, "pyspark": pyspark_resource(vchan.settings()), "teardown": AtTeardown()},
     )
 
 

@@ -28,7 +28,7 @@ from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
 from vchan_assets.defs.sync.jobs import sync_job
-from vchan_assets.defs.sync.loop import node_sync_loop_job
+from vchan_assets.defs.sync.loop import AtTeardown, node_sync_loop_job
 
 
 def build_definitions(settings: Settings) -> dg.Definitions:
@@ -54,7 +54,11 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             automation_sensor,
             checkpoint_freshness_sensor,
         ],
-        resources={"vchan": VchanResource.from_env(), "pyspark": pyspark_resource(settings)},
+        resources={
+            "vchan": VchanResource.from_env(),
+            "pyspark": pyspark_resource(settings),
+            "teardown": AtTeardown(),
+        },
     )
 
 

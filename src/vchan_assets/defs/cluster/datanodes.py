@@ -14,7 +14,9 @@ How a node lives here (the design):
   (LeaseLostError, nothing committed). Killing a node is that: a real, testable action.
 - **A dead session is never revived.** If the lease is gone when the sensor ticks
   (it was stopped for longer than the TTL), the tick registers a new node with a new,
-  never-reused id (MEP 7: restarting a node is the same as starting it).
+  never-reused id (MEP 7: restarting a node is the same as starting it). So does a tick
+  that finds its node STOPPING (its sync loop run was interrupted, and the node is leaving:
+  defs/sync/loop.py): the sensor never refreshes a STOPPING session nor writes it HEALTHY.
 - **Watch handling is the node's step functions**, the same ones the standalone
   `vchan datanode` process calls: `parse_watch_info`, `watch_channel` (ToWatch ->
   lease check, recovery info, CAS WatchSuccess/WatchFailure) runs in the tick; the
@@ -115,18 +117,25 @@ class DagsterDataNode:
         self.session_ttl = max(runtime.settings.session_ttl, min_session_ttl)
 
     def ensure_session(self, cursor: NodeCursor) -> tuple[NodeCursor, bool]:
-        """Refresh the node's session lease; register a new node if it is gone."""
+        """Refresh the node's session lease; register a new node if it is gone, or STOPPING
+        (its loop run was interrupted and it is leaving: never refreshed, never HEALTHY again)."""
         if cursor.node_id and cursor.session_lease:
-            try:
-                alive = self.store.keepalive(cursor.session_lease) > 0
-            except Exception as exc:  # an unknown lease is an error on some etcd versions
-                log.info("keep-alive of node %s failed: %s", cursor.node_id, exc)
-                alive = False
-            if alive and self.store.get(self.store.keys.datanode_session(cursor.node_id)) is not None:
-                return cursor, False
-            log.warning(
-                "datanode %s (slot %s) lost its session: starting a new node", cursor.node_id, self.slot
-            )
+            found = self.store.get_model(self.store.keys.datanode_session(cursor.node_id), NodeSession)
+            if found is not None and found.model.state is SessionState.STOPPING:
+                log.warning(
+                    "datanode %s (slot %s) is STOPPING: starting a new node", cursor.node_id, self.slot
+                )
+            else:
+                try:
+                    alive = self.store.keepalive(cursor.session_lease) > 0
+                except Exception as exc:  # an unknown lease is an error on some etcd versions
+                    log.info("keep-alive of node %s failed: %s", cursor.node_id, exc)
+                    alive = False
+                if alive and found is not None:
+                    return cursor, False
+                log.warning(
+                    "datanode %s (slot %s) lost its session: starting a new node", cursor.node_id, self.slot
+                )
         node_id = IdAllocator(self.store, batch=1).alloc()
         lease = self.store.grant(self.session_ttl)
         now = time.time()

@@ -27,20 +27,37 @@ of CPU. While its loop runs, a node lives as long as the loop polls.
 While a node has no loop in flight the sync sensor syncs its channels as runs, as it does
 everywhere with VCHAN_DAGSTER_SYNC_LOOP=0.
 
+**Graceful stop.** When the loop's run is interrupted (SIGTERM or SIGINT of its run worker:
+`vchan down` signals the daemon's process group, run workers included; a run terminated from
+the UI), the node leaves as a `vchan datanode` does on SIGTERM (`NodeSyncLoop.leave`): its
+session says STOPPING (the coordinator moves its channels at once, under new leases), the
+sync in flight gets `LEAVE_GRACE_SECONDS` to finish (committed, or refused by the new lease;
+after that it is abandoned, and the lease fences it), then the session lease is revoked, so
+the channels never wait for the session's TTL (60 s for a Dagster-hosted node). The run then
+fails as Dagster decides. Dagster turns the signal into `DagsterExecutionInterruptedError`
+where the op's code runs; a signal that lands while Dagster stores an event the op yielded is
+raised in Dagster's code instead, and the op's generator is only closed after the run ended.
+So the loop leaves from both places: on the exception in the op, and from the teardown of
+`AtTeardown` (resource `teardown`), which Dagster runs when it tears the run's
+resources down, however the run ends. Each sync runs on a thread of the loop, so the signal
+never cuts a sync in half.
+
 Exactly once does not depend on the loop: each sync claims the channel under its lease
 (`SyncTask`); a sync that lost the lease or was superseded by a watch or release run of
 the same channel commits nothing, and the loop goes on with the next channel.
 """
 
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import dagster as dg
 from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
 from dagster_pyspark import PySparkResource
+from pydantic import PrivateAttr
 
 from vchan_assets.datanode.sync import SyncResult
 from vchan_assets.defs.resources import VchanResource
@@ -48,13 +65,21 @@ from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, previous_checkpoint, sync_results
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG, NODE_TAG
 from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
-from vchan_assets.meta.errors import LeaseLostError, SyncSupersededError
+from vchan_assets.meta.errors import LeaseLostError, MetaError, SyncSupersededError
+from vchan_assets.model import NodeSession, SessionState
 
 log = logging.getLogger(__name__)
 
 LOOP_POLL_SECONDS = 0.5  # between two looks at the node's channels when none needed a sync
 KEEPALIVE_SECONDS = 2.0  # between two refreshes of the node's session lease (at most TTL/4)
 SENSOR_STATE_SECONDS = 10.0  # between two looks at whether the node's sensor was stopped
+# How long a leaving loop waits for its sync in flight before it revokes its session: a
+# short sync commits (or is refused by the new lease), a long one is abandoned. `vchan down`
+# SIGKILLs the rest of a process group 3 s after its leader exited (deploy/service.py).
+LEAVE_GRACE_SECONDS = 2.0
+# What Dagster raises in the op when the run worker is signalled (GeneratorExit: the op's
+# generator is closed after the signal was raised outside it).
+INTERRUPTS = (dg.DagsterExecutionInterruptedError, KeyboardInterrupt, GeneratorExit)
 
 
 class LoopConfig(dg.Config):
@@ -118,19 +143,25 @@ class NodeSyncLoop:
         # right after each commit: a change that lands meanwhile does not wait for the checks.
         self.reports = ThreadPoolExecutor(1, thread_name_prefix="sync reports")
         self.pending: deque[Future[list[SyncEvent]]] = deque()
+        # Each sync runs on this thread while the op's thread waits for it: a signal (raised
+        # in the op's thread) interrupts the wait, not the sync (`leave`).
+        self.syncer = ThreadPoolExecutor(1, thread_name_prefix="node sync")
+        self.in_flight: Future[SyncResult] | None = None
+        self.closed = False
 
     def alive(self) -> bool:
-        """The node's session is still there (its sensor keeps it alive, and so does this
-        loop, every KEEPALIVE_SECONDS, while `keep_session()`)."""
+        """The node's session is still there and not STOPPING (its sensor keeps it alive,
+        and so does this loop, every KEEPALIVE_SECONDS, while `keep_session()`)."""
+        live = self.node_id in dagster_nodes(self.runtime)
         now = time.monotonic()
         every = min(KEEPALIVE_SECONDS, self.runtime.settings.session_ttl / 4)
-        if self.session_lease and now - self.kept_alive_at >= every and self.keep_session():
+        if live and self.session_lease and now - self.kept_alive_at >= every and self.keep_session():
             self.kept_alive_at = now
             try:
                 self.runtime.store.keepalive(self.session_lease)
             except Exception as exc:  # an expired lease is an error on some etcd versions
                 log.info("keep-alive of node %s failed: %s", self.node_id, exc)
-        return self.node_id in dagster_nodes(self.runtime)
+        return live
 
     def step(self) -> int:
         """Sync every channel of the node whose sync policy fires; how many syncs committed
@@ -141,8 +172,9 @@ class NodeSyncLoop:
             vchannel, lease = plan.vchannel, plan.lease
             if vchannel not in self.previous:
                 self.previous[vchannel] = previous_checkpoint(self.instance, vchannel)
+            self.in_flight = self.syncer.submit(self.runtime.sync, vchannel, lease.lease_id)
             try:
-                result = self.runtime.sync(vchannel, lease.lease_id)
+                result = self.in_flight.result()
             except (LeaseLostError, SyncSupersededError) as exc:
                 self.skipped.append(f"{vchannel}: {exc}")
                 continue
@@ -165,10 +197,59 @@ class NodeSyncLoop:
 
     def close(self) -> list[SyncEvent]:
         """The events of the reports still pending; no more syncs after this."""
+        if self.closed:
+            return []
+        self.closed = True
         try:
             return self.ready(wait=True)
         finally:
             self.reports.shutdown()
+            self.syncer.shutdown()
+
+    def leave(self, why: str) -> str:
+        """Graceful stop of the node (its loop's run was interrupted), once: STOPPING in its
+        session (the coordinator moves its channels at once), the sync in flight gets
+        LEAVE_GRACE_SECONDS, then the session lease is revoked (the session is gone at once,
+        not after its TTL). Pending reports are dropped: the run cannot report them any more.
+        What it did, for the run's log ("" if the loop had ended already)."""
+        if self.closed:
+            return ""
+        self.closed = True
+        started = time.monotonic()
+        self.reports.shutdown(wait=False, cancel_futures=True)
+        self.pending.clear()
+        store = self.runtime.store
+        key = store.keys.datanode_session(self.node_id)
+        gone, lease = False, self.session_lease
+        try:
+            found = store.get_model(key, NodeSession)
+            gone = found is None
+            if found is not None:
+                lease = found.kv.lease or self.session_lease
+                stopping = found.model.entered(SessionState.STOPPING, reason=why)
+                store.cas(key, found.kv.version, stopping, lease=lease or None)
+                log.info("datanode %s is STOPPING: %s", self.node_id, why)
+        except MetaError as exc:  # etcd unreachable: the session expires after its TTL
+            log.error("datanode %s could not say STOPPING: %s", self.node_id, exc)
+        in_flight = self.in_flight
+        abandoned = False
+        if in_flight is not None:
+            abandoned = bool(wait([in_flight], timeout=LEAVE_GRACE_SECONDS).not_done)
+        self.syncer.shutdown(wait=False, cancel_futures=True)
+        if gone:
+            return f"node {self.node_id} left ({why}); its session was gone already"
+        try:
+            if lease:
+                store.revoke(lease)
+            else:  # a session without a lease (never written by a node sensor)
+                store.delete(key)
+        except MetaError as exc:
+            log.error("datanode %s could not revoke its session: %s", self.node_id, exc)
+        sync = "its sync in flight abandoned (fenced by the channel lease), " if abandoned else ""
+        return (
+            f"node {self.node_id} left ({why}): STOPPING, {sync}session revoked "
+            f"{time.monotonic() - started:.2f}s after"
+        )
 
 
 class SensorState:
@@ -190,13 +271,39 @@ class SensorState:
         return not self.stopped
 
 
+class AtTeardown(dg.ConfigurableResource):
+    """Callbacks Dagster calls when it tears the run's resources down, however the run ends:
+    also when it was interrupted while Dagster (not the op) was running, where the op's
+    generator sees nothing until it is closed, after the run. Resource `teardown` of the
+    definitions; a resource of its own, as one with a teardown cannot be given to
+    `build_sensor_context` outside a `with` (as the sensors' `vchan` is)."""
+
+    _callbacks: list[Callable[[], None]] = PrivateAttr(default_factory=list)
+
+    def call(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        while self._callbacks:
+            callback = self._callbacks.pop()
+            try:
+                callback()
+            except Exception:
+                log.exception("a teardown callback of the sync loop failed")
+
+
 @dg.op(name="node_sync_loop", out={}, tags={"kind": "spark"})
 def node_sync_loop(
-    context: dg.OpExecutionContext, config: LoopConfig, vchan: VchanResource, pyspark: PySparkResource
+    context: dg.OpExecutionContext,
+    config: LoopConfig,
+    vchan: VchanResource,
+    pyspark: PySparkResource,
+    teardown: AtTeardown,
 ) -> Iterator[SyncEvent]:
     """Sync the node's channels as their sync policies fire, reporting each sync as
     materializations of binlogs, segments and channel_checkpoints, until the loop's time
-    is up or the node's session is gone."""
+    is up or the node's session is gone (or STOPPING). Interrupted, the node leaves
+    (`NodeSyncLoop.leave`)."""
     ends = time.monotonic() + config.seconds
     sensor = SensorState(context.instance, context.run.tags.get("dagster/sensor_name", ""))
     with vchan.open() as runtime:
@@ -207,6 +314,14 @@ def node_sync_loop(
             config.session_lease,
             keep_session=sensor.not_stopped,
         )
+
+        def leave(why: str) -> None:
+            if done := loop.leave(why):
+                log.warning("%s", done)
+                with contextlib.suppress(Exception):  # the generator closed after the run ended
+                    context.log.warning(done)
+
+        teardown.call(lambda: leave("its run was interrupted while Dagster stored an event"))
         try:
             while True:  # one look at the channels at least, then until the time is up
                 if not loop.alive():
@@ -221,6 +336,9 @@ def node_sync_loop(
                     break
                 if not synced:
                     time.sleep(config.poll_seconds)
+        except INTERRUPTS as exc:  # SIGTERM/SIGINT of the run worker: the node leaves
+            leave(f"its run was interrupted ({type(exc).__name__})")
+            raise
         finally:
             events = loop.close()
         yield from events

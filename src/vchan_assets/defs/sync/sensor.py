@@ -33,7 +33,7 @@ from vchan_assets.defs.sync.jobs import (
     REASON_TAG,
     sync_job,
 )
-from vchan_assets.model import ChannelLease, ChannelWatchInfo, NodeSession, WatchState
+from vchan_assets.model import ChannelLease, ChannelWatchInfo, NodeSession, SessionState, WatchState
 
 SYNC_SENSOR_INTERVAL = 1  # seconds: the latency budget of a change is ~10 s
 IN_FLIGHT = [
@@ -53,11 +53,16 @@ class SyncPlan:
 
 
 def dagster_nodes(runtime: VchanRuntime) -> set[int]:
-    """Live DataNodes hosted by Dagster sensors (session address `dagster:*`)."""
+    """Live DataNodes hosted by Dagster sensors (session address `dagster:*`), except those
+    STOPPING: a node whose loop run was interrupted is leaving, nothing syncs as it any more."""
     found, _ = runtime.store.list_models(
         runtime.store.keys.datanode_session.prefix, NodeSession, skip_malformed=True
     )
-    return {d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS)}
+    return {
+        d.model.node_id
+        for d in found
+        if d.model.address.startswith(DAGSTER_ADDRESS) and d.model.state is not SessionState.STOPPING
+    }
 
 
 def watching(runtime: VchanRuntime, node_id: int, vchannel: str) -> bool:
