@@ -63,39 +63,16 @@ def pg_deployment(
         postgres.stop()
 
 
-def test_the_daemon_and_the_webserver_run_on_postgres(pg_deployment: PgDeployment) -> None:
-    """The instance's dagster.yaml names Postgres: the sync runs, their materializations and
-    the daemon's heartbeats are rows in its database, none in SQLite files; the webserver
-    serves the same runs."""
-    d = pg_deployment
-    info = d.producer.create_collection(f"pg{uuid.uuid4().hex[:6]}", SCHEMA, [], num_channels=2)
-    load = PausableLoad(d.producer, info, rows=50, period=0.2)
-    load.start()
-    wait_until(lambda: owners(d.store, list(info.vchannels)), 90, "the channels watched")
-    load.stop()
-    d.producer.time_tick(info.name)
-    storage = Storage.from_settings(d.settings)
-    wait_until(lambda: all_synced(d.store, storage, [info]), 240, "every channel synced")
-    assert "postgres:" in (d.home / "dagster.yaml").read_text()
-    assert not list(d.home.rglob("*.db")), "an SQLite file in the instance's home"
-    ((sync_runs,),) = _sql(d.postgres, "SELECT count(*) FROM runs WHERE pipeline_name = 'sync'")
-    assert int(sync_runs) > 0  # type: ignore[call-overload]
-    ((materialized,),) = _sql(
-        d.postgres, "SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'"
-    )
-    assert int(materialized) > 0  # type: ignore[call-overload]
-    answer = graphql(d.url, '{ runsOrError(filter: {pipelineName: "sync"}) { ... on Runs { count } } }')
-    assert answer["runsOrError"]["count"] == sync_runs
-    assert _sql(d.postgres, "SELECT count(*) FROM daemon_heartbeats")[0][0] > 0  # type: ignore[operator]
-    tally = exactly_once(d.store, storage, info, load.produced)
-    assert tally.ok, tally.describe()
-
-
-def test_kill_9_of_postgres_under_load_is_healed_and_loses_nothing(pg_deployment: PgDeployment) -> None:
+def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed(
+    pg_deployment: PgDeployment,
+) -> None:
     """kill -9 of the Postgres postmaster while a producer writes and the sensors sync: the
     cluster's supervisor sees it down and starts it again on its data and port; the daemon
     and the webserver reconnect (or are restarted by the same supervisor), the syncs resume,
-    every row is in the segments exactly once and no run is left holding a slot."""
+    every row is in the segments exactly once and no run is left holding a slot. The
+    instance's dagster.yaml names Postgres: the sync runs, their materializations and the
+    daemon's heartbeats are rows in its database, none in SQLite files; the webserver serves
+    the same runs."""
     d = pg_deployment
     storage = Storage.from_settings(d.settings)
     info = d.producer.create_collection(f"pgk{uuid.uuid4().hex[:6]}", SCHEMA, [], num_channels=2)
@@ -140,3 +117,14 @@ def test_kill_9_of_postgres_under_load_is_healed_and_loses_nothing(pg_deployment
         "the daemon's heartbeat in Postgres",
     )
     assert graphql(d.url, "{ version }")["version"]
+    assert "postgres:" in (d.home / "dagster.yaml").read_text()
+    assert not list(d.home.rglob("*.db")), "an SQLite file in the instance's home"
+    ((sync_runs,),) = _sql(d.postgres, "SELECT count(*) FROM runs WHERE pipeline_name = 'sync'")
+    assert int(sync_runs) > 0  # type: ignore[call-overload]
+    ((materialized,),) = _sql(
+        d.postgres, "SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'"
+    )
+    assert int(materialized) > 0  # type: ignore[call-overload]
+    answer = graphql(d.url, '{ runsOrError(filter: {pipelineName: "sync"}) { ... on Runs { count } } }')
+    assert answer["runsOrError"]["count"] == sync_runs
+    assert _sql(d.postgres, "SELECT count(*) FROM daemon_heartbeats")[0][0] > 0  # type: ignore[operator]
