@@ -28,7 +28,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
-from vchan_assets.defs.sync.jobs import LOOP_JOB, sync_job
+from vchan_assets.defs.sync.jobs import DAGSTER_ADDRESS, LOOP_JOB, NODE_TAG, sync_job
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
     INSTANCE_CONFIG,
@@ -39,7 +39,7 @@ from vchan_assets.deploy.service import (
 )
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition
+from vchan_assets.model import CollectionInfo, MsgPosition, NodeSession
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
@@ -654,3 +654,39 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
 
     for run_id in orphaned:
         wait_until(lambda r=run_id: failed(r), 60, f"the loop run {run_id} orphaned by a daemon kill failed")
+
+
+def test_vchan_down_makes_the_dagster_hosted_nodes_leave_at_once(deployment: Deployment) -> None:
+    """Last in this module: it stops the deployment as `vchan down` does (SIGTERM to the
+    daemon's process group, run workers included). Each node's sync loop says STOPPING and
+    revokes its session: the nodes' sessions are gone within seconds, not after their TTL
+    (60 s at least for a Dagster-hosted node, which nothing refreshes once the daemon is
+    down)."""
+    store = deployment.store
+
+    def dagster_sessions() -> list[int]:
+        found, _ = store.list_models(store.keys.datanode_session.prefix, NodeSession, skip_malformed=True)
+        return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
+
+    started = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
+
+    def looping() -> bool:
+        """Every node's loop op runs, for 2 s at least (after the chaos test, loop runs start
+        again): a run interrupted while it still starts (before its op) cannot leave, and
+        its node's session waits for its TTL."""
+        instance = deployment.instance
+        with_loop = set()
+        for record in instance.get_run_records(started):
+            steps = instance.all_logs(record.dagster_run.run_id, of_type=dg.DagsterEventType.STEP_START)
+            if steps and time.time() - steps[0].timestamp > 2.0:
+                with_loop.add(record.dagster_run.tags.get(NODE_TAG))
+        sessions = dagster_sessions()
+        return bool(sessions) and all(str(n) in with_loop for n in sessions)
+
+    wait_until(looping, 180, "every node's sync loop op running")
+    nodes = dagster_sessions()
+    stopped = time.monotonic()
+    deployment.service.stop(stop_spark=False)
+
+    wait_until(lambda: not dagster_sessions(), 20, f"the sessions of nodes {nodes} gone")
+    print(f"node sessions gone {time.monotonic() - stopped:.1f} s after the stop began")
