@@ -36,6 +36,10 @@ LIFECYCLE = {
     "VCHAN_GC_MISSING_TOLERANCE": "120",  # far above any sync's files-to-meta time, even under load
     "VCHAN_WAL_RETENTION": "1",
     "VCHAN_COMPACTION_TIMEOUT": "5",  # a plan whose executor was killed fails after 5 s
+    # Each DataCoord killed below may die with the same sort task in flight, and a dead
+    # worker's task spends an attempt (a task that kills its worker ends Failed): with the
+    # default 3 attempts, three kills under load left a segment unsorted for good (CI).
+    "VCHAN_TASK_MAX_ATTEMPTS": "10",
 }
 COMMIT_STEPS = ("compaction_after_files", "compaction_after_commit", "compaction_before_cleanup")
 
@@ -81,10 +85,19 @@ def vchan(cluster: Cluster, *args: str, **extra: str) -> subprocess.CompletedPro
     )
 
 
-def settled(store: MetaStore, storage: Storage, info: CollectionInfo) -> bool:
+def unsettled(store: MetaStore, storage: Storage, info: CollectionInfo) -> str:
+    """What keeps the collection from being settled (synced, sorted, no plan running): ""
+    once it is; else what a timed-out wait says."""
     active = [d for d in list_plans(store) if d.model.state in (PlanState.PENDING, PlanState.EXECUTING)]
     mine = [s for s in unsorted_segments(store) if s.collection_id == info.id]
-    return all_synced(store, storage, [info]) and not active and not mine
+    parts = [] if all_synced(store, storage, [info]) else ["a vchannel not synced to its head"]
+    parts += [f"plan {d.model.plan_id} {d.model.type.value} {d.model.state.value}" for d in active]
+    parts += [f"segment {s.id} unsorted ({s.state.value}, {s.num_rows} rows)" for s in mine]
+    return "; ".join(parts)
+
+
+def settled(store: MetaStore, storage: Storage, info: CollectionInfo) -> bool:
+    return not unsettled(store, storage, info)
 
 
 def test_compactions_and_gc_killed_mid_commit_beside_a_syncing_datanode_lose_and_duplicate_nothing(
@@ -117,7 +130,13 @@ def test_compactions_and_gc_killed_mid_commit_beside_a_syncing_datanode_lose_and
         assert merge.returncode in (0, 1), merge.stdout[-2000:] + merge.stderr[-2000:]
         rounds.until(lambda: rounds.count >= 12, 60, "the last rounds")
         producer.time_tick(info.name)
-        wait_until(lambda: settled(store, storage, info), 90, "synced, sorted, no plan running", interval=0.5)
+        try:
+            wait_until(
+                lambda: settled(store, storage, info), 90, "synced, sorted, no plan running", interval=0.5
+            )
+        except TimeoutError as exc:
+            logs = "\n".join(f"--- {role.log_path.name}\n{role.log()[-1500:]}" for role in cluster.roles)
+            raise AssertionError(f"{exc}: {unsettled(store, storage, info)}\n{logs}") from None
         assert survivor.terminate() == 0
     finally:
         cluster.cleanup()
