@@ -39,7 +39,7 @@ from vchan_assets.deploy.service import (
 )
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, NodeSession
+from vchan_assets.model import ChannelWatchInfo, CollectionInfo, MsgPosition, NodeSession, WatchState
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
@@ -201,12 +201,41 @@ def test_the_query_view_of_every_vchannel_is_materialized_on_the_live_stack_with
     assert deps == {"segments", "sorted_segments", "compacted_segments"}
 
 
+def _dagster_sessions(store: MetaStore) -> list[int]:
+    """The Dagster-hosted nodes with a session in etcd."""
+    found, _ = store.list_models(store.keys.datanode_session.prefix, NodeSession, skip_malformed=True)
+    return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
+
+
+def _owners_settled(deployment: Deployment) -> bool:
+    """Every channel of the collection watched (WatchSuccess) by a node whose loop run is
+    STARTED, the channels spread over the nodes (the coordinator's balance done: a channel
+    it moves later is synced by its new owner's watch run, not a loop), and no sync run in
+    flight."""
+    instance, store = deployment.instance, deployment.store
+    started = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
+    looping = {r.dagster_run.tags.get(NODE_TAG) for r in instance.get_run_records(started)}
+    owners = set()
+    for vchannel in deployment.collection.vchannels:
+        lease = store.read_lease(vchannel)
+        if lease is None or str(lease.node_id) not in looping:
+            return False
+        watch = store.get_model(store.keys.channel_watch(lease.node_id, vchannel), ChannelWatchInfo)
+        if watch is None or watch.model.state is not WatchState.WATCH_SUCCESS:
+            return False
+        owners.add(lease.node_id)
+    spread = len(owners) == min(len(deployment.collection.vchannels), len(_dagster_sessions(store)))
+    in_flight = dg.RunsFilter(job_name=sync_job.name, statuses=[dg.DagsterRunStatus.QUEUED, *IN_FLIGHT])
+    return spread and not instance.get_run_records(in_flight)
+
+
 def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deployment: Deployment) -> None:
     """After a channel's first sync (its watch run), its node's sync loop run syncs it: a
     change reaches the checkpoint with no new run, and the loop's materialization of
     `channel_checkpoints` for that partition reports the checkpoint etcd has, its checks
     passed. (After the query view test: these rows are more than it counts.)"""
     instance, store = deployment.instance, deployment.store
+    wait_until(lambda: _owners_settled(deployment), 180, "every channel watched by a node whose loop runs")
     appended = deployment.producer.insert(
         deployment.collection.name, generate_rows(SCHEMA, 100, start_pk=ROWS + 5_001, seed=5)
     )
@@ -665,8 +694,7 @@ def test_vchan_down_makes_the_dagster_hosted_nodes_leave_at_once(deployment: Dep
     store = deployment.store
 
     def dagster_sessions() -> list[int]:
-        found, _ = store.list_models(store.keys.datanode_session.prefix, NodeSession, skip_malformed=True)
-        return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
+        return _dagster_sessions(store)
 
     started = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
 
