@@ -29,6 +29,7 @@ from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
 from vchan_assets.defs.sync.jobs import DAGSTER_ADDRESS, LOOP_JOB, NODE_TAG, sync_job
+from vchan_assets.defs.sync.loop import LOOP_RUNNING
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
     INSTANCE_CONFIG,
@@ -208,13 +209,17 @@ def _dagster_sessions(store: MetaStore) -> list[int]:
 
 
 def _owners_settled(deployment: Deployment) -> bool:
-    """Every channel of the collection watched (WatchSuccess) by a node whose loop run is
-    STARTED, the channels spread over the nodes (the coordinator's balance done: a channel
-    it moves later is synced by its new owner's watch run, not a loop), and no sync run in
-    flight."""
+    """Every channel of the collection watched (WatchSuccess) by a node whose loop runs (its
+    run logged LOOP_RUNNING: a STARTED run may still be starting its Spark session), the
+    channels spread over the nodes (the coordinator's balance done: a channel it moves later
+    is synced by its new owner's watch run, not a loop), and no sync run in flight."""
     instance, store = deployment.instance, deployment.store
     started = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
-    looping = {r.dagster_run.tags.get(NODE_TAG) for r in instance.get_run_records(started)}
+    looping = {
+        r.dagster_run.tags.get(NODE_TAG)
+        for r in instance.get_run_records(started)
+        if any(LOOP_RUNNING in e.user_message for e in instance.all_logs(r.dagster_run.run_id))
+    }
     owners = set()
     for vchannel in deployment.collection.vchannels:
         lease = store.read_lease(vchannel)
@@ -272,7 +277,7 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
     try:
         wait_until(
             lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
-            150,
+            240,
             "the loops' materializations at the checkpoints past the new rows",
         )
     except AssertionError as exc:

@@ -70,6 +70,7 @@ from vchan_assets.model import NodeSession, SessionState
 
 log = logging.getLogger(__name__)
 
+LOOP_RUNNING = "sync loop running"  # the loop run's log line once it syncs (sessions up)
 LOOP_POLL_SECONDS = 0.5  # between two looks at the node's channels when none needed a sync
 KEEPALIVE_SECONDS = 2.0  # between two refreshes of the node's session lease (at most TTL/4)
 SENSOR_STATE_SECONDS = 10.0  # between two looks at whether the node's sensor was stopped
@@ -314,6 +315,7 @@ def node_sync_loop(
             config.session_lease,
             keep_session=sensor.not_stopped,
         )
+        context.log.info(f"{LOOP_RUNNING}: node {config.node_id} (its etcd and Spark sessions are up)")
 
         def leave(why: str) -> None:
             if done := loop.leave(why):
