@@ -690,6 +690,31 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
         wait_until(lambda r=run_id: failed(r), 60, f"the loop run {run_id} orphaned by a daemon kill failed")
 
 
+def test_a_webserver_killed_9_is_started_again_by_vchan_up_and_serves_the_same_history(
+    deployment: Deployment,
+) -> None:
+    """kill -9 of the webserver's process group (its code server too): the service reports it
+    missing, and `vchan up`'s heal (DagsterService.start()) starts a new webserver, and only
+    it (the daemon keeps its pid), whose UI serves the runs recorded before the kill."""
+    service = deployment.service
+    daemon, web = json.loads(service.state_file.read_text())["pids"]
+    runs_before = graphql(deployment.url, RUN_COUNT)["runsOrError"]["count"]
+    os.killpg(web, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(web), 30, "the webserver to die")
+    assert service.missing() == ["dagster-webserver"]
+
+    url = DagsterService(deployment.settings, dagster_home=service.dagster_home).start()
+
+    new_daemon, new_web = json.loads(service.state_file.read_text())["pids"]
+    assert new_daemon == daemon and pid_alive(daemon)
+    assert new_web != web and pid_alive(new_web)
+    assert graphql(url, RUN_COUNT)["runsOrError"]["count"] >= runs_before > 0
+    deployment.url = url
+
+
+RUN_COUNT = "{ runsOrError { ... on Runs { count } } }"
+
+
 def test_vchan_down_makes_the_dagster_hosted_nodes_leave_at_once(deployment: Deployment) -> None:
     """Last in this module: it stops the deployment as `vchan down` does (SIGTERM to the
     daemon's process group, run workers included). Each node's sync loop says STOPPING and
