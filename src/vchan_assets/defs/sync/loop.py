@@ -64,7 +64,7 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, previous_checkpoint, sync_results
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG, NODE_TAG
-from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
+from vchan_assets.defs.sync.sensor import busy_channels, plan_syncs
 from vchan_assets.meta.errors import LeaseLostError, MetaError, SyncSupersededError
 from vchan_assets.model import NodeSession, SessionState
 
@@ -153,7 +153,9 @@ class NodeSyncLoop:
     def alive(self) -> bool:
         """The node's session is still there and not STOPPING (its sensor keeps it alive,
         and so does this loop, every KEEPALIVE_SECONDS, while `keep_session()`)."""
-        live = self.node_id in dagster_nodes(self.runtime)
+        store = self.runtime.store  # this node's session key only, not every session
+        found = store.get_model(store.keys.datanode_session(self.node_id), NodeSession)
+        live = found is not None and found.model.state is not SessionState.STOPPING
         now = time.monotonic()
         every = min(KEEPALIVE_SECONDS, self.runtime.settings.session_ttl / 4)
         if live and self.session_lease and now - self.kept_alive_at >= every and self.keep_session():
