@@ -123,7 +123,8 @@ def _run(
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs_top_to_bottom(name: str, kernel_name: str, tmp_path: Path) -> None:
     book = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    _set_parameter(book, TEST_PARAMETERS.get(name, ""))
+    if name in TEST_PARAMETERS:
+        _set_parameter(book, TEST_PARAMETERS[name])
     _run(book, name, kernel_name, tmp_path)
 
 
