@@ -15,7 +15,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +28,10 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
+from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.jobs import DAGSTER_ADDRESS, LOOP_JOB, NODE_TAG, sync_job
 from vchan_assets.defs.sync.loop import LOOP_RUNNING
+from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
     INSTANCE_CONFIG,
@@ -234,6 +236,17 @@ def _owners_settled(deployment: Deployment) -> bool:
     return spread and not instance.get_run_records(in_flight)
 
 
+def _compute_stderr(
+    instance: dg.DagsterInstance, runs: Sequence[dg.DagsterRun], tail: int = 4000
+) -> dict[str, str]:
+    """The end of each run's captured stderr (a stuck loop writes its threads' stacks there)."""
+    found = {}
+    for run in runs:
+        for path in sorted((Path(instance.root_directory) / "storage" / run.run_id).rglob("*.err")):
+            found[f"{run.run_id[:8]}/{path.name}"] = path.read_text(errors="replace")[-tail:]
+    return found
+
+
 def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deployment: Deployment) -> None:
     """After a channel's first sync (its watch run), its node's sync loop run syncs it: a
     change reaches the checkpoint with no new run, and the loop's materialization of
@@ -272,7 +285,18 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
                 limit=1,
             ).records
             latest[v] = (found[0].run_id if found else None, channel_checkpoint(store, v))
-        return f"loop runs {[(r.run_id[:8], r.tags, r.status.value) for r in runs]}; latest {latest}"
+        owners = {v: store.read_lease(v) for v in appended}
+        logs = {r.run_id[:8]: [e.user_message for e in instance.all_logs(r.run_id)][-8:] for r in runs}
+        with VchanResource.from_settings(deployment.settings).open() as runtime:
+            nodes = dagster_nodes(runtime)
+            plans = plan_syncs(runtime, busy_channels(instance))
+            vchannels = runtime.vchannels()
+            reasons = {v: runtime.sync_reasons(runtime.status(v, vchannels[v])) for v in appended}
+        return (
+            f"loop runs {[(r.run_id[:8], r.tags, r.status.value) for r in runs]}; latest {latest}; "
+            f"leases {owners}; live dagster nodes {nodes}; sync reasons {reasons}; plans now {plans}; "
+            f"loop logs {logs}; loop stderr {_compute_stderr(instance, runs)}"
+        )
 
     try:
         wait_until(

@@ -48,6 +48,7 @@ the same channel commits nothing, and the loop goes on with the next channel.
 """
 
 import contextlib
+import faulthandler
 import logging
 import time
 from collections import deque
@@ -81,6 +82,11 @@ LEAVE_GRACE_SECONDS = 2.0
 # What Dagster raises in the op when the run worker is signalled (GeneratorExit: the op's
 # generator is closed after the signal was raised outside it).
 INTERRUPTS = (dg.DagsterExecutionInterruptedError, KeyboardInterrupt, GeneratorExit)
+# A look at the channels (and the syncs it starts) slower than this is logged with its parts;
+# one that has not ended after STUCK_SECONDS has every thread's stack written to the run's
+# stderr (its compute log), again every STUCK_SECONDS while it lasts.
+SLOW_STEP_SECONDS = 30.0
+STUCK_SECONDS = 120.0
 
 
 class LoopConfig(dg.Config):
@@ -328,10 +334,18 @@ def node_sync_loop(
         teardown.call(lambda: leave("its run was interrupted while Dagster stored an event"))
         try:
             while True:  # one look at the channels at least, then until the time is up
+                faulthandler.dump_traceback_later(STUCK_SECONDS, repeat=True, file=2)
+                started = time.monotonic()
                 if not loop.alive():
                     context.log.info("node %s has no session any more: its sync loop ends", config.node_id)
                     break
+                looked = time.monotonic()
                 synced = loop.step()
+                if (took := time.monotonic() - started) > SLOW_STEP_SECONDS:
+                    context.log.warning(
+                        f"node {config.node_id}: a look at its channels took {took:.1f}s "
+                        f"(session {looked - started:.1f}s, {synced} syncs {took - looked + started:.1f}s)"
+                    )
                 yield from loop.ready()
                 for skipped in loop.skipped:
                     context.log.info("sync committed nothing: %s", skipped)
@@ -344,6 +358,7 @@ def node_sync_loop(
             leave(f"its run was interrupted ({type(exc).__name__})")
             raise
         finally:
+            faulthandler.cancel_dump_traceback_later()
             events = loop.close()
         yield from events
     context.log.info("node %s: %d syncs in this loop run", config.node_id, loop.syncs)
