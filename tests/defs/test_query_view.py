@@ -16,7 +16,7 @@ from lifecycle.helpers import SCHEMA, flushed_batches, live_l1, sync_all, write_
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.lifecycle.assets import sorted_segments
-from vchan_assets.defs.query.assets import query_view_sensor, visible_segments
+from vchan_assets.defs.query.assets import ViewsConfig, query_view_job, query_view_sensor, visible_segments
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.deploy.service import INSTANCE_CONFIG
 from vchan_assets.meta.store import MetaStore
@@ -111,13 +111,19 @@ def test_the_rows_check_fails_when_a_segment_meta_is_written_twice(
     assert checks["invisible_segments_bounded"].passed
 
 
-def test_the_sensor_requests_a_view_run_per_vchannel_whose_segment_meta_changed(
+def _views(request: dg.RunRequest) -> list[str]:
+    return request.run_config["ops"]["query_views"]["config"]["vchannels"]
+
+
+def test_the_sensor_requests_one_view_run_for_the_vchannels_whose_segment_meta_changed(
     instance: dg.DagsterInstance,
     vchan: VchanResource,
     dsettings: Settings,
     store: MetaStore,
     producer: Producer,
 ) -> None:
+    """One run for every vchannel that changed since the sensor last asked (its cursor), none
+    while a view run is queued or running: view runs grow with time, not with the syncs."""
     storage = Storage.from_settings(dsettings)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
     assert not evaluate(query_view_sensor, instance, vchan).run_requests  # no partition, no segment
@@ -125,24 +131,47 @@ def test_the_sensor_requests_a_view_run_per_vchannel_whose_segment_meta_changed(
     produce(producer, info.name, Produced(), 100, start_pk=0)  # pks 0..99: both vchannels
     sync_all(store, storage, dsettings, info)
 
-    requests = evaluate(query_view_sensor, instance, vchan).run_requests or []
-    first = {r.partition_key: r.run_key for r in requests}
-    assert set(first) == set(info.vchannels)
+    first = evaluate(query_view_sensor, instance, vchan)
+    [request] = first.run_requests or []
+    assert _views(request) == sorted(info.vchannels)
     # one view run at a time in the instance, dequeued after the syncs (dagster.yaml)
-    assert all(r.tags == {"vchan/view": "query_view", "dagster/priority": "-1"} for r in requests)
+    assert request.tags == {"vchan/view": "query_view", "dagster/priority": "-1"}
     limits = yaml.safe_load(INSTANCE_CONFIG.read_text())["run_coordinator"]["config"][
         "tag_concurrency_limits"
     ]
     assert {"key": "vchan/view", "limit": 1} in limits
-    again = {
-        r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
-    }
-    assert again == first  # nothing changed: the same run keys, which Dagster does not run twice
+    again = evaluate(query_view_sensor, instance, vchan, cursor=first.cursor)
+    assert not again.run_requests  # nothing changed since
 
     produce(producer, info.name, Produced(), 1, start_pk=1_000)  # pk 1000: one vchannel only
     sync_all(store, storage, dsettings, info)
-    changed = {
-        r.partition_key: r.run_key for r in evaluate(query_view_sensor, instance, vchan).run_requests or []
-    }
-    moved = [v for v in info.vchannels if changed[v] != first[v]]
-    assert moved == [info.vchannels[1000 % 2]]
+    queued = instance.create_run_for_job(query_view_job, run_config=request.run_config, tags=request.tags)
+    assert not evaluate(query_view_sensor, instance, vchan, cursor=again.cursor).run_requests
+    instance.report_run_canceled(queued)
+    [changed] = evaluate(query_view_sensor, instance, vchan, cursor=again.cursor).run_requests or []
+    assert _views(changed) == [info.vchannels[1000 % 2]]
+    assert changed.run_key != request.run_key
+
+
+def test_a_view_run_reports_the_view_of_each_vchannel_as_its_partition_with_its_checks(
+    instance: dg.DagsterInstance, vchan: VchanResource, flushed_once: CollectionInfo
+) -> None:
+    [vchannel] = flushed_once.vchannels
+    result = query_view_job.execute_in_process(
+        run_config=dg.RunConfig(ops={"query_views": ViewsConfig(vchannels=[vchannel, "dropped-v0"])}),
+        instance=instance,
+        resources={"vchan": vchan},
+    )
+    assert result.success
+    [view] = [
+        e.event_specific_data.materialization  # type: ignore[union-attr]
+        for e in result.all_events
+        if e.event_type is dg.DagsterEventType.ASSET_MATERIALIZATION
+    ]
+    assert (view.asset_key, view.partition) == (dg.AssetKey("visible_segments"), vchannel)
+    assert view.metadata["invisible"].value == 1 and view.metadata["rows_served"].value == 190
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert set(checks) == {"rows_served_once", "invisible_segments_bounded"}
+    assert all(c.passed and c.partition == vchannel for c in checks.values())
+    latest = instance.get_latest_materialization_event(dg.AssetKey("visible_segments"))
+    assert latest is not None and latest.run_id == result.run_id

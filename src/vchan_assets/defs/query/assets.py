@@ -7,13 +7,21 @@ the oldest invisible segment's wait; flush -> sorted seconds) and two checks
 (`query/checks.py`): a read at T through the view serves each live row of the log once, and
 the invisible segments stay within VCHAN_INVISIBLE_SEGMENT_LIMIT.
 
-`query_view_sensor` requests a run for each vchannel whose segment meta changed (a sync, a
-flush, a sort, a compaction, GC), at most every VIEW_SENSOR_INTERVAL seconds, whoever runs
-the lifecycle (Dagster or a `vchan datacoord` process): the view is only read, and a sort
-that stopped shows as a failing check instead of an asset never materialized.
+`query_view_sensor` requests one run (`query_view`) for the vchannels whose segment meta
+changed (a sync, a flush, a sort, a compaction, GC), at most every VIEW_SENSOR_INTERVAL seconds
+and never while one is queued or running, whoever runs the lifecycle (Dagster or a
+`vchan datacoord` process): the view is only read, and a sort that stopped shows as a failing
+check instead of an asset never materialized. The run reports each vchannel's view as a
+materialization of its partition, with its checks (as the sync loop reports syncs), so the
+view runs grow with time, not with the sync rate: a run per vchannel per change was about one
+run per three syncs on a busy stack. Materializing a partition from the UI runs the asset.
 """
 
+import hashlib
+import json
+import logging
 import time
+from collections.abc import Iterator
 
 import dagster as dg
 
@@ -21,7 +29,10 @@ from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.lifecycle.assets import COMPACTED_SEGMENTS, LIFECYCLE_GROUP, SORTED_SEGMENTS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
+from vchan_assets.defs.sync.loop import SyncEvent, sync_events
+from vchan_assets.defs.sync.sensor import IN_FLIGHT
 from vchan_assets.query.asof import iso
 from vchan_assets.query.checks import (
     check_invisible_segments,
@@ -57,17 +68,25 @@ CHECK_SERVED_ONCE, CHECK_INVISIBLE = asset_checks(
 )
 def visible_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """The vchannel's query view now, and a read at its last timestamp checked against its log."""
-    vchannel = context.partition_key
     with vchan.open() as runtime:
-        settings = runtime.settings
-        info = runtime.collection_of(vchannel)
-        now = time.time()
-        view = read_query_view(runtime.store, info, vchannel)
-        ts = check_time(runtime.store, settings, vchannel, now)
-        served = check_rows_served_once(runtime, info, vchannel, ts)
+        materialized, checks = view_results(runtime, context.partition_key, context.log)
+    yield materialized
+    yield from checks
+
+
+def view_results(
+    runtime: VchanRuntime, vchannel: str, log: logging.Logger | dg.DagsterLogManager
+) -> tuple[dg.MaterializeResult, list[dg.AssetCheckResult]]:
+    """The materialization of `visible_segments` for `vchannel` and its two check results."""
+    settings = runtime.settings
+    info = runtime.collection_of(vchannel)
+    now = time.time()
+    view = read_query_view(runtime.store, info, vchannel)
+    ts = check_time(runtime.store, settings, vchannel, now)
+    served = check_rows_served_once(runtime, info, vchannel, ts)
     invisible = check_invisible_segments(view, settings.invisible_segment_limit, now)
     figures = view_figures(view, now)
-    context.log.info(
+    log.info(
         "%s: %d flushed, %d invisible, %d growing; %s",
         vchannel,
         figures["flushed"],
@@ -75,23 +94,44 @@ def visible_segments(context: dg.AssetExecutionContext, vchan: VchanResource) ->
         figures["growing"],
         served.description,
     )
-    yield dg.MaterializeResult(
-        metadata=typed({**figures, "rows_served": served.metadata["rows_served"], "as_of": iso(ts)})
+    materialized: dg.MaterializeResult[None] = dg.MaterializeResult(
+        asset_key=VISIBLE_SEGMENTS,
+        metadata=typed({**figures, "rows_served": served.metadata["rows_served"], "as_of": iso(ts)}),
     )
-    yield check_result(CHECK_SERVED_ONCE, served)
-    yield check_result(CHECK_INVISIBLE, invisible)
+    return materialized, [check_result(CHECK_SERVED_ONCE, served), check_result(CHECK_INVISIBLE, invisible)]
 
 
-# A view run reads its vchannel's rows for the check: one at a time in the instance, and
+class ViewsConfig(dg.Config):
+    """The vchannels whose query view the run materializes (those whose segment meta changed)."""
+
+    vchannels: list[str]
+
+
+@dg.op(name="query_views", out={})
+def query_views(
+    context: dg.OpExecutionContext, config: ViewsConfig, vchan: VchanResource
+) -> Iterator[SyncEvent]:
+    """Materialize `visible_segments` for each of the vchannels, one partition after another,
+    with its two checks, as events of this run; a vchannel dropped meanwhile is skipped."""
+    with vchan.open() as runtime:
+        live = set(runtime.vchannels())
+        for vchannel in config.vchannels:
+            if vchannel not in live:
+                context.log.info("%s is not a vchannel any more: no view", vchannel)
+                continue
+            materialized, checks = view_results(runtime, vchannel, context.log)
+            yield from sync_events([materialized, *checks], vchannel)
+
+
+# A view run reads the vchannels' rows for the check: one at a time in the instance, and
 # after the syncs in the queue (the instance's dagster.yaml limits the `vchan/view` tag to 1
 # run; a lower priority is dequeued last), so views never hold the run slots syncs need.
 VIEW_RUN_TAGS = {"vchan/view": "query_view", "dagster/priority": "-1"}
 
-query_view_job = dg.define_asset_job(
-    "query_view",
-    selection=dg.AssetSelection.assets(VISIBLE_SEGMENTS),  # partitioned by vchannel like the asset
+query_view_job = dg.GraphDefinition(name="query_view", node_defs=[query_views]).to_job(
     executor_def=dg.in_process_executor,
-    description="The query view of one vchannel, materialized and checked.",
+    description="The query views of the vchannels whose segments changed: each a materialization of "
+    "visible_segments (partition = vchannel) with its checks.",
 )
 
 
@@ -101,17 +141,26 @@ query_view_job = dg.define_asset_job(
     default_status=dg.DefaultSensorStatus.RUNNING,
 )
 def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
-    """A `visible_segments` run for each vchannel whose segment meta changed since its last
-    run (the run key: the newest revision and the count of its segment meta)."""
+    """One view run for the vchannels whose segment meta changed since the sensor last asked
+    for their view (the cursor: each vchannel's newest revision and count of segment meta),
+    none while a view run is queued or running: the view runs grow with time (one per
+    VIEW_SENSOR_INTERVAL at most), not with the sync rate or the number of vchannels."""
+    in_flight = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, *IN_FLIGHT]
+    if context.instance.get_runs_count(dg.RunsFilter(job_name=query_view_job.name, statuses=in_flight)):
+        return dg.SensorResult(skip_reason="a view run is queued or running")
+    seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
     with vchan.open() as runtime:
         changed = view_revisions(runtime.store)
         live = set(runtime.vchannels())
     known = set(context.instance.get_dynamic_partitions(VCHANNELS)) & live
-    requests = [
-        dg.RunRequest(run_key=f"view-{v}-{revision}-{count}", partition_key=v, tags=VIEW_RUN_TAGS)
-        for v, (revision, count) in sorted(changed.items())
-        if v in known
-    ]
-    if not requests:
-        return dg.SensorResult(skip_reason="no vchannel with segments")
-    return dg.SensorResult(run_requests=requests)
+    now = {v: f"{revision}-{count}" for v, (revision, count) in changed.items() if v in known}
+    due = sorted(v for v, stamp in now.items() if seen.get(v) != stamp)
+    if not due:
+        return dg.SensorResult(skip_reason="no vchannel whose segments changed", cursor=json.dumps(now))
+    digest = hashlib.sha1(json.dumps({v: now[v] for v in due}).encode()).hexdigest()[:16]
+    request = dg.RunRequest(
+        run_key=f"views-{digest}",
+        run_config=dg.RunConfig(ops={"query_views": ViewsConfig(vchannels=due)}),
+        tags=VIEW_RUN_TAGS,
+    )
+    return dg.SensorResult(run_requests=[request], cursor=json.dumps(now))
