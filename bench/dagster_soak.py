@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,9 @@ from typing import Any
 import dagster as dg
 
 from bench.latency import fresh_deployment
+from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
+from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.checks import typed
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS, SYNC_CHECKS
@@ -62,14 +65,16 @@ def count_materializations(instance: dg.DagsterInstance, key: dg.AssetKey) -> in
         cursor = page.cursor
 
 
-def measure(home: Path) -> dict[str, float]:
+def measure(home: Path) -> dict[str, Any]:
     with dg.DagsterInstance.from_config(str(home)) as instance:
         syncs = count_materializations(instance, dg.AssetKey("channel_checkpoints"))
         runs = instance.get_runs_count()
         loops = instance.get_runs_count(dg.RunsFilter(job_name=LOOP_JOB))
-        events = sum(
-            len(instance.all_logs(r.dagster_run.run_id)) for r in instance.get_run_records(limit=100_000)
-        )
+        jobs = Counter(r.dagster_run.job_name for r in instance.get_run_records(limit=100_000))
+        events_by_job: Counter[str] = Counter()
+        for r in instance.get_run_records(limit=100_000):
+            events_by_job[r.dagster_run.job_name] += len(instance.all_logs(r.dagster_run.run_id))
+        events = sum(events_by_job.values())
         ticks = sum(
             len(instance.get_ticks(s.instigator_origin_id, s.selector_id, limit=1_000_000))
             for s in instance.all_instigator_state()
@@ -83,6 +88,8 @@ def measure(home: Path) -> dict[str, float]:
         "loop_runs": loops,
         "events": events,
         "ticks": ticks,
+        "jobs": dict(jobs.most_common()),
+        "events_by_job": dict(events_by_job.most_common()),
     }
 
 
@@ -227,7 +234,8 @@ def main() -> None:
         service.start()
         storage = Storage.from_settings(settings)
         storage.ensure_root()
-        producer = Producer(System(settings, store, storage))
+        system = System(settings, store, storage)
+        producer = Producer(system)
         info = producer.create_collection("soak", SCHEMA, [], num_channels=args.channels)
         base = du(home)
 
@@ -240,15 +248,27 @@ def main() -> None:
         load = threading.Thread(target=produce, daemon=True)
         start = time.monotonic()
         load.start()
+        last = 0
         print(
             f"soak: {args.channels} channels, sync loop {args.sync_loop:g}s, {args.minutes:g} min", flush=True
         )
         while (elapsed := time.monotonic() - start) < args.minutes * 60:
             time.sleep(min(60.0, args.minutes * 60 - elapsed))
-            print(f"  {elapsed / 60:.1f} min: instance {du(home) / MB:.1f} MB", flush=True)
+            synced = sum(cp.model.offset for v in info.vchannels if (cp := channel_checkpoint(store, v)))
+            print(
+                f"  {elapsed / 60:.1f} min: instance {du(home) / MB:.1f} MB, checkpoints at {synced:,} "
+                f"(+{synced - last:,} messages)",
+                flush=True,
+            )
+            last = synced
         stop.set()
         load.join(10)
         minutes = (time.monotonic() - start) / 60
+        kinds = Counter(
+            (s.state.value, s.level.value, "sorted" if s.is_sorted else "unsorted")
+            for s in Catalog(system).segment_infos()
+        )
+        print(f"segments by state, level, sort: {dict(kinds.most_common())}", flush=True)
     finally:
         stop.set()
         store.close()
@@ -268,6 +288,7 @@ def main() -> None:
         f"per sync {per_sync / 1024:.1f} KB (+ {m['events'] / max(1, m['syncs']):.1f} run events); "
         f"ticks {ticks_per_day / MB:.1f} MB/day"
     )
+    print(f"runs by job: {m['jobs']}; run events by job: {m['events_by_job']}")
     print(
         f"production (100 channels, a sync per 30 s each: {SYNCS_PER_DAY:,} syncs/day): "
         f"{per_day / MB / 1024:.2f} GB/day; runs/day "

@@ -136,7 +136,10 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
                 return False
         return True
 
-    wait_until(committed, 150, "both checkpoints to reach the log head")
+    try:
+        wait_until(committed, 150, "both checkpoints to reach the log head")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {_where_syncs_stand(deployment, list(deployment.heads))}") from None
     instance = deployment.instance
     runs = instance.get_runs(dg.RunsFilter(job_name="sync"))
     assert runs and all(r.tags.get("vchan/channel") in deployment.collection.vchannels for r in runs)
@@ -236,6 +239,34 @@ def _owners_settled(deployment: Deployment) -> bool:
     return spread and not instance.get_run_records(in_flight)
 
 
+def _where_syncs_stand(deployment: Deployment, vchannels: list[str]) -> str:
+    """Why the vchannels' checkpoints may not move: the runs of the loops and their logs and
+    stderr, the latest checkpoint materializations, leases, live nodes, sync reasons, plans."""
+    instance, store = deployment.instance, deployment.store
+    runs = instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB))
+    latest = {}
+    for v in vchannels:
+        found = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("channel_checkpoints"), asset_partitions=[v]),
+            limit=1,
+        ).records
+        latest[v] = (found[0].run_id if found else None, channel_checkpoint(store, v))
+    owners = {v: store.read_lease(v) for v in vchannels}
+    logs = {r.run_id[:8]: [e.user_message for e in instance.all_logs(r.run_id)][-8:] for r in runs}
+    in_flight = instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED, *IN_FLIGHT]))
+    with VchanResource.from_settings(deployment.settings).open() as runtime:
+        nodes = dagster_nodes(runtime)
+        plans = plan_syncs(runtime, busy_channels(instance))
+        known = runtime.vchannels()
+        reasons = {v: runtime.sync_reasons(runtime.status(v, known[v])) for v in vchannels}
+    return (
+        f"loop runs {[(r.run_id[:8], r.tags, r.status.value) for r in runs]}; latest {latest}; "
+        f"leases {owners}; live dagster nodes {nodes}; sync reasons {reasons}; plans now {plans}; "
+        f"runs in flight {[(r.job_name, r.run_id[:8], r.status.value) for r in in_flight]}; "
+        f"loop logs {logs}; loop stderr {_compute_stderr(instance, runs)}"
+    )
+
+
 def _compute_stderr(
     instance: dg.DagsterInstance, runs: Sequence[dg.DagsterRun], tail: int = 4000
 ) -> dict[str, str]:
@@ -276,28 +307,6 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
             and mat.metadata["checkpoint_offset"].value == cp.model.offset
         )
 
-    def where_it_stands() -> str:
-        runs = instance.get_runs(dg.RunsFilter(job_name=LOOP_JOB))
-        latest = {}
-        for v in appended:
-            found = instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey("channel_checkpoints"), asset_partitions=[v]),
-                limit=1,
-            ).records
-            latest[v] = (found[0].run_id if found else None, channel_checkpoint(store, v))
-        owners = {v: store.read_lease(v) for v in appended}
-        logs = {r.run_id[:8]: [e.user_message for e in instance.all_logs(r.run_id)][-8:] for r in runs}
-        with VchanResource.from_settings(deployment.settings).open() as runtime:
-            nodes = dagster_nodes(runtime)
-            plans = plan_syncs(runtime, busy_channels(instance))
-            vchannels = runtime.vchannels()
-            reasons = {v: runtime.sync_reasons(runtime.status(v, vchannels[v])) for v in appended}
-        return (
-            f"loop runs {[(r.run_id[:8], r.tags, r.status.value) for r in runs]}; latest {latest}; "
-            f"leases {owners}; live dagster nodes {nodes}; sync reasons {reasons}; plans now {plans}; "
-            f"loop logs {logs}; loop stderr {_compute_stderr(instance, runs)}"
-        )
-
     try:
         wait_until(
             lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
@@ -305,7 +314,7 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
             "the loops' materializations at the checkpoints past the new rows",
         )
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: {where_it_stands()}") from None
+        raise AssertionError(f"{exc}: {_where_syncs_stand(deployment, list(appended))}") from None
     checks = [
         r.dagster_event.event_specific_data
         for run_id in loops()
