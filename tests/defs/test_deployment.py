@@ -29,7 +29,7 @@ from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.defs.orphans import run_worker_pid
 from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.defs.sync.jobs import DAGSTER_ADDRESS, LOOP_JOB, NODE_TAG, sync_job
+from vchan_assets.defs.sync.jobs import CHANNEL_TAG, DAGSTER_ADDRESS, LOOP_JOB, NODE_TAG, sync_job
 from vchan_assets.defs.sync.loop import LOOP_RUNNING
 from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
 from vchan_assets.deploy.service import (
@@ -217,7 +217,11 @@ def _owners_settled(deployment: Deployment) -> bool:
     """Every channel of the collection watched (WatchSuccess) by a node whose loop runs (its
     run logged LOOP_RUNNING: a STARTED run may still be starting its Spark session), the
     channels spread over the nodes (the coordinator's balance done: a channel it moves later
-    is synced by its new owner's watch run, not a loop), and no sync run in flight."""
+    is synced by its new owner's watch run, not a loop), the watch run of each channel's
+    current lease done, and no sync run in flight. The node's sensor writes WatchSuccess
+    before the daemon creates the watch run it asked for: rows inserted in between were
+    synced by that watch run, and the loop then had nothing to report (the flake of
+    test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks)."""
     instance, store = deployment.instance, deployment.store
     started = dg.RunsFilter(job_name=LOOP_JOB, statuses=[dg.DagsterRunStatus.STARTED])
     looping = {
@@ -233,10 +237,19 @@ def _owners_settled(deployment: Deployment) -> bool:
         watch = store.get_model(store.keys.channel_watch(lease.node_id, vchannel), ChannelWatchInfo)
         if watch is None or watch.model.state is not WatchState.WATCH_SUCCESS:
             return False
+        if not _watch_run_done(instance, vchannel, f"watch:{lease.node_id}:{vchannel}:{lease.lease_id}"):
+            return False
         owners.add(lease.node_id)
     spread = len(owners) == min(len(deployment.collection.vchannels), len(_dagster_sessions(store)))
     in_flight = dg.RunsFilter(job_name=sync_job.name, statuses=[dg.DagsterRunStatus.QUEUED, *IN_FLIGHT])
     return spread and not instance.get_run_records(in_flight)
+
+
+def _watch_run_done(instance: dg.DagsterInstance, vchannel: str, run_key: str) -> bool:
+    """The watch run with `run_key` was created and has ended (a failed one too: the loop
+    then syncs what it left)."""
+    runs = instance.get_runs(dg.RunsFilter(job_name=sync_job.name, tags={CHANNEL_TAG: vchannel}))
+    return any(r.tags.get("dagster/run_key", "").startswith(run_key) and r.is_finished for r in runs)
 
 
 def _where_syncs_stand(deployment: Deployment, vchannels: list[str]) -> str:
