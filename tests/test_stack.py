@@ -90,13 +90,16 @@ def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None
 def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
     env["VCHAN_HOME"] = str(tmp_path / "home")
-    up = subprocess.run([str(VCHAN), "up"], env=env, capture_output=True, text=True, timeout=120)
-    assert up.returncode == 0, up.stderr
-    assert "etcd_version" in up.stdout and "3.5" in up.stdout
-    server = EmbeddedEtcd(tmp_path / "home" / "etcd")
-    state = server._read_state()
-    assert state is not None and pid_alive(state["pid"]), "etcd did not outlive `vchan up`"
-    down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
+    try:
+        up = subprocess.run([str(VCHAN), "up"], env=env, capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0, up.stderr
+        assert "etcd_version" in up.stdout and "3.5" in up.stdout
+        server = EmbeddedEtcd(tmp_path / "home" / "etcd")
+        state = server._read_state()
+        assert state is not None and pid_alive(state["pid"]), "etcd did not outlive `vchan up`"
+    finally:
+        # Also after a failed or timed-out `up`: what it started must not outlive the test.
+        down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert _wait_dead(state["pid"])
 
