@@ -29,14 +29,23 @@ from .helpers import (
 )
 
 
+def _read(path: Path) -> bytes:
+    """A /proc file's bytes; empty if its thread or process exited since it was listed."""
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
 def _jvm_of(role: Role) -> int:
-    """The pid of the node's Spark JVM: its `java` child (started by whichever thread)."""
+    """The pid of the node's Spark JVM: its `java` child (started by whichever thread;
+    the node's threads come and go while they are listed)."""
     children = [
         int(pid)
         for task in Path(f"/proc/{role.pid}/task").iterdir()
-        for pid in (task / "children").read_text().split()
+        for pid in _read(task / "children").split()
     ]
-    java = [pid for pid in children if b"java" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    java = [pid for pid in children if b"java" in _read(Path(f"/proc/{pid}/cmdline"))]
     assert len(java) == 1, (children, java)
     return java[0]
 
