@@ -13,8 +13,9 @@ and never while one is queued or running, whoever runs the lifecycle (Dagster or
 `vchan datacoord` process): the view is only read, and a sort that stopped shows as a failing
 check instead of an asset never materialized. The run reports each vchannel's view as a
 materialization of its partition, with its checks (as the sync loop reports syncs), so the
-view runs grow with time, not with the sync rate: a run per vchannel per change was about one
-run per three syncs on a busy stack. Materializing a partition from the UI runs the asset.
+view runs grow with time, not with the sync rate (a run per vchannel per change, as before, is
+a run per sync and vchannel at production's sync rate). Materializing a partition from the UI
+runs the asset.
 """
 
 import hashlib
