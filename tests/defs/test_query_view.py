@@ -175,3 +175,37 @@ def test_a_view_run_reports_the_view_of_each_vchannel_as_its_partition_with_its_
     assert all(c.passed and c.partition == vchannel for c in checks.values())
     latest = instance.get_latest_materialization_event(dg.AssetKey("visible_segments"))
     assert latest is not None and latest.run_id == result.run_id
+
+
+def test_a_vchannel_whose_view_cannot_be_read_fails_the_run_after_the_others_are_reported(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    dsettings: Settings,
+    store: MetaStore,
+    producer: Producer,
+    flushed_once: CollectionInfo,
+) -> None:
+    """One run reports many vchannels: a malformed channel checkpoint in one of them must not
+    hide the views of the others; the run fails at the end, naming it."""
+    broken = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    flushed_batches(store, Storage.from_settings(dsettings), dsettings, producer, broken, batches=1)
+    [bad], [good] = broken.vchannels, flushed_once.vchannels
+    store.put(store.keys.channel_checkpoint(bad), b"{not json")
+
+    result = query_view_job.execute_in_process(
+        run_config=dg.RunConfig(ops={"query_views": ViewsConfig(vchannels=[bad, good])}),
+        instance=instance,
+        resources={"vchan": vchan},
+        raise_on_error=False,
+    )
+    assert not result.success
+    reported = [
+        e.event_specific_data.materialization.partition  # type: ignore[union-attr]
+        for e in result.all_events
+        if e.event_type is dg.DagsterEventType.ASSET_MATERIALIZATION
+    ]
+    assert reported == [good]
+    failure = result.failure_data_for_node("query_views")
+    assert failure is not None and "1 of 2 vchannels could not be read" in str(failure.error)
+    assert failure.user_failure_data is not None and bad in failure.user_failure_data.metadata
+    assert "MalformedValueError" in str(failure.user_failure_data.metadata[bad].value)

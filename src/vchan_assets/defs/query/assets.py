@@ -113,15 +113,29 @@ def query_views(
     context: dg.OpExecutionContext, config: ViewsConfig, vchan: VchanResource
 ) -> Iterator[SyncEvent]:
     """Materialize `visible_segments` for each of the vchannels, one partition after another,
-    with its two checks, as events of this run; a vchannel dropped meanwhile is skipped."""
+    with its two checks, as events of this run; a vchannel dropped meanwhile is skipped. A
+    vchannel whose view cannot be read (malformed meta, unreadable files) does not keep the
+    others from being reported: the run fails at the end, naming it and why."""
+    unreadable: dict[str, str] = {}
     with vchan.open() as runtime:
         live = set(runtime.vchannels())
         for vchannel in config.vchannels:
             if vchannel not in live:
                 context.log.info("%s is not a vchannel any more: no view", vchannel)
                 continue
-            materialized, checks = view_results(runtime, vchannel, context.log)
+            try:
+                materialized, checks = view_results(runtime, vchannel, context.log)
+            except Exception as exc:  # any reason: the next vchannels are still reported
+                context.log.error(f"{vchannel}: its view could not be read: {exc}")
+                unreadable[vchannel] = f"{type(exc).__name__}: {exc}"
+                continue
             yield from sync_events([materialized, *checks], vchannel)
+    if unreadable:
+        raise dg.Failure(
+            f"the view of {len(unreadable)} of {len(config.vchannels)} vchannels could not be read "
+            "(the others were reported)",
+            metadata={v: dg.MetadataValue.text(why) for v, why in unreadable.items()},
+        )
 
 
 # A view run reads the vchannels' rows for the check: one at a time in the instance, and
