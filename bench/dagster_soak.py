@@ -34,11 +34,10 @@ from bench.latency import fresh_deployment
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import channel_checkpoint
-from vchan_assets.defs.checks import typed
+from vchan_assets.defs.checks import reported_events, typed
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS, SYNC_CHECKS
 from vchan_assets.defs.sync.jobs import LOOP_JOB
-from vchan_assets.defs.sync.loop import sync_events
 from vchan_assets.deploy.service import INSTANCE_CONFIG, DagsterService
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionSchema
@@ -70,9 +69,10 @@ def measure(home: Path) -> dict[str, Any]:
         syncs = count_materializations(instance, dg.AssetKey("channel_checkpoints"))
         runs = instance.get_runs_count()
         loops = instance.get_runs_count(dg.RunsFilter(job_name=LOOP_JOB))
-        jobs = Counter(r.dagster_run.job_name for r in instance.get_run_records(limit=100_000))
+        jobs: Counter[str] = Counter()
         events_by_job: Counter[str] = Counter()
         for r in instance.get_run_records(limit=100_000):
+            jobs[r.dagster_run.job_name] += 1
             events_by_job[r.dagster_run.job_name] += len(instance.all_logs(r.dagster_run.run_id))
         events = sum(events_by_job.values())
         ticks = sum(
@@ -165,7 +165,7 @@ class LoopSyncs(dg.Config):
 def recorded_loop(config: LoopSyncs) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
     """A sync loop run's events for `syncs` syncs, round robin over the channels."""
     for i in range(config.syncs):
-        yield from sync_events(one_sync(), f"ch{i % config.channels}")
+        yield from reported_events(one_sync(), f"ch{i % config.channels}")
 
 
 @dg.job

@@ -1,6 +1,6 @@
 """When declarative automation requests the catalog table (`segment_table`, defs/automation.py):
 the condition evaluated by Dagster's own evaluator on a real (temporary) instance that holds
-the events a sync loop reports (`sync_events`: the materializations and checks of a sync)."""
+the events a sync loop reports (`reported_events`: the materializations and checks of a sync)."""
 
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -8,10 +8,10 @@ from datetime import datetime, timedelta
 import dagster as dg
 import pytest
 
+from vchan_assets.defs.checks import reported_events
 from vchan_assets.defs.definitions import defs
 from vchan_assets.defs.partitions import VCHANNELS
 from vchan_assets.defs.sync.assets import CHANNEL_CHECKPOINTS
-from vchan_assets.defs.sync.loop import sync_events
 
 TABLE = dg.AssetKey("segment_table")
 VCHANNEL_NAMES = ("c1_v0", "c1_v1")
@@ -67,7 +67,7 @@ def report_sync(
             passed=context.op_config["passed"],
         ),
     ]
-    yield from sync_events(results, context.op_config["vchannel"])
+    yield from reported_events(results, context.op_config["vchannel"])
 
 
 report_sync_job = dg.GraphDefinition(name="report_sync", node_defs=[report_sync]).to_job()

@@ -58,3 +58,33 @@ def check_result(check: dg.AssetCheckSpec, outcome: CheckOutcome) -> dg.AssetChe
         description=outcome.description,
         metadata=typed(outcome.metadata),
     )
+
+
+# What an op that is not the asset's own (the sync loop, the query view run) reports of it.
+ReportedEvent = dg.AssetMaterialization | dg.AssetCheckEvaluation
+
+
+def reported_events(
+    results: list[dg.MaterializeResult | dg.AssetCheckResult], partition: str
+) -> list[ReportedEvent]:
+    """Results an asset would return (its materializations and check results, each naming
+    its asset) as the events an op reports for `partition`: the asset's history and checks
+    are the same whether the asset's run or another op made them."""
+    events: list[ReportedEvent] = []
+    for r in results:
+        assert r.asset_key is not None  # the results name their asset
+        if isinstance(r, dg.MaterializeResult):
+            events.append(dg.AssetMaterialization(r.asset_key, partition=partition, metadata=r.metadata))
+        else:
+            assert r.check_name is not None
+            events.append(
+                dg.AssetCheckEvaluation(
+                    asset_key=r.asset_key,
+                    check_name=r.check_name,
+                    passed=r.passed,
+                    metadata=r.metadata,
+                    description=r.description,
+                    partition=partition,
+                )
+            )
+    return events

@@ -26,14 +26,14 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from vchan_assets.defs.checks import asset_checks, check_result, typed
+from vchan_assets.defs.checks import ReportedEvent, asset_checks, check_result, reported_events, typed
 from vchan_assets.defs.lifecycle.assets import COMPACTED_SEGMENTS, LIFECYCLE_GROUP, SORTED_SEGMENTS
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
-from vchan_assets.defs.sync.loop import SyncEvent, sync_events
 from vchan_assets.defs.sync.sensor import IN_FLIGHT
+from vchan_assets.model import CollectionInfo
 from vchan_assets.query.asof import iso
 from vchan_assets.query.checks import (
     check_invisible_segments,
@@ -70,17 +70,18 @@ CHECK_SERVED_ONCE, CHECK_INVISIBLE = asset_checks(
 def visible_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """The vchannel's query view now, and a read at its last timestamp checked against its log."""
     with vchan.open() as runtime:
-        materialized, checks = view_results(runtime, context.partition_key, context.log)
+        vchannel = context.partition_key
+        materialized, checks = view_results(runtime, runtime.collection_of(vchannel), vchannel, context.log)
     yield materialized
     yield from checks
 
 
 def view_results(
-    runtime: VchanRuntime, vchannel: str, log: logging.Logger | dg.DagsterLogManager
+    runtime: VchanRuntime, info: CollectionInfo, vchannel: str, log: logging.Logger | dg.DagsterLogManager
 ) -> tuple[dg.MaterializeResult, list[dg.AssetCheckResult]]:
-    """The materialization of `visible_segments` for `vchannel` and its two check results."""
+    """The materialization of `visible_segments` for `vchannel` (of collection `info`) and its
+    two check results."""
     settings = runtime.settings
-    info = runtime.collection_of(vchannel)
     now = time.time()
     view = read_query_view(runtime.store, info, vchannel)
     ts = check_time(runtime.store, settings, vchannel, now)
@@ -111,25 +112,25 @@ class ViewsConfig(dg.Config):
 @dg.op(name="query_views", out={})
 def query_views(
     context: dg.OpExecutionContext, config: ViewsConfig, vchan: VchanResource
-) -> Iterator[SyncEvent]:
+) -> Iterator[ReportedEvent]:
     """Materialize `visible_segments` for each of the vchannels, one partition after another,
     with its two checks, as events of this run; a vchannel dropped meanwhile is skipped. A
     vchannel whose view cannot be read (malformed meta, unreadable files) does not keep the
     others from being reported: the run fails at the end, naming it and why."""
     unreadable: dict[str, str] = {}
     with vchan.open() as runtime:
-        live = set(runtime.vchannels())
+        live = runtime.vchannels()
         for vchannel in config.vchannels:
             if vchannel not in live:
                 context.log.info("%s is not a vchannel any more: no view", vchannel)
                 continue
             try:
-                materialized, checks = view_results(runtime, vchannel, context.log)
+                materialized, checks = view_results(runtime, live[vchannel], vchannel, context.log)
             except Exception as exc:  # any reason: the next vchannels are still reported
                 context.log.error(f"{vchannel}: its view could not be read: {exc}")
                 unreadable[vchannel] = f"{type(exc).__name__}: {exc}"
                 continue
-            yield from sync_events([materialized, *checks], vchannel)
+            yield from reported_events([materialized, *checks], vchannel)
     if unreadable:
         raise dg.Failure(
             f"the view of {len(unreadable)} of {len(config.vchannels)} vchannels could not be read "
@@ -160,8 +161,7 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
     for their view (the cursor: each vchannel's newest revision and count of segment meta),
     none while a view run is queued or running: the view runs grow with time (one per
     VIEW_SENSOR_INTERVAL at most), not with the sync rate or the number of vchannels."""
-    in_flight = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, *IN_FLIGHT]
-    if context.instance.get_runs_count(dg.RunsFilter(job_name=query_view_job.name, statuses=in_flight)):
+    if context.instance.get_runs_count(dg.RunsFilter(job_name=query_view_job.name, statuses=IN_FLIGHT)):
         return dg.SensorResult(skip_reason="a view run is queued or running")
     seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
     with vchan.open() as runtime:

@@ -61,6 +61,7 @@ from dagster_pyspark import PySparkResource
 from pydantic import PrivateAttr
 
 from vchan_assets.datanode.sync import SyncResult
+from vchan_assets.defs.checks import ReportedEvent, reported_events
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, previous_checkpoint, sync_results
@@ -98,32 +99,6 @@ class LoopConfig(dg.Config):
     poll_seconds: float = LOOP_POLL_SECONDS
 
 
-SyncEvent = dg.AssetMaterialization | dg.AssetCheckEvaluation
-
-
-def sync_events(results: list[dg.MaterializeResult | dg.AssetCheckResult], vchannel: str) -> list[SyncEvent]:
-    """The materializations and check results of one sync (`sync_results`, what a sync run
-    returns) as events an op reports for the vchannel partition."""
-    events: list[SyncEvent] = []
-    for r in results:
-        assert r.asset_key is not None  # sync_results names every asset
-        if isinstance(r, dg.MaterializeResult):
-            events.append(dg.AssetMaterialization(r.asset_key, partition=vchannel, metadata=r.metadata))
-        else:
-            assert r.check_name is not None
-            events.append(
-                dg.AssetCheckEvaluation(
-                    asset_key=r.asset_key,
-                    check_name=r.check_name,
-                    passed=r.passed,
-                    metadata=r.metadata,
-                    description=r.description,
-                    partition=vchannel,
-                )
-            )
-    return events
-
-
 class NodeSyncLoop:
     """The loop's body without Dagster's op around it: `step()` syncs every channel of the
     node whose sync policy fires, `ready()` returns the events of the syncs reported so far."""
@@ -149,7 +124,7 @@ class NodeSyncLoop:
         # channel) is made on this thread, in sync order, so the loop goes back to its channels
         # right after each commit: a change that lands meanwhile does not wait for the checks.
         self.reports = ThreadPoolExecutor(1, thread_name_prefix="sync reports")
-        self.pending: deque[Future[list[SyncEvent]]] = deque()
+        self.pending: deque[Future[list[ReportedEvent]]] = deque()
         # Each sync runs on this thread while the op's thread waits for it: a signal (raised
         # in the op's thread) interrupts the wait, not the sync (`leave`).
         self.syncer = ThreadPoolExecutor(1, thread_name_prefix="node sync")
@@ -194,17 +169,17 @@ class NodeSyncLoop:
         self.syncs += synced
         return synced
 
-    def _report(self, result: SyncResult, previous: int | None, config: SyncConfig) -> list[SyncEvent]:
-        return sync_events(sync_results(self.runtime, result, previous, config), result.vchannel)
+    def _report(self, result: SyncResult, previous: int | None, config: SyncConfig) -> list[ReportedEvent]:
+        return reported_events(sync_results(self.runtime, result, previous, config), result.vchannel)
 
-    def ready(self, wait: bool = False) -> list[SyncEvent]:
+    def ready(self, wait: bool = False) -> list[ReportedEvent]:
         """The events of the finished reports, in sync order (`wait`: of every report)."""
-        events: list[SyncEvent] = []
+        events: list[ReportedEvent] = []
         while self.pending and (wait or self.pending[0].done()):
             events += self.pending.popleft().result()
         return events
 
-    def close(self) -> list[SyncEvent]:
+    def close(self) -> list[ReportedEvent]:
         """The events of the reports still pending; no more syncs after this."""
         if self.closed:
             return []
@@ -308,7 +283,7 @@ def node_sync_loop(
     vchan: VchanResource,
     pyspark: PySparkResource,
     teardown: AtTeardown,
-) -> Iterator[SyncEvent]:
+) -> Iterator[ReportedEvent]:
     """Sync the node's channels as their sync policies fire, reporting each sync as
     materializations of binlogs, segments and channel_checkpoints, until the loop's time
     is up or the node's session is gone (or STOPPING). Interrupted, the node leaves
@@ -343,8 +318,8 @@ def node_sync_loop(
                 synced = loop.step()
                 if (took := time.monotonic() - started) > SLOW_STEP_SECONDS:
                     context.log.warning(
-                        f"node {config.node_id}: a look at its channels took {took:.1f}s "
-                        f"(session {looked - started:.1f}s, {synced} syncs {took - looked + started:.1f}s)"
+                        f"node {config.node_id}: a look at its channels took {took:.1f}s (session "
+                        f"{looked - started:.1f}s, channels and {synced} syncs {time.monotonic() - looked:.1f}s)"
                     )
                 yield from loop.ready()
                 for skipped in loop.skipped:
