@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 from vchan_assets.catalog import Catalog
+from vchan_assets.deploy.processes import command_line, descendants
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import NodeSession, SessionState
 from vchan_assets.status import collect_status
@@ -29,24 +29,12 @@ from .helpers import (
 )
 
 
-def _read(path: Path) -> bytes:
-    """A /proc file's bytes; empty if its thread or process exited since it was listed."""
-    try:
-        return path.read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return b""
-
-
 def _jvm_of(role: Role) -> int:
-    """The pid of the node's Spark JVM: its `java` child (started by whichever thread;
-    the node's threads come and go while they are listed)."""
-    children = [
-        int(pid)
-        for task in Path(f"/proc/{role.pid}/task").iterdir()
-        for pid in _read(task / "children").split()
-    ]
-    java = [pid for pid in children if b"java" in _read(Path(f"/proc/{pid}/cmdline"))]
-    assert len(java) == 1, (children, java)
+    """The pid of the node's Spark JVM: its `java` process (processes that exit while
+    /proc is read are left out)."""
+    below = descendants(role.pid)
+    java = [pid for pid in below if command_line(pid).split(" ", 1)[0].endswith("java")]
+    assert len(java) == 1, ({pid: command_line(pid)[:80] for pid in below}, java)
     return java[0]
 
 
