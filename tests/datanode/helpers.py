@@ -47,6 +47,13 @@ def assert_exactly_once(store: MetaStore, storage: Storage, info: CollectionInfo
     assert tally.ok, tally.describe()
 
 
+def meta_state(store: MetaStore) -> set[tuple[str, int]]:
+    """Every key under the test's root with the revision of its last change: the same twice
+    means this test wrote nothing in between (etcd's own revision also moves when another
+    test writes to the shared server)."""
+    return {(kv.key, kv.mod_revision) for kv in store.list_prefix(store.keys.root + "/").items}
+
+
 def checkpoint(store: MetaStore, vchannel: str) -> MsgPosition | None:
     found = store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
     return None if found is None else found.model

@@ -47,6 +47,7 @@ from .helpers import (
     Produced,
     assert_exactly_once,
     checkpoint,
+    meta_state,
     produce,
     read_inserted,
     run_sync_process,
@@ -119,12 +120,12 @@ def test_second_sync_appends_new_rows_and_a_sync_with_nothing_new_is_a_no_op(
     for v in collection.vchannels:
         after = checkpoint(store, v)
         assert after is not None and first[v] is not None and after.offset > first[v].offset  # type: ignore[union-attr]
-    revision = store.revision()
+    before = meta_state(store)
     vchannel = collection.vchannels[0]
     lease = store.read_lease(vchannel)
     assert lease is not None
     result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
-    assert result.skipped and store.revision() == revision
+    assert result.skipped and meta_state(store) == before
     assert_exactly_once(store, storage, collection, produced)
 
 
@@ -464,10 +465,10 @@ def test_channel_without_any_log_sync_is_a_clean_no_op(
     vchannel = collection.vchannels[1]
     storage.filesystem.delete_dir(storage.path(f"wal/{vchannel}"))  # as a channel nobody wrote to
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    revision = store.revision()
+    before = meta_state(store)
     result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
     assert result.skipped and result.rows == 0
-    assert store.revision() == revision and checkpoint(store, vchannel) is None
+    assert meta_state(store) == before and checkpoint(store, vchannel) is None
 
 
 def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(

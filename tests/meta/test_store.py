@@ -224,7 +224,7 @@ def test_list_models_skips_and_counts_malformed_values_when_asked(store: MetaSto
     good = MsgPosition("ch-a", 1, 2)
     store.put(store.keys.channel_checkpoint("ch-a"), good)
     store.put(store.keys.channel_checkpoint("ch-b"), b"garbage")
-    store.put(store.keys.channel_checkpoint("ch-c"), b"[1, 2]")
+    written = store.put(store.keys.channel_checkpoint("ch-c"), b"[1, 2]")
 
     with pytest.raises(MalformedValueError) as bad:
         store.list_models(prefix, MsgPosition)
@@ -233,7 +233,7 @@ def test_list_models_skips_and_counts_malformed_values_when_asked(store: MetaSto
     decoded, revision = store.list_models(prefix, MsgPosition, skip_malformed=True)
     assert [d.model for d in decoded] == [good]
     assert store.malformed_skipped == 2
-    assert revision == store.revision()
+    assert written <= revision <= store.revision()  # other tests write to the shared etcd too
 
 
 def test_encoded_values_carry_the_schema_version() -> None:

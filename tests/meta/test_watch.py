@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,6 +15,16 @@ from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent, poll_c
 from vchan_assets.model import MsgPosition
 
 NODE = 7
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    """This module's own etcd server. Its tests compare a cursor with etcd's revision: a
+    write of another test on the shared server (a lease of a stopped process expiring, say)
+    moves that revision past anything a watch of one prefix can prove."""
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd-watch")).start()
+    yield server
+    server.stop()
 
 
 def _prefix(store: MetaStore) -> str:
