@@ -13,13 +13,17 @@ from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.defs.lifecycle.assets import (
     COMPACTED_SEGMENTS,
     GARBAGE_COLLECTION,
+    SORTED_SEGMENTS,
     lifecycle_sensor,
     segment_lifecycle,
+    sort_job,
     sort_sensor,
     sorted_segments,
 )
+from vchan_assets.defs.partitions import VchannelsConfig
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer
 
@@ -49,43 +53,70 @@ def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_chec
     assert_lifecycle_invariants(store, storage, dsettings, info, produced)
 
 
-def test_sort_sensor_requests_a_sorted_segments_run_per_vchannel_with_newly_flushed_segments(
+def _sorts(request: dg.RunRequest, info: CollectionInfo) -> list[str]:
+    """The vchannels of `info` a sort run request names."""
+    asked = request.run_config["ops"]["sort_segments"]["config"]["vchannels"]
+    return [v for v in asked if v in info.vchannels]
+
+
+def test_sort_sensor_requests_one_sort_run_for_every_vchannel_with_newly_flushed_segments(
     instance: dg.DagsterInstance,
     vchan: VchanResource,
     dsettings: Settings,
     store: MetaStore,
     producer: Producer,
 ) -> None:
+    """One run sorts every vchannel that waits and reports each as its partition of
+    `sorted_segments` with its check; none is asked for while one is queued; the next one
+    names only the vchannels still waiting."""
     storage = Storage.from_settings(dsettings)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
     produced = flushed_batches(store, storage, dsettings, producer, info, batches=1)
     flushed = {s.id: s.vchannel for s in live_l1(store, info)}
-    requests = evaluate(sort_sensor, instance, vchan).run_requests or []
-    mine = [r for r in requests if r.partition_key in info.vchannels]
-    assert sorted(r.partition_key for r in mine) == sorted(info.vchannels)
-    first = info.vchannels[0]
-    result = dg.materialize(
-        [sorted_segments], instance=instance, resources={"vchan": vchan}, partition_key=first
+    [request] = evaluate(sort_sensor, instance, vchan).run_requests or []
+    assert _sorts(request, info) == sorted(info.vchannels)
+
+    queued = instance.create_run_for_job(sort_job, run_config=request.run_config)
+    waiting = evaluate(sort_sensor, instance, vchan)
+    assert not waiting.run_requests and "a sort run is queued or running" in skip_message(waiting)
+    instance.report_run_canceled(queued)
+
+    first, second = info.vchannels
+    result = sort_job.execute_in_process(
+        run_config=dg.RunConfig(ops={"sort_segments": VchannelsConfig(vchannels=[first, "dropped-v0"])}),
+        instance=instance,
+        resources={"vchan": vchan},
     )
     assert result.success
-    [materialization] = result.asset_materializations_for_node("sorted_segments")
+    [materialization] = [
+        e.event_specific_data.materialization  # type: ignore[union-attr]
+        for e in result.all_events
+        if e.event_type is dg.DagsterEventType.ASSET_MATERIALIZATION
+    ]
+    assert (materialization.asset_key, materialization.partition) == (SORTED_SEGMENTS, first)
     assert materialization.metadata["sorted"].value == 1
     assert materialization.metadata["flush_to_sorted_s_max"].value > 0
     [check] = result.get_asset_check_evaluations()
-    assert check.passed, check.description
+    assert check.passed and check.partition == first, check.description
     # only that vchannel's segment was sorted; the sensor now asks for the other one only
     now = {s.vchannel: s for s in live_l1(store, info)}
     assert now[first].is_sorted and now[first].compaction_from == tuple(
         i for i, v in flushed.items() if v == first
     )
-    assert not now[info.vchannels[1]].is_sorted
-    again = [
-        r
-        for r in evaluate(sort_sensor, instance, vchan).run_requests or []
-        if r.partition_key in info.vchannels
-    ]
-    assert [r.partition_key for r in again] == [info.vchannels[1]]
+    assert not now[second].is_sorted
+    [again] = evaluate(sort_sensor, instance, vchan).run_requests or []
+    assert _sorts(again, info) == [second] and again.run_key != request.run_key
+
+    # The asset itself still sorts one partition (materialized from the UI).
+    manual = dg.materialize(
+        [sorted_segments], instance=instance, resources={"vchan": vchan}, partition_key=second
+    )
+    assert manual.success
+    [materialization] = manual.asset_materializations_for_node("sorted_segments")
+    assert materialization.metadata["sorted"].value == 1
+    assert all(c.passed for c in manual.get_asset_check_evaluations())
+    assert all(s.is_sorted for s in live_l1(store, info))
     assert_lifecycle_invariants(store, storage, dsettings, info, produced)
 
 
@@ -109,6 +140,6 @@ def test_lifecycle_sensors_stand_by_while_a_datacoord_process_leads_the_election
     finally:
         process.election.resign()
     # Nobody leads (or Dagster's DataCoord does): Dagster runs the lifecycle.
-    sort = evaluate(sort_sensor, instance, vchan).run_requests or []
-    assert [r.partition_key for r in sort if r.partition_key in info.vchannels] == list(info.vchannels)
+    [sort] = evaluate(sort_sensor, instance, vchan).run_requests or []
+    assert _sorts(sort, info) == list(info.vchannels)
     assert evaluate(lifecycle_sensor, instance, vchan).run_requests

@@ -16,7 +16,8 @@ from lifecycle.helpers import SCHEMA, flushed_batches, live_l1, sync_all, write_
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.lifecycle.assets import sorted_segments
-from vchan_assets.defs.query.assets import ViewsConfig, query_view_job, query_view_sensor, visible_segments
+from vchan_assets.defs.partitions import VchannelsConfig
+from vchan_assets.defs.query.assets import query_view_job, query_view_sensor, visible_segments
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.deploy.service import INSTANCE_CONFIG
 from vchan_assets.meta.store import MetaStore
@@ -158,7 +159,7 @@ def test_a_view_run_reports_the_view_of_each_vchannel_as_its_partition_with_its_
 ) -> None:
     [vchannel] = flushed_once.vchannels
     result = query_view_job.execute_in_process(
-        run_config=dg.RunConfig(ops={"query_views": ViewsConfig(vchannels=[vchannel, "dropped-v0"])}),
+        run_config=dg.RunConfig(ops={"query_views": VchannelsConfig(vchannels=[vchannel, "dropped-v0"])}),
         instance=instance,
         resources={"vchan": vchan},
     )
@@ -193,7 +194,7 @@ def test_a_vchannel_whose_view_cannot_be_read_fails_the_run_after_the_others_are
     store.put(store.keys.channel_checkpoint(bad), b"{not json")
 
     result = query_view_job.execute_in_process(
-        run_config=dg.RunConfig(ops={"query_views": ViewsConfig(vchannels=[bad, good])}),
+        run_config=dg.RunConfig(ops={"query_views": VchannelsConfig(vchannels=[bad, good])}),
         instance=instance,
         resources={"vchan": vchan},
         raise_on_error=False,
@@ -206,6 +207,6 @@ def test_a_vchannel_whose_view_cannot_be_read_fails_the_run_after_the_others_are
     ]
     assert reported == [good]
     failure = result.failure_data_for_node("query_views")
-    assert failure is not None and "1 of 2 vchannels could not be read" in str(failure.error)
+    assert failure is not None and "the view of 1 of 2 vchannels failed" in str(failure.error)
     assert failure.user_failure_data is not None and bad in failure.user_failure_data.metadata
     assert "MalformedValueError" in str(failure.user_failure_data.metadata[bad].value)

@@ -6,7 +6,7 @@ Every number an asset records (rows, bytes, lag, seconds) goes out as `MetadataV
 `MetadataValue.float`: the asset's Plots tab then draws it over time, per partition.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
@@ -88,3 +88,38 @@ def reported_events(
                 )
             )
     return events
+
+
+# What the asset of one vchannel returns: its materialization and its check results.
+VchannelResults = tuple[dg.MaterializeResult, list[dg.AssetCheckResult]]
+
+
+def report_each_vchannel(
+    log: dg.DagsterLogManager,
+    vchannels: Sequence[str],
+    live: Container[str],
+    results: Callable[[str], VchannelResults],
+    what: str,
+) -> Iterator[ReportedEvent]:
+    """The events of `results(vchannel)` for each of `vchannels` in turn, as the op of a run
+    that serves many partitions reports them (the view run, the sort run). A vchannel no
+    longer `live` (dropped meanwhile) is skipped. One whose results raise does not keep the
+    others from being reported: the op fails at the end, naming each such vchannel and why
+    (`what`: "the view", "the sort", for the messages)."""
+    failed: dict[str, str] = {}
+    for vchannel in vchannels:
+        if vchannel not in live:
+            log.info(f"{vchannel} is not a vchannel any more: {what} is skipped")
+            continue
+        try:
+            materialized, checks = results(vchannel)
+        except Exception as exc:  # any reason: the next vchannels are still reported
+            log.error(f"{vchannel}: {what} failed: {exc}")
+            failed[vchannel] = f"{type(exc).__name__}: {exc}"
+            continue
+        yield from reported_events([materialized, *checks], vchannel)
+    if failed:
+        raise dg.Failure(
+            f"{what} of {len(failed)} of {len(vchannels)} vchannels failed (the others were reported)",
+            metadata={v: dg.MetadataValue.text(why) for v, why in failed.items()},
+        )

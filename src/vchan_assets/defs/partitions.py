@@ -6,3 +6,10 @@ import dagster as dg
 
 VCHANNELS = "vchannels"
 vchannels = dg.DynamicPartitionsDefinition(name=VCHANNELS)
+
+
+class VchannelsConfig(dg.Config):
+    """The vchannels (partitions) a run that serves many of them works on: a sort run, a
+    view run."""
+
+    vchannels: list[str]

@@ -1,7 +1,11 @@
 """The segment lifecycle as assets downstream of `segments`:
 
-- `sorted_segments`, partitioned by vchannel: the stats task after flush (`sort_step`),
-  requested by `sort_sensor` for each vchannel with newly flushed unsorted segments;
+- `sorted_segments`, partitioned by vchannel: the stats task after flush (`sort_step`).
+  `sort_sensor` requests one `sort` run for every vchannel with newly flushed unsorted
+  segments, at most every SORT_SENSOR_INTERVAL seconds and never while one is queued or
+  running; the run reports each vchannel's sorts as a materialization of its partition, with
+  its check (as the sync loop reports syncs), so sort runs grow with time, not with the flush
+  rate or the number of vchannels. Materializing a partition from the UI runs the asset;
 - `compacted_segments` (L0, mix and leftover sort plans of the DataCoord lifecycle step)
   and `garbage_collection` (orphans, dropped segments, old log files), materialized
   together by one step every VCHAN_LIFECYCLE_INTERVAL (`lifecycle_sensor`);
@@ -9,17 +13,23 @@
 with checks. The steps are the ones the `vchan datacoord` process runs (lifecycle/step.py);
 while such a process leads the DataCoord election both sensors stand by (one lifecycle)."""
 
+import hashlib
+import json
+import logging
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import dagster as dg
 
-from vchan_assets.defs.checks import asset_checks, check_result, typed
+from vchan_assets.defs.checks import ReportedEvent, asset_checks, check_result, report_each_vchannel, typed
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
-from vchan_assets.defs.partitions import VCHANNELS, vchannels
+from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels
 from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
+from vchan_assets.defs.sync.sensor import IN_FLIGHT
 from vchan_assets.indexes.gc import collect_indexes
 from vchan_assets.lifecycle.checks import (
     check_live_files_exist,
@@ -36,6 +46,9 @@ SORTED_SEGMENTS = dg.AssetKey("sorted_segments")
 COMPACTED_SEGMENTS = dg.AssetKey("compacted_segments")
 GARBAGE_COLLECTION = dg.AssetKey("garbage_collection")
 LIFECYCLE_GROUP = "segment_lifecycle"
+# seconds between sort runs at most: a flushed segment waits for its sort (served as growing)
+# up to this long plus the run's launch, and the runs stay under 5,760 a day
+SORT_SENSOR_INTERVAL = 15
 
 (CHECK_SORTED_ROWS,) = asset_checks(
     SORTED_SEGMENTS,
@@ -74,20 +87,28 @@ def _plans(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
 )
 def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """Sort the vchannel's newly flushed segments (one job); how long each waited since its flush."""
-    vchannel = context.partition_key
     with vchan.open() as runtime:
-        store, storage = runtime.store, runtime.storage
-        flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in unsorted_segments(store, vchannel)}
-        outcomes = sort_step(runtime, vchannel=vchannel)
-        done = time.time()
-        completed = [o.plan_id for o in outcomes if o.state is PlanState.COMPLETED]
-        plans = _plans(store, completed)
-        rows = check_rows_conserved(store, storage, plans)
+        materialized, checks = sort_results(runtime, context.partition_key, context.log)
+    yield materialized
+    yield from checks
+
+
+def sort_results(
+    runtime: VchanRuntime, vchannel: str, log: logging.Logger | dg.DagsterLogManager
+) -> tuple[dg.MaterializeResult, list[dg.AssetCheckResult]]:
+    """Sort the newly flushed segments of `vchannel`: the materialization of `sorted_segments`
+    for it (how many, their rows, how long each waited since its flush) and its check."""
+    store, storage = runtime.store, runtime.storage
+    flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in unsorted_segments(store, vchannel)}
+    outcomes = sort_step(runtime, vchannel=vchannel)
+    done = time.time()
+    completed = [o.plan_id for o in outcomes if o.state is PlanState.COMPLETED]
+    plans = _plans(store, completed)
+    rows = check_rows_conserved(store, storage, plans)
     waited = [done - flushed_at[i] for p in plans for i in p.input_ids if i in flushed_at]
-    context.log.info(
-        "%s: %d segments sorted, %d failed", vchannel, len(completed), len(outcomes) - len(completed)
-    )
-    yield dg.MaterializeResult(
+    log.info("%s: %d segments sorted, %d failed", vchannel, len(completed), len(outcomes) - len(completed))
+    materialized: dg.MaterializeResult[None] = dg.MaterializeResult(
+        asset_key=SORTED_SEGMENTS,
         metadata=typed(
             {
                 "sorted": len(completed),
@@ -96,9 +117,9 @@ def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> 
                 "flush_to_sorted_s_median": round(statistics.median(waited), 2) if waited else 0.0,
                 "flush_to_sorted_s_max": round(max(waited), 2) if waited else 0.0,
             }
-        )
+        ),
     )
-    yield check_result(CHECK_SORTED_ROWS, rows)
+    return materialized, [check_result(CHECK_SORTED_ROWS, rows)]
 
 
 def lifecycle_elsewhere(store: MetaStore) -> str:
@@ -110,18 +131,43 @@ def lifecycle_elsewhere(store: MetaStore) -> str:
     return f"the DataCoord process {found.model.node_id} ({found.model.address}) runs the lifecycle"
 
 
-sort_job = dg.define_asset_job(
-    "sort",
-    selection=dg.AssetSelection.assets(SORTED_SEGMENTS),  # partitioned by vchannel like the asset
+@dg.op(name="sort_segments", out={})
+def sort_segments(
+    context: dg.OpExecutionContext, config: VchannelsConfig, vchan: VchanResource
+) -> Iterator[ReportedEvent]:
+    """Sort the newly flushed segments of each of the vchannels, one after another, and report
+    each as a materialization of its `sorted_segments` partition with its check; a vchannel
+    dropped meanwhile is skipped. A vchannel whose sort raises does not keep the others from
+    being sorted: the run fails at the end, naming it and why (its segments stay flushed,
+    served as growing, and the sensor asks for them again when what waits changes)."""
+    with vchan.open() as runtime:
+        yield from report_each_vchannel(
+            context.log,
+            config.vchannels,
+            runtime.vchannels(),
+            lambda vchannel: sort_results(runtime, vchannel, context.log),
+            "the sort",
+        )
+
+
+sort_job = dg.GraphDefinition(name="sort", node_defs=[sort_segments]).to_job(
     executor_def=dg.in_process_executor,
-    description="The stats task of one vchannel: sort its newly flushed segments by pk.",
+    description="The stats task of the vchannels with newly flushed segments: each sorted by pk, "
+    "each a materialization of sorted_segments (partition = vchannel) with its check.",
 )
 
 
-@dg.sensor(job=sort_job, minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING)
+@dg.sensor(
+    job=sort_job,
+    minimum_interval_seconds=SORT_SENSOR_INTERVAL,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+)
 def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
-    """Sort right after flush: a `sorted_segments` run for each vchannel with newly flushed
-    unsorted segments, once per newest such segment (the run key)."""
+    """Sort right after flush: one `sort` run for every vchannel with newly flushed unsorted
+    segments, none while a sort run is queued or running; once per set of newest such
+    segments (the run key), so a failed run is not repeated until another segment flushes."""
+    if context.instance.get_runs_count(dg.RunsFilter(job_name=sort_job.name, statuses=IN_FLIGHT)):
+        return dg.SensorResult(skip_reason="a sort run is queued or running")
     with vchan.open() as runtime:
         elsewhere = lifecycle_elsewhere(runtime.store)
         waiting = [] if elsewhere else unsorted_segments(runtime.store)
@@ -130,15 +176,17 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
         return dg.SensorResult(skip_reason=elsewhere)
     newest: dict[str, int] = defaultdict(int)
     for s in waiting:
-        newest[s.vchannel] = max(newest[s.vchannel], s.id)
-    requests = [
-        dg.RunRequest(run_key=f"sort-{v}-{seg}", partition_key=v)
-        for v, seg in sorted(newest.items())
-        if v in known
-    ]
-    if not requests:
+        if s.vchannel in known:
+            newest[s.vchannel] = max(newest[s.vchannel], s.id)
+    if not newest:
         return dg.SensorResult(skip_reason="no newly flushed segment waits for its sort")
-    return dg.SensorResult(run_requests=requests)
+    due = sorted(newest)
+    digest = hashlib.sha1(json.dumps({v: newest[v] for v in due}).encode()).hexdigest()[:16]
+    request = dg.RunRequest(
+        run_key=f"sorts-{digest}",
+        run_config=dg.RunConfig(ops={"sort_segments": VchannelsConfig(vchannels=due)}),
+    )
+    return dg.SensorResult(run_requests=[request])
 
 
 @dg.multi_asset(

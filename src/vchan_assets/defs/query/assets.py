@@ -26,9 +26,9 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from vchan_assets.defs.checks import ReportedEvent, asset_checks, check_result, reported_events, typed
+from vchan_assets.defs.checks import ReportedEvent, asset_checks, check_result, report_each_vchannel, typed
 from vchan_assets.defs.lifecycle.assets import COMPACTED_SEGMENTS, LIFECYCLE_GROUP, SORTED_SEGMENTS
-from vchan_assets.defs.partitions import VCHANNELS, vchannels
+from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
@@ -103,39 +103,22 @@ def view_results(
     return materialized, [check_result(CHECK_SERVED_ONCE, served), check_result(CHECK_INVISIBLE, invisible)]
 
 
-class ViewsConfig(dg.Config):
-    """The vchannels whose query view the run materializes (those whose segment meta changed)."""
-
-    vchannels: list[str]
-
-
 @dg.op(name="query_views", out={})
 def query_views(
-    context: dg.OpExecutionContext, config: ViewsConfig, vchan: VchanResource
+    context: dg.OpExecutionContext, config: VchannelsConfig, vchan: VchanResource
 ) -> Iterator[ReportedEvent]:
     """Materialize `visible_segments` for each of the vchannels, one partition after another,
     with its two checks, as events of this run; a vchannel dropped meanwhile is skipped. A
     vchannel whose view cannot be read (malformed meta, unreadable files) does not keep the
     others from being reported: the run fails at the end, naming it and why."""
-    unreadable: dict[str, str] = {}
     with vchan.open() as runtime:
         live = runtime.vchannels()
-        for vchannel in config.vchannels:
-            if vchannel not in live:
-                context.log.info("%s is not a vchannel any more: no view", vchannel)
-                continue
-            try:
-                materialized, checks = view_results(runtime, live[vchannel], vchannel, context.log)
-            except Exception as exc:  # any reason: the next vchannels are still reported
-                context.log.error(f"{vchannel}: its view could not be read: {exc}")
-                unreadable[vchannel] = f"{type(exc).__name__}: {exc}"
-                continue
-            yield from reported_events([materialized, *checks], vchannel)
-    if unreadable:
-        raise dg.Failure(
-            f"the view of {len(unreadable)} of {len(config.vchannels)} vchannels could not be read "
-            "(the others were reported)",
-            metadata={v: dg.MetadataValue.text(why) for v, why in unreadable.items()},
+        yield from report_each_vchannel(
+            context.log,
+            config.vchannels,
+            live,
+            lambda vchannel: view_results(runtime, live[vchannel], vchannel, context.log),
+            "the view",
         )
 
 
@@ -175,7 +158,7 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
     digest = hashlib.sha1(json.dumps({v: now[v] for v in due}).encode()).hexdigest()[:16]
     request = dg.RunRequest(
         run_key=f"views-{digest}",
-        run_config=dg.RunConfig(ops={"query_views": ViewsConfig(vchannels=due)}),
+        run_config=dg.RunConfig(ops={"query_views": VchannelsConfig(vchannels=due)}),
         tags=VIEW_RUN_TAGS,
     )
     return dg.SensorResult(run_requests=[request], cursor=json.dumps(now))
