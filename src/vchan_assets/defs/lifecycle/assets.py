@@ -13,8 +13,6 @@
 with checks. The steps are the ones the `vchan datacoord` process runs (lifecycle/step.py);
 while such a process leads the DataCoord election both sensors stand by (one lifecycle)."""
 
-import hashlib
-import json
 import logging
 import statistics
 import time
@@ -23,9 +21,16 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from vchan_assets.defs.checks import ReportedEvent, asset_checks, check_result, report_each_vchannel, typed
+from vchan_assets.defs.checks import (
+    ReportedEvent,
+    VchannelResults,
+    asset_checks,
+    check_result,
+    report_each_vchannel,
+    typed,
+)
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
-from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels
+from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels, vchannels_run_request
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
@@ -40,7 +45,7 @@ from vchan_assets.lifecycle.checks import (
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
 from vchan_assets.lifecycle.step import lifecycle_step, sort_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import NodeSession, physical_ms
+from vchan_assets.model import NodeSession, SegmentInfo, physical_ms
 
 SORTED_SEGMENTS = dg.AssetKey("sorted_segments")
 COMPACTED_SEGMENTS = dg.AssetKey("compacted_segments")
@@ -87,20 +92,26 @@ def _plans(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
 )
 def sorted_segments(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """Sort the vchannel's newly flushed segments (one job); how long each waited since its flush."""
+    vchannel = context.partition_key
     with vchan.open() as runtime:
-        materialized, checks = sort_results(runtime, context.partition_key, context.log)
+        waiting = unsorted_segments(runtime.store, vchannel)
+        materialized, checks = sort_results(runtime, vchannel, waiting, context.log)
     yield materialized
     yield from checks
 
 
 def sort_results(
-    runtime: VchanRuntime, vchannel: str, log: logging.Logger | dg.DagsterLogManager
-) -> tuple[dg.MaterializeResult, list[dg.AssetCheckResult]]:
-    """Sort the newly flushed segments of `vchannel`: the materialization of `sorted_segments`
-    for it (how many, their rows, how long each waited since its flush) and its check."""
+    runtime: VchanRuntime,
+    vchannel: str,
+    waiting: list[SegmentInfo],
+    log: logging.Logger | dg.DagsterLogManager,
+) -> VchannelResults:
+    """Sort the newly flushed segments of `vchannel` (`waiting`: its unsorted segments, as
+    listed before): the materialization of `sorted_segments` for it (how many, their rows, how
+    long each waited since its flush) and its check."""
     store, storage = runtime.store, runtime.storage
-    flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in unsorted_segments(store, vchannel)}
-    outcomes = sort_step(runtime, vchannel=vchannel)
+    flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in waiting}
+    outcomes = sort_step(runtime, vchannel=vchannel, collections={s.collection_id for s in waiting})
     done = time.time()
     completed = [o.plan_id for o in outcomes if o.state is PlanState.COMPLETED]
     plans = _plans(store, completed)
@@ -141,11 +152,14 @@ def sort_segments(
     being sorted: the run fails at the end, naming it and why (its segments stay flushed,
     served as growing, and the sensor asks for them again when what waits changes)."""
     with vchan.open() as runtime:
+        waiting: dict[str, list[SegmentInfo]] = defaultdict(list)
+        for s in unsorted_segments(runtime.store):  # one listing for the run, not one per vchannel
+            waiting[s.vchannel].append(s)
         yield from report_each_vchannel(
             context.log,
             config.vchannels,
             runtime.vchannels(),
-            lambda vchannel: sort_results(runtime, vchannel, context.log),
+            lambda vchannel: sort_results(runtime, vchannel, waiting[vchannel], context.log),
             "the sort",
         )
 
@@ -165,7 +179,7 @@ sort_job = dg.GraphDefinition(name="sort", node_defs=[sort_segments]).to_job(
 def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
     """Sort right after flush: one `sort` run for every vchannel with newly flushed unsorted
     segments, none while a sort run is queued or running; once per set of newest such
-    segments (the run key), so a failed run is not repeated until another segment flushes."""
+    segments (the run key), so a failed run is not repeated until what waits changes."""
     if context.instance.get_runs_count(dg.RunsFilter(job_name=sort_job.name, statuses=IN_FLIGHT)):
         return dg.SensorResult(skip_reason="a sort run is queued or running")
     with vchan.open() as runtime:
@@ -180,13 +194,7 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
             newest[s.vchannel] = max(newest[s.vchannel], s.id)
     if not newest:
         return dg.SensorResult(skip_reason="no newly flushed segment waits for its sort")
-    due = sorted(newest)
-    digest = hashlib.sha1(json.dumps({v: newest[v] for v in due}).encode()).hexdigest()[:16]
-    request = dg.RunRequest(
-        run_key=f"sorts-{digest}",
-        run_config=dg.RunConfig(ops={"sort_segments": VchannelsConfig(vchannels=due)}),
-    )
-    return dg.SensorResult(run_requests=[request])
+    return dg.SensorResult(run_requests=[vchannels_run_request(sort_segments.name, newest)])
 
 
 @dg.multi_asset(

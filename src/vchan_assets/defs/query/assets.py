@@ -18,7 +18,6 @@ a run per sync and vchannel at production's sync rate). Materializing a partitio
 runs the asset.
 """
 
-import hashlib
 import json
 import logging
 import time
@@ -26,9 +25,16 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from vchan_assets.defs.checks import ReportedEvent, asset_checks, check_result, report_each_vchannel, typed
+from vchan_assets.defs.checks import (
+    ReportedEvent,
+    VchannelResults,
+    asset_checks,
+    check_result,
+    report_each_vchannel,
+    typed,
+)
 from vchan_assets.defs.lifecycle.assets import COMPACTED_SEGMENTS, LIFECYCLE_GROUP, SORTED_SEGMENTS
-from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels
+from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels, vchannels_run_request
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
@@ -78,7 +84,7 @@ def visible_segments(context: dg.AssetExecutionContext, vchan: VchanResource) ->
 
 def view_results(
     runtime: VchanRuntime, info: CollectionInfo, vchannel: str, log: logging.Logger | dg.DagsterLogManager
-) -> tuple[dg.MaterializeResult, list[dg.AssetCheckResult]]:
+) -> VchannelResults:
     """The materialization of `visible_segments` for `vchannel` (of collection `info`) and its
     two check results."""
     settings = runtime.settings
@@ -152,13 +158,8 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
         live = set(runtime.vchannels())
     known = set(context.instance.get_dynamic_partitions(VCHANNELS)) & live
     now = {v: f"{revision}-{count}" for v, (revision, count) in changed.items() if v in known}
-    due = sorted(v for v, stamp in now.items() if seen.get(v) != stamp)
+    due = {v: stamp for v, stamp in now.items() if seen.get(v) != stamp}
     if not due:
         return dg.SensorResult(skip_reason="no vchannel whose segments changed", cursor=json.dumps(now))
-    digest = hashlib.sha1(json.dumps({v: now[v] for v in due}).encode()).hexdigest()[:16]
-    request = dg.RunRequest(
-        run_key=f"views-{digest}",
-        run_config=dg.RunConfig(ops={"query_views": VchannelsConfig(vchannels=due)}),
-        tags=VIEW_RUN_TAGS,
-    )
+    request = vchannels_run_request(query_views.name, due, VIEW_RUN_TAGS)
     return dg.SensorResult(run_requests=[request], cursor=json.dumps(now))
