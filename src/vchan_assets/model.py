@@ -631,6 +631,10 @@ class IndexEngine(Record):
         return self.minimal <= version <= self.current
 
 
+# The session address of a DataNode hosted by a Dagster sensor: `dagster:{slot}`.
+DAGSTER_ADDRESS = "dagster:"
+
+
 @dataclass(frozen=True)
 class NodeSession(Record):
     """A node's session value (`session/datanode/{id}`, or the DataCoord's election key).

@@ -38,6 +38,9 @@ from vchan_assets.deploy.postgres import postgres_storage
 from vchan_assets.deploy.processes import ServiceError
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.meta.embedded import free_port, pid_alive, read_record
+from vchan_assets.meta.errors import MetaError
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import DAGSTER_ADDRESS, NodeSession
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +358,37 @@ class DagsterService:
         if not state:
             return False
         self._stop_pids(_pids(state), timeout)
+        end_dagster_hosted_sessions(self.settings)
         if stop_spark and state.get("spark_pid"):
             LocalSparkConnect.for_settings(self.settings).stop()
         self.state_file.unlink(missing_ok=True)
         return True
+
+
+def end_dagster_hosted_sessions(settings: Settings) -> int:
+    """End the sessions of Dagster-hosted DataNodes once every Dagster process is gone; how
+    many were left.
+
+    Each node's sync loop revokes its session when the stop interrupts it, but a sensor
+    tick the code server was still evaluating finds that session gone and registers a new
+    node: with no daemon left to run it, its session would hold for its TTL (60 s) and
+    the coordinator would assign channels to it. No Dagster-hosted node outlives the
+    deployment, so every `dagster:*` session left is ended here. An etcd that cannot be
+    reached is only logged: the sessions then end with their TTL."""
+    ended = 0
+    store = MetaStore.connect(settings)
+    try:
+        found, _ = store.list_models(store.keys.datanode_session.prefix, NodeSession, skip_malformed=True)
+        for d in found:
+            if d.model.address.startswith(DAGSTER_ADDRESS):
+                if d.kv.lease:
+                    store.revoke(d.kv.lease)
+                else:
+                    store.delete(d.kv.key)
+                ended += 1
+                log.info("ended the session of Dagster-hosted node %s", d.model.node_id)
+    except MetaError as exc:
+        log.warning("could not end the Dagster-hosted nodes' sessions (they expire with their TTL): %s", exc)
+    finally:
+        store.close()
+    return ended

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dagster as dg
 
 from vchan_assets.defs.sync.assets import BINLOGS, CHANNEL_CHECKPOINTS, SEGMENTS, SYNC_CHECKS
+from vchan_assets.model import DAGSTER_ADDRESS  # noqa: F401  (where defs import it from)
 
 CHANNEL_TAG = "vchan/channel"
 NODE_TAG = "vchan/node"
@@ -23,8 +24,6 @@ REASON_TAG = "vchan/reason"
 # (value: the node id; dagster.yaml admits one run per value).
 LOOP_JOB = "datanode_sync_loop"
 LOOP_TAG = "vchan/loop"
-# The session address of a DataNode hosted by a Dagster sensor: `dagster:{slot}`.
-DAGSTER_ADDRESS = "dagster:"
 
 sync_job = dg.define_asset_job(
     "sync",
