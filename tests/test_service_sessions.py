@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.service import end_dagster_hosted_sessions
@@ -41,3 +42,8 @@ def test_an_unreachable_etcd_does_not_fail_the_stop(
     started = time.monotonic()
     assert end_dagster_hosted_sessions(private_settings) == 0
     assert time.monotonic() - started < private_settings.etcd_timeout + 5
+
+
+def test_a_stack_whose_etcd_is_already_down_stops_without_an_error(settings: Settings) -> None:
+    """`vchan down` of the embedded stack: no etcd endpoint is left to reach."""
+    assert end_dagster_hosted_sessions(replace(settings, etcd_endpoints=())) == 0
