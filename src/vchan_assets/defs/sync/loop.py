@@ -67,6 +67,7 @@ from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, previous_checkpoint, sync_results
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG, NODE_TAG
 from vchan_assets.defs.sync.sensor import busy_channels, plan_syncs
+from vchan_assets.deploy.spark_connect import drop_connect_session
 from vchan_assets.meta.errors import LeaseLostError, MetaError, SyncSupersededError
 from vchan_assets.model import NodeSession, SessionState
 
@@ -220,15 +221,20 @@ class NodeSyncLoop:
         if in_flight is not None:
             abandoned = bool(wait([in_flight], timeout=LEAVE_GRACE_SECONDS).not_done)
         self.syncer.shutdown(wait=False, cancel_futures=True)
-        if gone:
-            return f"node {self.node_id} left ({why}); its session was gone already"
         try:
-            if lease:
-                store.revoke(lease)
-            else:  # a session without a lease (never written by a node sensor)
-                store.delete(key)
-        except MetaError as exc:
-            log.error("datanode %s could not revoke its session: %s", self.node_id, exc)
+            if gone:
+                return f"node {self.node_id} left ({why}); its session was gone already"
+            try:
+                if lease:
+                    store.revoke(lease)
+                else:  # a session without a lease (never written by a node sensor)
+                    store.delete(key)
+            except MetaError as exc:
+                log.error("datanode %s could not revoke its session: %s", self.node_id, exc)
+        finally:
+            # The run worker exits next: neither the abandoned sync nor PySpark's exit hook
+            # may wait on a Spark Connect server that is slow to answer.
+            drop_connect_session(self.runtime.spark)
         sync = "its sync in flight abandoned (fenced by the channel lease), " if abandoned else ""
         return (
             f"node {self.node_id} left ({why}): STOPPING, {sync}session revoked "
