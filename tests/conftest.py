@@ -175,3 +175,49 @@ def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     for session in {RemoteSparkSession.getActiveSession(), RemoteSparkSession._default_session} - {None}:
         session.stop()
     server.stop()
+
+
+# --- the fast lane: the `integration` marker ----------------------------------------------
+# `pytest -m "not integration"` (`make check`) runs the tests that need no live service. A test
+# is `integration` when any fixture it uses, directly or through the fixtures those build on
+# (pytest's fixture closure: `settings` brings `etcd`, `store` and `producer` bring `settings`),
+# is one of LIVE_FIXTURES; when it lives in one of LIVE_DIRS; or when it is marked by hand
+# (`pytestmark = pytest.mark.integration`: tests that start etcd, Spark or a `vchan` process
+# themselves). Keyed on fixture names only, wherever the fixtures are defined.
+
+# Fixtures that start a service: an etcd server (the shared one, a test's own, a module's own
+# with other flags, a cluster of three, one with TLS), a Spark JVM (a Spark Connect server, a
+# standalone cluster), an S3 server, a Dagster instance, a child process of the test.
+LIVE_FIXTURES = frozenset(
+    {
+        "etcd",
+        "private_etcd",
+        "small_etcd",
+        "etcd3",
+        "secure_etcd",
+        "spark_remote",
+        "spark_cluster",
+        "s3_server",
+        "instance",
+        "spawn_node",
+        "node_process",
+    }
+)
+# Directories of tests that are live as a whole: the Dagster definitions run against a Spark
+# Connect server, and the cluster tests start etcd clusters, Spark masters and S3 servers.
+LIVE_DIRS = ("defs", "cluster")
+_TESTS = Path(__file__).resolve().parent
+
+
+def is_live(item: pytest.Item) -> bool:
+    """Whether the test needs a live service, by its fixtures and its directory."""
+    if not LIVE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+        return True
+    path = Path(item.path).resolve()
+    return any(path.is_relative_to(_TESTS / name) for name in LIVE_DIRS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_live(item):
+            item.add_marker(pytest.mark.integration)
