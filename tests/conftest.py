@@ -7,8 +7,9 @@ storage is a temporary directory (or a real S3-compatible server in the S3 tests
 from __future__ import annotations
 
 import os
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -221,3 +222,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_live(item):
             item.add_marker(pytest.mark.integration)
+
+
+# A test the marker missed fails loudly instead of passing slowly: `make check` makes etcd and
+# Java unreachable (VCHAN_ETCD_BINARY and JAVA_HOME point nowhere, for the test's children too),
+# and this audit hook refuses, in a test not marked `integration`, to start the CLI, etcd, Java,
+# Spark or the S3 server as a process. Other children (`sleep`, `lint-imports`, a Python probe
+# of an import's memory) are allowed.
+LIVE_PROGRAMS = frozenset({"vchan", "etcd", "java", "spark-submit", "spark-class", "moto_server"})
+LIVE_MODULES = ("vchan_assets", "moto")  # `python -m vchan_assets.cli`, `python -m moto.server`
+_pure_test: list[str] = []  # the node id of the running test, when it is not `integration`
+
+
+def live_command(executable: object, args: object) -> bool:
+    """Whether a command line (subprocess.Popen's) starts a live service or the CLI."""
+    argv = [str(a) for a in args] if isinstance(args, list | tuple) else str(args).split()
+    programs = {Path(str(p)).name for p in (executable, *argv[:1]) if p is not None}
+    if programs & LIVE_PROGRAMS:
+        return True
+    modules = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-m"]
+    return any(m == live or m.startswith(f"{live}.") for m in modules for live in LIVE_MODULES)
+
+
+def _refuse_live_children(event: str, args: tuple[object, ...]) -> None:
+    if event == "subprocess.Popen" and _pure_test and live_command(args[0], args[1]):
+        raise RuntimeError(
+            f"{_pure_test[0]} starts {args[1]!r} but is not marked `integration`: request a live "
+            "fixture (tests/conftest.py LIVE_FIXTURES) or mark it `pytest.mark.integration`"
+        )
+
+
+sys.addaudithook(_refuse_live_children)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    _pure_test[:] = [] if item.get_closest_marker("integration") else [item.nodeid]
+    try:
+        return (yield)
+    finally:
+        _pure_test.clear()

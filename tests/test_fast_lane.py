@@ -1,9 +1,12 @@
 """The fast lane (`pytest -m "not integration"`, `make check`) leaves out every test that needs a
 live service and keeps the others: tests/conftest.py marks a test `integration` by the fixtures
-it uses (through the fixtures they build on) and by its directory."""
+it uses (through the fixtures they build on) and by its directory, and refuses a test it did not
+mark to start the CLI or a live service as a process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,14 @@ def test_the_fast_lane_deselects_the_live_tests_and_keeps_the_pure_ones(pytester
 
     assert kept == PURE
     assert deselected == LIVE
+
+
+def test_a_test_not_marked_integration_cannot_start_the_cli() -> None:
+    vchan = Path(sys.executable).parent / "vchan"
+    # (`--help`: were it allowed, the child would print its usage and start nothing)
+    with pytest.raises(RuntimeError, match="is not marked `integration`"):
+        subprocess.run([str(vchan), "--help"], capture_output=True, timeout=60)
+    with pytest.raises(RuntimeError, match="is not marked `integration`"):
+        subprocess.run([sys.executable, "-m", "vchan_assets.cli", "--help"], capture_output=True, timeout=60)
+    # other children are allowed
+    assert subprocess.run(["true"], timeout=60).returncode == 0
