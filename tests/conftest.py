@@ -7,9 +7,8 @@ storage is a temporary directory (or a real S3-compatible server in the S3 tests
 from __future__ import annotations
 
 import os
-import sys
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -185,6 +184,9 @@ def spark_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 # is one of LIVE_FIXTURES; when it lives in one of LIVE_DIRS; or when it is marked by hand
 # (`pytestmark = pytest.mark.integration`: tests that start etcd, Spark or a `vchan` process
 # themselves). Keyed on fixture names only, wherever the fixtures are defined.
+
+import sys  # noqa: E402  (this section's own imports, whatever the fixtures above import)
+from collections.abc import Generator  # noqa: E402
 
 # Fixtures that start a service: an etcd server (the shared one, a test's own, a module's own
 # with other flags, a cluster of three, one with TLS), a Spark JVM (a Spark Connect server, a
