@@ -36,6 +36,7 @@ def _wait_dead(pid: int, timeout: float = 10) -> bool:
     return False
 
 
+@pytest.mark.integration
 def test_embedded_etcd_starts_healthy_and_a_second_start_reuses_it(tmp_path: Path) -> None:
     first = EmbeddedEtcd(tmp_path / "etcd").start()
     pid = first.pid
@@ -51,6 +52,7 @@ def test_embedded_etcd_starts_healthy_and_a_second_start_reuses_it(tmp_path: Pat
     assert not (tmp_path / "etcd" / "server.json").exists()
 
 
+@pytest.mark.integration
 def test_embedded_etcd_restarted_on_the_same_directory_keeps_its_data(tmp_path: Path) -> None:
     server = EmbeddedEtcd(tmp_path / "etcd").start()
     store = MetaStore.connect(Settings(), [server.endpoint])
@@ -67,6 +69,7 @@ def test_embedded_etcd_restarted_on_the_same_directory_keeps_its_data(tmp_path: 
         again.stop()
 
 
+@pytest.mark.integration
 def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
@@ -87,6 +90,7 @@ def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None
     assert _wait_dead(etcd_pid), "etcd outlived the process that started it"
 
 
+@pytest.mark.integration
 def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
     env["VCHAN_HOME"] = str(tmp_path / "home")
@@ -104,6 +108,7 @@ def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) ->
     assert _wait_dead(state["pid"])
 
 
+@pytest.mark.integration
 def test_dagster_sensors_after_vchan_down_fail_instead_of_starting_etcd_again(tmp_path: Path) -> None:
     """A Dagster daemon left running after `vchan down` (or started before `vchan up`)
     opens the system through `open_runtime` at every sensor tick: it must not bring the
@@ -124,6 +129,7 @@ def test_dagster_sensors_after_vchan_down_fail_instead_of_starting_etcd_again(tm
         server.stop()
 
 
+@pytest.mark.integration
 def test_a_service_that_cannot_start_is_an_error_line_naming_its_log(tmp_path: Path) -> None:
     """`vchan up` on a machine whose Java is missing: Spark Connect exits at once, and the
     command says so with the server's log file, exit code 1 and no traceback."""
@@ -141,6 +147,7 @@ def test_a_service_that_cannot_start_is_an_error_line_naming_its_log(tmp_path: P
         assert down.returncode == 0, down.stderr
 
 
+@pytest.mark.integration
 def test_a_bad_setting_stops_a_command_at_start_naming_the_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
     env.update(VCHAN_HOME=str(tmp_path), VCHAN_SESSION_TTL="soon")
@@ -149,11 +156,13 @@ def test_a_bad_setting_stops_a_command_at_start_naming_the_variable(tmp_path: Pa
     assert "VCHAN_SESSION_TTL='soon' is invalid: expected a" in result.stderr
 
 
+@pytest.mark.integration
 def test_spark_session_factory_runs_a_job_within_its_deadline() -> None:
     spark = get_spark(Settings())
     assert run_job(spark, "count", lambda: spark.range(1000).count(), timeout=120) == 1000
 
 
+@pytest.mark.integration
 def test_a_hung_spark_job_is_cancelled_at_its_deadline() -> None:
     """A Python worker that never answers must not hang the caller (MEASURED.md saw one)."""
     spark = get_spark(Settings())
@@ -187,6 +196,7 @@ print("stopped", flush=True)
 """
 
 
+@pytest.mark.integration
 def test_a_process_that_stops_its_spark_connect_server_exits_at_once(tmp_path: Path) -> None:
     """`vchan demo` stops the Spark Connect server it started while it still holds a session:
     PySpark's exit hook then retried its cleanup requests against the stopped server for

@@ -24,6 +24,9 @@ from vchan_assets.defs.partitions import VCHANNELS
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, sync_job
 from vchan_assets.deploy.service import INSTANCE_CONFIG
 
+# Each notebook runs in a Jupyter kernel (a child process) on an embedded stack or a `vchan up` one.
+pytestmark = pytest.mark.integration
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = [
     "01_quickstart",

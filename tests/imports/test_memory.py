@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import rows, write_parquet
 
 PROBE = """
@@ -45,6 +47,8 @@ def _peak(tmp: Path, n: int) -> int:
     return peak
 
 
+# Two child processes, each importing a file (400k rows for the larger): 10-25 s.
+@pytest.mark.integration
 def test_an_import_tasks_peak_memory_is_flat_in_the_rows_of_its_file(tmp_path: Path) -> None:
     small, large = _peak(tmp_path, 50_000), _peak(tmp_path, 400_000)
 
