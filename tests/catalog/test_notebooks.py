@@ -44,6 +44,11 @@ TIMEOUT = {
     "05_indexes": 120,
     "06_change_stream": 240,
 }
+# Against a live `vchan up` stack: the notebooks whose live mode uses the deployment itself (its
+# DataCoord grants the leases and its DataNodes persist the quickstart's rows; the operator's
+# view reads the nodes, channels and Dagster runs of the stack). The others do in live mode what
+# their fresh run above checks, on a collection of their own.
+LIVE_NAMES = ["01_quickstart", "04_operate"]
 LIVE_TIMEOUT = 420  # a cell waits for the deployment's Dagster runs to persist the collection
 # Parameters the tests inject (papermill's convention, `_set_parameter`): the change stream's
 # producer writes for 4 s instead of 12 (the same cells, a third of the rows to stream and count).
@@ -171,7 +176,7 @@ def live_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         run("down")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LIVE_NAMES)
 def test_notebook_runs_against_a_live_vchan_up_stack(
     name: str, live_home: Path, kernel_name: str, tmp_path: Path
 ) -> None:
@@ -192,17 +197,7 @@ def test_notebook_runs_against_a_live_vchan_up_stack(
     if name == "04_operate":
         assert "live: etcd 127.0.0.1:" in text and "live_ops" in text
     else:  # the notebook's own collection, with a per-run name, in the live deployment
-        base = {
-            "01_quickstart": "books",
-            "02_channel_health": "events",
-            "03_segments_and_binlogs": "products",
-            "05_indexes": "vectors",
-            "06_change_stream": "orders",
-        }
-        assert re.search(rf"{base[name]}_\d{{8}}_\d{{6}}", text), (
-            f"{name}: its collection is not in the outputs"
-        )
-        assert "nothing killed" in text or name != "02_channel_health"
+        assert re.search(r"books_\d{8}_\d{6}", text), f"{name}: its collection is not in the outputs"
 
 
 def test_vchan_up_keeps_its_dagster_history_under_vchan_home(live_home: Path) -> None:
