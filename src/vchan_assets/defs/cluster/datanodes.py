@@ -14,7 +14,7 @@ How a node lives here (the design):
   (LeaseLostError, nothing committed). Killing a node is that: a real, testable action.
 - **A dead session is never revived.** If the lease is gone when the sensor ticks
   (it was stopped for longer than the TTL), the tick registers a new node with a new,
-  never-reused id (MEP 7: restarting a node is the same as starting it). So does a tick
+  never-reused id (Milvus' MEP 7: restarting a node is the same as starting it). So does a tick
   that finds its node STOPPING (its sync loop run was interrupted, and the node is leaving:
   defs/sync/loop.py): the sensor never refreshes a STOPPING session nor writes it HEALTHY.
 - **Watch handling is the node's step functions**, the same ones the standalone
