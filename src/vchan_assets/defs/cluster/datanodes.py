@@ -71,10 +71,9 @@ log = logging.getLogger(__name__)
 
 WATCH_SENSOR_INTERVAL = 1
 # dagster-daemon evaluates sensors at most every 5 s (MIN_INTERVAL_LOOP_TIME in
-# dagster/_daemon/sensor.py), so a sensor-hosted node's session must outlive several
-# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger). On a loaded machine
-# (load average 20-40 on 2 cores) a node sensor's ticks came 20-60 s apart: with 20 s the
-# nodes lost their sessions every minute (docs/dagster.md, "The node's session").
+# dagster/_daemon/sensor.py), and on a loaded machine a node sensor's ticks come much
+# further apart, so a sensor-hosted node's session must outlive several ticks: its TTL is
+# at least this (VCHAN_SESSION_TTL if larger; docs/dagster.md, "The node's session").
 SESSION_TTL_FLOOR = 60.0
 
 
