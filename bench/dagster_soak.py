@@ -1,4 +1,5 @@
-"""Dagster instance storage under a steady sync load, extrapolated per day (issue 29).
+"""Dagster instance storage under a steady sync load, extrapolated per day
+(docs/dagster.md).
 
     .venv/bin/python -m bench.dagster_soak [--minutes 30] [--channels 4] [--sync-loop 3600]
 
@@ -14,7 +15,7 @@ channel x 100 channels, plus the ticks' bytes per day (ticks come at a fixed rat
 whatever the load); bounded by the retention (VCHAN_DAGSTER_RETENTION_DAYS, sensor ticks
 by dagster.yaml), it is that per-day figure x the retention's days.
 
-`--sync-loop 0` is the design before issue 29 (every sync a run); the default is the sync
+`--sync-loop 0` is the design before the sync loop (every sync a run); the default is the sync
 loop of each node (docs/dagster.md).
 """
 

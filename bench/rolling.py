@@ -1,4 +1,4 @@
-"""Benchmark of the graceful stop (node states, DESIGN §17): a rolling restart of the
+"""Benchmark of the graceful stop (node states, docs/operations.md): a rolling restart of the
 DataNodes under load, the DataCoord hand-over to its standby, and a freshly started
 Spark DataNode's first insert+flush.
 

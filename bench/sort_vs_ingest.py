@@ -1,8 +1,8 @@
-"""The seed's claim for the hand-off: the stats task (sort) is faster than ingest.
+"""The claim behind the hand-off: the stats task (sort) is faster than ingest.
 
     .venv/bin/python -m bench.sort_vs_ingest [--rows 2000000] [--repeat 3] [--sync-engine spark]
 
-The seed commit ("Handoff growing segment after sorted") leaves each flushed segment
+Milvus 2.4's "Handoff growing segment after sorted" change leaves each flushed segment
 invisible until the stats task has sorted it, on the ground that "the speed of stats is
 greater than the insert speed". In one run, on one scratch etcd and storage directory, a
 collection with a 128-d float vector and three scalars in 2 vchannels, each round:

@@ -414,7 +414,7 @@ class ChannelHead(Record):
     open_segments: tuple[OpenSegment, ...] = ()
 
 
-# --- indexes (§16: meta/field-index/..., meta/segment-index/...) --------------------------
+# --- indexes (docs/indexes.md: meta/field-index/..., meta/segment-index/...) -------------
 
 
 class IndexType(enum.StrEnum):
@@ -606,7 +606,7 @@ class DataLoss(Record):
 
 
 class SessionState(enum.StrEnum):
-    """A node's state in its session (seed: stateCode). Only a HEALTHY node gets channels."""
+    """A node's state in its session (Milvus' stateCode). Only a HEALTHY node gets channels."""
 
     INITIALIZING = "INITIALIZING"  # registered, not yet able to work (watch, Spark session)
     HEALTHY = "HEALTHY"
@@ -621,7 +621,7 @@ def version_key(version: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class IndexEngine(Record):
-    """The index engine versions a process reads (the seed's IndexEngineVersion): index
+    """The index engine versions a process reads (Milvus' IndexEngineVersion): index
     files of versions `minimal` to `current`; builds use the lowest `current` stated."""
 
     current: int

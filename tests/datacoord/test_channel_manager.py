@@ -383,7 +383,7 @@ def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
 ) -> None:
     """The node's own tickler PUTs (ToWatch, progress > 0) come back as watch events; a node
     that re-handles them restarts the channel and its final CAS fails: the channel is left
-    WatchSuccess with no worker (seed: a PUT with progress != 0 is ignored)."""
+    WatchSuccess with no worker (Milvus: a PUT with progress != 0 is ignored)."""
     from vchan_assets.datanode.node import DataNode
 
     # A tick every few ms: every watch outlives the tickler interval.
@@ -529,7 +529,7 @@ def test_the_no_lease_fallback_never_revokes_a_channel_reassigned_meanwhile(
 def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
     store: MetaStore, settings: Settings
 ) -> None:
-    """Events are handled per channel (seed: one event manager per vchannel): while one
+    """Events are handled per channel (Milvus: one event manager per vchannel): while one
     channel's release is still running (its final sync can take up to minutes), another
     channel's ToWatch is answered. The slow release is a job on the first channel's lane
     that ends only when the test says so."""

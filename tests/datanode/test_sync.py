@@ -486,7 +486,7 @@ def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(
 def test_replay_leaves_out_the_rows_of_dropped_segments(
     store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    """Replay filters by segment state, not only by offset (seed: the flowgraph drops the
+    """Replay filters by segment state, not only by offset (as Milvus' flowgraph drops the
     inserts of flushed and dropped segments): rows of a segment the coordinator dropped
     while they were still unsynced in the log are not written, and the Dropped segment's
     meta gains no binlogs."""

@@ -11,7 +11,21 @@ from vchan_assets.defs.resources import VchanResource
 
 
 def test_the_resource_has_one_field_per_setting() -> None:
+    """The fields are declared by hand: a row added to settings.toml (or renamed, moved,
+    or its meaning changed) without its field here fails."""
     assert list(VchanResource.model_fields) == [v.field for v in VARIABLES]
+    for var in VARIABLES:
+        field = VchanResource.model_fields[var.field]
+        assert field.annotation == str | None, var.name
+        assert field.default is None, var.name  # unset: the table's default, via Settings
+        assert field.description == f"{var.name}: {var.doc} [default: {var.default_text}]", var.name
+
+
+def test_the_dagster_config_schema_shows_each_setting_with_its_description() -> None:
+    fields = VchanResource.to_config_schema().as_field().config_type.fields  # type: ignore[attr-defined]
+    assert list(fields) == [v.field for v in VARIABLES]
+    assert fields["session_ttl"].description.startswith("VCHAN_SESSION_TTL: seconds a node session lives")
+    assert not fields["session_ttl"].is_required
 
 
 def test_a_resource_built_from_settings_gives_the_same_settings(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""DataCoord's channel manager (MEP 7, seed `datacoord_server.go`): which DataNode
-watches which vchannel, written to `channelwatch/{nodeID}/{vchannel}`.
+"""DataCoord's channel manager (Milvus' DataCoord server; Milvus' MEP 7, watch and
+release channels via etcd): which DataNode watches which vchannel, written to
+`channelwatch/{nodeID}/{vchannel}`.
 
 The manager keeps no state of its own: `reconcile(now)` reads the node sessions, the
 catalog's vchannels and every watch info, takes one step towards "every channel watched
@@ -7,7 +8,7 @@ by exactly one live node, balanced by count", and returns what it did. A coordin
 loop calls it every half second; a Dagster sensor tick can call it just the same, and a
 standby that takes over simply continues from what etcd says.
 
-Only a HEALTHY DataNode session counts as a live node (seed: stateCode): an
+Only a HEALTHY DataNode session counts as a live node (Milvus' stateCode): an
 INITIALIZING, ABNORMAL or STOPPING node gets no channel, and the channels of a STOPPING
 node (a graceful stop) move at once, without waiting for its session to end. A node
 STOPPING for longer than VCHAN_STOP_TIMEOUT is cut off: its session lease is revoked.
@@ -15,7 +16,8 @@ STOPPING for longer than VCHAN_STOP_TIMEOUT is cut off: its session lease is rev
 Rules of one step, per vchannel of every non-dropped collection:
 - a watch info of a node whose session is gone or not HEALTHY is replaced, in one
   transaction, by the channel's ToWatch for another node with a NEW lease (granting it
-  fences off the old writer: lease MEP); with no live node it is deleted;
+  fences off the old writer, as in the lease design of Milvus' "DataNode removes its
+  dependency on DataCoord"); with no live node it is deleted;
 - a WatchSuccess without a lease id (written by an older coordinator, served through
   DataCoord's watcher check) is upgraded: the channel's lease for its node is written
   into it (the node's current lease if it has one, else a new one), one transaction;
@@ -28,7 +30,7 @@ Rules of one step, per vchannel of every non-dropped collection:
   transactions, `ASSIGN_BATCH` channels each), or, with no live node, waits in
   `channelwatch/remaining/{vchannel}`;
 - when nothing is moving, and no live DataNode runs a package older than the balance
-  version (VCHAN_BALANCE_VERSION, default this coordinator's; seed
+  version (VCHAN_BALANCE_VERSION, default this coordinator's; Milvus'
   `updateBalanceConfigLoop`: a mixed cluster is not rebalanced until every older node
   is gone), a node with 2+ channels more than another gives one up:
   ToRelease on the old node first; only after its ReleaseSuccess (or its death or

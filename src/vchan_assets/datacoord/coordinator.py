@@ -1,6 +1,7 @@
-"""The DataCoord process role: active-standby through an etcd election (seed
-`datacoord_server.go`), running the channel manager, the segment manager's seal
-policies and the periodic meta reload of the lease MEP.
+"""The DataCoord process role: active-standby through an etcd election (as Milvus'
+DataCoord server), running the channel manager, the segment manager's seal policies and
+the periodic meta reload of the lease design of Milvus' "DataNode removes its dependency
+on DataCoord".
 
 Everything the active coordinator decides is in etcd, so a standby that wins the
 election continues where the dead one stopped (a pending move: the ToRelease/ReleaseSuccess
@@ -14,7 +15,7 @@ The active coordinator watches the DataNode sessions (etcd watch): a node that a
 changes state (STOPPING: a graceful stop) or disappears wakes the loop at once, so its
 channels move without waiting for the next tick; so does a node's answer in
 `channelwatch/` (ReleaseSuccess lets a balance move go on to its ToWatch at once); the tick every `interval` stays as the
-safety net and for the seal policies. `stop()` (SIGTERM) is the seed's Stop: the
+safety net and for the seal policies. `stop()` (SIGTERM) is Milvus' DataCoord Stop: the
 election key says STOPPING first, then the coordinator resigns, and a standby (which
 watches that key) takes over at once; the `on_stopping` steps run just before it resigns
 (`vchan datacoord`: the task batches in flight are abandoned, so the process exits at once
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MetaReloader:
-    """Lease MEP, "DataCoord reloads from metastore periodically": segment meta, only if it
+    """The lease design's "DataCoord reloads from metastore periodically": segment meta, only if it
     changed since it was seen last (the open segments live in the channel heads in etcd;
     what is reloaded here are Growing segments on no head, which get sealed). A change is
     a higher mod revision or a different count of segment keys: a deletion moves no

@@ -1,4 +1,5 @@
-"""Channel leases (lease MEP): who may write a vchannel's meta.
+"""Channel leases: who may write a vchannel's meta (the lease design of Milvus' "DataNode
+removes its dependency on DataCoord").
 
 The coordinator grants a fresh lease id whenever it (re)assigns a channel; the id
 travels in the watch info, and every meta write of the channel is a transaction

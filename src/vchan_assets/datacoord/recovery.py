@@ -1,4 +1,4 @@
-"""Recovery info per vchannel (seed: DataNode recovery design) and orphan binlogs.
+"""Recovery info per vchannel (Milvus' DataNode recovery design) and orphan binlogs.
 
 A DataNode restarting a vchannel asks for the same thing as one starting it: where to
 seek (the channel checkpoint, or the collection's start position), and which segments

@@ -1,4 +1,4 @@
-"""Segment allocation, sealing and flush: DataCoord's segment manager (seed: datacoord server).
+"""Segment allocation, sealing and flush: DataCoord's segment manager (as Milvus' DataCoord server).
 
 Lifecycle of an L1 segment and who moves it:
 

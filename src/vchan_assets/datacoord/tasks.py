@@ -1,4 +1,4 @@
-"""The DataCoord's one task scheduler (the seed's taskScheduler / indexNodeManager) for the
+"""The DataCoord's one task scheduler (Milvus' taskScheduler / indexNodeManager) for the
 tasks that follow a segment's flush: its sort (the stats task) and its index builds.
 
 What a task does is its kind's, plugged in from above (`lifecycle.sort_tasks.SortTasks`,

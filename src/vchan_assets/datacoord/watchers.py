@@ -1,5 +1,6 @@
-"""DataCoord's fallback write path for watch infos without a lease id (lease MEP,
-"compatibility"): a DataNode told to watch a channel by an older coordinator has no lease
+"""DataCoord's fallback write path for watch infos without a lease id (the
+"compatibility" part of the lease design of Milvus' "DataNode removes its dependency on
+DataCoord"): a DataNode told to watch a channel by an older coordinator has no lease
 id, so before each commit it asks DataCoord, which checks that the node really is the
 channel's watcher (`channelwatch/{node}/{vchannel}` is WatchSuccess (or ToWatch), as Milvus'
 SaveBinlogPaths checks the watcher id) and then hands out the lease to commit under.

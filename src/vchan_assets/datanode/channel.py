@@ -1,8 +1,9 @@
 """One vchannel's work on a DataNode (the Python counterpart of Milvus' flowgraph):
 a thread that syncs the channel whenever a sync policy fires.
 
-Seed behaviour: one flowgraph per vchannel; a lost lease closes that channel's work
-without crashing the node (lease MEP); release stops it after an optional final sync of
+As in Milvus: one flowgraph per vchannel; a lost lease closes that channel's work
+without crashing the node (the lease design of Milvus' "DataNode removes its dependency
+on DataCoord"); release stops it after an optional final sync of
 what the log already holds.
 """
 

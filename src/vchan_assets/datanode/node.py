@@ -1,6 +1,8 @@
-"""The DataNode process role (seed `datanode_server.go`, MEP 7, lease MEP).
+"""The DataNode process role (Milvus' DataNode server; Milvus' MEP 7, watch and release
+channels via etcd; the lease design of Milvus' "DataNode removes its dependency on
+DataCoord").
 
-Lifecycle (seed: stateCode): a unique, never-reused node id from the ID allocator; a
+Lifecycle (Milvus' stateCode): a unique, never-reused node id from the ID allocator; a
 session under `session/datanode/{id}` on an etcd lease kept alive by `Session`, whose
 state is INITIALIZING until the node can work (watching its channels; with the Spark
 engine, its Spark session started in the background at launch, so no sync pays the JVM
@@ -92,21 +94,22 @@ class WatchFailedError(MetaError):
 
 
 def is_end_state(state: WatchState) -> bool:
-    """States the coordinator waits for; a node ignores them (seed: isEndWatchState)."""
+    """States the coordinator waits for; a node ignores them (Milvus' isEndWatchState)."""
     return state in END_STATES
 
 
 def is_tickler_update(info: ChannelWatchInfo) -> bool:
-    """A ToWatch with progress > 0 is a node's own tickler write, not a new request (seed:
-    "DataNode received a PUT event with tickler update, ignore it"). Re-handling it would
-    restart the watch, whose final CAS then fails against the tickler's newer version."""
+    """A ToWatch with progress > 0 is a node's own tickler write, not a new request
+    (Milvus' DataNode: "DataNode received a PUT event with tickler update, ignore it").
+    Re-handling it would restart the watch, whose final CAS then fails against the
+    tickler's newer version."""
     return info.state is WatchState.TO_WATCH and info.progress != 0
 
 
 class Tickler:
     """Keeps a long watch alive: every `interval` it compare-and-swaps the watch info with
     a higher `progress` and a pushed-back `timeout_ts`, so the coordinator's watch timeout
-    is not hit (seed: tickler). `version` is the version to CAS the final state against."""
+    is not hit (Milvus' tickler). `version` is the version to CAS the final state against."""
 
     def __init__(self, store: MetaStore, key: str, version: int, info: ChannelWatchInfo, settings: Settings):
         self.store = store
@@ -237,7 +240,7 @@ def release_channel(
     stop: StopChannel | None = None,
 ) -> ChannelWatchInfo:
     """Carry out a ToRelease: `stop(vchannel)` the channel's work, then CAS ReleaseSuccess
-    (seed: "there is no reason why we release fail")."""
+    (Milvus' DataNode: "there is no reason why we release fail")."""
     vchannel = info.vchan.channel_name
     if stop is not None:
         stop(vchannel)
@@ -248,7 +251,7 @@ def release_channel(
 
 
 class ChannelLanes:
-    """One event lane per vchannel (seed: one channel event manager per vchannel): a
+    """One event lane per vchannel (Milvus: one channel event manager per vchannel): a
     channel's events are handled in order on a thread of its own, so a slow release (its
     final sync) or a re-watch waiting for the old worker never delays another channel's
     ToWatch or ToRelease. A lane's thread ends when its queue is empty."""
@@ -359,7 +362,7 @@ class DataNode:
     def start(self) -> DataNode:
         """Register (INITIALIZING), start watching, then go HEALTHY."""
         # Never reused: the allocator's mark only grows, so no stale channelwatch key of an
-        # earlier node can belong to this one (MEP 7).
+        # earlier node can belong to this one (Milvus' MEP 7).
         self.node_id = IdAllocator(self.store, batch=1).alloc()
         record = NodeSession(self.node_id, self.address, __version__, time.time(), SessionState.INITIALIZING)
         self.session = Session.for_datanode(
@@ -573,7 +576,7 @@ class DataNode:
         except CasConflictError as exc:
             self._handled[key] = mod_revision
             # The coordinator changed the key meanwhile (reassigned or deleted it): the
-            # work started for it must not run on (seed: "release flowgraph").
+            # work started for it must not run on (Milvus: "release flowgraph").
             log.warning("node %s: %s changed under us (%s): releasing", self.node_id, key, exc)
             self._stop_channel(info.vchan.channel_name)
 

@@ -1,6 +1,7 @@
 """The sync task (DataNode role): a log range -> binlogs -> segment meta -> checkpoint.
 
-Commit order (invariant 1 of docs/architecture.md, lease MEP "segment meta BEFORE channel checkpoint"):
+Commit order (invariant 1 of docs/architecture.md; "segment meta BEFORE channel checkpoint"
+in the lease design of Milvus' "DataNode removes its dependency on DataCoord"):
   0. the claim: `channel-sync/{vchannel}` rewritten (guarded by the lease), the state read
      as of after it; every later transaction compares its version, so of two syncs of
      one channel under one lease (a run given up on while its worker still ran, and the
@@ -445,7 +446,7 @@ def _versions(
 
 def _insert_floor(seg: SegmentInfo, end: MsgPosition) -> int:
     """The offset at or below which replay leaves out the segment's inserts (-1: none).
-    Replay filters by segment state, not only by offset (seed: the flowgraph drops the
+    Replay filters by segment state, not only by offset (as Milvus' flowgraph drops the
     inserts of flushed and dropped segments): a Flushed segment holds all its rows, a
     Dropped one (its partition dropped, or compacted away) must get none."""
     if seg.level is SegmentLevel.L0:

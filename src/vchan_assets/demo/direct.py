@@ -4,7 +4,8 @@ Starts etcd (and Spark), creates a collection with 4 vchannels, produces rows an
 deletes into the log, flushes, syncs every vchannel into binlogs under a channel
 lease, waits for the flush state, checks the binlogs against what was produced, runs
 the segment lifecycle, builds an IVF_FLAT index and searches it for rows' own vectors,
-prints what it did, and stops the stack (unless --keep).
+prints what it did, and stops the stack (unless --keep). Its last lines say what it stopped
+and what is still running (`ending`), as found after the stop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rich.console import Console
@@ -23,6 +25,7 @@ from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentLevel, SegmentState
 from vchan_assets.stack import Stack
@@ -99,13 +102,48 @@ def run_demo(settings: Settings, options: DemoOptions, console: Console | None =
             f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]: every row is in exactly one "
             "flushed binlog and every delete in a delta log"
         )
-        if options.keep:
-            console.print(
-                f"the stack keeps running (etcd pid {stack.etcd.pid if stack.etcd else '-'}); stop it with `vchan down`"
-            )
         return 0
     finally:
+        processes = etcd_process(stack)
         stack.close(stop_etcd=not options.keep)
+        for line in ending(processes, stopping=not options.keep):
+            console.print(line)
+
+
+@dataclass(frozen=True)
+class DemoProcess:
+    """A process the demo ran with, as its last lines name it."""
+
+    name: str
+    pid: int
+
+
+def etcd_process(stack: Stack) -> list[DemoProcess]:
+    """The embedded etcd the demo runs on (none on a cluster's etcd)."""
+    if stack.etcd is None or stack.etcd.pid is None:
+        return []
+    name = f"etcd at {stack.etcd.endpoint}" + ("" if stack.etcd.owned else ", which ran before the demo")
+    return [DemoProcess(name, stack.etcd.pid)]
+
+
+def ending(processes: Sequence[DemoProcess], stopping: bool, settle: float = 10.0) -> list[str]:
+    """The demo's last lines: which of `processes` stopped and which still run, looked up
+    (not assumed) once those being stopped had `settle` seconds to exit, and how to stop
+    what is left."""
+    deadline = time.monotonic() + settle
+    while stopping and any(pid_alive(p.pid) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    running = [p for p in processes if pid_alive(p.pid)]
+    stopped = [p for p in processes if p not in running]
+    lines = []
+    if stopped:
+        lines += ["stopped:", *(f"  {p.name} (pid {p.pid})" for p in stopped)]
+    if running:
+        lines += ["still running:", *(f"  {p.name} (pid {p.pid})" for p in running)]
+        lines.append("stop them with `vchan down`")
+    elif processes:
+        lines.append("nothing the demo ran is left running")
+    return lines
 
 
 def create_demo_collection(producer: Producer, channels: int, console: Console) -> CollectionInfo:

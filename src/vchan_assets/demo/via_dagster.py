@@ -6,7 +6,9 @@ the two Dagster-hosted DataNodes (sensors `datanode_1`, `datanode_2`) register, 
 DataCoord sensor assigns the channels; produces rows and deletes; the sync sensor
 requests sync runs; flushes and waits for the flush state; then reads the asset check
 results the sync runs recorded, materializes `segment_table`, re-reads every binlog
-with pyarrow (the direct demo's check), and prints a summary and the UI address.
+with pyarrow (the direct demo's check), and prints a summary. Then it stops what it
+started, unless --keep, and its last lines say what it stopped and what is still running
+(with --keep: the UI address, and `vchan down` to stop it).
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ from vchan_assets.defs.sync.jobs import CHANNEL_TAG, LOOP_JOB
 from vchan_assets.demo.direct import (
     DemoCheckError,
     DemoOptions,
+    DemoProcess,
     _summary,
     check_binlogs,
     check_index_and_search,
     check_lifecycle,
     check_read,
     create_demo_collection,
+    ending,
+    etcd_process,
     produce_demo_data,
 )
 from vchan_assets.deploy.processes import wait_until
@@ -222,14 +227,29 @@ def run_dagster_demo(settings: Settings, options: DemoOptions, console: Console 
         )
         console.print(
             f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]: every row is in exactly one "
-            f"flushed binlog, every delete in a delta log; Dagster UI {url}"
+            "flushed binlog, every delete in a delta log"
         )
         ok = True
         return 0
     finally:
-        if options.keep and ok:
-            console.print(f"the stack keeps running: Dagster UI {url}; stop it with `vchan down`")
-            stack.close(stop_etcd=False)
-        else:
+        keep = options.keep and ok
+        processes = service_processes(service) + etcd_process(stack)
+        if not keep:
             service.stop()
-            stack.close(stop_etcd=True)
+        stack.close(stop_etcd=not keep)
+        for line in ending(processes, stopping=not keep):
+            console.print(line)
+
+
+def service_processes(service: DagsterService) -> list[DemoProcess]:
+    """The Dagster daemon and webserver and the Spark Connect server `service` runs, as
+    its start recorded them (none if it did not get that far)."""
+    state = service.recorded() or {}
+    pids = [int(p) for p in state.get("pids", [])]  # the daemon's, then the webserver's
+    names = ["the Dagster daemon", f"the Dagster webserver, UI {state.get('url')}"]
+    processes = [DemoProcess(name, pid) for name, pid in zip(names, pids, strict=False)]
+    if state.get("spark_pid"):
+        processes.append(
+            DemoProcess(f"the Spark Connect server at {state.get('spark_remote')}", int(state["spark_pid"]))
+        )
+    return processes

@@ -1,4 +1,4 @@
-"""Running an import job to its end (the seed's importScheduler + importChecker).
+"""Running an import job to its end (Milvus' importScheduler and importChecker).
 
 Commit order, each step a compare-and-swap on the job's version:
   1. pre-import: PreImporting, every file checked and counted; then Importing with the

@@ -1,4 +1,4 @@
-"""Import jobs in etcd (`{root}/meta/import/{jobID}`), the seed's importMeta.
+"""Import jobs in etcd (`{root}/meta/import/{jobID}`), Milvus' importMeta.
 
     Pending --> PreImporting --> Importing --> Completed
        |             |               |

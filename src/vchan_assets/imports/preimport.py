@@ -1,4 +1,4 @@
-"""Pre-import (the seed's PreImport task): every file checked before anything is written.
+"""Pre-import (Milvus' PreImport task): every file checked before anything is written.
 
 Per file: it exists and is not empty, it is readable in the job's format, its columns fit
 the collection schema (`files.plan_columns`), the primary key has no nulls, vectors have

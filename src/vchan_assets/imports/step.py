@@ -1,6 +1,6 @@
 """The DataCoord's import step, the same whoever runs it (the `vchan datacoord` process or
 the Dagster import sensor): start Pending jobs, take over stuck ones, fail those that ran
-out of attempts (the seed's importScheduler and importChecker), and delete finished jobs
+out of attempts (Milvus' importScheduler and importChecker), and delete finished jobs
 older than VCHAN_IMPORT_JOB_RETENTION (as compaction plans are), so meta does not grow with
 history.
 

@@ -1,4 +1,4 @@
-"""The work of one import task (the seed's ImportV2 task): one file or a slice of a
+"""The work of one import task (Milvus' ImportV2 task): one file or a slice of a
 Parquet file's row groups in, segments of binlogs out (pure pyarrow).
 
 Runs inside a Spark Python worker (or in-process for the local engine). Rows are read

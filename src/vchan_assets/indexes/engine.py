@@ -1,4 +1,4 @@
-"""Index engine versions (the seed's indexEngineVersionManager): which index files a
+"""Index engine versions (Milvus' indexEngineVersionManager): which index files a
 process can load, and which version a build writes.
 
 The engine version names the format of an index file: faiss's major.minor (a newer faiss

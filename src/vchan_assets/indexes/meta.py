@@ -1,4 +1,4 @@
-"""Index meta in etcd (§16; the seed DataCoord's indexMeta): field indexes and segment builds.
+"""Index meta in etcd (docs/indexes.md; Milvus' indexMeta): field indexes and segment builds.
 
 - `meta/field-index/{collection}/{index}`: one `FieldIndex` per vector field. CreateIndex
   with the same name and definition again returns the existing one; any other definition

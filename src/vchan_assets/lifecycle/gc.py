@@ -1,4 +1,4 @@
-"""Garbage collection of binlogs, dropped segments and the log (seed: DataCoord's
+"""Garbage collection of binlogs, dropped segments and the log (Milvus' DataCoord
 garbage collector: interval, missing tolerance, drop tolerance, pause/resume).
 
 One pass, in this order:
@@ -93,7 +93,7 @@ class GarbageCollector:
         self.clock = clock
         self.passes = tuple(passes)
 
-    # --- pause / resume (seed: garbage_collection/pause, /resume) -----------------------
+    # --- pause / resume (Milvus' garbage_collection/pause, /resume) ----------------------
 
     def pause(self, seconds: float) -> float:
         until = self.clock() + seconds

@@ -1,14 +1,14 @@
 """One DataCoord lifecycle step, the same whoever runs it (the `vchan datacoord` process
 or the Dagster lifecycle assets): time out and clean up plans, trigger sort (the stats
 task after flush) and mix compaction, run Pending plans, and garbage-collect once the
-interval has passed. The seed's switches turn compaction (VCHAN_COMPACTION_ENABLED)
+interval has passed. As Milvus' switches do, two settings turn compaction (VCHAN_COMPACTION_ENABLED)
 and garbage collection (VCHAN_GC_ENABLED) off.
 
 `compaction_check` is the cheap part of it the DataCoord runs in between (every
 VCHAN_COMPACTION_CHECK_INTERVAL): L0 compaction of partitions past a count or size of L0
 segments, mix compaction of small segments, as Milvus triggers them.
 
-`sort_step` is the stats task alone, for the seed's postFlush hand-off: the DataCoord runs
+`sort_step` is the stats task alone, for Milvus' DataCoord postFlush hand-off: the DataCoord runs
 it as soon as a flush commits (pushed by a watch, `handoff.run_lifecycle`, through its task
 scheduler's sort tasks, `sort_tasks.py`), the Dagster `sorted_segments` asset on its
 sensor's tick."""

@@ -17,7 +17,7 @@ from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import KeyValue, MetaStore
 from vchan_assets.model import ChannelWatchInfo, WatchState
 
-# A node's answers, which the coordinator waits for and a node ignores (seed: isEndWatchState).
+# A node's answers, which the coordinator waits for and a node ignores (Milvus' isEndWatchState).
 END_STATES = frozenset(
     {
         WatchState.WATCH_SUCCESS,

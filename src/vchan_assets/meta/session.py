@@ -1,6 +1,6 @@
 """Node sessions on etcd leases, and the DataCoord's active-standby election.
 
-Seed behaviour: a DataNode registers its session in etcd (`session/datanode/{nodeID}`,
+As in Milvus: a DataNode registers its session in etcd (`session/datanode/{nodeID}`,
 attached to a lease it keeps alive); when it loses liveness it stops that node's work.
 Liveness is lost when etcd says the lease is gone, or when no keep-alive succeeded for
 longer than the TTL: then etcd may already have expired the lease and handed the node's

@@ -394,7 +394,8 @@ class MetaStore:
         expect_versions: Mapping[str, int] | None = None,
     ) -> int:
         """Commit all `puts` and `deletes` in one transaction, only if `channel-lease/{channel}`
-        still holds `lease` (lease MEP: every meta write of a channel is guarded by its lease)
+        still holds `lease` (every meta write of a channel is guarded by its lease, as in the
+        lease design of Milvus' "DataNode removes its dependency on DataCoord")
         and every key of `expect_versions` still has that version (0: absent).
 
         On a lost lease nothing is written and LeaseLostError says who holds it now; on a

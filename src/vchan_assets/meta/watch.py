@@ -1,4 +1,5 @@
-"""Watching a prefix of etcd with revisions (MEP 7: a DataNode watches `channelwatch/{nodeID}/`).
+"""Watching a prefix of etcd with revisions (Milvus' MEP 7: a DataNode watches
+`channelwatch/{nodeID}/`).
 
 Two ways to follow a prefix:
 

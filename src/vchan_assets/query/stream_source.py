@@ -1,5 +1,6 @@
 """`spark.readStream.format("vchan")`: a collection's changes, every insert and delete of
-its log in order, exactly once into a sink with Spark's checkpoint (DESIGN §18).
+its log in order, exactly once into a sink with Spark's checkpoint
+(docs/streams.md).
 
     (spark.readStream.format("vchan")
         .option("collection", "books")

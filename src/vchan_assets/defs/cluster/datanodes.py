@@ -14,7 +14,7 @@ How a node lives here (the design):
   (LeaseLostError, nothing committed). Killing a node is that: a real, testable action.
 - **A dead session is never revived.** If the lease is gone when the sensor ticks
   (it was stopped for longer than the TTL), the tick registers a new node with a new,
-  never-reused id (MEP 7: restarting a node is the same as starting it). So does a tick
+  never-reused id (Milvus' MEP 7: restarting a node is the same as starting it). So does a tick
   that finds its node STOPPING (its sync loop run was interrupted, and the node is leaving:
   defs/sync/loop.py): the sensor never refreshes a STOPPING session nor writes it HEALTHY.
 - **Watch handling is the node's step functions**, the same ones the standalone
@@ -71,10 +71,9 @@ log = logging.getLogger(__name__)
 
 WATCH_SENSOR_INTERVAL = 1
 # dagster-daemon evaluates sensors at most every 5 s (MIN_INTERVAL_LOOP_TIME in
-# dagster/_daemon/sensor.py), so a sensor-hosted node's session must outlive several
-# ticks: its TTL is at least this (VCHAN_SESSION_TTL if larger). On a loaded machine
-# (load average 20-40 on 2 cores) a node sensor's ticks came 20-60 s apart: with 20 s the
-# nodes lost their sessions every minute (docs/dagster.md, "The node's session").
+# dagster/_daemon/sensor.py), and on a loaded machine a node sensor's ticks come much
+# further apart, so a sensor-hosted node's session must outlive several ticks: its TTL is
+# at least this (VCHAN_SESSION_TTL if larger; docs/dagster.md, "The node's session").
 SESSION_TTL_FLOOR = 60.0
 
 

@@ -1,50 +1,32 @@
 """The sync loop of a Dagster-hosted DataNode: one long-lived run per node, each sync one
-set of materializations of that run (docs/dagster.md).
+set of materializations of that run. Why a loop rather than a run per sync, and how its
+session and graceful stop came to be as they are: docs/dagster.md.
 
-Why a loop and not a run per sync: a sync run waits for the daemon's sensor loop (a tick
-every 5 s at best), the run queue, and a new run process with its own Spark session, so a
-change took 8-10 s to reach its checkpoint (docs/dagster.md has the breakdown), and every
-sync left one more run in the instance. The loop run keeps the node's Spark session warm
-and polls its channels every `LOOP_POLL_SECONDS`; a channel whose sync policy fires is
-synced at once under the node's channel lease (`VchanRuntime.sync`, the same call the sync
-run makes), and the sync is reported as the three materializations (`binlogs`, `segments`,
-`channel_checkpoints`, partition = vchannel, with the same metadata as a sync run) and the
-four check evaluations, as events of the loop run. The assets' history keeps one entry
-per sync; the run's history is one run per node per `VCHAN_DAGSTER_SYNC_LOOP` seconds.
-
-The datanode sensor of the node requests the loop (`loop_run_request`, run key
-`loop:{node}:{n}`) whenever the node has none in flight; dagster.yaml admits one per node
-(tag `vchan/loop`). The loop ends, and its run succeeds, when its time is up (the sensor
-starts the next) or when its node's session is gone (the node's sensor stopped, or a new
-node took the slot: the channels move, and the lease fences off whatever was in flight).
-
-The loop keeps its node's session alive too (every `KEEPALIVE_SECONDS`), as a DataNode
-process does, unless the node's sensor was stopped: the daemon evaluates sensors one after
-another on a few threads, and on a loaded machine a node sensor's ticks came 30-60 s apart,
-longer than the session's TTL. The node then lost its session, its channels moved, and each
-new node asked for a new loop run: a run process more to start on a machine already short
-of CPU. While its loop runs, a node lives as long as the loop polls.
-While a node has no loop in flight the sync sensor syncs its channels as runs, as it does
-everywhere with VCHAN_DAGSTER_SYNC_LOOP=0.
-
-**Graceful stop.** When the loop's run is interrupted (SIGTERM or SIGINT of its run worker:
-`vchan down` signals the daemon's process group, run workers included; a run terminated from
-the UI), the node leaves as a `vchan datanode` does on SIGTERM (`NodeSyncLoop.leave`): its
-session says STOPPING (the coordinator moves its channels at once, under new leases), the
-sync in flight gets `LEAVE_GRACE_SECONDS` to finish (committed, or refused by the new lease;
-after that it is abandoned, and the lease fences it), then the session lease is revoked, so
-the channels never wait for the session's TTL (60 s for a Dagster-hosted node). The run then
-fails as Dagster decides. Dagster turns the signal into `DagsterExecutionInterruptedError`
-where the op's code runs; a signal that lands while Dagster stores an event the op yielded is
-raised in Dagster's code instead, and the op's generator is only closed after the run ended.
-So the loop leaves from both places: on the exception in the op, and from the teardown of
-`AtTeardown` (resource `teardown`), which Dagster runs when it tears the run's
-resources down, however the run ends. Each sync runs on a thread of the loop, so the signal
-never cuts a sync in half.
-
-Exactly once does not depend on the loop: each sync claims the channel under its lease
-(`SyncTask`); a sync that lost the lease or was superseded by a watch or release run of
-the same channel commits nothing, and the loop goes on with the next channel.
+- **Requested** by the node's datanode sensor (`loop_run_request`, run key
+  `loop:{node}:{n}`) whenever the node has none in flight; dagster.yaml admits one per node
+  (tag `vchan/loop`). While a node has no loop in flight the sync sensor syncs its channels
+  as runs, as it does everywhere with VCHAN_DAGSTER_SYNC_LOOP=0.
+- **Work**: the run keeps the node's Spark session and polls its channels every
+  `LOOP_POLL_SECONDS`; a channel whose sync policy fires is synced at once under the node's
+  channel lease (`VchanRuntime.sync`, the call a sync run makes), on a thread of the loop,
+  and reported as events of the loop run: the three materializations (`binlogs`,
+  `segments`, `channel_checkpoints`, partition = vchannel, with a sync run's metadata) and
+  the four check evaluations.
+- **Session**: the loop refreshes its node's session lease every `KEEPALIVE_SECONDS`, as a
+  DataNode process does, unless the node's sensor was stopped (looked up every
+  `SENSOR_STATE_SECONDS`).
+- **End**: the run succeeds when its `VCHAN_DAGSTER_SYNC_LOOP` seconds are up (the sensor
+  starts the next) or its node's session is gone (the channels move, and the lease fences
+  off whatever was in flight).
+- **Graceful stop**: interrupted (SIGTERM or SIGINT of its run worker), the node leaves as a
+  `vchan datanode` does on SIGTERM (`NodeSyncLoop.leave`): STOPPING, the sync in flight gets
+  `LEAVE_GRACE_SECONDS`, then the session lease is revoked. It leaves from the op's
+  `DagsterExecutionInterruptedError` and from the teardown of `AtTeardown`, whichever comes
+  first, since Dagster may raise the signal in its own code. A signal never cuts a sync in
+  half: syncs run on a thread of the loop.
+- **Exactly once** does not depend on the loop: each sync claims the channel under its lease
+  (`SyncTask`); a sync that lost the lease or was superseded by a watch or release run of
+  the same channel commits nothing, and the loop goes on with the next channel.
 """
 
 import contextlib
