@@ -1,7 +1,7 @@
-"""`vchan demo` ends by saying what it leaves running, as found after it stopped what it
-stops: without --keep, that every process it ran has stopped (it used to end with the
-address of a Dagster UI it had just stopped); with --keep, what still runs, each named
-for what it is, and that `vchan down` stops it."""
+"""`vchan demo` (what `make demo` runs) ends by saying what it leaves running, as found
+after it stopped what it stops: with --keep, what still runs, each named for what it is,
+and that `vchan down` stops it (it used to end with the address of a Dagster UI it had just
+stopped). Without --keep the same `ending` says what stopped: tests/test_demo_ending.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from datanode.helpers import VCHAN, cli_env
-
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import pid_alive
+from vchan_assets.testing.harness import VCHAN, cli_env
 
 KINDS = ["the Dagster daemon", "the Dagster webserver", "the Spark Connect server", "etcd"]
 
@@ -50,24 +49,6 @@ def _kinds(names: dict[str, int]) -> list[str]:
 
 def _command_line(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def test_the_demo_without_keep_ends_saying_everything_it_started_has_stopped(
-    settings: Settings, tmp_path: Path
-) -> None:
-    """The direct demo (no Dagster: the Dagster demo ends the same way, through `ending`,
-    after stopping its services too; the test below runs it)."""
-    out = _demo(_env(settings, tmp_path / "home"), "--direct")
-
-    ending = out[out.index("demo finished") :]
-    assert ending.rstrip().splitlines()[1:] == [
-        "stopped:",
-        *(f"  {name} (pid {pid})" for name, pid in _listed(out, "stopped:").items()),
-        "nothing the demo ran is left running",
-    ], out[-3000:]
-    stopped = _listed(out, "stopped:")
-    assert _kinds(stopped) == ["etcd"], out[-3000:]
-    assert not [pid for pid in stopped.values() if pid_alive(pid)]
 
 
 def test_the_dagster_demo_with_keep_names_what_still_runs_and_vchan_down_stops_it(
