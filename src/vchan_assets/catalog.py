@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import pandas as pd
 import pyarrow as pa
@@ -55,6 +55,7 @@ from vchan_assets.model import (
 from vchan_assets.query import reads
 from vchan_assets.query.checks import flush_to_sorted
 from vchan_assets.query.prune import parse_where
+from vchan_assets.query.search_options import SearchKeywords, SearchOptions, search_options
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
@@ -593,36 +594,36 @@ class Catalog:
         self,
         collection: str,
         vectors: Any,
-        k: int = 10,
-        filter: Any = None,
-        as_of: Any = None,
-        params: dict[str, Any] | None = None,
-        field: str | None = None,
-        metric: str | None = None,
-        output_fields: Sequence[str] = (),
+        options: SearchOptions | None = None,
+        *,
         as_arrow: bool = False,
+        **keywords: Unpack[SearchKeywords],
     ) -> pd.DataFrame | pa.Table:
         """The k nearest rows of each query vector (`vectors`: one vector or an (n, dim)
-        array) at `as_of` (None: now), through the segments' indexes where they are built
-        and exactly elsewhere (`query.search`): one row per hit, `query` (the query's
-        position), the primary key, `distance` (squared L2; inner product or cosine
-        similarity for IP and COSINE) and the `output_fields`. `field`: the vector field
-        (needed when there are several); `metric`: the index's (L2 without one); `params`:
-        `nprobe` (IVF) or `ef` (HNSW); `filter`: a pandas expression over the scalar fields
-        (`"n > 3 and tag == 'a'"`) or a pyarrow.compute expression. Deleted rows are never
-        returned. A segment whose index cannot be used (its file missing or unreadable: a
-        rebuild is queued; or of an index engine version this process does not read) is
-        searched exactly, with an `IndexFallbackWarning`, and listed in the frame's
-        `attrs["exact_segments"]` (the Arrow table's metadata: `query.search.exact_segments`).
-        The first search of a catalog that opened its own connection (`Catalog.open`)
-        registers its reader session (`indexes.engine`), closed with the catalog; one made
-        on a given system states it with `state_index_engine()`."""
+        array) as `options` ask (`query.search_options.SearchOptions`), or the keywords
+        that make them (k=10, filter=None, as_of=None, params=None, field=None,
+        metric=None, output_fields=(); not both), through the segments' indexes where
+        they are built and exactly elsewhere (`query.search`): one row per hit, `query`
+        (the query's position), the primary key, `distance` (squared L2; inner product
+        or cosine similarity for IP and COSINE) and the `output_fields`. `as_of`: None
+        (now) or a time; `field`: the vector field (needed when there are several);
+        `metric`: the index's (L2 without one); `params`: `nprobe` (IVF) or `ef` (HNSW);
+        `filter`: a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`)
+        or a pyarrow.compute expression. Deleted rows are never returned. A segment whose
+        index cannot be used (its file missing or unreadable: a rebuild is queued; or of
+        an index engine version this process does not read) is searched exactly, with an
+        `IndexFallbackWarning`, and listed in the frame's `attrs["exact_segments"]` (the
+        Arrow table's metadata: `query.search.exact_segments`). The first search of a
+        catalog that opened its own connection (`Catalog.open`) registers its reader
+        session (`indexes.engine`), closed with the catalog; one made on a given system
+        states it with `state_index_engine()`."""
         from vchan_assets.query.search import exact_segments, search
 
+        chosen = search_options(collection, options, **keywords)
         info = self.collection(collection)
         if self._stack is not None:
             self.state_index_engine()
-        table = search(self.system, info, vectors, k, field, metric, filter, as_of, params, output_fields)
+        table = search(self.system, info, vectors, chosen)
         if as_arrow:
             return table
         frame = table.to_pandas()
@@ -633,25 +634,27 @@ class Catalog:
         self,
         collection: str,
         queries: Any,
-        k: int = 10,
+        options: SearchOptions | None = None,
+        *,
         id_column: str = "query",
         vector_column: str = "vector",
         by: Literal["segment", "query"] = "segment",
-        **options: Any,
+        **keywords: Unpack[SearchKeywords],
     ) -> Any:
         """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
         the Spark DataFrame `queries` (an integer `id_column` and an array-of-floats
         `vector_column` per row), one Spark task per segment (`by="segment"`) or per slice
-        of the queries (`by="query"`); the same hits as `search` (same `options`: field,
-        metric, filter, as_of, params, output_fields), as a Spark DataFrame of
-        `id_column`, the primary key, `distance` and the output fields."""
+        of the queries (`by="query"`); the same hits as `search` (the same `options` or
+        keywords: k, field, metric, filter, as_of, params, output_fields), as a Spark
+        DataFrame of `id_column`, the primary key, `distance` and the output fields."""
         from vchan_assets.query.batch_search import search_dataframe
 
+        chosen = search_options(collection, options, **keywords)
         info = self.collection(collection)
         if self._stack is not None:
             self.state_index_engine()
         return search_dataframe(
-            self.system, info, queries, k, id_column=id_column, vector_column=vector_column, by=by, **options
+            self.system, info, queries, chosen, id_column=id_column, vector_column=vector_column, by=by
         )
 
     def state_index_engine(self) -> None:
