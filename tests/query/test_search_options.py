@@ -37,11 +37,28 @@ def test_options_are_normalized_and_do_not_share_what_the_caller_keeps() -> None
     assert SearchOptions().params == {} and SearchOptions().metric is None
 
 
+def test_equal_options_compare_and_hash_equal() -> None:
+    one = SearchOptions(k=3, metric="ip", params={"ef": 8}, filter=pc.field("n") > 3, output_fields=["n"])
+    same = SearchOptions(
+        k=3, metric=MetricType.IP, params={"ef": 8}, filter=pc.field("n") > 3, output_fields=("n",)
+    )
+
+    assert one == same and hash(one) == hash(same) and len({one, same}) == 1
+    assert one != SearchOptions(
+        k=3, metric="ip", params={"ef": 8}, filter=pc.field("n") > 4, output_fields=["n"]
+    )
+    assert one != SearchOptions(
+        k=3, metric="ip", params={"ef": 9}, filter=pc.field("n") > 3, output_fields=["n"]
+    )
+    assert SearchOptions(filter="n > 3") != SearchOptions(filter="n > 4")
+
+
 def test_options_round_trip_through_pickle() -> None:
     options = SearchOptions(k=3, filter=pc.field("n") > 3, as_of="2026-01-01T00:00:00Z", params={"ef": 8})
 
     copy = pickle.loads(pickle.dumps(options))
 
+    assert copy == options
     assert (copy.k, copy.as_of, dict(copy.params or {})) == (3, "2026-01-01T00:00:00Z", {"ef": 8})
     assert isinstance(copy.filter, pc.Expression) and copy.filter.equals(options.filter)
 

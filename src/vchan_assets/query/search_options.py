@@ -41,7 +41,7 @@ class SearchError(DeclaredError, ValueError):
         return f"cannot search{where}: {self.reason}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SearchOptions:
     """A search's options, checked when made (`SearchError` naming the first one wrong).
 
@@ -87,6 +87,22 @@ class SearchOptions:
         if isinstance(self.output_fields, str) or not all(isinstance(f, str) for f in self.output_fields):
             raise error(f"output_fields must be a list of field names, got {self.output_fields!r}")
         object.__setattr__(self, "output_fields", tuple(self.output_fields))
+
+    def _key(self) -> tuple[Any, ...]:
+        # An Expression's == builds an expression: compare filters by their canonical text.
+        filter_key = (
+            ("expression", str(self.filter)) if isinstance(self.filter, pc.Expression) else self.filter
+        )
+        params = tuple(sorted((self.params or {}).items()))
+        return (self.k, self.field, self.metric, filter_key, self.as_of, params, tuple(self.output_fields))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SearchOptions):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A read-only mapping does not pickle: ship its items (a Spark closure may hold options).
