@@ -28,6 +28,7 @@ def test_options_are_normalized_and_do_not_share_what_the_caller_keeps() -> None
     fields = ["n", "tag"]
 
     options = SearchOptions(metric="cosine", params=params, output_fields=fields)
+    assert SearchOptions(output_fields=(f for f in fields)).output_fields == ("n", "tag")
     params["nprobe"] = 9
     fields.append("x")
 
@@ -76,6 +77,8 @@ def test_options_round_trip_through_pickle() -> None:
         ({"params": {"nprobe": 0}}, r"nprobe=0 is out of range \[1, 65536\]"),
         ({"params": [("ef", 64)]}, "params must be a mapping of search parameters"),
         ({"output_fields": "tag"}, "output_fields must be a list of field names, got 'tag'"),
+        ({"output_fields": 5}, "output_fields must be a list of field names, got 5"),
+        ({"output_fields": ["n", 5]}, r"output_fields must be a list of field names, got \['n', 5\]"),
         ({"filter": 3}, "filter must be a string or a pyarrow.compute expression, got int"),
         ({"field": 3}, "field must be a field name, got 3"),
     ],

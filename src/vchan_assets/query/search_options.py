@@ -17,7 +17,7 @@ window when the search resolves it (`query.asof`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypedDict, Unpack
@@ -84,9 +84,11 @@ class SearchOptions:
             object.__setattr__(self, "params", MappingProxyType(any_search_params(self.params or {})))
         except ValueError as exc:
             raise error(str(exc)) from None
-        if isinstance(self.output_fields, str) or not all(isinstance(f, str) for f in self.output_fields):
-            raise error(f"output_fields must be a list of field names, got {self.output_fields!r}")
-        object.__setattr__(self, "output_fields", tuple(self.output_fields))
+        given = self.output_fields
+        fields = tuple(given) if isinstance(given, Iterable) and not isinstance(given, str) else None
+        if fields is None or not all(isinstance(f, str) for f in fields):
+            raise error(f"output_fields must be a list of field names, got {given!r}")
+        object.__setattr__(self, "output_fields", fields)
 
     def _key(self) -> tuple[Any, ...]:
         # An Expression's == builds an expression: compare filters by their canonical text.
