@@ -65,7 +65,7 @@ SAMPLES: dict[str, tuple[object, ...]] = {
     "query.stream_source.StreamOffsetError": ('{"c_0": "x"}', "offsets must be integers >= -1"),
     "query.stream_source.StreamOffsetRemovedError": ("c_0", 12, 40),
     "query.prune.FilterError": ("'pk' '~' 3", "unknown operator '~'"),
-    "query.search.SearchError": ("docs", "k must be an integer in [1, 16384], got 0"),
+    "query.search_options.SearchError": ("docs", "k must be an integer in [1, 16384], got 0"),
     "query.spark_source.SegmentColumnError": (_SEGMENT, "vec", ["pk"]),
     "spark.session.SparkJobTimeoutError": ("sync c_0", 600.0),
     "spark.session.SparkUnavailableError": ("Py4JNetworkError: An error occurred while trying to connect",),

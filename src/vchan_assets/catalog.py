@@ -17,6 +17,9 @@ VCHAN_STORAGE_URI, read through pyarrow's filesystem layer. Nothing here writes.
     cat.read_collection("books") # the rows a query would see: deletes applied
     cat.search("books", vectors, k=10)  # nearest neighbours: query, pk, distance
 
+Each table's columns and dtypes are its Arrow schema's (`catalog_tables`: declared once,
+the same for an empty table as for a full one); this module reads the records and logs.
+
 Deletes follow Milvus: a delete of primary key `pk` in partition `p` with timestamp
 `t` removes every row of `p` with that pk inserted before `t` (row timestamp < t).
 Where the ownership keys (docs/architecture.md, "Keys in etcd") are read directly (sessions under
@@ -30,15 +33,18 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import pandas as pd
 import pyarrow as pa
 
+from vchan_assets import catalog_tables as tables
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
 from vchan_assets.datanode.channel_state import ChannelState, read_channel_state
+from vchan_assets.imports.jobs import list_jobs
+from vchan_assets.indexes.meta import collection_progress
 from vchan_assets.lifecycle.plans import list_plans
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
@@ -48,13 +54,11 @@ from vchan_assets.model import (
     MsgPosition,
     NodeSession,
     SegmentInfo,
-    SegmentLevel,
     SegmentState,
-    physical_ms,
 )
 from vchan_assets.query import reads
-from vchan_assets.query.checks import flush_to_sorted
 from vchan_assets.query.prune import parse_where
+from vchan_assets.query.search_options import SearchKeywords, SearchOptions, search_options
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.format import LogError, data_prefix, wal_prefix
@@ -66,7 +70,6 @@ log = logging.getLogger(__name__)
 SEGMENT_TABLE_KEY = "catalog/segments.parquet"  # written by the Dagster segment_table asset
 
 
-# Segments whose rows a query does not see: replaced, or written by an import job not committed yet.
 @dataclass(frozen=True)
 class _Owner:
     """Who a `channelwatch/` key says holds a vchannel, and in which state."""
@@ -86,17 +89,6 @@ def _owners(watches: WatchListing) -> list[_Owner]:
     owners += [_Owner(v, REMAINING, None, None, kv.mod_revision) for v, kv in watches.remaining.items()]
     owners += [_Owner(m.vchannel, m.node, "Malformed", None, m.kv.mod_revision) for m in watches.malformed]
     return owners
-
-
-def _ts_seconds(ts: int) -> float:
-    """A hybrid timestamp as Unix seconds."""
-    return physical_ms(ts) / 1000.0
-
-
-def _utc(seconds: float | None) -> pd.Timestamp | None:
-    if not seconds:
-        return None
-    return pd.Timestamp(seconds, unit="s", tz="UTC")
 
 
 class Catalog:
@@ -184,41 +176,23 @@ class Catalog:
     # --- DataFrames ----------------------------------------------------------------------
 
     def collections(self, include_dropped: bool = False) -> pd.DataFrame:
-        """One row per collection: id, name, fields, partitions, vchannels, segment and row counts."""
+        """One row per collection: id, name, fields, partitions, vchannels, segment and row
+        counts (`catalog_tables.COLLECTIONS`)."""
         segments = self.segment_infos()
-        rows = []
-        for info in self.collection_infos(include_dropped):
-            mine = [s for s in segments if s.collection_id == info.id and s.state is not SegmentState.DROPPED]
-            rows.append(
-                {
-                    "collection_id": info.id,
-                    "name": info.name,
-                    "fields": ", ".join(f"{f.name}:{f.dtype.value}" for f in info.schema.fields),
-                    "partitions": list(info.partition_names),
-                    "vchannels": list(info.vchannels),
-                    "num_vchannels": len(info.vchannels),
-                    "segments": sum(1 for s in mine if s.level is not SegmentLevel.L0),
-                    "rows": sum(s.num_rows for s in mine if s.level is not SegmentLevel.L0),
-                    "deletes": sum(s.num_rows for s in mine if s.level is SegmentLevel.L0),
-                    "created_at": _utc(info.created_at),
-                    "dropped": bool(info.dropped_at),
-                }
-            )
-        columns = [
-            "collection_id", "name", "fields", "partitions", "vchannels", "num_vchannels",
-            "segments", "rows", "deletes", "created_at", "dropped",
-        ]  # fmt: skip
-        return pd.DataFrame(rows, columns=columns)
+        return tables.COLLECTIONS.frame(
+            tables.collection_row(info, [s for s in segments if s.collection_id == info.id])
+            for info in self.collection_infos(include_dropped)
+        )
 
     def vchannels(self, collection: str | None = None, now: float | None = None) -> pd.DataFrame:
-        """One row per vchannel: owner node and watch state (from `channelwatch/`), lease
-        holder, checkpoint, log head (latest time tick) and lag.
+        """One row per vchannel (`catalog_tables.VCHANNELS`): owner node and watch state
+        (from `channelwatch/`), lease holder, checkpoint, log head (latest time tick) and lag.
 
         `lag_rows` is the number of log messages after the checkpoint (inserts, deletes,
         time ticks); `lag_seconds` is the time between the checkpoint's timestamp and the
         head's; `checkpoint_age_seconds` is how old the checkpoint's timestamp is now.
         While the log after the checkpoint cannot be read (`log_error`: the sync stops
-        there too), the lag is unknown: `lag_rows` and `end_offset` are None, never 0.
+        there too), the lag is unknown: `lag_rows` and `end_offset` are null (<NA>), never 0.
         `log_damaged` lists damaged files wholly below the checkpoint: syncs never read
         them again, so they stop nothing (one footer read per such file, in this report)."""
         now = time.time() if now is None else now
@@ -233,14 +207,7 @@ class Catalog:
                 continue
             for vchannel in info.vchannels:
                 rows.append(self._vchannel_row(info, vchannel, watches.get(vchannel, []), leases, live, now))
-        columns = [
-            "vchannel", "collection", "collection_id", "owner_node", "owner_alive", "watch_state",
-            "watch_timeout_at", "lease_id", "lease_node", "checkpoint_offset", "checkpoint_ts",
-            "checkpoint_time", "syncs", "head_offset", "head_ts", "head_time", "end_offset",
-            "lag_rows", "lag_seconds", "checkpoint_age_seconds", "log_files", "log_bytes",
-            "backlog_bytes", "log_error", "log_damaged",
-        ]  # fmt: skip
-        return pd.DataFrame(rows, columns=columns)
+        return tables.VCHANNELS.frame(rows)
 
     def _vchannel_row(
         self,
@@ -282,7 +249,7 @@ class Catalog:
                 cp_ts if cp_ts else (files[0].first_timestamp if files and files[0].first_timestamp else None)
             )
             if base is not None:
-                lag_seconds = max(0.0, _ts_seconds(head.timestamp) - _ts_seconds(base))
+                lag_seconds = max(0.0, tables.ts_seconds(head.timestamp) - tables.ts_seconds(base))
         return {
             "vchannel": vchannel,
             "collection": info.name,
@@ -290,20 +257,20 @@ class Catalog:
             "owner_node": owner,
             "owner_alive": (owner in live) if owner not in (None, REMAINING) else False,
             "watch_state": state,
-            "watch_timeout_at": _utc(entry.timeout_ts) if entry else None,
+            "watch_timeout_at": tables.utc(entry.timeout_ts) if entry else None,
             "lease_id": lease.lease_id if lease else None,
             "lease_node": lease.node_id if lease else None,
             "checkpoint_offset": cp.offset if cp else None,
             "checkpoint_ts": cp_ts,
-            "checkpoint_time": _utc(_ts_seconds(cp_ts)) if cp_ts else None,
+            "checkpoint_time": tables.utc(tables.ts_seconds(cp_ts)) if cp_ts else None,
             "syncs": committed.kv.version if committed else 0,
             "head_offset": head.offset if head else None,
             "head_ts": head.timestamp if head else None,
-            "head_time": _utc(_ts_seconds(head.timestamp)) if head else None,
+            "head_time": tables.utc(tables.ts_seconds(head.timestamp)) if head else None,
             "end_offset": end_offset,
             "lag_rows": None if end_offset is None else max(0, end_offset - 1 - after),
             "lag_seconds": lag_seconds,
-            "checkpoint_age_seconds": max(0.0, now - _ts_seconds(cp_ts)) if cp_ts else None,
+            "checkpoint_age_seconds": max(0.0, now - tables.ts_seconds(cp_ts)) if cp_ts else None,
             "log_files": len(listed),
             "log_bytes": sum(int(i.size or 0) for i in [*listed, *data]),
             "backlog_bytes": None if error else sum(f.size_bytes for f in backlog_files),
@@ -312,191 +279,87 @@ class Catalog:
         }
 
     def segments(self, collection: str | None = None, include_dropped: bool = True) -> pd.DataFrame:
-        """One row per segment: state, level, rows, bytes (insert, delta, stats), file
-        counts, sorted or not, invisible (flushed, served as growing until its sorted copy
-        replaces it), positions, lineage (`compaction_from`), when its flush made it
-        Flushed and, for one its sort replaced, the seconds from that flush to the sort's
-        commit (`flush_to_sorted_s`)."""
-        names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
-        rows = []
-        for seg in self._segments_of(collection):
-            if not include_dropped and seg.state is SegmentState.DROPPED:
-                continue
-            insert = seg.binlog_files
-            rows.append(
-                {
-                    "segment_id": seg.id,
-                    "collection": names.get(seg.collection_id),
-                    "collection_id": seg.collection_id,
-                    "partition_id": seg.partition_id,
-                    "vchannel": seg.vchannel,
-                    "state": seg.state.value,
-                    "level": seg.level.value,
-                    "num_rows": seg.num_rows,
-                    "max_rows": seg.max_rows,
-                    "size_bytes": sum(b.size_bytes for b in insert),
-                    "delta_bytes": sum(b.size_bytes for b in seg.deltalogs),
-                    "stats_bytes": sum(b.size_bytes for b in seg.statslogs),
-                    "binlog_count": len(insert),
-                    "deltalog_count": len(seg.deltalogs),
-                    "statslog_count": len(seg.statslogs),
-                    "column_groups": len(seg.binlogs),
-                    "is_sorted": seg.is_sorted,
-                    "invisible": seg.is_invisible,
-                    "compaction_from": list(seg.compaction_from),
-                    "start_offset": seg.start_position.offset if seg.start_position else None,
-                    "dml_offset": seg.dml_position.offset if seg.dml_position else None,
-                    "dml_ts": seg.dml_position.timestamp if seg.dml_position else None,
-                    "created_at": _utc(seg.created_at),
-                    "last_flush_time": _utc(_ts_seconds(seg.last_flush_ts)) if seg.last_flush_ts else None,
-                    "flushed_at": _utc(seg.flushed_at),
-                    "flush_to_sorted_s": flush_to_sorted(seg),
-                }
-            )
-        columns = [
-            "segment_id", "collection", "collection_id", "partition_id", "vchannel", "state", "level",
-            "num_rows", "max_rows", "size_bytes", "delta_bytes", "stats_bytes", "binlog_count",
-            "deltalog_count", "statslog_count", "column_groups", "is_sorted", "invisible", "compaction_from",
-            "start_offset", "dml_offset", "dml_ts", "created_at", "last_flush_time", "flushed_at",
-            "flush_to_sorted_s",
-        ]  # fmt: skip
-        return pd.DataFrame(rows, columns=columns)
+        """One row per segment (`catalog_tables.SEGMENTS`): state, level, rows, bytes
+        (insert, delta, stats), file counts, sorted or not, invisible (flushed, served as
+        growing until its sorted copy replaces it), positions, lineage
+        (`compaction_from`), when its flush made it Flushed and, for one its sort
+        replaced, the seconds from that flush to the sort's commit (`flush_to_sorted_s`)."""
+        return tables.SEGMENTS.frame(self._segment_rows(collection, include_dropped))
+
+    def _segment_rows(self, collection: str | None, include_dropped: bool) -> list[dict[str, Any]]:
+        names = self._names()
+        return [
+            tables.segment_row(seg, names.get(seg.collection_id))
+            for seg in self._segments_of(collection)
+            if include_dropped or seg.state is not SegmentState.DROPPED
+        ]
 
     def compactions(self, collection: str | None = None) -> pd.DataFrame:
-        """One row per compaction plan (`meta/compaction/`): type, state, reason, inputs and
-        reserved outputs, rows and bytes in and out, times."""
-        names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
-        rows = [
-            {
-                "plan_id": p.plan_id,
-                "collection": names.get(p.collection_id),
-                "partition_id": p.partition_id,
-                "vchannel": p.vchannel,
-                "type": p.type.value,
-                "state": p.state.value,
-                "reason": p.reason,
-                "inputs": list(p.input_ids),
-                "outputs": list(p.output_ids),
-                "rows_in": p.rows_in,
-                "rows_out": p.rows_out,
-                "bytes_in": p.bytes_in,
-                "bytes_out": p.bytes_out,
-                "created_at": _utc(p.created_at),
-                "finished_at": _utc(p.finished_at) if p.finished_at else None,
-            }
+        """One row per compaction plan (`meta/compaction/`, `catalog_tables.COMPACTIONS`):
+        type, state, reason, inputs and reserved outputs, rows and bytes in and out, times."""
+        names = self._names()
+        return tables.COMPACTIONS.frame(
+            tables.plan_row(p, names.get(p.collection_id))
             for p in (d.model for d in list_plans(self.store))
             if collection is None or names.get(p.collection_id) == collection
-        ]
-        columns = [
-            "plan_id", "collection", "partition_id", "vchannel", "type", "state", "reason", "inputs",
-            "outputs", "rows_in", "rows_out", "bytes_in", "bytes_out", "created_at", "finished_at",
-        ]  # fmt: skip
-        return pd.DataFrame(rows, columns=columns)
+        )
 
     def data_losses(self, collection: str | None = None) -> pd.DataFrame:
         """One row per damaged file an operator quarantined (`vchan quarantine`,
-        `meta/data-loss/`): a log file's channel and offsets lost, or a binlog's segment and
-        rows lost; where the file was and is kept, why it was unreadable, when. Never
-        emptied: a loss stays visible for good."""
-        names = {c.id: c.name for c in self.collection_infos(include_dropped=True)}
-        rows = [
-            {
-                "loss_id": loss.loss_id,
-                "collection": names.get(loss.collection_id, str(loss.collection_id)),
-                "kind": loss.kind,
-                "vchannel": loss.vchannel,
-                "first_offset": loss.first_offset,
-                "last_offset": loss.last_offset,
-                "messages": loss.messages,
-                "segment_id": loss.segment_id,
-                "rows": loss.rows,
-                "path": loss.path,
-                "moved_to": loss.moved_to,
-                "reason": loss.reason,
-                "at": _utc(loss.at),
-            }
+        `meta/data-loss/`, `catalog_tables.DATA_LOSSES`): a log file's channel and offsets
+        lost, or a binlog's segment and rows lost; where the file was and is kept, why it
+        was unreadable, when. Never emptied: a loss stays visible for good."""
+        names = self._names()
+        return tables.DATA_LOSSES.frame(
+            tables.loss_row(loss, names.get(loss.collection_id, str(loss.collection_id)))
             for loss in list_data_losses(self.system)
             if collection is None or names.get(loss.collection_id) == collection
-        ]
-        columns = [
-            "loss_id", "collection", "kind", "vchannel", "first_offset", "last_offset", "messages",
-            "segment_id", "rows", "path", "moved_to", "reason", "at",
-        ]  # fmt: skip
-        return pd.DataFrame(rows, columns=columns)
+        )
 
     def imports(self, collection: str | None = None) -> pd.DataFrame:
-        """One row per bulk import job (`meta/import/`): state, reason, progress, files,
-        rows counted by pre-import and rows imported, segments, times."""
-        from vchan_assets.imports.jobs import list_jobs
-
-        rows = [
-            {
-                "job_id": j.job_id,
-                "collection": j.collection,
-                "partition": j.partition,
-                "format": j.format.value,
-                "state": j.state.value,
-                "reason": j.reason,
-                "progress": j.progress,
-                "files": len(j.files),
-                "rows": j.rows,
-                "bytes": j.bytes,
-                "imported_rows": j.imported_rows,
-                "segments": list(j.segment_ids),
-                "attempt": j.attempt,
-                "upsert": j.upsert,
-                "created_at": _utc(j.created_at),
-                "finished_at": _utc(j.finished_at) if j.finished_at else None,
-            }
+        """One row per bulk import job (`meta/import/`, `catalog_tables.IMPORTS`): state,
+        reason, progress, files, rows counted by pre-import and rows imported, segments,
+        times."""
+        return tables.IMPORTS.frame(
+            tables.import_row(j)
             for j in (d.model for d in list_jobs(self.store))
             if collection is None or j.collection == collection
-        ]
-        columns = [
-            "job_id", "collection", "partition", "format", "state", "reason", "progress", "files", "rows",
-            "bytes", "imported_rows", "segments", "attempt", "upsert", "created_at", "finished_at",
-        ]  # fmt: skip
-        return pd.DataFrame(rows, columns=columns)
+        )
 
     def indexes(self, collection: str | None = None) -> pd.DataFrame:
-        """One row per live vector index (`meta/field-index/`): its definition and how far
-        its builds are over the collection's Flushed segments: indexed rows / total rows,
-        builds finished, pending, in progress, failed (with reasons by segment) and
-        segments waiting for a build (not sorted yet)."""
-        from vchan_assets.indexes.meta import collection_progress, progress_row
-
+        """One row per live vector index (`meta/field-index/`, `catalog_tables.INDEXES`):
+        its definition and how far its builds are over the collection's Flushed segments:
+        indexed rows / total rows, builds finished, pending, in progress, failed (with
+        reasons by segment) and segments waiting for a build (not sorted yet)."""
         infos = [self.collection(collection)] if collection else self.collection_infos()
-        rows = [progress_row(info, p) for info in infos for p in collection_progress(self.store, info)]
-        for row in rows:
-            row["created_at"] = _utc(row["created_at"])
-        return pd.DataFrame(rows, columns=_INDEX_COLUMNS)
+        return tables.INDEXES.frame(
+            tables.index_row(info, p) for info in infos for p in collection_progress(self.store, info)
+        )
 
     def binlogs(self, collection: str | None = None) -> pd.DataFrame:
-        """One row per insert binlog file (per column group), with its segment."""
-        rows = [
-            {
-                **self._file_row(seg, b),
-                "group": group.group,
-                "field_ids": list(group.field_ids),
-            }
+        """One row per insert binlog file (per column group), with its segment
+        (`catalog_tables.BINLOGS`)."""
+        return tables.BINLOGS.frame(
+            tables.binlog_row(seg, group, b)
             for seg in self._segments_of(collection)
             for group in seg.binlogs
             for b in group.logs
-        ]
-        return pd.DataFrame(rows, columns=[*_FILE_COLUMNS, "group", "field_ids"])
+        )
 
     def deltalogs(self, collection: str | None = None) -> pd.DataFrame:
-        """One row per delta log file (deletes: pk, timestamp)."""
-        rows = [self._file_row(seg, b) for seg in self._segments_of(collection) for b in seg.deltalogs]
-        return pd.DataFrame(rows, columns=_FILE_COLUMNS)
+        """One row per delta log file (deletes: pk, timestamp; `catalog_tables.DELTALOGS`)."""
+        segments = self._segments_of(collection)
+        return tables.DELTALOGS.frame(tables.file_row(seg, b) for seg in segments for b in seg.deltalogs)
 
     def statslogs(self, collection: str | None = None) -> pd.DataFrame:
-        rows = [self._file_row(seg, b) for seg in self._segments_of(collection) for b in seg.statslogs]
-        return pd.DataFrame(rows, columns=_FILE_COLUMNS)
+        """One row per stats log file (the columns of `deltalogs`)."""
+        segments = self._segments_of(collection)
+        return tables.DELTALOGS.frame(tables.file_row(seg, b) for seg in segments for b in seg.statslogs)
 
     def write_segment_table(self, key: str = SEGMENT_TABLE_KEY) -> tuple[str, pa.Table]:
         """Write `segments()` (every collection, dropped included) as one Parquet table
         (what the Dagster `segment_table` asset materializes); its path and the table."""
-        table = pa.Table.from_pandas(self.segments(), preserve_index=False)
+        table = tables.SEGMENTS.arrow(self._segment_rows(None, include_dropped=True))
         self.storage.write_parquet(key, table)
         return self.storage.path(key), table
 
@@ -508,28 +371,15 @@ class Catalog:
                 f"{self.storage.path(key)} does not exist: materialize the segment_table asset "
                 "(Dagster) first, or use Catalog.segments()"
             )
-        return self.storage.read_parquet(key).to_pandas()
+        return tables.SEGMENTS.pandas(self.storage.read_parquet(key))
 
     def orphans(self) -> list[str]:
         """Binlog files no segment meta points to (garbage-collection candidates)."""
         return list_orphans(self.store, self.storage)
 
-    @staticmethod
-    def _file_row(seg: SegmentInfo, b: Any) -> dict[str, Any]:
-        return {
-            "segment_id": seg.id,
-            "collection_id": seg.collection_id,
-            "partition_id": seg.partition_id,
-            "vchannel": seg.vchannel,
-            "segment_state": seg.state.value,
-            "level": seg.level.value,
-            "log_id": b.log_id,
-            "path": b.path,
-            "entries": b.entries,
-            "ts_from": b.ts_from,
-            "ts_to": b.ts_to,
-            "size_bytes": b.size_bytes,
-        }
+    def _names(self) -> dict[int, str]:
+        """Collection names by id, dropped collections included."""
+        return {c.id: c.name for c in self.collection_infos(include_dropped=True)}
 
     def _segments_of(self, collection: str | None) -> list[SegmentInfo]:
         if collection is None:
@@ -593,36 +443,36 @@ class Catalog:
         self,
         collection: str,
         vectors: Any,
-        k: int = 10,
-        filter: Any = None,
-        as_of: Any = None,
-        params: dict[str, Any] | None = None,
-        field: str | None = None,
-        metric: str | None = None,
-        output_fields: Sequence[str] = (),
+        options: SearchOptions | None = None,
+        *,
         as_arrow: bool = False,
+        **keywords: Unpack[SearchKeywords],
     ) -> pd.DataFrame | pa.Table:
         """The k nearest rows of each query vector (`vectors`: one vector or an (n, dim)
-        array) at `as_of` (None: now), through the segments' indexes where they are built
-        and exactly elsewhere (`query.search`): one row per hit, `query` (the query's
-        position), the primary key, `distance` (squared L2; inner product or cosine
-        similarity for IP and COSINE) and the `output_fields`. `field`: the vector field
-        (needed when there are several); `metric`: the index's (L2 without one); `params`:
-        `nprobe` (IVF) or `ef` (HNSW); `filter`: a pandas expression over the scalar fields
-        (`"n > 3 and tag == 'a'"`) or a pyarrow.compute expression. Deleted rows are never
-        returned. A segment whose index cannot be used (its file missing or unreadable: a
-        rebuild is queued; or of an index engine version this process does not read) is
-        searched exactly, with an `IndexFallbackWarning`, and listed in the frame's
-        `attrs["exact_segments"]` (the Arrow table's metadata: `query.search.exact_segments`).
-        The first search of a catalog that opened its own connection (`Catalog.open`)
-        registers its reader session (`indexes.engine`), closed with the catalog; one made
-        on a given system states it with `state_index_engine()`."""
+        array) as `options` ask (`query.search_options.SearchOptions`), or the keywords
+        that make them (k=10, filter=None, as_of=None, params=None, field=None,
+        metric=None, output_fields=(); not both), through the segments' indexes where
+        they are built and exactly elsewhere (`query.search`): one row per hit, `query`
+        (the query's position), the primary key, `distance` (squared L2; inner product
+        or cosine similarity for IP and COSINE) and the `output_fields`. `as_of`: None
+        (now) or a time; `field`: the vector field (needed when there are several);
+        `metric`: the index's (L2 without one); `params`: `nprobe` (IVF) or `ef` (HNSW);
+        `filter`: a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`)
+        or a pyarrow.compute expression. Deleted rows are never returned. A segment whose
+        index cannot be used (its file missing or unreadable: a rebuild is queued; or of
+        an index engine version this process does not read) is searched exactly, with an
+        `IndexFallbackWarning`, and listed in the frame's `attrs["exact_segments"]` (the
+        Arrow table's metadata: `query.search.exact_segments`). The first search of a
+        catalog that opened its own connection (`Catalog.open`) registers its reader
+        session (`indexes.engine`), closed with the catalog; one made on a given system
+        states it with `state_index_engine()`."""
         from vchan_assets.query.search import exact_segments, search
 
+        chosen = search_options(collection, options, **keywords)
         info = self.collection(collection)
         if self._stack is not None:
             self.state_index_engine()
-        table = search(self.system, info, vectors, k, field, metric, filter, as_of, params, output_fields)
+        table = search(self.system, info, vectors, chosen)
         if as_arrow:
             return table
         frame = table.to_pandas()
@@ -633,25 +483,27 @@ class Catalog:
         self,
         collection: str,
         queries: Any,
-        k: int = 10,
+        options: SearchOptions | None = None,
+        *,
         id_column: str = "query",
         vector_column: str = "vector",
         by: Literal["segment", "query"] = "segment",
-        **options: Any,
+        **keywords: Unpack[SearchKeywords],
     ) -> Any:
         """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
         the Spark DataFrame `queries` (an integer `id_column` and an array-of-floats
         `vector_column` per row), one Spark task per segment (`by="segment"`) or per slice
-        of the queries (`by="query"`); the same hits as `search` (same `options`: field,
-        metric, filter, as_of, params, output_fields), as a Spark DataFrame of
-        `id_column`, the primary key, `distance` and the output fields."""
+        of the queries (`by="query"`); the same hits as `search` (the same `options` or
+        keywords: k, field, metric, filter, as_of, params, output_fields), as a Spark
+        DataFrame of `id_column`, the primary key, `distance` and the output fields."""
         from vchan_assets.query.batch_search import search_dataframe
 
+        chosen = search_options(collection, options, **keywords)
         info = self.collection(collection)
         if self._stack is not None:
             self.state_index_engine()
         return search_dataframe(
-            self.system, info, queries, k, id_column=id_column, vector_column=vector_column, by=by, **options
+            self.system, info, queries, chosen, id_column=id_column, vector_column=vector_column, by=by
         )
 
     def state_index_engine(self) -> None:
@@ -693,14 +545,3 @@ class Catalog:
 
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())
-
-
-_INDEX_COLUMNS = [
-    "collection", "index_id", "name", "field", "type", "metric", "params", "created_at", "indexed_rows",
-    "total_rows", "segments", "finished", "pending", "in_progress", "failed", "waiting", "fail_reasons",
-]  # fmt: skip
-
-_FILE_COLUMNS = [
-    "segment_id", "collection_id", "partition_id", "vchannel", "segment_state", "level", "log_id",
-    "path", "entries", "ts_from", "ts_to", "size_bytes",
-]  # fmt: skip

@@ -57,7 +57,8 @@ def wait_until_persisted(catalog: Catalog, collection: str, timeout: float = 300
     while True:
         channels = catalog.vchannels(collection)
         segments = catalog.segments(collection)
-        behind = channels[channels["lag_rows"].ne(0)]["vchannel"].tolist()
+        # An unknown lag (<NA>: the log after the checkpoint unreadable) is behind too.
+        behind = channels[channels["lag_rows"].ne(0).fillna(True)]["vchannel"].tolist()
         open_segments = segments[~segments["state"].isin(PERSISTED_STATES)]["segment_id"].tolist()
         if not behind and not open_segments:
             return channels

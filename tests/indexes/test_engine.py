@@ -31,6 +31,7 @@ from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.indexes.tasks import IndexTasks, upgrade_builds
 from vchan_assets.model import IndexEngine, SegmentIndex, SegmentIndexState
 from vchan_assets.query.search import IndexFallbackWarning, exact_segments, search
+from vchan_assets.query.search_options import SearchOptions
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
 from vchan_assets.wal.producer import Producer
@@ -115,10 +116,10 @@ def test_a_reader_searches_exactly_the_indexes_older_than_its_minimal(system: Sy
     newest_only = IndexEngine(current=ENGINE_CURRENT + 2, minimal=ENGINE_CURRENT + 1)
 
     with pytest.warns(IndexFallbackWarning, match=f"this process reads {ENGINE_CURRENT + 1} to"):
-        table = search(system, data.info, QUERIES, K, engine=newest_only)
+        table = search(system, data.info, QUERIES, SearchOptions(k=K), engine=newest_only)
 
     assert len(exact_segments(table)) == 2
-    with_ours = search(system, data.info, QUERIES, K)
+    with_ours = search(system, data.info, QUERIES, SearchOptions(k=K))
     assert exact_segments(with_ours) == []
 
 

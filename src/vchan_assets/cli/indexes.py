@@ -215,8 +215,16 @@ def search(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.indexes.engine import reader_session
     from vchan_assets.query.search import SearchError, exact_segments
     from vchan_assets.query.search import search as run_search
+    from vchan_assets.query.search_options import search_options
 
     params = key_values(args.param, "--param")
+    try:
+        options = search_options(
+            args.collection, k=args.k, field=args.field, metric=args.metric, filter=args.filter,
+            as_of=args.as_of, params=params, output_fields=names(args.output_fields),
+        )  # fmt: skip
+    except SearchError as exc:
+        raise UsageError(str(exc)) from None
     with opened_collection(settings, args.collection) as (stack, info):
         if args.vector:
             try:
@@ -229,10 +237,7 @@ def search(args: argparse.Namespace, settings: Settings) -> int:
             vectors = np.random.default_rng(args.seed).random((args.random, dim), dtype=np.float32)
         try:
             with reader_session(stack.store, settings.session_ttl):
-                hits = run_search(
-                    stack, info, vectors, args.k, args.field, args.metric, args.filter, args.as_of, params,
-                    names(args.output_fields),
-                )  # fmt: skip
+                hits = run_search(stack, info, vectors, options)
         except SearchError as exc:
             raise UsageError(str(exc)) from None
     for fallback in exact_segments(hits):

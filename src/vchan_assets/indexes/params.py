@@ -58,7 +58,7 @@ SEARCH_PARAMS: dict[IndexType, dict[str, Range]] = {
 
 
 def _checked(
-    kind: IndexType, params: Mapping[str, object], allowed: dict[str, Range], what: str
+    kind: IndexType | str, params: Mapping[str, object], allowed: dict[str, Range], what: str
 ) -> dict[str, int]:
     out = {}
     for name, value in params.items():
@@ -124,6 +124,16 @@ def search_params(kind: IndexType, params: Mapping[str, object], k: int) -> dict
     if "ef" in checked and checked["ef"] < k:
         raise ValueError(f"ef={checked['ef']} must be at least k={k}")
     return checked
+
+
+# Every search parameter of any index type (a name has one range for every type taking it).
+ANY_SEARCH_PARAMS = {name: allowed for ranges in SEARCH_PARAMS.values() for name, allowed in ranges.items()}
+
+
+def any_search_params(params: Mapping[str, object]) -> dict[str, int]:
+    """Search parameters that some index type takes, each an integer in its range
+    (ValueError naming the parameter); `search_params` checks them against the index."""
+    return _checked("an index", params, ANY_SEARCH_PARAMS, "search")
 
 
 def default_nprobe(nlist: int) -> int:

@@ -19,13 +19,14 @@ Owns:
   own: it imports pyspark, which the pandas readers do not need.)
 - `search`: the k nearest rows of query vectors at a timestamp over the same parts a read
   sees: segments with a finished index through faiss, the rest exactly; deletes applied,
-  the k best merged (`Catalog.search`, `vchan search`).
+  the k best merged (`Catalog.search`, `vchan search`); `search_options`: its options as
+  one value (`SearchOptions`), checked when made and passed whole down to the request
+  check; `batch_search`: the same search with the segments searched by Spark tasks.
 - `stream_source`: `spark.readStream.format("vchan")`, the same source's change stream:
   the inserts and deletes of the log by vchannel offsets, registered in etcd so log
   retention keeps what a stream has not committed (`datacoord.streams`).
 - `source_options`: the options and Spark field types both share.
 - `prune`: pk conditions and partitions prune segments by their stats logs.
-- Next here: batch search in Spark.
 
 May import: the domain below it (indexes, datacoord, datanode, lifecycle, imports, wal,
 meta, storage, model), `stack` to open the system in Spark workers, and `spark` for sessions.

@@ -1,13 +1,13 @@
 """Batch search in Spark: a DataFrame of query vectors -> the k nearest rows of each.
 
-    search_dataframe(system, info, queries, k=10, id_column="query", vector_column="vector",
-                     field=None, metric=None, filter=None, as_of=None, params=None,
-                     output_fields=(), by="segment") -> Spark DataFrame
+    search_dataframe(system, info, queries, SearchOptions(k=10, ...), id_column="query",
+                     vector_column="vector", by="segment") -> Spark DataFrame
                      (<id_column>, <pk>, distance, *output_fields)
 
 (`Catalog.search_dataframe(collection, queries, ...)`.) The same search as `query.search`
 (the query view at T, deletes applied, indexed segments through their index and the rest
-exactly, the same request checks and errors) with the segments searched by Spark tasks:
+exactly, the same options (`query.search_options.SearchOptions`), request checks and
+errors) with the segments searched by Spark tasks:
 
 - the driver resolves T, pins the read, lists the segments served at T with their builds
   and deletes (`plan_search`) and collects the query vectors (the query DataFrame's
@@ -59,6 +59,7 @@ from vchan_assets.query.search import (
     plan_search,
     search_segment,
 )
+from vchan_assets.query.search_options import SearchOptions
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 
@@ -143,40 +144,41 @@ def collect_queries(
     return ids.astype(np.int64), vectors
 
 
-def search_dataframe(system: System, info: CollectionInfo, queries: Any, k: int = 10, **options: Any) -> Any:
+def search_dataframe(
+    system: System, info: CollectionInfo, queries: Any, options: SearchOptions | None = None, **batch: Any
+) -> Any:
     """The k nearest rows of each query of the `queries` DataFrame (module docstring), as
     a DataFrame on the same Spark session: `id_column`, the primary key, `distance` and
-    the `output_fields`. `options`: `search_table`'s."""
-    return queries.sparkSession.createDataFrame(search_table(system, info, queries, k, **options))
+    the output fields. `batch`: `search_table`'s keywords after `options`."""
+    return queries.sparkSession.createDataFrame(search_table(system, info, queries, options, **batch))
 
 
 def search_table(
     system: System,
     info: CollectionInfo,
     queries: Any,
-    k: int = 10,
+    options: SearchOptions | None = None,
     id_column: str = "query",
     vector_column: str = "vector",
     by: Distribution = "segment",
-    as_of: Any = None,
     engine: IndexEngine = OURS,
     timeout: float = 900.0,
-    **request_options: Any,
 ) -> pa.Table:
     """`search_dataframe`'s hits as an Arrow table (on the driver), with the segments
-    searched exactly in its metadata (`query.search.exact_segments`). `request_options`:
-    field, metric, filter, params, output_fields, as `query.search.search` takes them."""
+    searched exactly in its metadata (`query.search.exact_segments`). `options`: as
+    `query.search.search` takes them (default: `SearchOptions()`)."""
     from vchan_assets.spark.session import run_arrow_tasks
 
     if by not in ("segment", "query"):
         raise SearchError(info.name, f"by must be 'segment' or 'query', got {by!r}")
     ids, vectors = collect_queries(info, queries, id_column, vector_column)
     spark = queries.sparkSession
-    ts = resolve_as_of(system.store, system.settings, as_of)
+    options = options or SearchOptions()
+    ts = resolve_as_of(system.store, system.settings, options.as_of)
 
     def planned() -> tuple[SearchRequest, SearchPlan]:
         meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
-        request = check_request(system, info, vectors, k, **request_options, indexes=meta.indexes)
+        request = check_request(system, info, vectors, options, meta.indexes)
         return request, plan_search(system, info, request, meta, ts)
 
     with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):

@@ -1,7 +1,7 @@
 """Search: the k nearest rows of each query vector in a collection, at a timestamp.
 
-    search(system, info, vectors, k=10, field=None, metric=None, filter=None, as_of=None,
-           params=None, output_fields=()) -> Arrow table (query, <pk>, distance, *fields)
+    search(system, info, vectors, SearchOptions(k=10, field=None, metric=None, filter=None,
+           as_of=None, params=None, output_fields=())) -> Arrow table (query, <pk>, distance, *fields)
 
 It reads what `read_collection` reads at T (`query.asof`: the segments the query views
 served at T, and each vchannel's log after its checkpoint), and searches each part the
@@ -45,16 +45,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
-from vchan_assets.errors import DeclaredError
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
 from vchan_assets.indexes.meta import describe, list_indexes
-from vchan_assets.indexes.params import (
-    MAX_K,
-    default_ef,
-    default_nprobe,
-    search_params,
-)
+from vchan_assets.indexes.params import default_ef, default_nprobe, search_params
 from vchan_assets.indexes.tasks import queue_rebuild
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
@@ -69,6 +63,7 @@ from vchan_assets.model import (
     SegmentInfo,
 )
 from vchan_assets.query.asof import MetaAt, at_or_before, meta_at, replanned, resolve_as_of, tail_of
+from vchan_assets.query.search_options import SearchError, SearchOptions
 from vchan_assets.query.view import (
     delete_paths,
     readable_ids,
@@ -97,14 +92,6 @@ SCALAR_CACHE_BYTES = 512 << 20
 
 _POS = "__position"
 _FAISS: Any = faiss  # (its type stubs lack the search parameter classes)
-
-
-class SearchError(DeclaredError, ValueError):
-    """A search that cannot run as asked: nothing was read."""
-
-    collection: str
-    reason: str
-    message = "cannot search {collection!r}: {reason}"
 
 
 class IndexFallbackWarning(UserWarning):
@@ -164,27 +151,21 @@ def search(
     system: System,
     info: CollectionInfo,
     vectors: Any,
-    k: int = 10,
-    field: str | None = None,
-    metric: MetricType | str | None = None,
-    filter: str | pc.Expression | None = None,
-    as_of: Any = None,
-    params: Mapping[str, object] | None = None,
-    output_fields: Sequence[str] = (),
+    options: SearchOptions | None = None,
     engine: IndexEngine = OURS,
 ) -> pa.Table:
-    """The k nearest rows of each query vector (module docstring): one row per hit,
-    `query` (the query's position in `vectors`), the primary key, `distance` and the
-    `output_fields`, sorted by query and nearness. `engine`: the index engine versions
-    this process reads (what its reader session states). The segments searched exactly
-    although indexed are listed in the result's metadata (`exact_segments`)."""
-    ts = resolve_as_of(system.store, system.settings, as_of)
+    """The k nearest rows of each query vector (module docstring) as `options` ask
+    (default: `SearchOptions()`): one row per hit, `query` (the query's position in
+    `vectors`), the primary key, `distance` and the output fields, sorted by query and
+    nearness. `engine`: the index engine versions this process reads (what its reader
+    session states). The segments searched exactly although indexed are listed in the
+    result's metadata (`exact_segments`)."""
+    options = options or SearchOptions()
+    ts = resolve_as_of(system.store, system.settings, options.as_of)
 
     def planned() -> tuple[SearchRequest, SearchPlan]:
         meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
-        request = check_request(
-            system, info, vectors, k, field, metric, filter, params, output_fields, meta.indexes
-        )
+        request = check_request(system, info, vectors, options, meta.indexes)
         return request, plan_search(system, info, request, meta, ts)
 
     with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
@@ -202,24 +183,18 @@ def check_request(
     system: System,
     info: CollectionInfo,
     vectors: Any,
-    k: int,
-    field: str | None = None,
-    metric: MetricType | str | None = None,
-    filter: str | pc.Expression | None = None,
-    params: Mapping[str, object] | None = None,
-    output_fields: Sequence[str] = (),
+    options: SearchOptions,
     indexes: Sequence[FieldIndex] | None = None,
 ) -> SearchRequest:
-    """The search checked before any file is read: SearchError naming what is wrong.
-    `indexes`: the collection's live indexes, when the caller listed them (`meta_at`)."""
+    """The search checked against the collection before any file is read (the options
+    are checked already: `SearchOptions`): SearchError naming what is wrong. `indexes`:
+    the collection's live indexes, when the caller listed them (`meta_at`)."""
 
     def error(reason: str) -> SearchError:
         return SearchError(info.name, reason)
 
-    target = _vector_field(info, field, error)
+    target = _vector_field(info, options.field, error)
     assert target.dim is not None
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= MAX_K:
-        raise error(f"k must be an integer in [1, {MAX_K}], got {k!r}")
     try:
         queries = np.asarray(vectors, dtype=np.float32)
     except (TypeError, ValueError) as exc:
@@ -239,35 +214,38 @@ def check_request(
     if indexes is None:
         indexes = [d.model for d in list_indexes(system.store, info.id)]
     found_index = next((i for i in indexes if i.field_id == target.field_id), None)
-    chosen = _metric(metric, found_index, error)
+    chosen = _metric(options.metric, found_index)
+    if found_index is not None and chosen is not found_index.metric:
+        raise error(
+            f"metric {chosen} does not match the index {describe(found_index)}: search with {found_index.metric}"
+        )
+    params = options.params or {}
     checked: dict[str, int] = {}
     if found_index is not None:
         try:
-            checked = search_params(found_index.type, params or {}, k)
+            checked = search_params(found_index.type, params, options.k)
         except ValueError as exc:
             raise error(f"{exc} (index {describe(found_index)})") from None
     elif params:
         raise error(f"field {target.name!r} has no index: search parameters {sorted(params)} do not apply")
     scalars = {f.name for f in info.schema.scalar_fields}
-    for name in output_fields:
+    for name in options.output_fields:
         if name not in scalars:
             raise error(
                 f"output field {name!r} is not a scalar field of the collection ({', '.join(sorted(scalars))})"
             )
-    if filter is not None and not isinstance(filter, str | pc.Expression):
-        raise error(f"filter must be a string or a pyarrow.compute expression, got {type(filter).__name__}")
     fields = [pa.field("query", pa.int64()), pa.field(info.schema.primary.name, pa.int64())]
     fields += [pa.field("distance", pa.float32())]
-    fields += [pa.field(name, arrow_type(info.schema.field(name))) for name in output_fields]
+    fields += [pa.field(name, arrow_type(info.schema.field(name))) for name in options.output_fields]
     return SearchRequest(
         field=target,
         metric=chosen,
-        k=k,
+        k=options.k,
         queries=prepared(queries, chosen),
         index=found_index,
         params=checked,
-        filter=filter,
-        output_fields=tuple(output_fields),
+        filter=options.filter,
+        output_fields=tuple(options.output_fields),
         collection=info.name,
         pk=info.schema.primary.name,
         scalars=tuple(f.name for f in info.schema.scalar_fields),
@@ -291,16 +269,11 @@ def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldS
     return found
 
 
-def _metric(metric: MetricType | str | None, index: FieldIndex | None, error: Any) -> MetricType:
-    if metric is None:
-        return index.metric if index is not None else MetricType.L2
-    try:
-        chosen = MetricType(str(metric).upper())
-    except ValueError:
-        raise error(f"unknown metric {metric!r}: one of {', '.join(m.value for m in MetricType)}") from None
-    if index is not None and chosen is not index.metric:
-        raise error(f"metric {chosen} does not match the index {describe(index)}: search with {index.metric}")
-    return chosen
+def _metric(metric: MetricType | str | None, index: FieldIndex | None) -> MetricType:
+    """The metric asked for (named already: `SearchOptions`), else the index's, else L2."""
+    if metric is not None:
+        return MetricType(metric)
+    return index.metric if index is not None else MetricType.L2
 
 
 # --- the parts of a read at T ---------------------------------------------------------------
