@@ -1,6 +1,8 @@
-"""The demo's last lines (`demo.direct.ending`, shared by the direct and the Dagster demo)
-say what is still running, looked up, not assumed: real child processes, one that exits
-when it is stopped and one that stays."""
+"""The demo's last lines (`demo.direct.ending`, shared by the direct and the Dagster demo:
+`vchan demo` used to end with the address of a Dagster UI it had just stopped) say what is
+still running, looked up, not assumed: real child processes, one that exits when it is
+stopped and one that stays. A whole `vchan demo` run (minutes on the 2-core CI machine) is
+left to `make demo`."""
 
 from __future__ import annotations
 
