@@ -57,7 +57,7 @@ def test_a_channel_on_a_dead_node_with_no_active_coordinator_says_to_run_vchan_u
 
 
 def test_a_dead_dagster_daemon_is_a_warning_that_says_to_run_vchan_up(
-    settings: Settings, store: MetaStore, storage: Storage
+    system: System, settings: Settings
 ) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs: the daemon was killed
@@ -65,7 +65,7 @@ def test_a_dead_dagster_daemon_is_a_warning_that_says_to_run_vchan_up(
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"url": "http://127.0.0.1:1", "pids": [gone.pid, os.getpid()]}))
 
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+    report = collect_status(Catalog(system), orphans=False)
 
     assert report["services"] == {
         "dagster_daemon": f"down (pid {gone.pid} died)",

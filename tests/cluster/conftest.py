@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from datacoord.helpers import Cluster, fast_settings
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.etcd_cluster import EtcdCluster
 from vchan_assets.deploy.spark_standalone import SparkStandalone
+from vchan_assets.testing.harness import Cluster, fast_settings
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
-from imports.helpers import assert_imported_once, new_collection, rows, visible, write_parquet
 
 from vchan_assets import imports
 from vchan_assets.config import Settings
@@ -15,6 +14,8 @@ from vchan_assets.defs.imports.assets import IMPORT_JOBS, import_jobs, import_se
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.testing.import_files import assert_imported_once, rows, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
 

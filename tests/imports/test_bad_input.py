@@ -14,17 +14,17 @@ from vchan_assets.imports.jobs import ImportJob, ImportState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.wal.producer import Producer
-
-from .helpers import (
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.import_files import (
     assert_imported_once,
     assert_nothing_visible,
-    new_collection,
     rows,
     run_import,
     visible,
     write_parquet,
 )
+from vchan_assets.testing.steps import new_collection
+from vchan_assets.wal.producer import Producer
 
 
 def _with(table: pa.Table, name: str, column: pa.Array) -> pa.Table:
@@ -192,13 +192,12 @@ def test_a_collection_dropped_during_the_job_fails_it_with_nothing_visible(
 
     assert dropped and job.state is ImportState.FAILED
     assert f"collection {info.name!r} was dropped during the job" in job.reason
-    from .helpers import segments
 
     assert {s.state.value for s in segments(store, info)} <= {"Dropped"}
 
 
 def test_status_lists_import_jobs_with_the_reason_of_a_failed_one(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     from rich.console import Console
 
@@ -208,7 +207,7 @@ def test_status_lists_import_jobs_with_the_reason_of_a_failed_one(
     info = new_collection(producer)
     job = run_import(store, settings, info, [_null_pk(tmp_path)])
 
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+    report = collect_status(Catalog(system), orphans=False)
     [listed] = [j for j in report["imports"] if j["job_id"] == job.job_id]
     assert listed["state"] == "Failed" and "is null at row 2" in listed["reason"]
     console = Console(width=250, record=True)

@@ -23,19 +23,10 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import VCHAN, cli_env, segments
+from vchan_assets.testing.import_files import assert_imported_once, rows, run_import, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
-
-from .helpers import (
-    VCHAN,
-    assert_imported_once,
-    cli_env,
-    new_collection,
-    rows,
-    run_import,
-    segments,
-    visible,
-    write_parquet,
-)
 
 STEPS = ["import_after_preimport", "import_after_binlogs", "import_before_commit"]
 
@@ -136,7 +127,7 @@ def test_a_job_out_of_attempts_fails_instead_of_retrying_forever(
 
 
 def test_the_deletes_of_an_upsert_not_yet_committed_apply_to_no_read_and_no_compaction(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     """An upsert import killed before its commit leaves an Importing L0 segment whose delta
     logs delete the pks it replaces. Until the job commits, those deletes must apply to
@@ -164,7 +155,7 @@ def test_the_deletes_of_an_upsert_not_yet_committed_apply_to_no_read_and_no_comp
     assert pending, "the killed upsert left its deletes in an Importing L0 segment"
 
     assert_imported_once(visible(store, storage, settings, info), old)
-    outcomes = sort_step(System(settings, store, storage), engine="local")
+    outcomes = sort_step(system, engine="local")
     assert outcomes and all(o.state.value == "Completed" for o in outcomes), outcomes
-    ImportExecutor(System(settings, store, storage)).fail(get_job(store, 78), "given up by the test")
+    ImportExecutor(system).fail(get_job(store, 78), "given up by the test")
     assert_imported_once(visible(store, storage, settings, info), old)

@@ -13,18 +13,10 @@ from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.import_files import assert_imported_once, rows, run_import, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
-
-from .helpers import (
-    VCHAN,
-    assert_imported_once,
-    cli_env,
-    new_collection,
-    rows,
-    run_import,
-    visible,
-    write_parquet,
-)
 
 
 def _records(table: pa.Table) -> list[dict[str, object]]:

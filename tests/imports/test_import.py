@@ -19,13 +19,14 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.import_files import assert_imported_once, rows, visible, write_parquet
+from vchan_assets.testing.steps import new_collection, sync_all
 from vchan_assets.wal.producer import Producer
-
-from .helpers import assert_imported_once, new_collection, rows, segments, visible, write_parquet
 
 
 def test_parquet_files_become_flushed_segments_readable_by_read_collection(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     a, b = rows(300, 0, seed=1), rows(200, 1000, seed=2)
@@ -43,7 +44,7 @@ def test_parquet_files_become_flushed_segments_readable_by_read_collection(
     assert {s.vchannel for s in segs} == set(info.vchannels)  # routed by pk % K, as the producer
     for s in segs:
         k = info.vchannels.index(s.vchannel)
-        pks = Catalog(System(settings, store, storage)).read_segment(s.id)["pk"]
+        pks = Catalog(system).read_segment(s.id)["pk"]
         assert (pks % len(info.vchannels) == k).all()
         assert len(s.binlogs) == 2 and s.statslogs and s.import_job == job_id
         assert all(b.ts_from == job.timestamp for b in s.binlog_files)
@@ -101,7 +102,7 @@ def test_a_large_parquet_file_is_cut_into_segments_by_row_groups(
 
 
 def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     parts = [rows(150, i * 1000, seed=i) for i in range(3)]
@@ -112,7 +113,7 @@ def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
 
     assert job.state is ImportState.COMPLETED, job.reason
     assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
-    listed = Catalog(System(settings, store, storage)).imports(info.name)
+    listed = Catalog(system).imports(info.name)
     row = listed.set_index("job_id").loc[job_id]
     assert (row["state"], row["rows"], row["imported_rows"], row["files"]) == ("Completed", 450, 450, 3)
     assert get_job(store, job_id).model.segment_ids == tuple(row["segments"])
@@ -167,9 +168,8 @@ def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(
 
 
 def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_alone(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
-    from lifecycle.helpers import sync_all
 
     from vchan_assets.datanode.checks import check_log_rows
     from vchan_assets.lifecycle.step import lifecycle_step
@@ -178,7 +178,7 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
     produced = rows(100, 0, seed=3)
     producer.insert(info.name, produced)
     producer.flush(info.name)
-    sync_all(store, storage, settings, info)
+    sync_all(system, info)
     data = rows(300, 10_000, seed=4).take(pa.array(range(299, -1, -1)))  # pks descending
     job = imports.run(
         imports.submit(info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=settings),
@@ -187,7 +187,7 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
 
     for vchannel in info.vchannels:
         assert check_log_rows(store, storage, info, vchannel).passed
-    lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+    lifecycle_step(system, engine="local", collect=False)
 
     live = [s for s in segments(store, info) if s.state is SegmentState.FLUSHED and s.level.value == "L1"]
     assert all(s.is_sorted for s in live)

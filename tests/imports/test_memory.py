@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .helpers import rows, write_parquet
+from vchan_assets.testing.import_files import rows, write_parquet
 
 PROBE = """
 import sys

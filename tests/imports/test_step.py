@@ -8,16 +8,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from datacoord.helpers import Role, wait_until
 
 from vchan_assets import imports
 from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportState, get_job
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import Role, cli_env
+from vchan_assets.testing.import_files import assert_imported_once, rows, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
-
-from .helpers import assert_imported_once, cli_env, new_collection, rows, visible, write_parquet
 
 
 @pytest.fixture

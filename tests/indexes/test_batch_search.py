@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from indexes.helpers import Data, clustered, insert, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
@@ -20,6 +19,7 @@ from vchan_assets.query.batch_search import search_table
 from vchan_assets.query.search import IndexFallbackWarning, SearchError, exact_segments
 from vchan_assets.query.spark_source import spark_session
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import Data, clustered, insert, new_data, sorted_segments
 from vchan_assets.wal.producer import Producer
 
 K = 5
@@ -31,7 +31,7 @@ IDS = np.arange(1000, 1000 + len(QUERIES))
 def data(system: System, producer: Producer) -> Data:
     """Three sorted segments with an HNSW index, some of their rows deleted, and rows only
     in the log tail."""
-    data = new_collection(producer)
+    data = new_data(producer)
     sorted_segments(system, producer, data, [1500, 1200, 1100])
     create_index(system.store, data.info, "vec", "HNSW", "L2")
     assert len(IndexBuilder(system, "local").run().finished) == 3

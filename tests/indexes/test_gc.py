@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from indexes.helpers import Data, ivf_indexed, live_sorted, new_collection
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.tasks import TaskScheduler
 from vchan_assets.indexes.gc import collect_indexes
@@ -20,6 +19,7 @@ from vchan_assets.lifecycle.plans import CompactionType
 from vchan_assets.model import SegmentIndex, SegmentIndexState
 from vchan_assets.storage.layout import index_file_key
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import Data, ivf_indexed, live_sorted, new_data
 from vchan_assets.wal.producer import Producer
 
 LATER = 2 * 86400  # past every tolerance of the defaults
@@ -27,7 +27,7 @@ LATER = 2 * 86400  # past every tolerance of the defaults
 
 @pytest.fixture
 def data(producer: Producer) -> Data:
-    return new_collection(producer)
+    return new_data(producer)
 
 
 def gc(system: System, ahead: float = LATER) -> GcReport:

@@ -1,9 +1,8 @@
-"""Shared steps of the import tests: a collection, input files written with plain pyarrow,
-and what a reader sees afterwards."""
+"""Steps of the bulk-import tests: input files written with plain pyarrow, an import job run
+in-process, and what a reader sees afterwards."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datanode.helpers import SCHEMA, VCHAN, cli_env, segments
 
 from vchan_assets import imports
 from vchan_assets.catalog import Catalog
@@ -21,14 +19,10 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.wal.producer import Producer, generate_rows
+from vchan_assets.testing.harness import SCHEMA, segments
+from vchan_assets.wal.producer import generate_rows
 
-__all__ = ["SCHEMA", "VCHAN", "cli_env", "segments"]
 DIM = 8
-
-
-def new_collection(producer: Producer, channels: int = 2) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=channels)
 
 
 def rows(n: int, start_pk: int = 0, seed: int = 0) -> pa.Table:
