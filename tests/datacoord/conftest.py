@@ -13,13 +13,6 @@ from .helpers import Sessions
 
 
 @pytest.fixture
-def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(fast_settings(settings), tmp_path)
-    yield c
-    c.cleanup()
-
-
-@pytest.fixture
 def private_cluster(private_settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(fast_settings(private_settings), tmp_path)
     yield c

@@ -22,6 +22,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import Cluster, fast_settings
 from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
@@ -110,6 +111,15 @@ def collection(producer: Producer, channels: int) -> CollectionInfo:
 def private_settings(settings: Settings, private_etcd: EmbeddedEtcd) -> Settings:
     """Settings of one test pointing at its private etcd server."""
     return replace(settings, etcd_endpoints=(private_etcd.endpoint,))
+
+
+@pytest.fixture
+def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
+    """`vchan datanode` / `vchan datacoord` processes of one test, with short timings
+    (`harness.fast_settings`); killed at teardown."""
+    c = Cluster(fast_settings(settings), tmp_path)
+    yield c
+    c.cleanup()
 
 
 @pytest.fixture
