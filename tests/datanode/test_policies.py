@@ -62,19 +62,14 @@ def test_oldest_unsynced_row_fires_when_it_is_older_than_the_max_age(
 
 
 def test_flush_fires_sealed_and_flush_policies_until_a_sync_passes_it(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 100, start_pk=0)
     producer.flush(collection.name)
-    reasons = _reasons(store, storage, settings, collection)
+    reasons = _reasons(store, system.storage, settings, collection)
     assert any(r.startswith("1 sealed segment") for r in reasons)
     assert any(r.startswith("flush requested") for r in reasons)
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
     SyncTask(system, collection, vchannel, lease, engine="local").run()
-    assert _reasons(store, storage, settings, collection) == []
+    assert _reasons(store, system.storage, settings, collection) == []

@@ -204,13 +204,7 @@ def test_growing_segment_is_sealed_by_binlog_file_count_before_its_meta_outgrows
 
 @pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta", "before_checkpoint"])
 def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_once(
-    system: System,
-    step: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 2000, start_pk=0, deletes=30)
@@ -222,11 +216,13 @@ def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_o
     cp_before = checkpoint(store, vchannel)
     meta_before = {s.id: s for s in segments(store, collection)}
 
-    crashed = run_sync_process(settings, collection.name, vchannel, lease.lease_id, VCHAN_FAILPOINT=step)
+    crashed = run_sync_process(
+        system.settings, collection.name, vchannel, lease.lease_id, VCHAN_FAILPOINT=step
+    )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
 
     assert checkpoint(store, vchannel) == cp_before, "the checkpoint moved although the sync died"
-    orphans = list_orphans(store, storage)
+    orphans = list_orphans(store, system.storage)
     if step == "after_binlogs":
         assert orphans, "the files of a sync killed before its meta commit must be listed as orphans"
         assert {s.id: s for s in segments(store, collection)} == meta_before, "meta changed before its commit"
@@ -236,7 +232,7 @@ def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_o
     sync_all(system, collection, engine="spark")  # a new sync replays from the old checkpoint
     cp_after = checkpoint(store, vchannel)
     assert cp_before is not None and cp_after is not None and cp_after.offset > cp_before.offset
-    assert_exactly_once(store, storage, collection, produced)
+    assert_exactly_once(store, system.storage, collection, produced)
 
 
 def test_lease_revoked_between_binlog_write_and_meta_commit_rejects_the_commit(
@@ -288,14 +284,7 @@ def test_vchan_sync_take_lease_fences_the_old_writer_and_syncs_every_channel_und
 
 @pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta"])
 def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
-    system: System,
-    step: str,
-    tmp_path: Path,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, tmp_path: Path, producer: Producer, collection: CollectionInfo
 ) -> None:
     """Two syncs of one vchannel under the same lease at once (a Dagster run the run
     monitor gave up on while its worker still ran, and the sensor's next run): the one
@@ -306,8 +295,8 @@ def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
     produced = Produced()
     produce(producer, collection.name, produced, 1000, start_pk=0, deletes=50)
     vchannel = collection.vchannels[0]
-    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    first = sync_stopped_at(settings, collection.name, vchannel, lease.lease_id, step, tmp_path)
+    lease = grant_channel_lease(system.store, _ids(system.store), vchannel, node_id=1)
+    first = sync_stopped_at(system.settings, collection.name, vchannel, lease.lease_id, step, tmp_path)
     second = SyncTask(system, collection, vchannel, lease, engine="local").run()
     if step == "after_binlogs":
         assert second.rows > 0 and second.deletes > 0
@@ -315,7 +304,7 @@ def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
     _, stderr = first.communicate(timeout=60)
 
     sync_all(system, collection)
-    assert_exactly_once(store, storage, collection, produced)
+    assert_exactly_once(system.store, system.storage, collection, produced)
     assert first.returncode != 0, "the stale sync committed"
     assert "another sync of" in stderr, stderr
 
@@ -462,12 +451,7 @@ def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(
 
 
 def test_replay_leaves_out_the_rows_of_dropped_segments(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     """Replay filters by segment state, not only by offset (seed: the flowgraph drops the
     inserts of flushed and dropped segments): rows of a segment the coordinator dropped
@@ -476,7 +460,7 @@ def test_replay_leaves_out_the_rows_of_dropped_segments(
     from vchan_assets.datacoord.segment_manager import SegmentManager
 
     produce(producer, collection.name, Produced(), 200, start_pk=0)
-    dropped = SegmentManager(store, settings).drop_partition(collection.id, collection.partitions[0])
+    dropped = SegmentManager(store, system.settings).drop_partition(collection.id, collection.partitions[0])
     assert dropped
 
     sync_all(system, collection)

@@ -116,13 +116,12 @@ def test_lifecycle_sensors_stand_by_while_a_datacoord_process_leads_the_election
     instance: dg.DagsterInstance,
     vchan: VchanResource,
     dsettings: Settings,
-    store: MetaStore,
     producer: Producer,
 ) -> None:
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
     flushed_batches(system, producer, info, batches=1)  # a segment waits for its sort
-    process = DataCoordinator(dsettings, store)  # what `vchan datacoord` runs: it sorts and compacts
+    process = DataCoordinator(dsettings, system.store)  # what `vchan datacoord` runs: it sorts and compacts
     assert process.election.campaign(timeout=10)
     try:
         for sensor in (sort_sensor, lifecycle_sensor):

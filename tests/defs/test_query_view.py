@@ -174,7 +174,6 @@ def test_a_vchannel_whose_view_cannot_be_read_fails_the_run_after_the_others_are
     system: System,
     instance: dg.DagsterInstance,
     vchan: VchanResource,
-    store: MetaStore,
     producer: Producer,
     flushed_once: CollectionInfo,
 ) -> None:
@@ -183,7 +182,7 @@ def test_a_vchannel_whose_view_cannot_be_read_fails_the_run_after_the_others_are
     broken = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     flushed_batches(system, producer, broken, batches=1)
     [bad], [good] = broken.vchannels, flushed_once.vchannels
-    store.put(store.keys.channel_checkpoint(bad), b"{not json")
+    system.store.put(system.store.keys.channel_checkpoint(bad), b"{not json")
 
     result = query_view_job.execute_in_process(
         run_config=dg.RunConfig(ops={"query_views": VchannelsConfig(vchannels=[bad, good])}),

@@ -8,7 +8,6 @@ import time
 from dataclasses import replace
 
 from vchan_assets.catalog import Catalog
-from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import list_orphans
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger, input_memory_mb
 from vchan_assets.lifecycle.plans import (
@@ -27,23 +26,19 @@ from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batc
 from vchan_assets.wal.producer import Producer, generate_rows
 
 
-def executor(store: MetaStore, storage: Storage, settings: Settings) -> CompactionExecutor:
-    return CompactionExecutor(System(settings, store, storage), engine="local")
+def executor(system: System, **settings: object) -> CompactionExecutor:
+    """A compaction executor (local engine) of `system`, with `settings` changed."""
+    return CompactionExecutor(replace(system, settings=replace(system.settings, **settings)), engine="local")
 
 
 def test_plans_are_admitted_by_memory_estimate_and_the_rest_run_in_a_later_job(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=3)
     before = live_l1(store, collection)
     one = max(input_memory_mb([s]) for s in before)
     plans = CompactionTrigger(system).trigger(collection, CompactionType.SORT)
-    tight = executor(store, storage, replace(settings, task_memory_mb=one * 2.5))  # two plans fit
+    tight = executor(system, task_memory_mb=one * 2.5)  # two plans fit
 
     outcomes = tight.run_pending()
 
@@ -54,19 +49,14 @@ def test_plans_are_admitted_by_memory_estimate_and_the_rest_run_in_a_later_job(
 
 
 def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_commit(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     before = live_l1(store, collection)
     assert before and not any(s.is_sorted for s in before)
     plans = CompactionTrigger(system).trigger(collection, CompactionType.SORT)
     assert sorted(p.input_ids[0] for p in plans) == sorted(s.id for s in before)
-    outcomes = executor(store, storage, settings).run_pending()
+    outcomes = executor(system).run_pending()
     assert [o.state for o in outcomes] == [PlanState.COMPLETED] * len(before)
     after = live_l1(store, collection)
     assert all(s.is_sorted and len(s.compaction_from) == 1 for s in after)
@@ -78,19 +68,14 @@ def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_
 
 
 def test_mix_merges_small_segments_removing_deleted_rows_into_one_sorted_segment(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=3)
     before = live_l1(store, collection)
     assert len(before) == 3
     plans = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
     assert len(plans) == 1 and sorted(plans[0].input_ids) == sorted(s.id for s in before)
-    [outcome] = executor(store, storage, settings).run_pending()
+    [outcome] = executor(system).run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
     [merged] = live_l1(store, collection)
     assert merged.is_sorted and sorted(merged.compaction_from) == sorted(s.id for s in before)
@@ -104,21 +89,16 @@ def test_mix_merges_small_segments_removing_deleted_rows_into_one_sorted_segment
 
 
 def test_mix_output_is_cut_at_the_max_segment_size(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=3, deletes=0)
     row_mb = collection.schema.row_bytes() / (1 << 20)
-    small = replace(settings, segment_max_size_mb=250 * row_mb)  # 250 rows per segment
-    plans = CompactionTrigger(System(small, store, storage)).trigger(
-        collection, CompactionType.MIX, manual=True
-    )
+    small = replace(
+        system, settings=replace(system.settings, segment_max_size_mb=250 * row_mb)
+    )  # 250 rows a segment
+    plans = CompactionTrigger(small).trigger(collection, CompactionType.MIX, manual=True)
     assert plans
-    outcomes = executor(store, storage, small).run_pending()
+    outcomes = executor(small).run_pending()
     assert all(o.state is PlanState.COMPLETED for o in outcomes)
     assert all(s.num_rows <= 250 for s in live_l1(store, collection))
     assert_lifecycle_invariants(system, collection, produced)
@@ -155,17 +135,12 @@ def _bump(store: MetaStore, seg: SegmentInfo) -> None:
 
 
 def test_compaction_whose_input_changed_after_its_files_were_written_aborts_and_inputs_stay_live(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     before = live_l1(store, collection)
     [plan] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
-    ex = executor(store, storage, settings)
+    ex = executor(system)
     [pending] = [d for d in list_plans(store) if d.model.plan_id == plan.plan_id]
     started = ex.start(pending)
     assert isinstance(started, tuple)
@@ -181,12 +156,7 @@ def test_compaction_whose_input_changed_after_its_files_were_written_aborts_and_
 
 
 def test_two_plans_of_the_same_segments_the_second_commit_aborts(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     trigger = CompactionTrigger(system)
@@ -194,7 +164,7 @@ def test_two_plans_of_the_same_segments_the_second_commit_aborts(
     # The trigger never plans a busy segment; force a rival plan on the same inputs.
     rival = replace(first, plan_id=first.plan_id + 10_000_000, output_ids=(first.output_ids[0] + 10_000_000,))
     create_plan(store, rival)
-    ex = executor(store, storage, settings)
+    ex = executor(system)
     a = ex.start([d for d in list_plans(store) if d.model.plan_id == first.plan_id][0])
     b = ex.start([d for d in list_plans(store) if d.model.plan_id == rival.plan_id][0])
     assert isinstance(a, tuple) and isinstance(b, tuple)
@@ -207,19 +177,14 @@ def test_two_plans_of_the_same_segments_the_second_commit_aborts(
 
 
 def test_corrupt_input_binlog_fails_that_plan_naming_the_file_and_other_plans_go_on(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     flushed_batches(system, producer, collection, batches=2)
     before = live_l1(store, collection)
     bad = before[0].binlogs[0].logs[0].path
     storage.write_atomic(bad, b"not parquet")
     CompactionTrigger(system).trigger(collection, CompactionType.SORT)
-    outcomes = {o.state: o for o in executor(store, storage, settings).run_pending()}
+    outcomes = {o.state: o for o in executor(system).run_pending()}
     assert set(outcomes) == {PlanState.FAILED, PlanState.COMPLETED}
     assert bad in outcomes[PlanState.FAILED].reason
     assert before[0].id in {s.id for s in live_l1(store, collection)}, "the corrupt input stays live"
@@ -238,16 +203,11 @@ def test_sort_and_mix_run_as_one_spark_job(
 
 
 def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_output(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     flushed_batches(system, producer, collection, batches=2)
     CompactionTrigger(system).trigger(collection, CompactionType.MIX)
-    [outcome] = executor(store, storage, settings).run_pending()
+    [outcome] = executor(system).run_pending()
     catalog = Catalog(system)
     plans = catalog.compactions(collection.name)
     assert list(plans["plan_id"]) == [outcome.plan_id]
@@ -261,12 +221,7 @@ def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_outpu
 
 
 def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_drops_the_l0_segments(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=3)
     l0 = [
@@ -276,7 +231,7 @@ def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_dro
     ]
     assert len(l0) == 3
     [plan] = CompactionTrigger(system).trigger(collection, CompactionType.L0)
-    [outcome] = executor(store, storage, settings).run_pending()
+    [outcome] = executor(system).run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
     after = {s.id: s for s in segments(store, collection)}
     assert all(after[s.id].state is SegmentState.DROPPED for s in l0)
@@ -291,7 +246,7 @@ def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_dro
     assert_lifecycle_invariants(system, collection, produced)
     # then a mix compaction removes the rows physically and keeps nothing deleted
     CompactionTrigger(system).trigger(collection, CompactionType.MIX)
-    assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
+    assert all(o.state is PlanState.COMPLETED for o in executor(system).run_pending())
     assert_lifecycle_invariants(system, collection, produced)
 
 
@@ -321,12 +276,7 @@ def test_l0_compaction_under_continuous_writes_takes_the_deletes_older_than_ever
 
 
 def test_status_lists_the_compaction_plans(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     from rich.console import Console
 
@@ -342,7 +292,7 @@ def test_status_lists_the_compaction_plans(
     text = console.export_text()
     assert "compaction plans" in text and f"{plan['plan_id']:,}" in text
     # once run: the merged segment counts as sorted and compacted, its inputs as Dropped
-    assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
+    assert all(o.state is PlanState.COMPLETED for o in executor(system).run_pending())
     report = collect_status(Catalog(system), orphans=False)
     by_state = {(s["state"], s["level"]): s for s in report["segments"] if s["collection"] == collection.name}
     assert by_state[("Flushed", "L1")]["segments"] == by_state[("Flushed", "L1")]["sorted"] == 1

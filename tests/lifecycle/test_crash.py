@@ -38,19 +38,12 @@ STEPS = ["compaction_after_files", "compaction_after_commit", "compaction_before
 @pytest.mark.parametrize("kind", ["sort", "mix"])
 @pytest.mark.parametrize("step", STEPS)
 def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_both(
-    system: System,
-    step: str,
-    kind: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, kind: str, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     before = {s.id for s in live_l1(store, collection)}
     crashed = run_vchan(
-        settings,
+        system.settings,
         "compact",
         "--collection",
         collection.name,
@@ -69,19 +62,14 @@ def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_
         assert bool(after & set(p.input_ids)) != bool(after & set(p.output_ids)), (p, after)
     assert after == before if step == "compaction_after_files" else after != before
     assert_lifecycle_invariants(system, collection, produced)
-    recover(store, storage, settings)
+    recover(store, system.storage, system.settings)
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
     assert_lifecycle_invariants(system, collection, produced)
-    assert not list_orphans(store, storage), "the dead compaction's files are collected"
+    assert not list_orphans(store, system.storage), "the dead compaction's files are collected"
 
 
 def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     done = run_vchan(settings, "compact", "--collection", collection.name, "--wait", "--engine", "local")
@@ -98,24 +86,18 @@ def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert_lifecycle_invariants(system, collection, produced)
-    recover(store, storage, settings)
+    recover(store, system.storage, settings)
     assert not dropped & {s.id for s in segments(store, collection)}
     assert_lifecycle_invariants(system, collection, produced)
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_l0_compaction_killed_at_a_commit_step_keeps_every_delete_applied(
-    system: System,
-    step: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     crashed = run_vchan(
-        settings, "compact", "--collection", collection.name, "--type", "l0", "--wait", "--engine", "local",
+        system.settings, "compact", "--collection", collection.name, "--type", "l0", "--wait", "--engine", "local",
         VCHAN_FAILPOINT=step,
     )  # fmt: skip
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
@@ -124,6 +106,6 @@ def test_l0_compaction_killed_at_a_commit_step_keeps_every_delete_applied(
     ]
     assert bool(l0_live) == (step == "compaction_after_files")
     assert_lifecycle_invariants(system, collection, produced)
-    recover(store, storage, settings)
+    recover(store, system.storage, system.settings)
     assert_lifecycle_invariants(system, collection, produced)
-    assert not list_orphans(store, storage)
+    assert not list_orphans(store, system.storage)

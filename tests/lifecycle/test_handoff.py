@@ -136,12 +136,7 @@ def test_datacoord_sorts_a_flush_it_was_not_running_for_at_its_start_not_at_the_
 
 
 def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisible(
-    system: System,
-    store: MetaStore,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     timing = {
         "VCHAN_LIFECYCLE_INTERVAL": "3600",
@@ -152,7 +147,10 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
     first = subprocess.Popen(
         [str(VCHAN), "datacoord", "--engine", "local"],
         env=cli_env(
-            settings, VCHAN_FAILPOINT="handoff_taken=kill", VCHAN_FAILPOINT_MARKER=str(marker), **timing
+            system.settings,
+            VCHAN_FAILPOINT="handoff_taken=kill",
+            VCHAN_FAILPOINT_MARKER=str(marker),
+            **timing,
         ),
     )
     try:
@@ -167,7 +165,9 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
     finally:
         if first.poll() is None:
             os.kill(first.pid, signal.SIGKILL)
-    second = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(settings, **timing))
+    second = subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(system.settings, **timing)
+    )
     try:
         wait_until_sorted(store, collection, second, timeout=90)
     finally:

@@ -32,12 +32,7 @@ from vchan_assets.wal.producer import Producer
 
 
 def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_collects(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=3)
     report = lifecycle_step(system, engine="local")
@@ -50,24 +45,19 @@ def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_
     produced.rows += more.rows
     produced.deleted += more.deleted
     single = replace(settings, compaction_small_proportion=1e-9)  # nothing is "small" now
-    lifecycle_step(System(single, store, storage), engine="local")
+    lifecycle_step(replace(system, settings=single), engine="local")
     assert all(s.is_sorted for s in live_l1(store, collection))
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
     assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_with_compaction_and_gc_off_the_step_only_sorts(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     flushed_batches(system, producer, collection, batches=3)
     off = replace(settings, compaction_enabled=False, gc_enabled=False)
 
-    report = lifecycle_step(System(off, store, storage), engine="local")
+    report = lifecycle_step(replace(system, settings=off), engine="local")
 
     assert report.gc is None  # due at the first step, but switched off
     assert {d.model.type for d in list_plans(store)} == {CompactionType.SORT}
@@ -136,12 +126,7 @@ def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifec
 
 
 def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_retention(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = flushed_batches(system, producer, collection, batches=2)
     inputs = {s.id for s in live_l1(store, collection)}
@@ -153,7 +138,7 @@ def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_reten
 
     def step(now: float) -> LifecycleReport:
         return lifecycle_step(
-            System(timing, store, storage), engine="local", now=now, compact=False, collect=False
+            replace(system, settings=timing), engine="local", now=now, compact=False, collect=False
         )
 
     assert step(started + 30).timed_out == []

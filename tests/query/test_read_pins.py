@@ -59,15 +59,10 @@ def collect(system: System) -> list[int]:
 
 
 def test_gc_keeps_what_a_running_read_may_open_and_the_read_returns_every_row(
-    system: System,
-    store: MetaStore,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     produced = two_flushed_segments(system, producer, collection)
-    read = stopped_read(settings, collection, tmp_path, VCHAN_READ_PIN_TTL="600")
+    read = stopped_read(system.settings, collection, tmp_path, VCHAN_READ_PIN_TTL="600")
     try:
         assert collection.id in pinned_horizons(store)
         merge(system, collection)
@@ -82,15 +77,10 @@ def test_gc_keeps_what_a_running_read_may_open_and_the_read_returns_every_row(
 
 
 def test_a_read_that_outlived_its_pin_fails_naming_the_pin_not_a_missing_file(
-    system: System,
-    store: MetaStore,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     two_flushed_segments(system, producer, collection)
-    read = stopped_read(settings, collection, tmp_path, VCHAN_READ_PIN_TTL="1")
+    read = stopped_read(system.settings, collection, tmp_path, VCHAN_READ_PIN_TTL="1")
     try:
         deadline = time.monotonic() + 30
         while collection.id in pinned_horizons(store):  # the lease expires

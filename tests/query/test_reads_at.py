@@ -94,12 +94,7 @@ def test_every_row_is_read_once_in_log_growing_invisible_and_sorted_segments(
 
 
 def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
-    system: System,
-    store: MetaStore,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 500, start_pk=0, deletes=25)
@@ -111,18 +106,13 @@ def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
         env=env, capture_output=True, timeout=120,
     )  # fmt: skip
     assert done.returncode < 0, "killed at the failpoint"
-    assert any(s.binlogs for s in segments(store, collection)), "segment meta committed"
+    assert any(s.binlogs for s in segments(system.store, collection)), "segment meta committed"
     # Rows now both in binlogs and in the log after the (old) checkpoint: read once.
     assert pks(Catalog(system), collection) == expected_pks(produced)
 
 
 def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_loses_no_row(
-    system: System,
-    store: MetaStore,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)  # only in the log
@@ -131,7 +121,7 @@ def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_l
         # Segment meta, then the checkpoint past every row: all of it after the read's
         # checkpoints, before it lists segments.
         sync_all(system, collection)
-        assert any(s.binlogs for s in segments(store, collection))
+        assert any(s.binlogs for s in segments(system.store, collection))
     finally:
         reader.send_signal(signal.SIGCONT)
     out, err = reader.communicate(timeout=120)
@@ -140,13 +130,7 @@ def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_l
 
 
 def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses_nothing(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     """A read plans its log tail from the checkpoint it read; a sync then moves the
     checkpoint past the tail's first files (their rows into segments the read did not list)
@@ -163,7 +147,7 @@ def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses
         produce(producer, collection.name, later, 200, start_pk=20_000)
         time.sleep(0.05)
         quick = replace(settings, wal_retention=0.001)
-        removed = GarbageCollector(System(quick, store, storage)).run().wal_files
+        removed = GarbageCollector(replace(system, settings=quick)).run().wal_files
         assert removed, "log retention removed the files the read planned to open"
     finally:
         reader.send_signal(signal.SIGCONT)
@@ -174,18 +158,13 @@ def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses
 
 
 def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     """What a Spark task reading a tail planned on the driver gets when retention removed
     its files meanwhile (it cannot plan again): the error, naming the vchannel."""
     produce(producer, collection.name, Produced(), 100, start_pk=0, deletes=5)
-    ts = now_ts(store)
-    segs, views = views_at(store, collection, ts)
+    ts = now_ts(system.store)
+    segs, views = views_at(system.store, collection, ts)
     tail = tail_of(views[0], segs, ts)
     sync_all(system, collection)
     produce(producer, collection.name, Produced(), 100, start_pk=1_000)
@@ -207,7 +186,7 @@ def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
 
 
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
-    store: MetaStore, storage: Storage, travel: System, producer: Producer, collection: CollectionInfo
+    travel: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     first = Produced()
     rows = generate_rows(SCHEMA, 300, start_pk=0, seed=0)

@@ -29,7 +29,6 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionNotFoundError
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.streams import get_stream, list_streams, retention_holds
-from vchan_assets.deploy.processes import wait_until
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.query.asof import iso
@@ -47,6 +46,7 @@ from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, cli_env
 from vchan_assets.testing.steps import retain, sync_all
 from vchan_assets.testing.streams import sink_changes, sink_rows, stream_options
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 

@@ -55,12 +55,7 @@ def _truncate(storage: Storage, info: CollectionInfo, vchannel: str) -> tuple[Pa
 
 
 def test_a_quarantined_log_file_lets_its_channel_sync_on_and_the_loss_stays_visible(
-    system: System,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 400, start_pk=0)
@@ -81,9 +76,9 @@ def test_a_quarantined_log_file_lets_its_channel_sync_on_and_the_loss_stays_visi
     synced = _sync(settings, collection)
 
     assert synced.returncode == 0, synced.stderr[-2000:]
-    found = store.get_model(store.keys.channel_checkpoint(damaged_channel), MsgPosition)
+    found = system.store.get_model(system.store.keys.channel_checkpoint(damaged_channel), MsgPosition)
     assert found is not None and found.model == WalReader(storage, damaged_channel, collection).head()
-    persisted = set(read_inserted(store, storage, collection)["pk"].to_pylist())
+    persisted = set(read_inserted(system.store, storage, collection)["pk"].to_pylist())
     lost = {pk for pk in produced.table["pk"].to_pylist() if pk not in persisted}
     # Only rows of the damaged file are lost: the first batch's rows of that channel.
     first_batch = produced.rows[0]["pk"]
