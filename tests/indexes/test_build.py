@@ -19,13 +19,8 @@ from vchan_assets.indexes.meta import (
 from vchan_assets.indexes.step import IndexBuilder, index_step
 from vchan_assets.model import SegmentIndex, SegmentIndexState
 from vchan_assets.system import System
-from vchan_assets.testing.index_data import Data, live_sorted, new_data, sorted_segments
+from vchan_assets.testing.index_data import Data, live_sorted, sorted_segments
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_data(producer)
 
 
 def builds(system: System, data: Data) -> list[SegmentIndex]:

@@ -39,11 +39,6 @@ def settings(settings: Settings) -> Settings:
     return replace(settings, read_pin_reuse=0.0)
 
 
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_data(producer)
-
-
 def gc(system: System) -> GcReport:
     return GarbageCollector(system, clock=lambda: time.time() + LATER, passes=[collect_indexes]).run()
 

@@ -25,14 +25,9 @@ from vchan_assets.indexes.meta import (
 from vchan_assets.model import CollectionInfo, IndexParam, IndexType, MetricType, SegmentIndexState
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
-from vchan_assets.testing.index_data import Data, clustered, live_sorted, new_data, sorted_segments
+from vchan_assets.testing.index_data import Data, clustered, live_sorted, sorted_segments
 from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_data(producer)
 
 
 def test_create_index_stores_its_definition(system: System, data: Data) -> None:

@@ -30,16 +30,10 @@ from vchan_assets.testing.index_data import (
     flushed_segments,
     ivf_indexed,
     live_sorted,
-    new_data,
     sorted_segments,
 )
 from vchan_assets.testing.steps import run_vchan
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_data(producer)
 
 
 def scheduler(system: System, clock: Clock | None = None, backoff: float = 0.0) -> TaskScheduler:
