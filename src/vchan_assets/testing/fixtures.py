@@ -114,19 +114,19 @@ def private_settings(settings: Settings, private_etcd: EmbeddedEtcd) -> Settings
 
 
 @pytest.fixture
+def private_store(private_settings: Settings) -> Iterator[MetaStore]:
+    meta = MetaStore.connect(private_settings)
+    yield meta
+    meta.close()
+
+
+@pytest.fixture
 def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
     """`vchan datanode` / `vchan datacoord` processes of one test, with short timings
     (`harness.fast_settings`); killed at teardown."""
     c = Cluster(fast_settings(settings), tmp_path)
     yield c
     c.cleanup()
-
-
-@pytest.fixture
-def private_store(private_settings: Settings) -> Iterator[MetaStore]:
-    meta = MetaStore.connect(private_settings)
-    yield meta
-    meta.close()
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,12 @@
 - **Cluster and roles**: `vchan datanode` / `vchan datacoord` OS processes on one
   `Settings`, with short timings (`FAST`: a node is declared dead 2-3 s after its last
   keep-alive), and what etcd says of them: `owners` (every channel watched by exactly one
-  node, under its current lease), `all_synced` (every checkpoint at its log's head).
+  node, under its current lease), `all_synced` (every checkpoint at its log's head), and
+  `OneWriterChecker`, which samples etcd for a channel with two writers.
 - **Produced data**: batches of known rows and deletes written through a `Producer`, and
   `exactly_once`, which reads the live segments' binlogs and delta logs back with plain
-  pyarrow and compares them with what was produced, value by value.
+  pyarrow and compares them with what was produced, value by value; `Load`, a producer
+  thread writing batches until stopped.
 - **Chaos**: `ChaosSchedule`, a seeded random schedule of faults (kill -9 of a node or a
   coordinator, SIGSTOP of a node past its session TTL, kill -9 and restart of etcd) under
   a `PausableLoad`, the producer that stops between batches while etcd is down.
