@@ -15,8 +15,8 @@ def wait_until(
     predicate: Callable[[], object],
     timeout: float,
     what: str,
-    *,
     interval: float = 0.1,
+    *,
     describe: Callable[[], object] | None = None,
 ) -> float:
     """Poll `predicate` until it returns something true; the seconds it took. On timeout,
