@@ -6,15 +6,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from vchan_assets.config import Settings
-from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import SyncTask
-from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import cli_env
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 4}, {"n": "int64", "s": "string"})
@@ -37,12 +32,10 @@ class Known:
         return out | set(self.reinserted)
 
 
-def produce_known(
-    store: MetaStore, storage: Storage, settings: Settings, name: str
-) -> tuple[Producer, Known]:
+def produce_known(system: System, name: str) -> tuple[Producer, Known]:
     """600 rows in `_default`, 200 in `p1` over 2 vchannels; deletes of 50 pks in `_default`
     and 10 in `p1`; pk 0..4 re-inserted after their delete; everything synced and flushed."""
-    producer = Producer(System(settings, store, storage))
+    producer = Producer(system)
     producer.create_collection(name, SCHEMA, partitions=["p1"], num_channels=2)
     producer.insert(name, generate_rows(SCHEMA, 600, start_pk=0, seed=1))
     producer.insert(name, generate_rows(SCHEMA, 200, start_pk=1000, seed=2), partition="p1")
@@ -54,7 +47,7 @@ def produce_known(
     producer.delete(name, [100, 101], partition="p1")
     producer.insert(name, generate_rows(SCHEMA, 5, start_pk=0, seed=3))
     producer.flush(name)
-    sync_all(store, storage, settings, producer.collection(name))
+    sync_all(system, producer.collection(name))
     known = Known(
         info=producer.collection(name),
         inserted={"_default": list(range(600)), "p1": list(range(1000, 1200))},
@@ -64,15 +57,6 @@ def produce_known(
     return producer, known
 
 
-def sync_all(
-    store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo, node_id: int = 1
-) -> None:
-    ids = IdAllocator(store)
-    for vchannel in info.vchannels:
-        lease = grant_channel_lease(store, ids, vchannel, node_id=node_id)
-        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
-
-
 VCHAN = Path(sys.executable).parent / "vchan"
 
-__all__ = ["SCHEMA", "VCHAN", "Known", "cli_env", "produce_known", "sync_all"]
+__all__ = ["SCHEMA", "VCHAN", "Known", "cli_env", "produce_known"]

@@ -15,9 +15,10 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.storage.rows import apply_deletes_to
 from vchan_assets.system import System
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .helpers import SCHEMA, Known, produce_known, sync_all
+from .helpers import SCHEMA, Known, produce_known
 
 
 def test_collections_list_the_collection_with_its_rows_and_deletes(catalog: Catalog, known: Known) -> None:
@@ -90,7 +91,7 @@ def test_apply_deletes_keeps_rows_inserted_after_the_delete() -> None:
 
 
 def test_vchannel_lag_counts_log_messages_after_the_checkpoint(
-    catalog: Catalog, known: Known, settings: Settings, store: MetaStore
+    catalog: Catalog, known: Known, system: System
 ) -> None:
     df = catalog.vchannels(known.info.name).set_index("vchannel")
     assert (df["lag_rows"] == 0).all()
@@ -100,14 +101,14 @@ def test_vchannel_lag_counts_log_messages_after_the_checkpoint(
     # 100 new rows: a batch of inserts plus a time tick per vchannel, not yet synced.
     from vchan_assets.wal.producer import Producer
 
-    producer = Producer(System(settings, store, Storage.from_settings(settings)))
+    producer = Producer(system)
     appended = producer.insert(known.info.name, generate_rows(SCHEMA, 100, start_pk=5000, seed=9))
     df = catalog.vchannels(known.info.name).set_index("vchannel")
     for vchannel, result in appended.items():
         assert df.loc[vchannel, "lag_rows"] == result.rows + 1
         assert df.loc[vchannel, "head_offset"] == result.last_offset
         assert df.loc[vchannel, "lag_seconds"] >= 0
-    sync_all(store, Storage.from_settings(settings), settings, known.info)
+    sync_all(system, known.info)
     df = catalog.vchannels(known.info.name)
     assert (df["lag_rows"] == 0).all() and (df["syncs"] == 2).all()
 
@@ -120,8 +121,7 @@ def test_catalog_open_reads_a_configured_etcd_and_s3_storage(
         storage_uri=f"s3://{s3_server['bucket']}/{uuid.uuid4().hex[:8]}",
         s3_endpoint=s3_server["endpoint"],
     )
-    storage = Storage.from_settings(s3)
-    _, known = produce_known(store, storage, s3, "on_s3")
+    _, known = produce_known(System(s3, store, Storage.from_settings(s3)), "on_s3")
     with Catalog.open(s3) as catalog:
         assert catalog.storage.is_s3
         assert sorted(catalog.read_collection("on_s3")["pk"]) == sorted(known.visible)

@@ -24,6 +24,7 @@ from vchan_assets.metrics import parse
 from vchan_assets.model import ChannelWatchInfo, NodeSession, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.waiting import wait_until
 
 from .helpers import VCHAN, Known, cli_env
 
@@ -224,14 +225,18 @@ def test_status_json_with_real_node_processes_shows_a_killed_nodes_channels_move
         return json.loads(done.stdout)
 
     def wait_for(predicate: Callable[[dict], bool], what: str, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            current = report()
-            if predicate(current):
-                return current
-            logs = {n: (tmp_path / f"{n}.log").read_text()[-1500:] for n in procs}
-            assert time.monotonic() < deadline, f"{what} did not happen: {current} {logs}"
-            time.sleep(0.3)
+        seen: list[dict] = []
+
+        def holds() -> bool:
+            seen[:] = [report()]
+            return predicate(seen[-1])
+
+        def logs() -> str:
+            tails = {n: (tmp_path / f"{n}.log").read_text()[-1500:] for n in procs}
+            return f"{seen[-1]} {tails}"
+
+        wait_until(holds, timeout, what, interval=0.3, describe=logs)
+        return seen[-1]
 
     def mine(r: dict) -> list[dict]:
         return [c for c in r["channels"] if c["collection"] == known.info.name]

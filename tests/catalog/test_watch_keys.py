@@ -8,12 +8,10 @@ import uuid
 import pytest
 
 from vchan_assets.catalog import Catalog
-from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.metrics import exposition
 from vchan_assets.model import CollectionInfo, VchannelInfo
 from vchan_assets.status import collect_status
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
@@ -30,10 +28,8 @@ def waiting(store: MetaStore, producer: Producer) -> CollectionInfo:
     return info
 
 
-def test_a_remaining_channel_is_unassigned_not_malformed(
-    settings: Settings, store: MetaStore, storage: Storage, waiting: CollectionInfo
-) -> None:
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+def test_a_remaining_channel_is_unassigned_not_malformed(system: System, waiting: CollectionInfo) -> None:
+    report = collect_status(Catalog(system), orphans=False)
 
     kinds = {(w["kind"], w.get("vchannel")) for w in report["warnings"]}
     for vchannel in waiting.vchannels:
@@ -45,20 +41,20 @@ def test_a_remaining_channel_is_unassigned_not_malformed(
 
 
 def test_remaining_channels_are_not_counted_as_malformed_watch_infos(
-    settings: Settings, store: MetaStore, storage: Storage, waiting: CollectionInfo
+    system: System, waiting: CollectionInfo
 ) -> None:
-    text = exposition(Catalog(System(settings, store, storage)))
+    text = exposition(Catalog(system))
 
     assert 'state="Malformed"' not in text
 
 
 def test_a_watch_key_of_the_wrong_shape_is_reported(
-    settings: Settings, store: MetaStore, storage: Storage, waiting: CollectionInfo
+    system: System, store: MetaStore, waiting: CollectionInfo
 ) -> None:
     bad = store.keys.channel_watch.prefix + "not-a-node/" + waiting.vchannels[0]
     store.put(bad, {"anything": 1})
 
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+    report = collect_status(Catalog(system), orphans=False)
 
     malformed = [w for w in report["warnings"] if w["kind"] == "malformed_watch"]
     assert [w["vchannel"] for w in malformed] == [waiting.vchannels[0]]

@@ -1,15 +1,13 @@
 """Clusters on loopback, started once per module: a Spark standalone master with two
-workers, a 3-member etcd. Every process is stopped at teardown (and dies with the test run if it crashes)."""
+workers, a 3-member etcd (`cluster`, the `vchan` processes of a test, is a shared
+fixture). Every process is stopped at teardown (and dies with the test run if it crashes)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from datacoord.helpers import Cluster, fast_settings
 
-from vchan_assets.config import Settings
 from vchan_assets.deploy.etcd_cluster import EtcdCluster
 from vchan_assets.deploy.spark_standalone import SparkStandalone
 
@@ -21,14 +19,6 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSta
     cluster.start()
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture
-def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
-    """`vchan datanode` / `vchan datacoord` processes of one test (killed at teardown)."""
-    c = Cluster(fast_settings(settings), tmp_path)
-    yield c
-    c.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from datacoord.helpers import checkpoint_of
-
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import MsgPosition
+from vchan_assets.testing.harness import checkpoint_of
 
 # How long a cluster condition may take to hold on a loaded 2-core machine (JVMs, three etcd
 # members and the processes under test share it). wait_until returns as soon as it holds,

@@ -8,10 +8,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from datanode.helpers import VCHAN, cli_env
-
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import pid_alive
+from vchan_assets.testing.harness import VCHAN, cli_env
 
 
 def test_demo_cluster_runs_the_demo_on_etcd_spark_workers_and_s3_then_stops_them(

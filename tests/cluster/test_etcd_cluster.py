@@ -13,8 +13,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from datacoord.helpers import Cluster, Role, all_synced, checkpoint_of, fast_settings, owners, wait_until
-from datanode.helpers import SCHEMA, Produced, assert_exactly_once
 
 from vchan_assets.config import Settings
 from vchan_assets.deploy.etcd_cluster import EtcdCluster
@@ -24,6 +22,18 @@ from vchan_assets.meta.store import ENDPOINT_RETRY_SECONDS, MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import (
+    SCHEMA,
+    Cluster,
+    Produced,
+    Role,
+    all_synced,
+    checkpoint_of,
+    fast_settings,
+    owners,
+)
+from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import PATIENCE, advanced, checkpoints

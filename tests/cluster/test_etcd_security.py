@@ -16,8 +16,6 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from datacoord.helpers import Cluster, all_synced, fast_settings, owners, wait_until
-from datanode.helpers import SCHEMA, VCHAN, Produced, assert_exactly_once, cli_env, produce
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.resources import VchanResource
@@ -26,6 +24,19 @@ from vchan_assets.deploy.etcd_cluster import EtcdCluster, EtcdTls
 from vchan_assets.meta.errors import MetaAccessError
 from vchan_assets.stack import Stack
 from vchan_assets.system import System
+from vchan_assets.testing.harness import (
+    SCHEMA,
+    VCHAN,
+    Cluster,
+    Produced,
+    all_synced,
+    cli_env,
+    fast_settings,
+    owners,
+    produce,
+)
+from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
 
 from .certs import make_ca, make_server_tls

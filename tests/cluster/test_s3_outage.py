@@ -7,8 +7,6 @@ so S3Server(persist=True) logs every request and replays the log when it starts 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -17,50 +15,32 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from datacoord.helpers import Cluster, Load, all_synced, checkpoint_of, fast_settings, owners, wait_until
-from datanode.helpers import SCHEMA, assert_exactly_once
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.deploy.s3_server import S3Server
-from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import PausableLoad, Produced, Role
+from vchan_assets.testing.harness import (
+    SCHEMA,
+    Cluster,
+    Load,
+    PausableLoad,
+    Produced,
+    Role,
+    all_synced,
+    checkpoint_of,
+    fast_settings,
+    owners,
+)
+from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.tcp_proxy import Endpoint
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
 
 from .helpers import PATIENCE, advanced, checkpoints
-
-PROXY = Path(__file__).with_name("tcp_proxy.py")
-
-
-class Endpoint:
-    """The S3 endpoint the cluster uses: a proxy process in front of the moto server."""
-
-    def __init__(self, target: str, log: Path) -> None:
-        self.target_port = int(target.rsplit(":", 1)[1])
-        self.port = free_port()
-        self.log = log
-        self.process: subprocess.Popen[str] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with open(self.log, "a") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, str(PROXY), str(self.port), str(self.target_port)],
-                stdout=subprocess.PIPE, stderr=out, text=True,
-            )  # fmt: skip
-        assert self.process.stdout is not None and self.process.stdout.readline().strip() == "listening"
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait(10)
 
 
 @pytest.fixture

@@ -8,16 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from datacoord.helpers import Cluster, all_synced, owners, wait_until
-from datanode.helpers import (
-    SCHEMA,
-    Produced,
-    assert_exactly_once,
-    produce,
-    read_deleted,
-    read_inserted,
-    segments,
-)
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
@@ -30,6 +20,19 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import (
+    SCHEMA,
+    Cluster,
+    Produced,
+    all_synced,
+    owners,
+    produce,
+    read_deleted,
+    read_inserted,
+    segments,
+)
+from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
 
 from .helpers import PATIENCE

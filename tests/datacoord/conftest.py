@@ -7,15 +7,9 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.testing.harness import Cluster, fast_settings
 
-from .helpers import Cluster, Sessions, fast_settings
-
-
-@pytest.fixture
-def cluster(settings: Settings, tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(fast_settings(settings), tmp_path)
-    yield c
-    c.cleanup()
+from .helpers import Sessions
 
 
 @pytest.fixture

@@ -14,8 +14,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, NodeSession, VchannelInfo, WatchState
-
-from .helpers import create_collections, fast_settings, watches
+from vchan_assets.testing.harness import create_collections, fast_settings, watches
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, replace
 
 import pytest
-from datanode.helpers import Produced, assert_exactly_once, produce
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager
@@ -25,9 +24,11 @@ from vchan_assets.model import (
     WatchState,
 )
 from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import Produced, create_collections, fast_settings, produce
+from vchan_assets.testing.steps import assert_exactly_once
 from vchan_assets.wal.producer import Producer
 
-from .helpers import Sessions, answer, create_collections, fast_settings, node_system
+from .helpers import Sessions, answer, node_system
 
 
 def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchInfo, int] | None:

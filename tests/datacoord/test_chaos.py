@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import os
 
-from datanode.helpers import assert_exactly_once
-
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
-from vchan_assets.testing.harness import ChaosSchedule, PausableLoad
-
-from .helpers import Cluster, all_synced, create_collections, owners, wait_until
+from vchan_assets.testing.harness import (
+    ChaosSchedule,
+    Cluster,
+    PausableLoad,
+    all_synced,
+    create_collections,
+    owners,
+)
+from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.waiting import wait_until
 
 SEED = int(os.environ.get("VCHAN_CHAOS_SEED", "20261123"))
 CHAOS_SECONDS = 40.0

@@ -7,24 +7,23 @@ import signal
 import threading
 import time
 
-from datanode.helpers import Produced, assert_exactly_once, produce
-
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState, VchannelInfo, WatchState
 from vchan_assets.storage import Storage
-
-from .helpers import (
+from vchan_assets.testing.harness import (
     Cluster,
     Load,
     OneWriterChecker,
+    Produced,
     all_synced,
     checkpoint_of,
     create_collections,
-    finish_and_check,
     owners,
-    wait_until,
+    produce,
 )
+from vchan_assets.testing.steps import assert_exactly_once, finish_and_check
+from vchan_assets.testing.waiting import wait_until
 
 
 def test_three_nodes_watch_eight_channels_and_a_fourth_node_is_balanced_in_without_two_writers(

@@ -13,8 +13,7 @@ from vchan_assets.meta.errors import MetaError
 from vchan_assets.meta.session import Session
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import NodeSession, SegmentInfo, SessionState
-
-from .helpers import Produced, create_collections, fast_settings, produce
+from vchan_assets.testing.harness import Produced, create_collections, fast_settings, produce
 
 
 def healthy_node(store: MetaStore, settings: Settings, node_id: int) -> Session:

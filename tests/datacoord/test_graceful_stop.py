@@ -10,17 +10,16 @@ import signal
 import pytest
 
 from vchan_assets.meta.store import MetaStore
-
-from .helpers import (
+from vchan_assets.testing.harness import (
     Cluster,
     Load,
     OneWriterChecker,
     checkpoint_of,
     create_collections,
-    finish_and_check,
     owners,
-    wait_until,
 )
+from vchan_assets.testing.steps import finish_and_check
+from vchan_assets.testing.waiting import wait_until
 
 
 @pytest.mark.parametrize("victim", ["stopping node", "receiving node", "coordinator"])

@@ -15,18 +15,17 @@ from vchan_assets.model import NodeSession, SessionState
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-
-from .helpers import (
+from vchan_assets.testing.harness import (
     Cluster,
     Load,
     OneWriterChecker,
     Role,
     checkpoint_of,
     create_collections,
-    finish_and_check,
     owners,
-    wait_until,
 )
+from vchan_assets.testing.steps import finish_and_check
+from vchan_assets.testing.waiting import wait_until
 
 
 def _jvm_of(role: Role) -> int:

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-from datanode.helpers import Produced, assert_exactly_once, produce
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.channel_manager import ChannelManager
@@ -28,8 +27,11 @@ from vchan_assets.model import (
     WatchState,
 )
 from vchan_assets.storage import Storage
+from vchan_assets.testing.harness import Produced, create_collections, fast_settings, produce
+from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.waiting import wait_until
 
-from .helpers import Sessions, answer, create_collections, fast_settings, node_system, wait_until
+from .helpers import Sessions, answer, node_system
 
 
 def _one_owner_each(manager: ChannelManager, channels: list[str]) -> dict[str, int]:

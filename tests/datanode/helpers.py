@@ -1,4 +1,5 @@
-"""Shared steps of the sync tests: produce known data, run syncs, read binlogs back."""
+"""Steps of the sync tests: `vchan sync` in its own process (stopped at a failpoint), the
+state of the test's keys in etcd."""
 
 from __future__ import annotations
 
@@ -9,42 +10,8 @@ from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition
-from vchan_assets.storage import Storage
-from vchan_assets.testing.harness import (
-    SCHEMA,
-    VCHAN,
-    Produced,
-    cli_env,
-    exactly_once,
-    produce,
-    read_deleted,
-    read_inserted,
-    segments,
-)
-
-__all__ = [
-    "SCHEMA",
-    "VCHAN",
-    "Produced",
-    "assert_exactly_once",
-    "checkpoint",
-    "cli_env",
-    "produce",
-    "read_deleted",
-    "read_inserted",
-    "run_sync_process",
-    "segments",
-    "start_sync_process",
-    "sync_stopped_at",
-    "wait_stopped",
-]
-
-
-def assert_exactly_once(store: MetaStore, storage: Storage, info: CollectionInfo, produced: Produced) -> None:
-    """Every produced row in exactly one binlog with its values; every delete in a delta log once."""
-    tally = exactly_once(store, storage, info, produced)
-    assert tally.ok, tally.describe()
+from vchan_assets.model import MsgPosition
+from vchan_assets.testing.harness import VCHAN, cli_env
 
 
 def meta_state(store: MetaStore) -> set[tuple[str, int]]:

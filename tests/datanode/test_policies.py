@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import replace
 
 import pytest
@@ -18,15 +17,14 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import Produced, produce
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
 
-from .helpers import SCHEMA, Produced, produce
-
 
 @pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"p{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+def channels() -> int:
+    return 1  # `collection`'s
 
 
 def _reasons(
@@ -64,14 +62,14 @@ def test_oldest_unsynced_row_fires_when_it_is_older_than_the_max_age(
 
 
 def test_flush_fires_sealed_and_flush_policies_until_a_sync_passes_it(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 100, start_pk=0)
     producer.flush(collection.name)
-    reasons = _reasons(store, storage, settings, collection)
+    reasons = _reasons(store, system.storage, settings, collection)
     assert any(r.startswith("1 sealed segment") for r in reasons)
     assert any(r.startswith("flush requested") for r in reasons)
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
-    SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
-    assert _reasons(store, storage, settings, collection) == []
+    SyncTask(system, collection, vchannel, lease, engine="local").run()
+    assert _reasons(store, system.storage, settings, collection) == []

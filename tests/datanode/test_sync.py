@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,7 +30,8 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, RecoveryInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, read_inserted, segments
+from vchan_assets.testing.steps import assert_exactly_once, sync_all
 from vchan_assets.wal.format import (
     CorruptLogError,
     SchemaMismatchError,
@@ -42,31 +42,7 @@ from vchan_assets.wal.format import (
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
 
-from .helpers import (
-    SCHEMA,
-    Produced,
-    assert_exactly_once,
-    checkpoint,
-    meta_state,
-    produce,
-    read_inserted,
-    run_sync_process,
-    segments,
-    sync_stopped_at,
-)
-
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
-
-
-def sync_all(
-    store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo, engine: str = "spark"
-) -> None:
-    for vchannel in info.vchannels:
-        lease = store.read_lease(vchannel) or grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-        SyncTask(System(settings, store, storage), info, vchannel, lease, engine=engine).run()  # type: ignore[arg-type]
+from .helpers import checkpoint, meta_state, run_sync_process, sync_stopped_at
 
 
 def _meta_versions(store: MetaStore) -> dict[str, int]:
@@ -83,25 +59,25 @@ def _ids(store: MetaStore) -> IdAllocator:
 
 
 def test_binlogs_read_back_with_pyarrow_equal_the_rows_produced(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 3000, start_pk=0, deletes=40)
     produce(producer, collection.name, produced, 2000, start_pk=10_000)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     assert_exactly_once(store, storage, collection, produced)
     for vchannel in collection.vchannels:
         assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
 
 
 def test_flush_marks_segments_flushed_once_checkpoints_pass_the_flush_ts(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 1000, start_pk=0)
     flush_ts = producer.flush(collection.name)
     assert not producer.flush_state(collection.name, flush_ts)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     assert producer.flush_state(collection.name, flush_ts)
     l1 = [s for s in segments(store, collection) if s.level is SegmentLevel.L1]
     assert l1 and all(s.state is SegmentState.FLUSHED for s in l1)
@@ -109,14 +85,14 @@ def test_flush_marks_segments_flushed_once_checkpoints_pass_the_flush_ts(
 
 
 def test_second_sync_appends_new_rows_and_a_sync_with_nothing_new_is_a_no_op(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 500, start_pk=0)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     first = {v: checkpoint(store, v) for v in collection.vchannels}
     produce(producer, collection.name, produced, 500, start_pk=1000, deletes=10)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     for v in collection.vchannels:
         after = checkpoint(store, v)
         assert after is not None and first[v] is not None and after.offset > first[v].offset  # type: ignore[union-attr]
@@ -124,16 +100,16 @@ def test_second_sync_appends_new_rows_and_a_sync_with_nothing_new_is_a_no_op(
     vchannel = collection.vchannels[0]
     lease = store.read_lease(vchannel)
     assert lease is not None
-    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
+    result = SyncTask(system, collection, vchannel, lease, engine="spark").run()
     assert result.skipped and meta_state(store) == before
     assert_exactly_once(store, storage, collection, produced)
 
 
 def test_stats_logs_hold_pk_range_and_a_bloom_filter_of_their_binlog(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 2000, start_pk=100)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     for seg in segments(store, collection):
         if seg.level is SegmentLevel.L0:
             continue
@@ -148,7 +124,7 @@ def test_stats_logs_hold_pk_range_and_a_bloom_filter_of_their_binlog(
 
 
 def test_recovery_info_lists_seek_position_and_segments_by_state(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 600, start_pk=0)
     vchannel = collection.vchannels[0]
@@ -156,7 +132,7 @@ def test_recovery_info_lists_seek_position_and_segments_by_state(
     assert before.seek_position is not None and before.seek_position.offset == 0  # create_collection message
     assert before.unflushed_segment_ids and not before.flushed_segment_ids
     producer.flush(collection.name)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     after = recovery_info(store, collection, vchannel)
     assert after.seek_position == checkpoint(store, vchannel)
     assert set(before.unflushed_segment_ids) <= set(after.flushed_segment_ids)
@@ -164,7 +140,7 @@ def test_recovery_info_lists_seek_position_and_segments_by_state(
 
 
 def test_a_recovery_snapshot_gives_every_channel_what_recovery_info_reads_for_it(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     """The coordinator's per-step snapshot (one read of the checkpoints, one of each
     collection's segments) gives each channel its own seek position and segments."""
@@ -180,7 +156,7 @@ def test_a_recovery_snapshot_gives_every_channel_what_recovery_info_reads_for_it
     from_snapshot, read = both()
     assert from_snapshot == read and all(r.unflushed_segment_ids for r in read)
     producer.flush(collection.name)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection, engine="spark")
     from_snapshot, read = both()
     assert from_snapshot == read
     assert [r.seek_position for r in read] == [checkpoint(store, v) for v in collection.vchannels]
@@ -228,16 +204,11 @@ def test_growing_segment_is_sealed_by_binlog_file_count_before_its_meta_outgrows
 
 @pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta", "before_checkpoint"])
 def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_once(
-    step: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 2000, start_pk=0, deletes=30)
-    sync_all(store, storage, settings, collection)  # a first committed sync
+    sync_all(system, collection, engine="spark")  # a first committed sync
     produce(producer, collection.name, produced, 2000, start_pk=5000, deletes=25)
     vchannel = collection.vchannels[0]
     lease = store.read_lease(vchannel)
@@ -245,21 +216,23 @@ def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_o
     cp_before = checkpoint(store, vchannel)
     meta_before = {s.id: s for s in segments(store, collection)}
 
-    crashed = run_sync_process(settings, collection.name, vchannel, lease.lease_id, VCHAN_FAILPOINT=step)
+    crashed = run_sync_process(
+        system.settings, collection.name, vchannel, lease.lease_id, VCHAN_FAILPOINT=step
+    )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
 
     assert checkpoint(store, vchannel) == cp_before, "the checkpoint moved although the sync died"
-    orphans = list_orphans(store, storage)
+    orphans = list_orphans(store, system.storage)
     if step == "after_binlogs":
         assert orphans, "the files of a sync killed before its meta commit must be listed as orphans"
         assert {s.id: s for s in segments(store, collection)} == meta_before, "meta changed before its commit"
     else:
         assert not orphans
 
-    sync_all(store, storage, settings, collection)  # a new sync replays from the old checkpoint
+    sync_all(system, collection, engine="spark")  # a new sync replays from the old checkpoint
     cp_after = checkpoint(store, vchannel)
     assert cp_before is not None and cp_after is not None and cp_after.offset > cp_before.offset
-    assert_exactly_once(store, storage, collection, produced)
+    assert_exactly_once(store, system.storage, collection, produced)
 
 
 def test_lease_revoked_between_binlog_write_and_meta_commit_rejects_the_commit(
@@ -311,13 +284,7 @@ def test_vchan_sync_take_lease_fences_the_old_writer_and_syncs_every_channel_und
 
 @pytest.mark.parametrize("step", ["after_binlogs", "after_segment_meta"])
 def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
-    step: str,
-    tmp_path: Path,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, tmp_path: Path, producer: Producer, collection: CollectionInfo
 ) -> None:
     """Two syncs of one vchannel under the same lease at once (a Dagster run the run
     monitor gave up on while its worker still ran, and the sensor's next run): the one
@@ -328,29 +295,29 @@ def test_two_syncs_of_one_channel_under_one_lease_commit_its_rows_once(
     produced = Produced()
     produce(producer, collection.name, produced, 1000, start_pk=0, deletes=50)
     vchannel = collection.vchannels[0]
-    lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    first = sync_stopped_at(settings, collection.name, vchannel, lease.lease_id, step, tmp_path)
-    second = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
+    lease = grant_channel_lease(system.store, _ids(system.store), vchannel, node_id=1)
+    first = sync_stopped_at(system.settings, collection.name, vchannel, lease.lease_id, step, tmp_path)
+    second = SyncTask(system, collection, vchannel, lease, engine="local").run()
     if step == "after_binlogs":
         assert second.rows > 0 and second.deletes > 0
     first.send_signal(signal.SIGCONT)
     _, stderr = first.communicate(timeout=60)
 
-    sync_all(store, storage, settings, collection, engine="local")
-    assert_exactly_once(store, storage, collection, produced)
+    sync_all(system, collection)
+    assert_exactly_once(system.store, system.storage, collection, produced)
     assert first.returncode != 0, "the stale sync committed"
     assert "another sync of" in stderr, stderr
 
 
 def test_sync_with_a_lease_that_is_not_current_writes_nothing(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 100, start_pk=0)
     vchannel = collection.vchannels[0]
     stale = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     grant_channel_lease(store, _ids(store), vchannel, node_id=2)
     with pytest.raises(LeaseLostError) as err:
-        SyncTask(System(settings, store, storage), collection, vchannel, stale, engine="local").run()
+        SyncTask(system, collection, vchannel, stale, engine="local").run()
     assert err.value.channel == vchannel and err.value.expected == stale.lease_id
     assert checkpoint(store, vchannel) is None
 
@@ -363,7 +330,7 @@ def _last_file_key(storage: Storage, collection: CollectionInfo, vchannel: str) 
 
 
 def test_truncated_log_file_gives_corrupt_log_error_and_checkpoint_unchanged(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 500, start_pk=0)
     vchannel = collection.vchannels[0]
@@ -373,23 +340,23 @@ def test_truncated_log_file_gives_corrupt_log_error_and_checkpoint_unchanged(
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     with pytest.raises(CorruptLogError) as err:
-        SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
+        SyncTask(system, collection, vchannel, lease, engine="spark").run()
     assert err.value.path == storage.path(victim)
     assert checkpoint(store, vchannel) is None
 
 
 def test_a_damaged_file_below_the_checkpoint_does_not_stop_the_channel(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 100, start_pk=0)
     vchannel = collection.vchannels[0]
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
+    SyncTask(system, collection, vchannel, lease, engine="local").run()
     synced = WalReader(storage, vchannel, collection).files()[1].key  # the insert batch
     Path(storage.path(synced)).write_bytes(b"damaged after it was synced")
     produce(producer, collection.name, Produced(), 100, start_pk=100)
 
-    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="local").run()
+    result = SyncTask(system, collection, vchannel, lease, engine="local").run()
 
     assert result.synced and result.rows > 0
     assert checkpoint(store, vchannel) == result.end
@@ -424,7 +391,7 @@ def _tick_rows(collection: CollectionInfo, msg_type: str, ts: int, n: int = 1) -
 
 
 def test_unknown_message_type_gives_a_clear_error_and_checkpoint_unchanged(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 200, start_pk=0)
     vchannel = collection.vchannels[0]
@@ -439,13 +406,13 @@ def test_unknown_message_type_gives_a_clear_error_and_checkpoint_unchanged(
     _append_raw(storage, collection, vchannel, bad)
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     with pytest.raises(UnknownMessageTypeError) as err:
-        SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
+        SyncTask(system, collection, vchannel, lease, engine="spark").run()
     assert err.value.msg_type == "bogus"
     assert checkpoint(store, vchannel) is None
 
 
 def test_log_file_with_another_schema_gives_schema_mismatch_and_checkpoint_unchanged(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 200, start_pk=0)
     vchannel = collection.vchannels[0]
@@ -455,36 +422,36 @@ def test_log_file_with_another_schema_gives_schema_mismatch_and_checkpoint_uncha
     _append_raw(storage, collection, vchannel, wrong)
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     with pytest.raises(SchemaMismatchError, match="missing \\['s'\\]"):
-        SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
+        SyncTask(system, collection, vchannel, lease, engine="spark").run()
     assert checkpoint(store, vchannel) is None
 
 
 def test_channel_without_any_log_sync_is_a_clean_no_op(
-    store: MetaStore, storage: Storage, settings: Settings, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, collection: CollectionInfo
 ) -> None:
     vchannel = collection.vchannels[1]
     storage.filesystem.delete_dir(storage.path(f"wal/{vchannel}"))  # as a channel nobody wrote to
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
     before = meta_state(store)
-    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
+    result = SyncTask(system, collection, vchannel, lease, engine="spark").run()
     assert result.skipped and result.rows == 0
     assert meta_state(store) == before and checkpoint(store, vchannel) is None
 
 
 def test_channel_with_only_ddl_and_time_ticks_advances_checkpoint_without_files(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     producer.time_tick(collection.name)
     vchannel = collection.vchannels[1]
     lease = grant_channel_lease(store, _ids(store), vchannel, node_id=1)
-    result = SyncTask(System(settings, store, storage), collection, vchannel, lease, engine="spark").run()
+    result = SyncTask(system, collection, vchannel, lease, engine="spark").run()
     assert result.rows == 0 and result.files == 0
     assert checkpoint(store, vchannel) == WalReader(storage, vchannel, collection).head()
     assert not list_orphans(store, storage) and read_inserted(store, storage, collection).num_rows == 0
 
 
 def test_replay_leaves_out_the_rows_of_dropped_segments(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     """Replay filters by segment state, not only by offset (as Milvus' flowgraph drops the
     inserts of flushed and dropped segments): rows of a segment the coordinator dropped
@@ -493,10 +460,10 @@ def test_replay_leaves_out_the_rows_of_dropped_segments(
     from vchan_assets.datacoord.segment_manager import SegmentManager
 
     produce(producer, collection.name, Produced(), 200, start_pk=0)
-    dropped = SegmentManager(store, settings).drop_partition(collection.id, collection.partitions[0])
+    dropped = SegmentManager(store, system.settings).drop_partition(collection.id, collection.partitions[0])
     assert dropped
 
-    sync_all(store, storage, settings, collection, engine="local")
+    sync_all(system, collection)
 
     by_id = {s.id: s for s in segments(store, collection)}
     for sid in dropped:

@@ -18,9 +18,11 @@ from vchan_assets.meta.embedded import free_port
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, Produced, produce
+from vchan_assets.testing.steps import assert_exactly_once
 from vchan_assets.wal.producer import Producer
 
-from .helpers import SCHEMA, Produced, assert_exactly_once, checkpoint, produce, run_sync_process
+from .helpers import checkpoint, run_sync_process
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ Dagster's own ephemeral instance."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,12 +15,13 @@ from vchan_assets.config import Settings
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, CollectionSchema
+from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
-SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "s": "string"})
+from .helpers import SCHEMA
 
 
 @pytest.fixture
@@ -38,18 +38,19 @@ def vchan(dsettings: Settings) -> VchanResource:
 
 
 @pytest.fixture
-def runtime(dsettings: Settings, store: MetaStore) -> VchanRuntime:
-    return VchanRuntime(dsettings, store, Storage.from_settings(dsettings))
+def system(dsettings: Settings, store: MetaStore, storage: Storage) -> System:
+    """The test's `System` on `dsettings` (the `producer` fixture's too)."""
+    return System(dsettings, store, storage)
 
 
 @pytest.fixture
-def producer(dsettings: Settings, store: MetaStore) -> Producer:
-    return Producer(System(dsettings, store, Storage.from_settings(dsettings)))
+def runtime(system: System) -> VchanRuntime:
+    return VchanRuntime(system.settings, system.store, system.storage)
 
 
 @pytest.fixture
 def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, [], num_channels=2)
+    return new_collection(producer, schema=SCHEMA)
 
 
 @pytest.fixture

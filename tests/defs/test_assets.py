@@ -8,7 +8,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.defs.cluster.datanodes import NodeCursor
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import (
@@ -22,18 +21,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionInfo, WatchState
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .conftest import SCHEMA
-from .helpers import NODE1, CoordinatorTicks, evaluate
-
-
-def watched_by_a_dagster_node(
-    instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore
-) -> tuple[NodeCursor, dict[str, ChannelWatchInfo]]:
-    node = NodeCursor.parse(evaluate(NODE1, instance, vchan).cursor)
-    CoordinatorTicks(instance, vchan).tick()
-    evaluate(NODE1, instance, vchan, node.dump())
-    found, _ = store.list_models(store.keys.channel_watch.under(node.node_id), ChannelWatchInfo)
-    return node, {d.model.vchan.channel_name: d.model for d in found}
+from .helpers import SCHEMA, watched_by_a_dagster_node
 
 
 def materialize_sync(

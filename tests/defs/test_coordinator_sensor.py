@@ -15,8 +15,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .conftest import SCHEMA
-from .helpers import NODE1, CoordinatorTicks, evaluate, skip_message
+from .helpers import NODE1, SCHEMA, CoordinatorTicks, evaluate, skip_message
 
 
 def segment_states(store: MetaStore, collection: CollectionInfo) -> dict[int, SegmentState]:

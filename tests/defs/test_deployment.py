@@ -13,11 +13,10 @@ import signal
 import subprocess
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import dagster as dg
@@ -46,13 +45,15 @@ from vchan_assets.model import ChannelWatchInfo, CollectionInfo, MsgPosition, No
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing import waiting
 from vchan_assets.testing.harness import SCHEMA as HARNESS_SCHEMA
 from vchan_assets.testing.harness import PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .browser import FLAGS, chromium
-from .conftest import SCHEMA
+from .helpers import SCHEMA, live_settings, running
 
+wait_until = partial(waiting.wait_until, interval=0.25)  # many of its conditions ask the webserver
 ARTIFACTS = REPO / "test-artifacts"
 ROWS = 2_000
 DELETES = 100
@@ -68,44 +69,6 @@ class Deployment:
     heads: dict[str, MsgPosition]
     service: DagsterService
     producer: Producer
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.25)
-
-
-@contextmanager
-def running(service: DagsterService) -> Iterator[tuple[str, MetaStore, Producer]]:
-    """Start `service` (daemon + webserver) with a store and a producer on its settings;
-    stop it (not the shared Spark Connect server) on exit."""
-    store = MetaStore.connect(service.settings)
-    try:
-        url = service.start()
-        storage = Storage.from_settings(service.settings)
-        storage.ensure_root()
-        yield url, store, Producer(System(service.settings, store, storage))
-    finally:
-        store.close()
-        service.stop(stop_spark=False)
-
-
-def live_settings(
-    tmp: Path, prefix: str, etcd_endpoint: str, spark_remote: str, session_ttl: float
-) -> Settings:
-    """Settings of a live deployment under `tmp`: a root of its own in the shared etcd,
-    syncs as soon as a row is 1 s old."""
-    return Settings(
-        home=tmp / "home",
-        root=f"{prefix}-{uuid.uuid4().hex[:8]}",
-        etcd_endpoints=(etcd_endpoint,),
-        storage_uri=str(tmp / "storage"),
-        spark_remote=spark_remote,
-        session_ttl=session_ttl,
-        sync_max_age=1.0,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.model import CollectionInfo
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .conftest import SCHEMA
-from .helpers import evaluate
+from .helpers import SCHEMA, evaluate
 
 
 def _evaluate(settings: Settings, limit: float) -> dg.AssetCheckResult:

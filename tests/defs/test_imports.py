@@ -7,14 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
-from imports.helpers import assert_imported_once, new_collection, rows, visible, write_parquet
 
 from vchan_assets import imports
 from vchan_assets.config import Settings
 from vchan_assets.defs.imports.assets import IMPORT_JOBS, import_jobs, import_sensor, imported_segments
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.import_files import assert_imported_once, rows, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
 
@@ -29,18 +30,17 @@ def _materialize(
 
 
 def test_the_sensor_requests_a_run_per_pending_job_and_the_asset_imports_it_with_passing_checks(
+    system: System,
     instance: dg.DagsterInstance,
     vchan: VchanResource,
     dsettings: Settings,
-    store: MetaStore,
     producer: Producer,
     tmp_path: Path,
 ) -> None:
-    storage = Storage.from_settings(dsettings)
     info = new_collection(producer)
     data = rows(200)
     job_id = imports.submit(
-        info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=dsettings
+        info.name, [write_parquet(tmp_path / "a.parquet", data)], store=system.store, settings=dsettings
     )
 
     tick = import_sensor(dg.build_sensor_context(instance=instance, resources={"vchan": vchan}))
@@ -54,7 +54,7 @@ def test_the_sensor_requests_a_run_per_pending_job_and_the_asset_imports_it_with
     assert materialization.metadata["rows"].value == 200
     checks = result.get_asset_check_evaluations()
     assert len(checks) == 2 and all(c.passed for c in checks), [c.description for c in checks]
-    assert_imported_once(visible(store, storage, dsettings, info), data)
+    assert_imported_once(visible(system, info), data)
     again = import_sensor(dg.build_sensor_context(instance=instance, resources={"vchan": vchan}))
     assert not again.run_requests, "a Completed job is not requested again"
 

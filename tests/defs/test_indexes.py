@@ -9,7 +9,6 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pytest
-from indexes.helpers import DIM, Data, live_sorted, new_collection, sorted_segments
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.indexes.assets import index_sensor, segment_indexes
@@ -19,6 +18,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentIndex, SegmentIndexState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import DIM, Data, live_sorted, new_data, sorted_segments
 from vchan_assets.wal.producer import Producer
 
 from .helpers import evaluate
@@ -33,7 +33,7 @@ def system(dsettings: Settings, store: MetaStore) -> System:
 
 @pytest.fixture
 def data(producer: Producer, instance: dg.DagsterInstance) -> Data:
-    found = new_collection(producer)
+    found = new_data(producer)
     instance.add_dynamic_partitions("vchannels", list(found.info.vchannels))
     return found
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 
 import dagster as dg
-from lifecycle.helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.coordinator import DataCoordinator
@@ -24,22 +23,19 @@ from vchan_assets.defs.partitions import VchannelsConfig
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA
+from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batches, live_l1
 from vchan_assets.wal.producer import Producer
 
 from .helpers import evaluate, skip_message
 
 
 def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_checks(
-    instance: dg.DagsterInstance,
-    vchan: VchanResource,
-    dsettings: Settings,
-    store: MetaStore,
-    producer: Producer,
+    system: System, instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, producer: Producer
 ) -> None:
-    storage = Storage.from_settings(dsettings)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-    produced = flushed_batches(store, storage, dsettings, producer, info, batches=3)
+    produced = flushed_batches(system, producer, info, batches=3)
     result = dg.materialize([segment_lifecycle], instance=instance, resources={"vchan": vchan})
     assert result.success
     by_asset = {m.asset_key: m.metadata for m in result.asset_materializations_for_node("segment_lifecycle")}
@@ -50,7 +46,7 @@ def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_chec
     assert len(checks) == 3 and all(c.passed for c in checks), [c.description for c in checks]
     [merged] = live_l1(store, info)
     assert merged.is_sorted and len(merged.compaction_from) == 3
-    assert_lifecycle_invariants(store, storage, dsettings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)
 
 
 def _sorts(request: dg.RunRequest, info: CollectionInfo) -> list[str]:
@@ -60,19 +56,14 @@ def _sorts(request: dg.RunRequest, info: CollectionInfo) -> list[str]:
 
 
 def test_sort_sensor_requests_one_sort_run_for_every_vchannel_with_newly_flushed_segments(
-    instance: dg.DagsterInstance,
-    vchan: VchanResource,
-    dsettings: Settings,
-    store: MetaStore,
-    producer: Producer,
+    system: System, instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, producer: Producer
 ) -> None:
     """One run sorts every vchannel that waits and reports each as its partition of
     `sorted_segments` with its check; none is asked for while one is queued; the next one
     names only the vchannels still waiting."""
-    storage = Storage.from_settings(dsettings)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
-    produced = flushed_batches(store, storage, dsettings, producer, info, batches=1)
+    produced = flushed_batches(system, producer, info, batches=1)
     flushed = {s.id: s.vchannel for s in live_l1(store, info)}
     [request] = evaluate(sort_sensor, instance, vchan).run_requests or []
     assert _sorts(request, info) == sorted(info.vchannels)
@@ -117,21 +108,20 @@ def test_sort_sensor_requests_one_sort_run_for_every_vchannel_with_newly_flushed
     assert materialization.metadata["sorted"].value == 1
     assert all(c.passed for c in manual.get_asset_check_evaluations())
     assert all(s.is_sorted for s in live_l1(store, info))
-    assert_lifecycle_invariants(store, storage, dsettings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)
 
 
 def test_lifecycle_sensors_stand_by_while_a_datacoord_process_leads_the_election(
+    system: System,
     instance: dg.DagsterInstance,
     vchan: VchanResource,
     dsettings: Settings,
-    store: MetaStore,
     producer: Producer,
 ) -> None:
-    storage = Storage.from_settings(dsettings)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
-    flushed_batches(store, storage, dsettings, producer, info, batches=1)  # a segment waits for its sort
-    process = DataCoordinator(dsettings, store)  # what `vchan datacoord` runs: it sorts and compacts
+    flushed_batches(system, producer, info, batches=1)  # a segment waits for its sort
+    process = DataCoordinator(dsettings, system.store)  # what `vchan datacoord` runs: it sorts and compacts
     assert process.election.campaign(timeout=10)
     try:
         for sensor in (sort_sensor, lifecycle_sensor):

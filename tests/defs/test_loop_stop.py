@@ -42,8 +42,7 @@ from vchan_assets.testing.harness import (
 )
 from vchan_assets.wal.producer import Producer
 
-from .helpers import NODE1, NODE2, CoordinatorTicks, evaluate
-from .test_assets import watched_by_a_dagster_node
+from .helpers import NODE1, NODE2, CoordinatorTicks, evaluate, watched_by_a_dagster_node
 
 TTL = 60.0  # a Dagster-hosted node's session TTL (its floor, SESSION_TTL_FLOOR)
 

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import dagster as dg
@@ -22,11 +23,13 @@ from vchan_assets.deploy.service import DagsterService, daemon_state, graphql
 from vchan_assets.deploy.supervisor import Supervisor
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.testing import waiting
 from vchan_assets.testing.harness import SCHEMA, PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.wal.producer import Producer
 
-from .test_deployment import live_settings, running, wait_until
+from .helpers import live_settings, running
 
+wait_until = partial(waiting.wait_until, interval=0.25)  # some of its conditions ask the webserver
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
 

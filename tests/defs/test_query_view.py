@@ -12,7 +12,6 @@ from dataclasses import replace
 import dagster as dg
 import pytest
 import yaml
-from lifecycle.helpers import SCHEMA, flushed_batches, live_l1, sync_all, write_twice
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.lifecycle.assets import sorted_segments
@@ -22,22 +21,21 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.deploy.service import INSTANCE_CONFIG
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
-from vchan_assets.storage import Storage
-from vchan_assets.testing.harness import Produced, produce
+from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, Produced, produce
+from vchan_assets.testing.steps import flushed_batches, live_l1, sync_all, write_twice
 from vchan_assets.wal.producer import Producer
 
 from .helpers import evaluate
 
 
 @pytest.fixture
-def flushed_once(
-    instance: dg.DagsterInstance, dsettings: Settings, store: MetaStore, producer: Producer
-) -> CollectionInfo:
+def flushed_once(system: System, instance: dg.DagsterInstance, producer: Producer) -> CollectionInfo:
     """A collection of one vchannel (a partition of the instance) with one flushed round:
     200 rows, 10 of them deleted, in one invisible segment."""
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
-    flushed_batches(store, Storage.from_settings(dsettings), dsettings, producer, info, batches=1)
+    flushed_batches(system, producer, info, batches=1)
     return info
 
 
@@ -78,15 +76,14 @@ def test_visible_segments_after_the_sort_in_one_run_serve_every_row_once_with_pa
 
 
 def test_the_invisible_check_fails_when_the_sort_falls_behind_the_limit(
+    system: System,
     instance: dg.DagsterInstance,
     dsettings: Settings,
-    store: MetaStore,
     producer: Producer,
     flushed_once: CollectionInfo,
 ) -> None:
     info = flushed_once
-    storage = Storage.from_settings(dsettings)
-    flushed_batches(store, storage, dsettings, producer, info, batches=1, first_batch=1)  # no sort
+    flushed_batches(system, producer, info, batches=1, first_batch=1)  # no sort
     strict = VchanResource.from_settings(replace(dsettings, invisible_segment_limit=1))
     metadata, checks = view_of(instance, strict, info.vchannels[0])
     assert metadata["invisible"] == 2 and metadata["oldest_invisible_s"] > 0
@@ -117,20 +114,15 @@ def _views(request: dg.RunRequest) -> list[str]:
 
 
 def test_the_sensor_requests_one_view_run_for_the_vchannels_whose_segment_meta_changed(
-    instance: dg.DagsterInstance,
-    vchan: VchanResource,
-    dsettings: Settings,
-    store: MetaStore,
-    producer: Producer,
+    system: System, instance: dg.DagsterInstance, vchan: VchanResource, producer: Producer
 ) -> None:
     """One run for every vchannel that changed since the sensor last asked (its cursor), none
     while a view run is queued or running: view runs grow with time, not with the syncs."""
-    storage = Storage.from_settings(dsettings)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
     assert not evaluate(query_view_sensor, instance, vchan).run_requests  # no partition, no segment
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
     produce(producer, info.name, Produced(), 100, start_pk=0)  # pks 0..99: both vchannels
-    sync_all(store, storage, dsettings, info)
+    sync_all(system, info)
 
     first = evaluate(query_view_sensor, instance, vchan)
     [request] = first.run_requests or []
@@ -145,7 +137,7 @@ def test_the_sensor_requests_one_view_run_for_the_vchannels_whose_segment_meta_c
     assert not again.run_requests  # nothing changed since
 
     produce(producer, info.name, Produced(), 1, start_pk=1_000)  # pk 1000: one vchannel only
-    sync_all(store, storage, dsettings, info)
+    sync_all(system, info)
     queued = instance.create_run_for_job(query_view_job, run_config=request.run_config, tags=request.tags)
     assert not evaluate(query_view_sensor, instance, vchan, cursor=again.cursor).run_requests
     instance.report_run_canceled(queued)
@@ -179,19 +171,18 @@ def test_a_view_run_reports_the_view_of_each_vchannel_as_its_partition_with_its_
 
 
 def test_a_vchannel_whose_view_cannot_be_read_fails_the_run_after_the_others_are_reported(
+    system: System,
     instance: dg.DagsterInstance,
     vchan: VchanResource,
-    dsettings: Settings,
-    store: MetaStore,
     producer: Producer,
     flushed_once: CollectionInfo,
 ) -> None:
     """One run reports many vchannels: a malformed channel checkpoint in one of them must not
     hide the views of the others; the run fails at the end, naming it."""
     broken = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-    flushed_batches(store, Storage.from_settings(dsettings), dsettings, producer, broken, batches=1)
+    flushed_batches(system, producer, broken, batches=1)
     [bad], [good] = broken.vchannels, flushed_once.vchannels
-    store.put(store.keys.channel_checkpoint(bad), b"{not json")
+    system.store.put(system.store.keys.channel_checkpoint(bad), b"{not json")
 
     result = query_view_job.execute_in_process(
         run_config=dg.RunConfig(ops={"query_views": VchannelsConfig(vchannels=[bad, good])}),

@@ -21,8 +21,7 @@ from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .conftest import SCHEMA
-from .helpers import NODE1, NODE2, CoordinatorTicks, evaluate, skip_message
+from .helpers import NODE1, NODE2, SCHEMA, CoordinatorTicks, evaluate, skip_message
 
 
 @pytest.fixture

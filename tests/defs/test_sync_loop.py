@@ -27,9 +27,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .conftest import SCHEMA
-from .helpers import NODE1, NODE2, evaluate
-from .test_assets import watched_by_a_dagster_node
+from .helpers import NODE1, NODE2, SCHEMA, evaluate, watched_by_a_dagster_node
 
 
 @pytest.fixture

@@ -14,17 +14,17 @@ from vchan_assets.imports.jobs import ImportJob, ImportState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.wal.producer import Producer
-
-from .helpers import (
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.import_files import (
     assert_imported_once,
     assert_nothing_visible,
-    new_collection,
     rows,
     run_import,
     visible,
     write_parquet,
 )
+from vchan_assets.testing.steps import new_collection
+from vchan_assets.wal.producer import Producer
 
 
 def _with(table: pa.Table, name: str, column: pa.Array) -> pa.Table:
@@ -105,12 +105,10 @@ def _null_vector(tmp: Path) -> str:
     ],
 )
 def test_a_bad_file_fails_the_job_naming_file_and_column(
+    system: System,
     make: Callable[[Path], str],
     column: str | None,
     reason: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
     producer: Producer,
     tmp_path: Path,
 ) -> None:
@@ -118,18 +116,18 @@ def test_a_bad_file_fails_the_job_naming_file_and_column(
     good = write_parquet(tmp_path / "good.parquet", rows(50, 10_000))
     bad = make(tmp_path)
 
-    job = run_import(store, settings, info, [good, bad])
+    job = run_import(system.store, system.settings, info, [good, bad])
 
     assert job.state is ImportState.FAILED
     assert job.reason.startswith(bad), job.reason
     assert reason in job.reason
     if column:
         assert f"column {column!r}" in job.reason
-    assert_nothing_visible(store, storage, settings, info)
+    assert_nothing_visible(system, info)
 
 
 def test_duplicated_pks_across_files_fail_the_job_naming_both_files(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     a = write_parquet(tmp_path / "a.parquet", rows(50, 0))
@@ -139,11 +137,11 @@ def test_duplicated_pks_across_files_fail_the_job_naming_both_files(
 
     assert job.state is ImportState.FAILED
     assert job.reason == f"{a}: column 'pk': primary key 49 appears more than once in the job (also in {b})"
-    assert_nothing_visible(store, storage, settings, info)
+    assert_nothing_visible(system, info)
 
 
 def test_unknown_columns_are_dropped_when_asked_and_a_missing_scalar_is_null(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     data = rows(20).append_column("color", pa.array(["red"] * 20)).drop_columns(["f"])
@@ -152,13 +150,13 @@ def test_unknown_columns_are_dropped_when_asked_and_a_missing_scalar_is_null(
     job = run_import(store, settings, info, [path], drop_unknown_columns=True)
 
     assert job.state is ImportState.COMPLETED, job.reason
-    got = visible(store, storage, settings, info)
+    got = visible(system, info)
     assert_imported_once(got, data)
     assert got["f"].null_count == 20 and "color" not in got.column_names
 
 
 def test_a_file_that_disappears_after_pre_import_fails_the_job(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     keep = write_parquet(tmp_path / "keep.parquet", rows(30, 0))
@@ -172,7 +170,7 @@ def test_a_file_that_disappears_after_pre_import_fails_the_job(
 
     assert job.state is ImportState.FAILED
     assert job.reason.startswith(gone) and "does not exist" in job.reason
-    assert_nothing_visible(store, storage, settings, info)
+    assert_nothing_visible(system, info)
 
 
 @pytest.mark.parametrize("when", ["pre-import done", "segments registered"])
@@ -192,13 +190,12 @@ def test_a_collection_dropped_during_the_job_fails_it_with_nothing_visible(
 
     assert dropped and job.state is ImportState.FAILED
     assert f"collection {info.name!r} was dropped during the job" in job.reason
-    from .helpers import segments
 
     assert {s.state.value for s in segments(store, info)} <= {"Dropped"}
 
 
 def test_status_lists_import_jobs_with_the_reason_of_a_failed_one(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     from rich.console import Console
 
@@ -208,7 +205,7 @@ def test_status_lists_import_jobs_with_the_reason_of_a_failed_one(
     info = new_collection(producer)
     job = run_import(store, settings, info, [_null_pk(tmp_path)])
 
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+    report = collect_status(Catalog(system), orphans=False)
     [listed] = [j for j in report["imports"] if j["job_id"] == job.job_id]
     assert listed["state"] == "Failed" and "is null at row 2" in listed["reason"]
     console = Console(width=250, record=True)

@@ -23,19 +23,10 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import VCHAN, cli_env, segments
+from vchan_assets.testing.import_files import assert_imported_once, rows, run_import, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
-
-from .helpers import (
-    VCHAN,
-    assert_imported_once,
-    cli_env,
-    new_collection,
-    rows,
-    run_import,
-    segments,
-    visible,
-    write_parquet,
-)
 
 STEPS = ["import_after_preimport", "import_after_binlogs", "import_before_commit"]
 
@@ -58,43 +49,39 @@ def collect_garbage(store: MetaStore, storage: Storage, settings: Settings) -> N
 @pytest.mark.parametrize("restart", ["same command", "datacoord step"])
 @pytest.mark.parametrize("step", STEPS)
 def test_import_killed_at_a_step_then_restarted_imports_exactly_once(
-    step: str,
-    restart: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    tmp_path: Path,
+    system: System, step: str, restart: str, store: MetaStore, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     parts = [rows(120, 0, seed=1), rows(80, 1000, seed=2)]
     paths = [write_parquet(tmp_path / f"{i}.parquet", t) for i, t in enumerate(parts)]
     args = ["--collection", info.name, "--job-id", "77", *paths]
 
-    crashed = vchan_import(settings, *args, VCHAN_FAILPOINT=step)
+    crashed = vchan_import(system.settings, *args, VCHAN_FAILPOINT=step)
 
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     job = get_job(store, 77).model
     assert job.state is ImportState.IMPORTING
-    assert visible(store, storage, settings, info).num_rows == 0, "nothing visible before the commit"
+    assert visible(system, info).num_rows == 0, "nothing visible before the commit"
     importing = [s for s in segments(store, info) if s.state is SegmentState.IMPORTING]
     assert bool(importing) == (step == "import_before_commit") == bool(job.segment_ids)
     if step == "import_after_binlogs":
-        assert list_orphans(store, storage), "the dead attempt's files are named by no meta"
+        assert list_orphans(store, system.storage), "the dead attempt's files are named by no meta"
 
     if restart == "same command":
-        again = vchan_import(settings, *args)
+        again = vchan_import(system.settings, *args)
         assert again.returncode == 0, again.stderr
     else:
-        report = import_step(System(replace(settings, import_timeout=0.001), store, storage), engine="local")
+        report = import_step(
+            replace(system, settings=replace(system.settings, import_timeout=0.001)), engine="local"
+        )
         assert report.resumed == [77] and report.completed == [77]
 
     assert get_job(store, 77).model.state is ImportState.COMPLETED
-    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
+    assert_imported_once(visible(system, info), pa.concat_tables(parts))
     assert not [s for s in segments(store, info) if s.state is SegmentState.IMPORTING]
-    collect_garbage(store, storage, settings)
-    assert not list_orphans(store, storage)
-    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
+    collect_garbage(store, system.storage, system.settings)
+    assert not list_orphans(store, system.storage)
+    assert_imported_once(visible(system, info), pa.concat_tables(parts))
 
 
 def test_a_stuck_job_whose_collection_was_dropped_fails_with_its_segments_dropped(
@@ -117,7 +104,7 @@ def test_a_stuck_job_whose_collection_was_dropped_fails_with_its_segments_droppe
 
 
 def test_a_job_out_of_attempts_fails_instead_of_retrying_forever(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     path = write_parquet(tmp_path / "a.parquet", rows(50))
@@ -132,11 +119,11 @@ def test_a_job_out_of_attempts_fails_instead_of_retrying_forever(
 
     job = get_job(store, 9).model
     assert report.failed == [9] and job.state is ImportState.FAILED
-    assert "after 2 attempts" in job.reason and visible(store, storage, settings, info).num_rows == 0
+    assert "after 2 attempts" in job.reason and visible(system, info).num_rows == 0
 
 
 def test_the_deletes_of_an_upsert_not_yet_committed_apply_to_no_read_and_no_compaction(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     """An upsert import killed before its commit leaves an Importing L0 segment whose delta
     logs delete the pks it replaces. Until the job commits, those deletes must apply to
@@ -163,8 +150,8 @@ def test_the_deletes_of_an_upsert_not_yet_committed_apply_to_no_read_and_no_comp
     pending = [s for s in segments(store, info) if s.state is SegmentState.IMPORTING and s.deltalogs]
     assert pending, "the killed upsert left its deletes in an Importing L0 segment"
 
-    assert_imported_once(visible(store, storage, settings, info), old)
-    outcomes = sort_step(System(settings, store, storage), engine="local")
+    assert_imported_once(visible(system, info), old)
+    outcomes = sort_step(system, engine="local")
     assert outcomes and all(o.state.value == "Completed" for o in outcomes), outcomes
-    ImportExecutor(System(settings, store, storage)).fail(get_job(store, 78), "given up by the test")
-    assert_imported_once(visible(store, storage, settings, info), old)
+    ImportExecutor(system).fail(get_job(store, 78), "given up by the test")
+    assert_imported_once(visible(system, info), old)

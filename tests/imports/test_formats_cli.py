@@ -13,18 +13,11 @@ from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.import_files import assert_imported_once, rows, run_import, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
-
-from .helpers import (
-    VCHAN,
-    assert_imported_once,
-    cli_env,
-    new_collection,
-    rows,
-    run_import,
-    visible,
-    write_parquet,
-)
 
 
 def _records(table: pa.Table) -> list[dict[str, object]]:
@@ -32,7 +25,7 @@ def _records(table: pa.Table) -> list[dict[str, object]]:
 
 
 def test_json_lines_files_import_like_parquet(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     data = rows(40)
@@ -42,11 +35,11 @@ def test_json_lines_files_import_like_parquet(
     job = run_import(store, settings, info, [str(path)], format="json")
 
     assert job.state is ImportState.COMPLETED, job.reason
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)
 
 
 def test_csv_files_with_vectors_as_json_arrays_import(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     data = rows(30)
@@ -60,7 +53,7 @@ def test_csv_files_with_vectors_as_json_arrays_import(
     job = run_import(store, settings, info, [str(path)], format="csv")
 
     assert job.state is ImportState.COMPLETED, job.reason
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)
 
 
 def test_csv_vector_of_the_wrong_dimension_names_file_and_column(
@@ -83,7 +76,7 @@ def _vchan(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_vchan_import_waits_with_progress_and_reports_status_and_list(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     data = rows(60)
@@ -99,7 +92,7 @@ def test_vchan_import_waits_with_progress_and_reports_status_and_list(
     assert "60 rows counted, 60 imported" in status.stdout
     listed = _vchan(settings, "--list")
     assert listed.returncode == 0 and "job 31: Completed" in listed.stdout
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)
 
 
 def test_vchan_import_of_a_missing_path_or_unknown_job_exits_1_naming_it(

@@ -19,13 +19,14 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.import_files import assert_imported_once, rows, visible, write_parquet
+from vchan_assets.testing.steps import new_collection, sync_all
 from vchan_assets.wal.producer import Producer
-
-from .helpers import assert_imported_once, new_collection, rows, segments, visible, write_parquet
 
 
 def test_parquet_files_become_flushed_segments_readable_by_read_collection(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     a, b = rows(300, 0, seed=1), rows(200, 1000, seed=2)
@@ -37,20 +38,20 @@ def test_parquet_files_become_flushed_segments_readable_by_read_collection(
     assert job.state is ImportState.COMPLETED, job.reason
     assert (job.rows, job.imported_rows, job.progress) == (500, 500, 100)
     assert [f.rows for f in job.files] == [300, 200]
-    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables([a, b]))
+    assert_imported_once(visible(system, info), pa.concat_tables([a, b]))
     segs = [s for s in segments(store, info) if s.id in job.segment_ids]
     assert {s.state for s in segs} == {SegmentState.FLUSHED}
     assert {s.vchannel for s in segs} == set(info.vchannels)  # routed by pk % K, as the producer
     for s in segs:
         k = info.vchannels.index(s.vchannel)
-        pks = Catalog(System(settings, store, storage)).read_segment(s.id)["pk"]
+        pks = Catalog(system).read_segment(s.id)["pk"]
         assert (pks % len(info.vchannels) == k).all()
         assert len(s.binlogs) == 2 and s.statslogs and s.import_job == job_id
         assert all(b.ts_from == job.timestamp for b in s.binlog_files)
 
 
 def test_a_directory_stands_for_its_files(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer, channels=1)
     write_parquet(tmp_path / "dir" / "one.parquet", rows(50, 0))
@@ -61,11 +62,11 @@ def test_a_directory_stands_for_its_files(
     job = imports.run(job_id, engine="local", store=store, settings=settings)
 
     assert job.state is ImportState.COMPLETED, job.reason
-    assert len(job.files) == 2 and visible(store, storage, settings, info).num_rows == 120
+    assert len(job.files) == 2 and visible(system, info).num_rows == 120
 
 
 def test_the_same_job_id_submitted_twice_imports_once(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     data = rows(100)
@@ -77,13 +78,13 @@ def test_the_same_job_id_submitted_twice_imports_once(
     imports.run(again, engine="local", store=store, settings=settings)
 
     assert first == again == 4242
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)
     with pytest.raises(ImportJobConflictError, match="4242"):
         imports.submit(info.name, [path, path], job_id=4242, store=store, settings=settings)
 
 
 def test_a_large_parquet_file_is_cut_into_segments_by_row_groups(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     from dataclasses import replace
 
@@ -97,11 +98,11 @@ def test_a_large_parquet_file_is_cut_into_segments_by_row_groups(
 
     assert job.state is ImportState.COMPLETED, job.reason
     assert len(job.segment_ids) >= 4  # max 30 rows per segment
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)
 
 
 def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     parts = [rows(150, i * 1000, seed=i) for i in range(3)]
@@ -111,15 +112,15 @@ def test_import_on_spark_matches_the_files_and_the_catalog_lists_the_job(
     job = imports.run(job_id, engine="spark", store=store, settings=settings)
 
     assert job.state is ImportState.COMPLETED, job.reason
-    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
-    listed = Catalog(System(settings, store, storage)).imports(info.name)
+    assert_imported_once(visible(system, info), pa.concat_tables(parts))
+    listed = Catalog(system).imports(info.name)
     row = listed.set_index("job_id").loc[job_id]
     assert (row["state"], row["rows"], row["imported_rows"], row["files"]) == ("Completed", 450, 450, 3)
     assert get_job(store, job_id).model.segment_ids == tuple(row["segments"])
 
 
 def test_import_tasks_on_spark_are_admitted_by_memory_in_jobs_that_fit_the_budget(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     info = new_collection(producer)
     parts = [rows(100, i * 1000, seed=i) for i in range(3)]
@@ -133,11 +134,11 @@ def test_import_tasks_on_spark_are_admitted_by_memory_in_jobs_that_fit_the_budge
 
     assert job.state is ImportState.COMPLETED, job.reason
     assert executor.jobs == [[0, 1], [2]]
-    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables(parts))
+    assert_imported_once(visible(system, info), pa.concat_tables(parts))
 
 
 def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
     from vchan_assets.imports.checks import check_no_existing_pks
 
@@ -156,7 +157,7 @@ def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(
 
     assert job.state is ImportState.COMPLETED and job.imported_rows == 50, job.reason
     expected = pa.concat_tables([old.slice(0, 40), new])
-    assert_imported_once(visible(store, storage, settings, info), expected)
+    assert_imported_once(visible(system, info), expected)
     assert check_no_existing_pks(store, storage, job).passed
     l0 = [s for s in segments(store, info) if s.id in job.segment_ids and s.level.value == "L0"]
     assert len(l0) == 1 and l0[0].num_rows == 50 and l0[0].state is SegmentState.FLUSHED
@@ -167,10 +168,8 @@ def test_an_upsert_replaces_rows_already_in_the_collection_and_keeps_the_rest(
 
 
 def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_alone(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
-    from lifecycle.helpers import sync_all
-
     from vchan_assets.datanode.checks import check_log_rows
     from vchan_assets.lifecycle.step import lifecycle_step
 
@@ -178,7 +177,7 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
     produced = rows(100, 0, seed=3)
     producer.insert(info.name, produced)
     producer.flush(info.name)
-    sync_all(store, storage, settings, info)
+    sync_all(system, info)
     data = rows(300, 10_000, seed=4).take(pa.array(range(299, -1, -1)))  # pks descending
     job = imports.run(
         imports.submit(info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=settings),
@@ -187,7 +186,7 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
 
     for vchannel in info.vchannels:
         assert check_log_rows(store, storage, info, vchannel).passed
-    lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+    lifecycle_step(system, engine="local", collect=False)
 
     live = [s for s in segments(store, info) if s.state is SegmentState.FLUSHED and s.level.value == "L1"]
     assert all(s.is_sorted for s in live)
@@ -195,7 +194,7 @@ def test_imported_segments_are_sorted_by_the_lifecycle_and_leave_the_log_checks_
     for vchannel in info.vchannels:  # imported rows merged with synced ones are still told apart
         outcome = check_log_rows(store, storage, info, vchannel)
         assert outcome.passed, outcome.description
-    assert_imported_once(visible(store, storage, settings, info), pa.concat_tables([produced, data]))
+    assert_imported_once(visible(system, info), pa.concat_tables([produced, data]))
 
 
 def test_progress_moves_with_the_finished_tasks_and_is_written_to_the_job(
@@ -231,4 +230,4 @@ def test_a_finished_job_is_deleted_by_the_import_step_after_the_retention_and_ke
     assert import_step(system, engine="local", now=job.finished_at + 61).deleted == [job_id]
     with pytest.raises(ImportJobNotFoundError):
         get_job(store, job_id)
-    assert visible(store, storage, settings, info).num_rows == 20, "its rows stay"
+    assert visible(system, info).num_rows == 20, "its rows stay"

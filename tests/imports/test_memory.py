@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import rows, write_parquet
+from vchan_assets.testing.import_files import rows, write_parquet
 
 PROBE = """
 import sys

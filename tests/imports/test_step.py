@@ -8,16 +8,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from datacoord.helpers import Role, wait_until
 
 from vchan_assets import imports
 from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportState, get_job
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import Role, cli_env
+from vchan_assets.testing.import_files import assert_imported_once, rows, visible, write_parquet
+from vchan_assets.testing.steps import new_collection
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
-
-from .helpers import assert_imported_once, cli_env, new_collection, rows, visible, write_parquet
 
 
 @pytest.fixture
@@ -40,46 +41,36 @@ def datacoord(settings: Settings, tmp: Path, roles: list[Role], **env: str) -> R
 
 
 def test_the_datacoord_runs_a_submitted_job(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    tmp_path: Path,
-    roles: list[Role],
+    system: System, settings: Settings, producer: Producer, tmp_path: Path, roles: list[Role]
 ) -> None:
     info = new_collection(producer)
     data = rows(100)
     datacoord(settings, tmp_path, roles)
 
     job_id = imports.submit(
-        info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=settings
+        info.name, [write_parquet(tmp_path / "a.parquet", data)], store=system.store, settings=settings
     )
 
-    job = imports.wait(job_id, timeout=60, store=store, settings=settings)
+    job = imports.wait(job_id, timeout=60, store=system.store, settings=settings)
     assert job.state is ImportState.COMPLETED, job.reason
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)
 
 
 def test_a_datacoord_killed_mid_job_is_replaced_and_the_job_finishes_once(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    tmp_path: Path,
-    roles: list[Role],
+    system: System, store: MetaStore, producer: Producer, tmp_path: Path, roles: list[Role]
 ) -> None:
     info = new_collection(producer)
     data = rows(100)
-    first = datacoord(settings, tmp_path, roles, VCHAN_FAILPOINT="import_after_binlogs")
+    first = datacoord(system.settings, tmp_path, roles, VCHAN_FAILPOINT="import_after_binlogs")
     job_id = imports.submit(
-        info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=settings
+        info.name, [write_parquet(tmp_path / "a.parquet", data)], store=store, settings=system.settings
     )
 
     assert first.process.wait(60) == -signal.SIGKILL
     assert get_job(store, job_id).model.state is ImportState.IMPORTING
-    datacoord(settings, tmp_path, roles, VCHAN_IMPORT_TIMEOUT="1")
+    datacoord(system.settings, tmp_path, roles, VCHAN_IMPORT_TIMEOUT="1")
 
     wait_until(lambda: get_job(store, job_id).model.done, 60, "the stuck job taken over")
     job = get_job(store, job_id).model
     assert job.state is ImportState.COMPLETED and job.attempt == 2, job.reason
-    assert_imported_once(visible(store, storage, settings, info), data)
+    assert_imported_once(visible(system, info), data)

@@ -1,13 +1,15 @@
+"""Fixtures of the index tests."""
+
 from __future__ import annotations
 
 import pytest
 
-from vchan_assets.config import Settings
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
-from vchan_assets.system import System
+from vchan_assets.testing.index_data import Data, new_data
+from vchan_assets.wal.producer import Producer
 
 
 @pytest.fixture
-def system(settings: Settings, store: MetaStore, storage: Storage) -> System:
-    return System(settings, store, storage)
+def data(producer: Producer) -> Data:
+    """A new collection of the index tests' schema (16-d vectors), one vchannel, nothing
+    inserted yet (modules whose tests share filled data have a `data` of their own)."""
+    return new_data(producer)

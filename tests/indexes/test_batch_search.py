@@ -13,7 +13,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from indexes.helpers import Data, clustered, insert, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.tasks import list_tasks
@@ -25,6 +24,7 @@ from vchan_assets.query.search_options import SearchOptions
 from vchan_assets.query.spark_source import spark_session
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.index_data import Data, clustered, insert, new_data, sorted_segments
 from vchan_assets.wal.producer import Producer
 
 K = 5
@@ -36,7 +36,7 @@ IDS = np.arange(1000, 1000 + len(QUERIES))
 def data(system: System, producer: Producer) -> Data:
     """Three sorted segments with an HNSW index, some of their rows deleted, and rows only
     in the log tail."""
-    data = new_collection(producer)
+    data = new_data(producer)
     sorted_segments(system, producer, data, [1500, 1200, 1100])
     create_index(system.store, data.info, "vec", "HNSW", "L2")
     assert len(IndexBuilder(system, "local").run().finished) == 3

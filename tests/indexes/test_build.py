@@ -7,7 +7,6 @@ from __future__ import annotations
 import faiss
 import pytest
 
-from indexes.helpers import Data, live_sorted, new_collection, sorted_segments
 from vchan_assets.indexes.build import engine_version, load_index
 from vchan_assets.indexes.meta import (
     BuiltFiles,
@@ -20,12 +19,8 @@ from vchan_assets.indexes.meta import (
 from vchan_assets.indexes.step import IndexBuilder, index_step
 from vchan_assets.model import SegmentIndex, SegmentIndexState
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import Data, live_sorted, sorted_segments
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_collection(producer)
 
 
 def builds(system: System, data: Data) -> list[SegmentIndex]:

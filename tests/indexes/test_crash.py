@@ -25,9 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from lifecycle.helpers import start_datacoord
 
-from indexes.helpers import Clock, Data, flushed_segments, live_sorted, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
@@ -35,30 +33,31 @@ from vchan_assets.failpoints import ENV as FAILPOINT_ENV
 from vchan_assets.failpoints import MARKER_ENV as FAILPOINT_MARKER_ENV
 from vchan_assets.indexes.build import load_index
 from vchan_assets.indexes.gc import collect_indexes
-from vchan_assets.indexes.meta import create_index, drop_index, list_builds, list_indexes
+from vchan_assets.indexes.meta import create_index, drop_index, list_indexes
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
 from vchan_assets.lifecycle.plans import CompactionType
-from vchan_assets.model import SegmentIndex, SegmentIndexState, TaskState
+from vchan_assets.model import SegmentIndexState, TaskState
 from vchan_assets.query.view import collection_views
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage.layout import INDEX_FILES
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import (
+    PATIENCE,
+    Clock,
+    Data,
+    builds,
+    datacoord,
+    flushed_segments,
+    live_sorted,
+    new_data,
+    sorted_segments,
+    wait_for,
+)
 from vchan_assets.wal.producer import Producer
 
-QUIET = {
-    "VCHAN_LIFECYCLE_INTERVAL": "3600",
-    "VCHAN_SORT_SCAN_INTERVAL": "3600",
-    "VCHAN_COMPACTION_CHECK_INTERVAL": "3600",
-    "VCHAN_TASK_RETRY_BACKOFF": "1",
-}
-PATIENCE = 60.0  # seconds
 QUERY = np.random.default_rng(5).normal(0.0, 4.0, (3, 16)).astype(np.float32)
-
-
-def builds(system: System, data: Data) -> list[SegmentIndex]:
-    return sorted((d.model for d in list_builds(system.store, data.info.id)), key=lambda b: b.build_id)
 
 
 def gc(system: System) -> GcReport:
@@ -67,34 +66,6 @@ def gc(system: System) -> GcReport:
 
 def index_files(system: System) -> list[str]:
     return sorted(system.storage.key_of(f.path) for f in system.storage.list_files(INDEX_FILES + "/"))
-
-
-def wait_for(process: subprocess.Popen[bytes], done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE
-    while not done():
-        assert process.poll() is None, process.communicate()[0].decode()[-3000:]
-        if time.monotonic() > deadline:
-            process.terminate()
-            raise AssertionError(
-                f"not {what} within {PATIENCE:.0f}s: {process.communicate()[0].decode()[-3000:]}"
-            )
-        time.sleep(0.2)
-
-
-@contextmanager
-def datacoord(system: System, engine: str = "local", **env: str) -> Iterator[subprocess.Popen[bytes]]:
-    process = start_datacoord(system.settings, engine, **QUIET, **env)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)  # (if a test left it stopped)
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @contextmanager
@@ -114,7 +85,7 @@ def frozen_at_commit(system: System, tmp_path: Path) -> Iterator[subprocess.Pope
 
 def indexed_collection(system: System, producer: Producer, sort: bool = True) -> Data:
     """Two segments of 1,500 and 1,300 rows (sorted, or only flushed) and an IVF_FLAT index."""
-    data = new_collection(producer)
+    data = new_data(producer)
     (sorted_segments if sort else flushed_segments)(system, producer, data, [1500, 1300])
     create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
     return data
@@ -131,7 +102,7 @@ def all_done(system: System, data: Data) -> Callable[[], bool]:
 def test_a_spark_worker_killed_mid_build_is_retried_and_no_half_index_is_ever_visible(
     system: System, producer: Producer, tmp_path: Path
 ) -> None:
-    data = new_collection(producer)
+    data = new_data(producer)
     sorted_segments(system, producer, data, [1500])
     create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
     marker = tmp_path / "failpoint"

@@ -13,7 +13,6 @@ import subprocess
 import numpy as np
 import pytest
 
-from indexes.helpers import Data, clustered, exact_neighbours, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
@@ -34,6 +33,7 @@ from vchan_assets.query.search import IndexFallbackWarning, exact_segments, sear
 from vchan_assets.query.search_options import SearchOptions
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.index_data import Data, clustered, exact_neighbours, new_data, sorted_segments
 from vchan_assets.wal.producer import Producer
 
 K = 10
@@ -44,7 +44,7 @@ NEWER = IndexEngine(current=ENGINE_CURRENT + 1, minimal=ENGINE_CURRENT)  # newer
 @pytest.fixture
 def data(system: System, producer: Producer) -> Data:
     """Two sorted segments (1,500 and 1,200 rows) with an IVF_FLAT index, not built yet."""
-    data = new_collection(producer)
+    data = new_data(producer)
     sorted_segments(system, producer, data, [1500, 1200])
     create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
     return data

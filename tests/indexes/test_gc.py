@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from indexes.helpers import Data, ivf_indexed, live_sorted, new_collection
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.tasks import TaskScheduler
 from vchan_assets.indexes.gc import collect_indexes
@@ -20,14 +17,10 @@ from vchan_assets.lifecycle.plans import CompactionType
 from vchan_assets.model import SegmentIndex, SegmentIndexState
 from vchan_assets.storage.layout import index_file_key
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import Data, ivf_indexed, live_sorted
 from vchan_assets.wal.producer import Producer
 
 LATER = 2 * 86400  # past every tolerance of the defaults
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_collection(producer)
 
 
 def gc(system: System, ahead: float = LATER) -> GcReport:

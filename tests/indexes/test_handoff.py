@@ -12,7 +12,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from indexes.helpers import DIM, Data, ivf_indexed, live_sorted, new_collection
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
@@ -27,6 +26,7 @@ from vchan_assets.model import SegmentIndexState, SegmentInfo, physical_ms
 from vchan_assets.query.asof import views_at
 from vchan_assets.query.view import collection_segments, collection_views
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import DIM, Data, ivf_indexed, live_sorted, new_data
 from vchan_assets.wal.producer import Producer
 
 LATER = 2 * 86400  # past every tolerance of the defaults
@@ -37,11 +37,6 @@ def settings(settings: Settings) -> Settings:
     """GC runs here right after searches: a search's pin ends with it (no reuse window,
     VCHAN_READ_PIN_REUSE), else GC keeps the segments dropped shortly before it."""
     return replace(settings, read_pin_reuse=0.0)
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_collection(producer)
 
 
 def gc(system: System) -> GcReport:
@@ -119,7 +114,7 @@ def test_an_output_whose_build_fails_or_waits_too_long_replaces_its_inputs_witho
     assert served(system, data) == {child.id}
 
     # Another output whose vectors cannot be read: its build fails, and it is released.
-    data2 = new_collection(producer)
+    data2 = new_data(producer)
     ivf_indexed(system, producer, data2, [1500, 1300], build=True)
     child2 = compacted(system, data2)
     field_id = data2.info.schema.field("vec").field_id

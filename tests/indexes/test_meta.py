@@ -8,9 +8,7 @@ import json
 import subprocess
 
 import pytest
-from lifecycle.helpers import sync_all
 
-from indexes.helpers import Data, clustered, live_sorted, new_collection, sorted_segments
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionNotFoundError
@@ -27,12 +25,9 @@ from vchan_assets.indexes.meta import (
 from vchan_assets.model import CollectionInfo, IndexParam, IndexType, MetricType, SegmentIndexState
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.index_data import Data, clustered, live_sorted, sorted_segments
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_collection(producer)
 
 
 def test_create_index_stores_its_definition(system: System, data: Data) -> None:
@@ -195,7 +190,7 @@ def insert_unsorted(producer: Producer, system: System, info: CollectionInfo) ->
     rows = {"pk": list(range(900_000, 900_200)), "vec": clustered(200, 7), "n": [1] * 200, "tag": ["x"] * 200}
     producer.insert(info.name, rows)
     producer.flush(info.name)
-    sync_all(system.store, system.storage, system.settings, info)
+    sync_all(system, info)
 
 
 def create_with_cli(settings: Settings, data: Data, *args: str) -> subprocess.CompletedProcess[str]:

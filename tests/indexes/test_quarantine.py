@@ -10,14 +10,6 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from indexes.helpers import (
-    Data,
-    clustered,
-    exact_neighbours,
-    live_sorted,
-    new_collection,
-    sorted_segments,
-)
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
 from vchan_assets.indexes.meta import (
@@ -33,6 +25,14 @@ from vchan_assets.model import SegmentIndex, SegmentIndexState, SegmentInfo, Tas
 from vchan_assets.query.search import IndexFallbackWarning
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.index_data import (
+    Data,
+    clustered,
+    exact_neighbours,
+    live_sorted,
+    new_data,
+    sorted_segments,
+)
 from vchan_assets.wal.producer import Producer
 
 QUERIES = clustered(20, seed=321)
@@ -67,7 +67,7 @@ def _quarantine(system: System, path: Path) -> str:
 def test_quarantining_a_binlog_resets_the_segments_index_builds_and_search_agrees_with_the_segments(
     system: System, producer: Producer
 ) -> None:
-    data: Data = new_collection(producer)
+    data: Data = new_data(producer)
     sorted_segments(system, producer, data, [1500, 1300, 1200, 1100])
     finished, failing, in_flight, kept = sorted(live_sorted(system, data.info), key=lambda s: s.id)
     create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
@@ -123,7 +123,7 @@ def test_a_reset_build_of_a_segment_with_rows_left_goes_unissued_and_is_built_ag
     """The path of a segment that keeps rows after a quarantine (one of several files per
     column group lost): its builds wait Unissued, searched exactly meanwhile, and the
     queued task builds them again under a new version."""
-    data: Data = new_collection(producer)
+    data: Data = new_data(producer)
     sorted_segments(system, producer, data, [1200])
     create_index(system.store, data.info, "vec", "IVF_FLAT", "L2", {"nlist": 8})
     tasks = TaskScheduler([IndexTasks()], system.settings)

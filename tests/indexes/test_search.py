@@ -12,17 +12,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 import pytest
-from lifecycle.helpers import sync_all
 
-from indexes.helpers import (
-    DIM,
-    Data,
-    clustered,
-    exact_neighbours,
-    insert,
-    new_collection,
-    sorted_segments,
-)
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.tasks import TaskScheduler, list_tasks
@@ -34,6 +24,16 @@ from vchan_assets.model import ReadPin, SegmentIndex, SegmentIndexState
 from vchan_assets.query.search import IndexFallbackWarning, SearchError
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.index_data import (
+    DIM,
+    Data,
+    clustered,
+    exact_neighbours,
+    insert,
+    new_data,
+    sorted_segments,
+)
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer
 
 K = 10
@@ -43,7 +43,7 @@ QUERIES = clustered(40, seed=999)
 @pytest.fixture
 def data(system: System, producer: Producer) -> Data:
     """Three sorted segments (2,000, 1,500 and 1,100 rows) of clustered vectors."""
-    data = new_collection(producer)
+    data = new_data(producer)
     sorted_segments(system, producer, data, [2000, 1500, 1100])
     return data
 
@@ -115,7 +115,7 @@ def test_deleted_rows_are_never_returned(system: System, producer: Producer, dat
     indexed(system, data)
     nearest = sorted(set().union(*exact_neighbours(data, QUERIES[:5], 3)))
     producer.delete(data.info.name, nearest[: len(nearest) // 2], partition="_default")
-    sync_all(system.store, system.storage, system.settings, data.info)  # deletes in an L0 segment
+    sync_all(system, data.info)  # deletes in an L0 segment
     producer.delete(data.info.name, nearest[len(nearest) // 2 :], partition="_default")  # in the log only
     data.deleted |= set(nearest)
 
@@ -131,7 +131,7 @@ def test_rows_only_in_the_log_tail_and_in_growing_segments_are_found(
 ) -> None:
     indexed(system, data)
     insert(producer, data, 300, start_pk=50_000)
-    sync_all(system.store, system.storage, system.settings, data.info)  # a growing segment with binlogs
+    sync_all(system, data.info)  # a growing segment with binlogs
     producer.insert(
         data.info.name, {"pk": [90_000], "vec": [QUERIES[0]], "n": [0], "tag": ["new"]}
     )  # log only

@@ -12,15 +12,14 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
-from lifecycle.helpers import sync_all
 
-from indexes.helpers import Data
-from indexes.test_crash import builds, datacoord, wait_for
 from vchan_assets.datacoord.tasks import list_tasks
 from vchan_assets.indexes.meta import create_index
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.model import CollectionSchema, SegmentIndexState, TaskState
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import Data, builds, datacoord, wait_for
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer
 
 WIDE = 128
@@ -45,7 +44,7 @@ def wide_segment(system: System, producer: Producer) -> Data:
     )
     producer.insert(info.name, rows)
     producer.flush(info.name)
-    sync_all(system.store, system.storage, system.settings, info)
+    sync_all(system, info)
     sort_step(system, engine="local")
     return Data(info)
 

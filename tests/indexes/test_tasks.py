@@ -12,18 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
-from lifecycle.helpers import run_vchan
 from rich.console import Console
 
-from indexes.helpers import (
-    Clock,
-    Data,
-    flushed_segments,
-    ivf_indexed,
-    live_sorted,
-    new_collection,
-    sorted_segments,
-)
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.tasks import Outcome, RoundReport, TaskScheduler, TaskSpec, list_tasks
 from vchan_assets.indexes.meta import create_index, list_builds
@@ -34,12 +24,16 @@ from vchan_assets.model import SegmentIndexState, SegmentInfo, SegmentState, Tas
 from vchan_assets.spark import Engine
 from vchan_assets.status import collect_status, render_status
 from vchan_assets.system import System
+from vchan_assets.testing.index_data import (
+    Clock,
+    Data,
+    flushed_segments,
+    ivf_indexed,
+    live_sorted,
+    sorted_segments,
+)
+from vchan_assets.testing.steps import run_vchan
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def data(producer: Producer) -> Data:
-    return new_collection(producer)
 
 
 def scheduler(system: System, clock: Clock | None = None, backoff: float = 0.0) -> TaskScheduler:

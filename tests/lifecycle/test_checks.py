@@ -4,15 +4,12 @@ delete synced after a compaction does not make the rows check fail. Real etcd an
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pytest
 
 from vchan_assets.catalog import Catalog
-from vchan_assets.config import Settings
 from vchan_assets.lifecycle.checks import (
     check_live_files_exist,
     check_rows_conserved,
@@ -25,33 +22,26 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, Produced
+from vchan_assets.testing.steps import flushed_batches, live_l1, sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .helpers import SCHEMA, Produced, flushed_batches, live_l1, sync_all
 
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-
-
-def merged(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, info: CollectionInfo
-) -> tuple[Produced, CompactionPlan]:
+def merged(system: System, producer: Producer, info: CollectionInfo) -> tuple[Produced, CompactionPlan]:
     """Two flushed rounds with deletes merged into one segment: the produced rows and the plan."""
-    produced = flushed_batches(store, storage, settings, producer, info, batches=2)
-    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX)
-    [outcome] = CompactionExecutor(System(settings, store, storage), "local").run_pending()
+    produced = flushed_batches(system, producer, info, batches=2)
+    [plan] = CompactionTrigger(system).trigger(info, CompactionType.MIX)
+    [outcome] = CompactionExecutor(system, "local").run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
-    done = store.get_model(store.keys.compaction_plan(plan.plan_id), CompactionPlan)
+    done = system.store.get_model(system.store.keys.compaction_plan(plan.plan_id), CompactionPlan)
     assert done is not None
     return produced, done.model
 
 
 def test_rows_check_passes_after_a_compaction_and_fails_when_its_output_lost_rows(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    _, plan = merged(store, storage, settings, producer, collection)
+    _, plan = merged(system, producer, collection)
     assert plan.rows_out < plan.rows_in, "the merge removed deleted rows"
     assert check_rows_conserved(store, storage, [plan]).passed
     lossy = replace(plan, rows_out=plan.rows_out - 1)  # what a task dropping a row would record
@@ -60,21 +50,21 @@ def test_rows_check_passes_after_a_compaction_and_fails_when_its_output_lost_row
 
 
 def test_rows_check_after_a_delete_synced_since_the_compaction_still_passes(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    _, plan = merged(store, storage, settings, producer, collection)
+    _, plan = merged(system, producer, collection)
     # A sync commits new deletes of merged rows between the compaction and the check:
     # the compaction could not apply them, so the check must not count them.
     producer.delete(collection.name, [20, 10_020], partition="_default")
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection)
     outcome = check_rows_conserved(store, storage, [plan])
     assert outcome.passed, outcome.description
 
 
 def test_unique_pk_check_fails_naming_the_count_when_a_pk_is_in_two_live_segments(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    _, plan = merged(store, storage, settings, producer, collection)
+    _, plan = merged(system, producer, collection)
     assert check_unique_live_pks(store, storage).passed
     # A commit that forgot to drop an input: its rows are live twice.
     key = store.keys.segment(collection.id, plan.partition_id, plan.input_ids[0])
@@ -88,9 +78,9 @@ def test_unique_pk_check_fails_naming_the_count_when_a_pk_is_in_two_live_segment
 
 
 def test_files_check_fails_naming_a_file_live_meta_names_and_storage_lost(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    merged(store, storage, settings, producer, collection)
+    merged(system, producer, collection)
     assert check_live_files_exist(store, storage).passed
     [segment] = live_l1(store, collection)
     victim = segment.binlogs[0].logs[0].path
@@ -100,21 +90,21 @@ def test_files_check_fails_naming_a_file_live_meta_names_and_storage_lost(
 
 
 def test_a_pk_deleted_then_inserted_again_is_one_live_row_for_the_pk_check_and_after_compaction(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=1)  # 0..9 deleted
+    produced = flushed_batches(system, producer, collection, batches=1)  # 0..9 deleted
     again = generate_rows(SCHEMA, 5, start_pk=0, seed=777)  # pks 0..4 inserted again, newer than the delete
     producer.insert(collection.name, again)
     producer.flush(collection.name)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection)
     # The old rows of 0..4 are still in the first segment's files, deleted: not a duplicate.
     outcome = check_unique_live_pks(store, storage)
     assert outcome.passed, outcome.description
-    report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)  # L0, then merge
+    report = lifecycle_step(system, engine="local", collect=False)  # L0, then merge
     assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
     assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     assert check_unique_live_pks(store, storage).passed
-    rows = Catalog(System(settings, store, storage)).read_collection(collection.name, as_arrow=True)
+    rows = Catalog(system).read_collection(collection.name, as_arrow=True)
     assert isinstance(rows, pa.Table)
     visible = sorted(rows["pk"].to_pylist())
     first = sorted(set(produced.table["pk"].to_pylist()) - set(produced.deleted))

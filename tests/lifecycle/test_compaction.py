@@ -5,13 +5,9 @@ test runs the plans as a Spark job)."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import replace
 
-import pytest
-
 from vchan_assets.catalog import Catalog
-from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import list_orphans
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger, input_memory_mb
 from vchan_assets.lifecycle.plans import (
@@ -25,65 +21,61 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, segments
+from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batches, live_l1, sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
 
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, segments, sync_all
 
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-
-
-def executor(store: MetaStore, storage: Storage, settings: Settings) -> CompactionExecutor:
-    return CompactionExecutor(System(settings, store, storage), engine="local")
+def executor(system: System, **settings: object) -> CompactionExecutor:
+    """A compaction executor (local engine) of `system`, with `settings` changed."""
+    return CompactionExecutor(replace(system, settings=replace(system.settings, **settings)), engine="local")
 
 
 def test_plans_are_admitted_by_memory_estimate_and_the_rest_run_in_a_later_job(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    produced = flushed_batches(system, producer, collection, batches=3)
     before = live_l1(store, collection)
     one = max(input_memory_mb([s]) for s in before)
-    plans = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
-    tight = executor(store, storage, replace(settings, task_memory_mb=one * 2.5))  # two plans fit
+    plans = CompactionTrigger(system).trigger(collection, CompactionType.SORT)
+    tight = executor(system, task_memory_mb=one * 2.5)  # two plans fit
 
     outcomes = tight.run_pending()
 
     assert [len(job) for job in tight.jobs] == [2, 1]
     assert sorted(p for job in tight.jobs for p in job) == sorted(p.plan_id for p in plans)
     assert [o.state for o in outcomes] == [PlanState.COMPLETED] * 3
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_sort_rewrites_each_flushed_segment_sorted_and_drops_the_old_one_in_one_commit(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     before = live_l1(store, collection)
     assert before and not any(s.is_sorted for s in before)
-    plans = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
+    plans = CompactionTrigger(system).trigger(collection, CompactionType.SORT)
     assert sorted(p.input_ids[0] for p in plans) == sorted(s.id for s in before)
-    outcomes = executor(store, storage, settings).run_pending()
+    outcomes = executor(system).run_pending()
     assert [o.state for o in outcomes] == [PlanState.COMPLETED] * len(before)
     after = live_l1(store, collection)
     assert all(s.is_sorted and len(s.compaction_from) == 1 for s in after)
     assert {s.compaction_from[0] for s in after} == {s.id for s in before}
     dropped = {s.id for s in segments(store, collection) if s.state is SegmentState.DROPPED}
     assert {s.id for s in before} <= dropped
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
 
 
 def test_mix_merges_small_segments_removing_deleted_rows_into_one_sorted_segment(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    produced = flushed_batches(system, producer, collection, batches=3)
     before = live_l1(store, collection)
     assert len(before) == 3
-    plans = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
+    plans = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
     assert len(plans) == 1 and sorted(plans[0].input_ids) == sorted(s.id for s in before)
-    [outcome] = executor(store, storage, settings).run_pending()
+    [outcome] = executor(system).run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
     [merged] = live_l1(store, collection)
     assert merged.is_sorted and sorted(merged.compaction_from) == sorted(s.id for s in before)
@@ -93,37 +85,37 @@ def test_mix_merges_small_segments_removing_deleted_rows_into_one_sorted_segment
     assert plan is not None and plan.model.rows_in - plan.model.rows_out == len(produced.deleted)
     pks = storage.read_parquet(merged.binlogs[0].logs[0].path)["pk"].to_pylist()
     assert pks == sorted(pks)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_mix_output_is_cut_at_the_max_segment_size(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3, deletes=0)
+    produced = flushed_batches(system, producer, collection, batches=3, deletes=0)
     row_mb = collection.schema.row_bytes() / (1 << 20)
-    small = replace(settings, segment_max_size_mb=250 * row_mb)  # 250 rows per segment
-    plans = CompactionTrigger(System(small, store, storage)).trigger(
-        collection, CompactionType.MIX, manual=True
-    )
+    small = replace(
+        system, settings=replace(system.settings, segment_max_size_mb=250 * row_mb)
+    )  # 250 rows a segment
+    plans = CompactionTrigger(small).trigger(collection, CompactionType.MIX, manual=True)
     assert plans
-    outcomes = executor(store, storage, small).run_pending()
+    outcomes = executor(small).run_pending()
     assert all(o.state is PlanState.COMPLETED for o in outcomes)
     assert all(s.num_rows <= 250 for s in live_l1(store, collection))
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_compaction_never_plans_growing_sealed_or_flushing_segments(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    flushed_batches(system, producer, collection, batches=2)
     producer.insert(
         collection.name,
         generate_rows(SCHEMA, 50, start_pk=99_000),
     )
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection)
     growing = [s.id for s in segments(store, collection) if s.state is not SegmentState.FLUSHED]
     assert growing
-    trigger = CompactionTrigger(System(settings, store, storage))
+    trigger = CompactionTrigger(system)
     planned = {
         i
         for kind in CompactionType
@@ -143,12 +135,12 @@ def _bump(store: MetaStore, seg: SegmentInfo) -> None:
 
 
 def test_compaction_whose_input_changed_after_its_files_were_written_aborts_and_inputs_stay_live(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     before = live_l1(store, collection)
-    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
-    ex = executor(store, storage, settings)
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
+    ex = executor(system)
     [pending] = [d for d in list_plans(store) if d.model.plan_id == plan.plan_id]
     started = ex.start(pending)
     assert isinstance(started, tuple)
@@ -158,21 +150,21 @@ def test_compaction_whose_input_changed_after_its_files_were_written_aborts_and_
     outcome = ex.finish(running, result)
     assert outcome.state is PlanState.FAILED and "version" in outcome.reason
     assert {s.id for s in live_l1(store, collection)} == {s.id for s in before}
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
     orphans = list_orphans(store, storage)
     assert any(f"/{plan.output_ids[0]}/" in o for o in orphans), "the loser's files are orphans"
 
 
 def test_two_plans_of_the_same_segments_the_second_commit_aborts(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    trigger = CompactionTrigger(System(settings, store, storage))
+    produced = flushed_batches(system, producer, collection, batches=2)
+    trigger = CompactionTrigger(system)
     [first] = trigger.trigger(collection, CompactionType.MIX)
     # The trigger never plans a busy segment; force a rival plan on the same inputs.
     rival = replace(first, plan_id=first.plan_id + 10_000_000, output_ids=(first.output_ids[0] + 10_000_000,))
     create_plan(store, rival)
-    ex = executor(store, storage, settings)
+    ex = executor(system)
     a = ex.start([d for d in list_plans(store) if d.model.plan_id == first.plan_id][0])
     b = ex.start([d for d in list_plans(store) if d.model.plan_id == rival.plan_id][0])
     assert isinstance(a, tuple) and isinstance(b, tuple)
@@ -181,18 +173,18 @@ def test_two_plans_of_the_same_segments_the_second_commit_aborts(
     lost = ex.finish(b[0], rb)
     assert lost.state is PlanState.FAILED
     assert len(live_l1(store, collection)) == 1
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_corrupt_input_binlog_fails_that_plan_naming_the_file_and_other_plans_go_on(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    flushed_batches(system, producer, collection, batches=2)
     before = live_l1(store, collection)
     bad = before[0].binlogs[0].logs[0].path
     storage.write_atomic(bad, b"not parquet")
-    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
-    outcomes = {o.state: o for o in executor(store, storage, settings).run_pending()}
+    CompactionTrigger(system).trigger(collection, CompactionType.SORT)
+    outcomes = {o.state: o for o in executor(system).run_pending()}
     assert set(outcomes) == {PlanState.FAILED, PlanState.COMPLETED}
     assert bad in outcomes[PlanState.FAILED].reason
     assert before[0].id in {s.id for s in live_l1(store, collection)}, "the corrupt input stays live"
@@ -201,22 +193,22 @@ def test_corrupt_input_binlog_fails_that_plan_naming_the_file_and_other_plans_go
 
 
 def test_sort_and_mix_run_as_one_spark_job(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.SORT)
-    outcomes = CompactionExecutor(System(settings, store, storage), engine="spark").run_pending()
+    produced = flushed_batches(system, producer, collection, batches=2)
+    CompactionTrigger(system).trigger(collection, CompactionType.SORT)
+    outcomes = CompactionExecutor(system, engine="spark").run_pending()
     assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_output(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
-    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
-    [outcome] = executor(store, storage, settings).run_pending()
-    catalog = Catalog(System(settings, store, storage))
+    flushed_batches(system, producer, collection, batches=2)
+    CompactionTrigger(system).trigger(collection, CompactionType.MIX)
+    [outcome] = executor(system).run_pending()
+    catalog = Catalog(system)
     plans = catalog.compactions(collection.name)
     assert list(plans["plan_id"]) == [outcome.plan_id]
     assert plans.iloc[0]["type"] == "mix" and plans.iloc[0]["state"] == "Cleaned"
@@ -229,17 +221,17 @@ def test_catalog_lists_plans_and_lineage_and_never_shows_an_input_with_its_outpu
 
 
 def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_drops_the_l0_segments(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    produced = flushed_batches(system, producer, collection, batches=3)
     l0 = [
         s
         for s in segments(store, collection)
         if s.level is SegmentLevel.L0 and s.state is SegmentState.FLUSHED
     ]
     assert len(l0) == 3
-    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.L0)
-    [outcome] = executor(store, storage, settings).run_pending()
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.L0)
+    [outcome] = executor(system).run_pending()
     assert outcome.state is PlanState.COMPLETED, outcome.reason
     after = {s.id: s for s in segments(store, collection)}
     assert all(after[s.id].state is SegmentState.DROPPED for s in l0)
@@ -251,48 +243,48 @@ def test_l0_compaction_moves_deletes_into_the_segments_holding_their_pks_and_dro
         pk for s in targets for b in s.deltalogs for pk in storage.read_parquet(b.path)["pk"].to_pylist()
     )
     assert moved == sorted(produced.deleted)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
     # then a mix compaction removes the rows physically and keeps nothing deleted
-    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
-    assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    CompactionTrigger(system).trigger(collection, CompactionType.MIX)
+    assert all(o.state is PlanState.COMPLETED for o in executor(system).run_pending())
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_l0_compaction_waits_while_a_segment_that_may_hold_older_rows_is_not_flushed(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    flushed_batches(system, producer, collection, batches=1)
     producer.insert(collection.name, generate_rows(SCHEMA, 50, start_pk=99_000))
     producer.delete(collection.name, [99_000], partition="_default")
-    sync_all(store, storage, settings, collection)  # the deleted row sits in a Growing segment
-    assert CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.L0) == []
+    sync_all(system, collection)  # the deleted row sits in a Growing segment
+    assert CompactionTrigger(system).trigger(collection, CompactionType.L0) == []
 
 
 def test_l0_compaction_under_continuous_writes_takes_the_deletes_older_than_every_unflushed_segment(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    flushed_batches(system, producer, collection, batches=2)
     older = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0}
     time.sleep(1.2)  # the next round's segment is created more than the 1 s margin later
     producer.insert(collection.name, generate_rows(SCHEMA, 50, start_pk=99_000))  # a round in flight
     producer.delete(collection.name, [0, 1], partition="_default")  # deletes newer than its segment
-    sync_all(store, storage, settings, collection)  # the rows sit in a Growing segment, the deletes in L0
+    sync_all(system, collection)  # the rows sit in a Growing segment, the deletes in L0
     newest = {s.id for s in segments(store, collection) if s.level is SegmentLevel.L0} - older
     assert newest and any(s.state is SegmentState.GROWING for s in segments(store, collection))
-    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.L0)
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.L0)
     assert older <= set(plan.input_ids) and not newest & set(plan.input_ids)
 
 
 def test_status_lists_the_compaction_plans(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     from rich.console import Console
 
     from vchan_assets.status import collect_status, render_status
 
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
-    CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+    flushed_batches(system, producer, collection, batches=2)
+    CompactionTrigger(system).trigger(collection, CompactionType.MIX)
+    report = collect_status(Catalog(system), orphans=False)
     [plan] = report["compactions"]
     assert plan["state"] == "Pending" and plan["type"] == "mix" and len(plan["inputs"]) == 2
     console = Console(width=200, record=True)
@@ -300,8 +292,8 @@ def test_status_lists_the_compaction_plans(
     text = console.export_text()
     assert "compaction plans" in text and f"{plan['plan_id']:,}" in text
     # once run: the merged segment counts as sorted and compacted, its inputs as Dropped
-    assert all(o.state is PlanState.COMPLETED for o in executor(store, storage, settings).run_pending())
-    report = collect_status(Catalog(System(settings, store, storage)), orphans=False)
+    assert all(o.state is PlanState.COMPLETED for o in executor(system).run_pending())
+    report = collect_status(Catalog(system), orphans=False)
     by_state = {(s["state"], s["level"]): s for s in report["segments"] if s["collection"] == collection.name}
     assert by_state[("Flushed", "L1")]["segments"] == by_state[("Flushed", "L1")]["sorted"] == 1
     assert by_state[("Flushed", "L1")]["compacted"] == 1 and by_state[("Dropped", "L1")]["segments"] == 2

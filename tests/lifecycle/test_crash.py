@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 from dataclasses import replace
 
 import pytest
@@ -20,14 +19,9 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batches, live_l1, run_vchan
 from vchan_assets.wal.producer import Producer
-
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, run_vchan, segments
-
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
 
 
 def recover(store: MetaStore, storage: Storage, settings: Settings) -> None:
@@ -44,18 +38,12 @@ STEPS = ["compaction_after_files", "compaction_after_commit", "compaction_before
 @pytest.mark.parametrize("kind", ["sort", "mix"])
 @pytest.mark.parametrize("step", STEPS)
 def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_both(
-    step: str,
-    kind: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, kind: str, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     before = {s.id for s in live_l1(store, collection)}
     crashed = run_vchan(
-        settings,
+        system.settings,
         "compact",
         "--collection",
         collection.name,
@@ -73,17 +61,17 @@ def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_
     for p in plans:  # each plan's inputs or its outputs are live, never both, never neither
         assert bool(after & set(p.input_ids)) != bool(after & set(p.output_ids)), (p, after)
     assert after == before if step == "compaction_after_files" else after != before
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
-    recover(store, storage, settings)
+    assert_lifecycle_invariants(system, collection, produced)
+    recover(store, system.storage, system.settings)
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
-    assert not list_orphans(store, storage), "the dead compaction's files are collected"
+    assert_lifecycle_invariants(system, collection, produced)
+    assert not list_orphans(store, system.storage), "the dead compaction's files are collected"
 
 
 def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     done = run_vchan(settings, "compact", "--collection", collection.name, "--wait", "--engine", "local")
     assert done.returncode == 0, done.stderr
     dropped = {s.id for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs}
@@ -97,24 +85,19 @@ def test_gc_killed_between_files_and_meta_finishes_on_the_next_pass(
         VCHAN_GC_MISSING_TOLERANCE="0.01",
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
-    recover(store, storage, settings)
+    assert_lifecycle_invariants(system, collection, produced)
+    recover(store, system.storage, settings)
     assert not dropped & {s.id for s in segments(store, collection)}
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_l0_compaction_killed_at_a_commit_step_keeps_every_delete_applied(
-    step: str,
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
+    system: System, step: str, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     crashed = run_vchan(
-        settings, "compact", "--collection", collection.name, "--type", "l0", "--wait", "--engine", "local",
+        system.settings, "compact", "--collection", collection.name, "--type", "l0", "--wait", "--engine", "local",
         VCHAN_FAILPOINT=step,
     )  # fmt: skip
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
@@ -122,7 +105,7 @@ def test_l0_compaction_killed_at_a_commit_step_keeps_every_delete_applied(
         s for s in segments(store, collection) if s.level.value == "L0" and s.state is SegmentState.FLUSHED
     ]
     assert bool(l0_live) == (step == "compaction_after_files")
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
-    recover(store, storage, settings)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
-    assert not list_orphans(store, storage)
+    assert_lifecycle_invariants(system, collection, produced)
+    recover(store, system.storage, system.settings)
+    assert_lifecycle_invariants(system, collection, produced)
+    assert not list_orphans(store, system.storage)

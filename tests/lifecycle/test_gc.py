@@ -8,9 +8,6 @@ import time
 import uuid
 from dataclasses import replace
 
-import pytest
-
-from vchan_assets.config import Settings
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
 from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
@@ -18,71 +15,56 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.steps import assert_lifecycle_invariants, compact_all, flushed_batches, live
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
 
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live, segments
-
 LATER = 10.0  # seconds "from now" for a clock past every tolerance used here
 
 
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-
-
-def collector(
-    store: MetaStore, storage: Storage, settings: Settings, ahead: float = 0.0, at: float | None = None
-) -> GarbageCollector:
+def collector(system: System, ahead: float = 0.0, at: float | None = None) -> GarbageCollector:
     """A collector with 5 s tolerances whose clock runs `ahead` of now, or stands still
     `at` a moment (taken before the files were written: they are younger whatever the load)."""
-    tolerant = replace(settings, gc_missing_tolerance=5.0, gc_drop_tolerance=5.0, wal_retention=5.0)
+    tolerant = replace(system.settings, gc_missing_tolerance=5.0, gc_drop_tolerance=5.0, wal_retention=5.0)
     clock = (lambda: at) if at is not None else (lambda: time.time() + ahead)
-    return GarbageCollector(System(tolerant, store, storage), clock=clock)
-
-
-def compact_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
-    CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX, manual=True)
-    assert all(
-        o.state is PlanState.COMPLETED
-        for o in CompactionExecutor(System(settings, store, storage), "local").run_pending()
-    )
+    return GarbageCollector(replace(system, settings=tolerant), clock=clock)
 
 
 def test_orphan_is_deleted_only_once_older_than_the_missing_tolerance(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=1)
+    produced = flushed_batches(system, producer, collection, batches=1)
     orphan = f"insert_log/{collection.id}/1/424242/0/1.parquet"
     written = time.time()
     storage.write_atomic(orphan, b"left by a crashed sync")
-    assert collector(store, storage, settings, at=written).run().orphans == []  # younger than the tolerance
-    report = collector(store, storage, settings, ahead=LATER).run()
+    assert collector(system, at=written).run().orphans == []  # younger than the tolerance
+    report = collector(system, ahead=LATER).run()
     assert report.orphans == [orphan] and not storage.exists(orphan)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_dropped_segments_files_then_meta_go_after_the_drop_tolerance_and_the_checkpoint(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     compacted = time.time()
-    compact_all(store, storage, settings, collection)
+    compact_all(system, collection)
     dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
     assert dropped
-    assert collector(store, storage, settings, at=compacted).run().dropped_segments == []  # dropped just now
-    report = collector(store, storage, settings, ahead=LATER).run()
+    assert collector(system, at=compacted).run().dropped_segments == []  # dropped just now
+    report = collector(system, ahead=LATER).run()
     assert {s.id for s in dropped} <= set(report.dropped_segments)
     assert all(not storage.exists(p) for s in dropped for p in segment_paths(s))
     assert not {s.id for s in dropped} & {s.id for s in segments(store, collection)}
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_dropped_segment_beyond_the_checkpoint_is_kept(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    flushed_batches(system, producer, collection, batches=1)
     [seg] = [s for s in live(store, collection) if s.binlogs]
     key = store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
     found = store.get_model(key, type(seg))
@@ -93,33 +75,33 @@ def test_dropped_segment_beyond_the_checkpoint_is_kept(
         found.kv.version,
         seg.with_changes(state=SegmentState.DROPPED, dropped_at=1.0, dml_position=ahead),
     )
-    report = collector(store, storage, settings, ahead=LATER).run()
+    report = collector(system, ahead=LATER).run()
     assert seg.id not in report.dropped_segments
     assert all(storage.exists(p) for p in segment_paths(seg))
 
 
 def test_gc_never_deletes_a_file_named_by_live_meta_nor_one_a_running_plan_reserved(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
-    ex = CompactionExecutor(System(settings, store, storage), "local")
+    produced = flushed_batches(system, producer, collection, batches=2)
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
+    ex = CompactionExecutor(system, "local")
     started = ex.start(list_plans(store)[-1])
     assert isinstance(started, tuple)
     [result] = ex._run([started[1]])  # outputs written, not committed: a GC pass now
-    report = collector(store, storage, settings, ahead=LATER).run()
+    report = collector(system, ahead=LATER).run()
     assert not any(f"/{plan.output_ids[0]}/" in k for k in report.orphans)
     assert ex.finish(started[0], result).state is PlanState.COMPLETED
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_paused_gc_does_nothing_until_resumed_and_dry_run_deletes_nothing(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    flushed_batches(system, producer, collection, batches=1)
     orphan = f"delta_log/{collection.id}/1/434343/1.parquet"
     storage.write_atomic(orphan, b"x")
-    gc = collector(store, storage, settings, ahead=LATER)
+    gc = collector(system, ahead=LATER)
     gc.pause(3600)
     assert gc.run().paused_until > 0 and storage.exists(orphan)
     gc.resume()
@@ -129,18 +111,18 @@ def test_paused_gc_does_nothing_until_resumed_and_dry_run_deletes_nothing(
 
 
 def test_log_files_wholly_below_the_checkpoint_are_retained_then_deleted_with_their_data_files(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     started = time.time()
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    produced = flushed_batches(system, producer, collection, batches=3)
     [vchannel] = collection.vchannels
     files = WalReader(storage, vchannel, collection).files()
     assert len(files) > 2
     # what a producer killed after writing its data file, before publishing, leaves
     rows = generate_rows(collection.schema, 5, start_pk=10**6)
     orphan = WalWriter(storage, vchannel, collection).write_data(rows, uuid.uuid4().hex)
-    assert collector(store, storage, settings, at=started).run().wal_files == []  # younger than the retention
-    report = collector(store, storage, settings, ahead=LATER).run()
+    assert collector(system, at=started).run().wal_files == []  # younger than the retention
+    report = collector(system, ahead=LATER).run()
     assert report.wal_files
     assert orphan.key in report.wal_files and not storage.exists(orphan.key)
     left = WalReader(storage, vchannel, collection).files()
@@ -153,7 +135,7 @@ def test_log_files_wholly_below_the_checkpoint_are_retained_then_deleted_with_th
     assert data and all(k in report.wal_files and not storage.exists(k) for k in data), "with their data"
     assert left[0].first_offset <= checkpoint.model.offset, "the checkpoint position stays readable"
     # a new round syncs from the checkpoint as before
-    more = flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=3)
+    more = flushed_batches(system, producer, collection, batches=1, first_batch=3)
     produced.rows += more.rows
     produced.deleted += more.deleted
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)

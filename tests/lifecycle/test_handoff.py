@@ -11,8 +11,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-from datanode.helpers import VCHAN, cli_env
 from rich.console import Console
 
 from vchan_assets.catalog import Catalog
@@ -25,16 +23,11 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
 from vchan_assets.query.view import read_query_view
 from vchan_assets.status import collect_status, render_status
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, VCHAN, cli_env, segments
+from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batches, live_l1
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
-
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live_l1, segments
-
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
 
 
 def invisible_ids(store: MetaStore, info: CollectionInfo) -> set[int]:
@@ -44,20 +37,22 @@ def invisible_ids(store: MetaStore, info: CollectionInfo) -> set[int]:
 def wait_until_sorted(
     store: MetaStore, info: CollectionInfo, proc: subprocess.Popen[bytes], timeout: float
 ) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
+    """Wait until every live segment is sorted and visible (the DataCoord process alive)."""
+
+    def done() -> bool:
         live = live_l1(store, info)
         if live and all(s.is_sorted and not s.is_invisible for s in live):
-            return time.monotonic() - start
+            return True
         assert proc.poll() is None, f"vchan datacoord exited with {proc.returncode}"
-        time.sleep(0.1)
-    raise AssertionError(f"not sorted after {timeout}s: {live_l1(store, info)}")
+        return False
+
+    return wait_until(done, timeout, "every live segment sorted", describe=lambda: live_l1(store, info))
 
 
 def test_a_flush_leaves_l1_segments_flushed_and_invisible_and_l0_segments_visible(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    flushed_batches(system, producer, collection, batches=1)
     segs = segments(store, collection)
     l1 = [s for s in segs if s.level is not SegmentLevel.L0]
     l0 = [s for s in segs if s.level is SegmentLevel.L0]
@@ -69,10 +64,9 @@ def test_a_flush_leaves_l1_segments_flushed_and_invisible_and_l0_segments_visibl
 
 
 def test_the_sort_replaces_the_invisible_segment_with_a_visible_sorted_copy_in_one_commit(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    system = System(settings, store, storage)
+    produced = flushed_batches(system, producer, collection, batches=2)
     before = invisible_ids(store, collection)
     rows_before = Catalog(system).read_collection(collection.name)["pk"].sort_values().tolist()
     assert len(before) == 2
@@ -86,14 +80,13 @@ def test_the_sort_replaces_the_invisible_segment_with_a_visible_sorted_copy_in_o
     view = read_query_view(store, collection, collection.vchannels[0])
     assert view.flushed_ids == {s.id for s in now} and not view.growing_ids
     assert Catalog(system).read_collection(collection.name)["pk"].sort_values().tolist() == rows_before
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_a_mix_of_invisible_segments_replaces_them_with_one_visible_sorted_segment(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    system = System(settings, store, storage)
+    produced = flushed_batches(system, producer, collection, batches=2)
     invisible = invisible_ids(store, collection)
     [plan] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
     assert {i.segment_id for i in plan.inputs} == invisible and len(invisible) == 2
@@ -103,29 +96,29 @@ def test_a_mix_of_invisible_segments_replaces_them_with_one_visible_sorted_segme
     assert merged.is_sorted and not merged.is_invisible
     view = read_query_view(store, collection, collection.vchannels[0])
     assert view.flushed_ids == {merged.id} and not view.growing_ids
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_the_sort_queue_hears_of_each_flush_through_the_watch(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    flushed_batches(system, producer, collection, batches=1)
     first = invisible_ids(store, collection)
     queue = SortQueue()
     with queue.watch(store):  # flushed before the watcher started: found by its first listing
         assert queue.take(10) == {collection.id: first}
-        flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=1)
+        flushed_batches(system, producer, collection, batches=1, first_batch=1)
         pushed = queue.take(10)
         assert pushed == {collection.id: invisible_ids(store, collection) - first}
-        sort_step(System(settings, store, storage), engine="local", collections=set(pushed))
+        sort_step(system, engine="local", collections=set(pushed))
         time.sleep(0.5)  # the sort's commit: its visible, sorted outputs need no sort
         assert queue.take(0.5) == {}
 
 
 def test_datacoord_sorts_a_flush_it_was_not_running_for_at_its_start_not_at_the_scan(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     env = cli_env(
         settings,
         VCHAN_LIFECYCLE_INTERVAL="3600",
@@ -139,16 +132,11 @@ def test_datacoord_sorts_a_flush_it_was_not_running_for_at_its_start_not_at_the_
         proc.terminate()
         proc.wait(30)
     assert len(live_l1(store, collection)) == 2, "sorted one by one (no lifecycle step ran)"
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisible(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     timing = {
         "VCHAN_LIFECYCLE_INTERVAL": "3600",
@@ -159,7 +147,10 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
     first = subprocess.Popen(
         [str(VCHAN), "datacoord", "--engine", "local"],
         env=cli_env(
-            settings, VCHAN_FAILPOINT="handoff_taken=kill", VCHAN_FAILPOINT_MARKER=str(marker), **timing
+            system.settings,
+            VCHAN_FAILPOINT="handoff_taken=kill",
+            VCHAN_FAILPOINT_MARKER=str(marker),
+            **timing,
         ),
     )
     try:
@@ -167,31 +158,32 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
         while first.poll() is None and store.get(store.keys.datacoord_session()) is None:
             assert time.monotonic() < deadline, "the first DataCoord never became active"
             time.sleep(0.1)
-        produced = flushed_batches(store, storage, settings, producer, collection, batches=1)
+        produced = flushed_batches(system, producer, collection, batches=1)
         assert first.wait(60) == -signal.SIGKILL, "killed at the failpoint, right after the push"
         assert marker.read_text().startswith("handoff_taken")
         assert invisible_ids(store, collection), "not sorted by the killed DataCoord"
     finally:
         if first.poll() is None:
             os.kill(first.pid, signal.SIGKILL)
-    second = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(settings, **timing))
+    second = subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(system.settings, **timing)
+    )
     try:
         wait_until_sorted(store, collection, second, timeout=90)
     finally:
         second.terminate()
         second.wait(30)
     assert not invisible_ids(store, collection)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_a_push_spent_while_another_plan_held_the_segments_is_made_good_by_the_scan(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     """The safety net: the flush's push arrives while another plan holds its segments, so
     the sort plans nothing; when that plan fails no push comes again (segment meta did not
     change). The periodic scan sorts them: nothing stays invisible."""
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
-    system = System(settings, store, storage)
+    produced = flushed_batches(system, producer, collection, batches=2)
     [held] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)  # never run here
     timing = {"VCHAN_LIFECYCLE_INTERVAL": "3600", "VCHAN_SORT_SCAN_INTERVAL": "3"}
     proc = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=cli_env(settings, **timing))
@@ -199,7 +191,7 @@ def test_a_push_spent_while_another_plan_held_the_segments_is_made_good_by_the_s
         # Another collection's flush, pushed after this one's: once it is sorted, the
         # DataCoord has taken this collection's push too, and found its segments busy.
         other = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-        flushed_batches(store, storage, settings, producer, other, batches=1)
+        flushed_batches(system, producer, other, batches=1)
         wait_until_sorted(store, other, proc, timeout=60)
         assert len(invisible_ids(store, collection)) == 2, "the push is spent"
         [plan] = [d for d in list_plans(store) if d.model.plan_id == held.plan_id]
@@ -209,14 +201,13 @@ def test_a_push_spent_while_another_plan_held_the_segments_is_made_good_by_the_s
         proc.terminate()
         proc.wait(30)
     assert not invisible_ids(store, collection)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_status_and_the_catalog_show_invisible_segments_the_flush_to_sorted_latency_and_a_late_sort(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
-    system = System(settings, store, storage)
+    flushed_batches(system, producer, collection, batches=2)
     catalog = Catalog(system)
     report = collect_status(catalog, orphans=False)
     assert report["handoff"]["invisible"] == 2 and report["handoff"]["sorted"] == 0

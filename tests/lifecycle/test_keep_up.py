@@ -25,10 +25,15 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import cli_env
+from vchan_assets.testing.harness import SCHEMA, cli_env
+from vchan_assets.testing.steps import (
+    assert_lifecycle_invariants,
+    flushed_batches,
+    live,
+    live_l1,
+    start_datacoord,
+)
 from vchan_assets.wal.producer import Producer
-
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live, live_l1, start_datacoord
 
 # A plan of at most 12 segments, 4 of them L0, on an etcd taking 16 operations per
 # transaction: 20 targets cannot go in one commit with their L0 segments (at most 8 can).
@@ -85,10 +90,10 @@ def test_l0_deletes_reach_more_targets_than_one_transaction_holds_through_chaine
     small_txn_collection: tuple[System, Producer, CollectionInfo],
 ) -> None:
     system, producer, info = small_txn_collection
-    settings, store, storage = system.settings, system.store, system.storage
+    store = system.store
     # 20 rounds: 20 small L1 segments (the targets) and 20 L0 segments, each deleting 2 rows
     # of its round's segment.
-    produced = flushed_batches(store, storage, settings, producer, info, batches=20, rows=20, deletes=2)
+    produced = flushed_batches(system, producer, info, batches=20, rows=20, deletes=2)
     targets = {s.id for s in live_l1(store, info)}
     for _ in range(5):
         for plan in CompactionTrigger(system).trigger(info, CompactionType.L0):
@@ -100,15 +105,15 @@ def test_l0_deletes_reach_more_targets_than_one_transaction_holds_through_chaine
     links = [p for p in plans if p.reason.startswith("chained after plan")]
     assert len(links) >= 5 * 2, [p.reason for p in plans]  # every group of 4 L0 segments: 3 links
     assert {s.id for s in live_l1(store, info)} == targets  # L0 compaction rewrites no rows
-    assert_lifecycle_invariants(store, storage, settings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)
 
 
 def test_compactor_killed_between_two_links_leaves_the_next_link_pending_and_it_finishes_the_chain(
     small_txn_collection: tuple[System, Producer, CollectionInfo],
 ) -> None:
     system, producer, info = small_txn_collection
-    settings, store, storage = system.settings, system.store, system.storage
-    produced = flushed_batches(store, storage, settings, producer, info, batches=12, rows=20, deletes=2)
+    settings, store = system.settings, system.store
+    produced = flushed_batches(system, producer, info, batches=12, rows=20, deletes=2)
     l0 = l0_left(store, info)
     env = cli_env(settings, VCHAN_FAILPOINT="compaction_after_commit")
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, timeout=120)
@@ -116,35 +121,35 @@ def test_compactor_killed_between_two_links_leaves_the_next_link_pending_and_it_
     states = {d.model.state for d in list_plans(store)}
     assert states == {PlanState.COMPLETED, PlanState.PENDING}, states  # link 1 done, link 2 written with it
     assert set(l0) <= set(l0_left(store, info))  # the L0 segments stay live until the last link
-    assert_lifecycle_invariants(store, storage, settings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)
     CompactionExecutor(system, "local").run_pending()  # the next executor finishes the chain
     assert set(l0_left(store, info)) == set(l0) - set(sorted(l0)[:4])  # the oldest 4 went
-    assert_lifecycle_invariants(store, storage, settings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)
 
 
 def test_the_compaction_check_runs_l0_compaction_only_past_the_count_threshold(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+    system: System, store: MetaStore, producer: Producer
 ) -> None:
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
-    settings = replace(settings, l0_compaction_trigger_count=3, l0_compaction_trigger_mb=64.0)
-    system = System(settings, store, storage)
-    produced = flushed_batches(store, storage, settings, producer, info, batches=2, rows=40, deletes=3)
+    system = replace(
+        system,
+        settings=replace(system.settings, l0_compaction_trigger_count=3, l0_compaction_trigger_mb=64.0),
+    )
+    produced = flushed_batches(system, producer, info, batches=2, rows=40, deletes=3)
     compaction_check(system, "local")
     assert len(live_l1(store, info)) == 1  # the two small segments merged (mix)...
     assert len(l0_left(store, info)) == 2  # ...but 2 L0 segments are below the threshold of 3
-    more = flushed_batches(
-        store, storage, settings, producer, info, batches=1, rows=40, deletes=3, first_batch=2
-    )
+    more = flushed_batches(system, producer, info, batches=1, rows=40, deletes=3, first_batch=2)
     produced.rows += more.rows
     produced.deleted += more.deleted
     report = compaction_check(system, "local")
     assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     assert not l0_left(store, info)
-    assert_lifecycle_invariants(store, storage, settings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)
 
 
 def test_datacoord_process_compacts_l0_segments_between_lifecycle_steps(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+    system: System, store: MetaStore, settings: Settings, producer: Producer
 ) -> None:
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     proc = start_datacoord(
@@ -154,7 +159,7 @@ def test_datacoord_process_compacts_l0_segments_between_lifecycle_steps(
         VCHAN_L0_COMPACTION_TRIGGER_COUNT="3",
     )
     try:
-        produced = flushed_batches(store, storage, settings, producer, info, batches=4, rows=40, deletes=3)
+        produced = flushed_batches(system, producer, info, batches=4, rows=40, deletes=3)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and l0_left(store, info):
             time.sleep(0.3)
@@ -162,4 +167,4 @@ def test_datacoord_process_compacts_l0_segments_between_lifecycle_steps(
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert not l0_left(store, info), out.decode()[-3000:]
-    assert_lifecycle_invariants(store, storage, settings, info, produced)
+    assert_lifecycle_invariants(system, info, produced)

@@ -11,9 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-from datacoord.helpers import Cluster, Role, all_synced, create_collections, fast_settings, wait_until
-from datanode.helpers import VCHAN, Produced, produce
-
 from vchan_assets.config import Settings
 from vchan_assets.datanode.checks import check_log_rows
 from vchan_assets.lifecycle.checks import check_live_files_exist, check_unique_live_pks
@@ -23,9 +20,19 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import (
+    VCHAN,
+    Cluster,
+    Produced,
+    Role,
+    all_synced,
+    create_collections,
+    fast_settings,
+    produce,
+)
+from vchan_assets.testing.steps import assert_lifecycle_invariants
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
-
-from .helpers import assert_lifecycle_invariants
 
 # The lifecycle at test speed: a full step and a GC pass every second (the sort follows
 # each flush by itself), dropped segments and old log files collected one second after.
@@ -140,8 +147,9 @@ def test_compactions_and_gc_killed_mid_commit_beside_a_syncing_datanode_lose_and
         assert survivor.terminate() == 0
     finally:
         cluster.cleanup()
-    lifecycle_step(System(cluster.settings, store, storage), engine="local", compact=False)  # a last GC pass
-    assert_lifecycle_invariants(store, storage, cluster.settings, info, rounds.produced)
+    system = System(cluster.settings, store, storage)
+    lifecycle_step(system, engine="local", compact=False)  # a last GC pass
+    assert_lifecycle_invariants(system, info, rounds.produced)
     for vchannel in info.vchannels:
         outcome = check_log_rows(store, storage, info, vchannel)
         assert outcome.passed, outcome.description

@@ -5,31 +5,25 @@ on. Real etcd, real files, real GC passes."""
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import pytest
-
-from vchan_assets.config import Settings
 from vchan_assets.datanode.checks import check_log_rows
-from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
 from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.steps import (
+    assert_lifecycle_invariants,
+    compact_all,
+    flushed_batches,
+    live,
+    live_l1,
+    retain,
+)
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
-
-from .helpers import SCHEMA, assert_lifecycle_invariants, flushed_batches, live, live_l1
-from .test_gc import compact_all
-
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
 
 
 def list_plans_of(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]:
@@ -37,45 +31,35 @@ def list_plans_of(store: MetaStore, plan_ids: list[int]) -> list[CompactionPlan]
     return [d.model for d in found if d is not None]
 
 
-def retain(store: MetaStore, storage: Storage, settings: Settings) -> list[str]:
-    """One GC pass with a clock past the log retention: the log files it deleted."""
-    gc = GarbageCollector(
-        System(replace(settings, wal_retention=5.0), store, storage), clock=lambda: time.time() + 10
-    )
-    deleted = gc.run().wal_files
-    assert deleted, "nothing was old enough to delete: the test proves nothing"
-    return deleted
-
-
 def test_log_rows_check_after_retention_compares_the_retained_range_and_says_so(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
-    compact_all(store, storage, settings, collection)  # one segment with rows below and above the floor
+    produced = flushed_batches(system, producer, collection, batches=3)
+    compact_all(system, collection)  # one segment with rows below and above the floor
     [vchannel] = collection.vchannels
     assert check_log_rows(store, storage, collection, vchannel).passed
-    retain(store, storage, settings)
+    retain(system)
     floor = WalReader(storage, vchannel, collection).files()[0].first_offset
     outcome = check_log_rows(store, storage, collection, vchannel)
     assert outcome.passed, outcome.description
     assert outcome.metadata["retained_from_offset"] == floor > 0
     assert f"[{floor}," in outcome.description and "retention" in outcome.description
     # and the next rounds are checked the same way
-    more = flushed_batches(store, storage, settings, producer, collection, batches=2, first_batch=3)
-    retain(store, storage, settings)
+    more = flushed_batches(system, producer, collection, batches=2, first_batch=3)
+    retain(system)
     outcome = check_log_rows(store, storage, collection, vchannel)
     assert outcome.passed, outcome.description
     produced.rows += more.rows
     produced.deleted += more.deleted
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_log_rows_check_after_retention_still_catches_rows_lost_above_the_floor(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=3)
-    retain(store, storage, settings)
-    flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=3)
+    flushed_batches(system, producer, collection, batches=3)
+    retain(system)
+    flushed_batches(system, producer, collection, batches=1, first_batch=3)
     [vchannel] = collection.vchannels
     assert check_log_rows(store, storage, collection, vchannel).passed
     # lose the newest segment's rows (as a bad commit would): the check must see it
@@ -103,9 +87,9 @@ class RetentionDuringListing(Storage):
 
 
 def test_a_reader_listing_the_log_while_retention_deletes_its_oldest_file_carries_on(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=3)
+    flushed_batches(system, producer, collection, batches=3)
     [vchannel] = collection.vchannels
     before = WalReader(storage, vchannel, collection).files()
     racing = RetentionDuringListing(storage.uri, doomed=[before[0].key])
@@ -117,23 +101,23 @@ def test_a_reader_listing_the_log_while_retention_deletes_its_oldest_file_carrie
 
 
 def test_log_rows_check_passes_once_compaction_applied_the_deletes_an_l0_compaction_moved(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
+    produced = flushed_batches(system, producer, collection, batches=3)
     [vchannel] = collection.vchannels
-    report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+    report = lifecycle_step(system, engine="local", collect=False)
     assert {p.type for p in list_plans_of(store, report.planned)} >= {CompactionType.L0, CompactionType.MIX}
     assert not any(s.deltalogs for s in live(store, collection)), "every delete applied and gone"
     outcome = check_log_rows(store, storage, collection, vchannel)
     assert outcome.passed, outcome.description
     assert outcome.metadata["lost_deletes"] == 0 and outcome.metadata["lost_rows"] == 0
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_log_rows_check_catches_a_delete_that_was_lost(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=2)
+    flushed_batches(system, producer, collection, batches=2)
     [vchannel] = collection.vchannels
     # drop the L0 segments (their deletes) without applying them: a lost delete
     for seg in [s for s in live(store, collection) if s.level is SegmentLevel.L0]:
@@ -146,14 +130,14 @@ def test_log_rows_check_catches_a_delete_that_was_lost(
 
 
 def test_a_reader_with_cached_footers_sees_no_gap_when_retention_deletes_files_as_it_lists(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     [vchannel] = collection.vchannels
     racing = RetentionDuringListing(storage.uri)
     reader = WalReader(racing, vchannel, collection)
-    flushed_batches(store, storage, settings, producer, collection, batches=1)
+    flushed_batches(system, producer, collection, batches=1)
     cached = reader.files()  # these footers are cached, the next files' are not
-    flushed_batches(store, storage, settings, producer, collection, batches=2, first_batch=1)
+    flushed_batches(system, producer, collection, batches=2, first_batch=1)
     every = WalReader(storage, vchannel, collection).files()
     # a pass deletes the oldest files, up to one the reader has not described yet
     doomed = every[: len(cached) + 1]

@@ -20,51 +20,44 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.wal.producer import Producer
-
-from .helpers import (
-    SCHEMA,
-    Produced,
+from vchan_assets.testing.harness import Produced
+from vchan_assets.testing.steps import (
     assert_lifecycle_invariants,
     flushed_batches,
     live_l1,
     start_datacoord,
     sync_all,
 )
-
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+from vchan_assets.wal.producer import Producer
 
 
 def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_collects(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3)
-    report = lifecycle_step(System(settings, store, storage), engine="local")
+    produced = flushed_batches(system, producer, collection, batches=3)
+    report = lifecycle_step(system, engine="local")
     assert report.planned and all(o.state is PlanState.COMPLETED for o in report.outcomes)
     [merged] = live_l1(store, collection)
     assert merged.is_sorted and len(merged.compaction_from) == 3
     assert report.gc is not None  # due at the first step
     # a new flushed segment is sorted by the next step (the stats task after flush)
-    more = flushed_batches(store, storage, settings, producer, collection, batches=1, first_batch=5)
+    more = flushed_batches(system, producer, collection, batches=1, first_batch=5)
     produced.rows += more.rows
     produced.deleted += more.deleted
     single = replace(settings, compaction_small_proportion=1e-9)  # nothing is "small" now
-    lifecycle_step(System(single, store, storage), engine="local")
+    lifecycle_step(replace(system, settings=single), engine="local")
     assert all(s.is_sorted for s in live_l1(store, collection))
     assert all(d.model.state is PlanState.CLEANED for d in list_plans(store))
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_with_compaction_and_gc_off_the_step_only_sorts(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    flushed_batches(store, storage, settings, producer, collection, batches=3)
+    flushed_batches(system, producer, collection, batches=3)
     off = replace(settings, compaction_enabled=False, gc_enabled=False)
 
-    report = lifecycle_step(System(off, store, storage), engine="local")
+    report = lifecycle_step(replace(system, settings=off), engine="local")
 
     assert report.gc is None  # due at the first step, but switched off
     assert {d.model.type for d in list_plans(store)} == {CompactionType.SORT}
@@ -73,9 +66,9 @@ def test_with_compaction_and_gc_off_the_step_only_sorts(
 
 
 def test_datacoord_process_runs_the_lifecycle_step_on_its_interval(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     proc = start_datacoord(settings, VCHAN_LIFECYCLE_INTERVAL="0.5")
     try:
         deadline = time.monotonic() + 60
@@ -85,28 +78,28 @@ def test_datacoord_process_runs_the_lifecycle_step_on_its_interval(
         proc.terminate()
         proc.wait(30)
     assert all(s.is_sorted for s in live_l1(store, collection))
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_sort_step_sorts_each_newly_flushed_segment_and_merges_nothing(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     flushed = live_l1(store, collection)
     assert [s.id for s in unsorted_segments(store) if s.collection_id == collection.id] == [
         s.id for s in flushed
     ]
-    outcomes = sort_step(System(settings, store, storage), engine="local")
+    outcomes = sort_step(system, engine="local")
     assert len(outcomes) == 2 and all(o.state is PlanState.COMPLETED for o in outcomes)
     now = live_l1(store, collection)
     assert sorted(s.compaction_from for s in now) == [(s.id,) for s in flushed]
     assert all(s.is_sorted for s in now)
-    assert sort_step(System(settings, store, storage), engine="local") == []  # nothing new: no plan
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert sort_step(system, engine="local") == []  # nothing new: no plan
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifecycle_interval(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     proc = start_datacoord(
         settings,
@@ -117,9 +110,7 @@ def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifec
     produced = Produced()
     try:
         for batch in range(2):  # each flush, sorted on its own before the next one
-            more = flushed_batches(
-                store, storage, settings, producer, collection, batches=1, first_batch=batch
-            )
+            more = flushed_batches(system, producer, collection, batches=1, first_batch=batch)
             produced.rows += more.rows
             produced.deleted += more.deleted
             [flushed] = [s for s in live_l1(store, collection) if not s.is_sorted]
@@ -131,23 +122,23 @@ def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifec
         proc.terminate()
         proc.wait(30)
     assert len(live_l1(store, collection)) == 2, "sorted one by one, not merged (no lifecycle step ran)"
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_retention(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=2)
+    produced = flushed_batches(system, producer, collection, batches=2)
     inputs = {s.id for s in live_l1(store, collection)}
-    [plan] = CompactionTrigger(System(settings, store, storage)).trigger(collection, CompactionType.MIX)
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.MIX)
     [pending] = list_plans(store)
-    assert isinstance(CompactionExecutor(System(settings, store, storage), "local").start(pending), tuple)
+    assert isinstance(CompactionExecutor(system, "local").start(pending), tuple)
     started = time.time()  # the plan is Executing now; its executor never finishes it
     timing = replace(settings, compaction_timeout=60.0, compaction_plan_retention=600.0)
 
     def step(now: float) -> LifecycleReport:
         return lifecycle_step(
-            System(timing, store, storage), engine="local", now=now, compact=False, collect=False
+            replace(system, settings=timing), engine="local", now=now, compact=False, collect=False
         )
 
     assert step(started + 30).timed_out == []
@@ -161,11 +152,11 @@ def test_step_fails_a_plan_past_the_timeout_then_deletes_it_after_the_plan_reten
     assert step(started + 61 + 599).deleted_plans == []  # still listed by status for a while
     assert step(started + 61 + 601).deleted_plans == [plan.plan_id]
     assert list_plans(store) == []
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_the_demo_check_reads_a_segment_the_sort_replaced_from_the_sorted_one(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+    system: System, store: MetaStore, storage: Storage, producer: Producer
 ) -> None:
     """`make demo` under Dagster: the sort sensor ran between the flush and the demo's
     check, which then found the unsorted segment Dropped and failed ("segment 105 is
@@ -173,8 +164,8 @@ def test_the_demo_check_reads_a_segment_the_sort_replaced_from_the_sorted_one(
     info = producer.create_collection(f"demo{uuid.uuid4().hex[:8]}", DEMO_SCHEMA, num_channels=2)
     options = DemoOptions(rows=600, batch=200, deletes=12, channels=2)
     deleted, _, _ = produce_demo_data(producer, info.name, options, Console(quiet=True))
-    sync_all(store, storage, settings, info)
-    outcomes = sort_step(System(settings, store, storage), engine="local")
+    sync_all(system, info)
+    outcomes = sort_step(system, engine="local")
     assert outcomes and all(o.state is PlanState.COMPLETED for o in outcomes)
     states = [s.model.state for v in info.vchannels for s in channel_segments(store, info.id, v)]
     assert SegmentState.DROPPED in states

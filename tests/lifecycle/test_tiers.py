@@ -4,11 +4,8 @@ every step, only once the newer segments have grown to its size) and the delete 
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 from pathlib import Path
-
-import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
@@ -19,29 +16,22 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, Produced
+from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batches, live, live_l1
 from vchan_assets.wal.producer import Producer
-
-from .helpers import SCHEMA, Produced, assert_lifecycle_invariants, flushed_batches, live, live_l1
-
-
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
 
 
 def test_a_merged_segment_waits_until_newer_ones_reach_its_size_tier(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
 
     def round_then_step(batches: int = 1) -> list[tuple[int, int]]:
         """(rows, segment id) of the live segments, smallest first, after a lifecycle step."""
-        more = flushed_batches(
-            store, storage, settings, producer, collection, batches=batches, first_batch=len(produced.rows)
-        )
+        more = flushed_batches(system, producer, collection, batches=batches, first_batch=len(produced.rows))
         produced.rows += more.rows
         produced.deleted += more.deleted
-        report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+        report = lifecycle_step(system, engine="local", collect=False)
         assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
         return sorted((s.num_rows, s.id) for s in live_l1(store, collection))
 
@@ -58,24 +48,22 @@ def test_a_merged_segment_waits_until_newer_ones_reach_its_size_tier(
     assert [rows for rows, _ in now] == [190, 1140]
     [grown] = [s for s in live_l1(store, collection) if s.num_rows == 1140]
     assert big in grown.compaction_from
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_a_segment_many_deletes_hit_is_rewritten_alone_and_its_bytes_reclaimed(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=3, deletes=0)
-    lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+    produced = flushed_batches(system, producer, collection, batches=3, deletes=0)
+    lifecycle_step(system, engine="local", collect=False)
     [big] = live_l1(store, collection)
     # 30% of its rows deleted; a new small segment beside it (its own tier: not merged)
     doomed = list(range(10_000, 10_180))
     producer.delete(collection.name, doomed, partition="_default")
     produced.deleted += doomed
-    more = flushed_batches(
-        store, storage, settings, producer, collection, batches=1, first_batch=5, deletes=0
-    )
+    more = flushed_batches(system, producer, collection, batches=1, first_batch=5, deletes=0)
     produced.rows += more.rows
-    report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+    report = lifecycle_step(system, engine="local", collect=False)
     assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     [rewritten] = [s for s in live_l1(store, collection) if big.id in s.compaction_from]
     assert rewritten.compaction_from == (big.id,), "rewritten alone"
@@ -85,22 +73,22 @@ def test_a_segment_many_deletes_hit_is_rewritten_alone_and_its_bytes_reclaimed(
         return sum(b.size_bytes for b in seg.binlog_files)
 
     assert stored(rewritten) < 0.8 * stored(big)
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_many_l0_and_small_segments_are_compacted_in_plans_small_enough_for_one_etcd_transaction(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     # 70 rounds: 70 L0 segments and 70 small L1 targets; one commit of all of them would
     # write ~140 keys, over etcd's 128 operations per transaction.
-    produced = flushed_batches(store, storage, settings, producer, collection, batches=70, rows=20, deletes=2)
+    produced = flushed_batches(system, producer, collection, batches=70, rows=20, deletes=2)
     for _ in range(4):
-        report = lifecycle_step(System(settings, store, storage), engine="local", collect=False)
+        report = lifecycle_step(system, engine="local", collect=False)
         assert all(o.state is PlanState.COMPLETED for o in report.outcomes), report.outcomes
     left = [s for s in live(store, collection) if s.level is SegmentLevel.L0]
     assert not left, f"{len(left)} L0 segments left"
     assert len(live_l1(store, collection)) <= 3
-    assert_lifecycle_invariants(store, storage, settings, collection, produced)
+    assert_lifecycle_invariants(system, collection, produced)
 
 
 def test_a_commit_etcd_refuses_fails_its_plan_and_leaves_the_inputs_live(
@@ -111,15 +99,16 @@ def test_a_commit_etcd_refuses_fails_its_plan_and_leaves_the_inputs_live(
     settings = replace(settings, etcd_endpoints=(server.endpoint,))
     store = MetaStore.connect(settings)
     try:
-        producer = Producer(System(settings, store, storage))
+        system = System(settings, store, storage)
+        producer = Producer(system)
         info = producer.create_collection("c", SCHEMA, num_channels=1)
-        produced = flushed_batches(store, storage, settings, producer, info, batches=8, rows=20, deletes=0)
+        produced = flushed_batches(system, producer, info, batches=8, rows=20, deletes=0)
         before = {s.id for s in live_l1(store, info)}
-        CompactionTrigger(System(settings, store, storage)).trigger(info, CompactionType.MIX, manual=True)
-        [outcome] = CompactionExecutor(System(settings, store, storage), "local").run_pending()
+        CompactionTrigger(system).trigger(info, CompactionType.MIX, manual=True)
+        [outcome] = CompactionExecutor(system, "local").run_pending()
         assert outcome.state is PlanState.FAILED and "commit refused" in outcome.reason
         assert {s.id for s in live_l1(store, info)} == before
-        assert_lifecycle_invariants(store, storage, settings, info, produced)
+        assert_lifecycle_invariants(system, info, produced)
     finally:
         store.close()
         server.stop()

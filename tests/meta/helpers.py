@@ -1,4 +1,4 @@
-"""Helpers of the metastore tests: real child node processes, polling with a deadline."""
+"""Helpers of the metastore tests: real child node processes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,13 +53,3 @@ class ChildNode:
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:
                 stream.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
-    """Poll until `condition()`; returns the seconds it took, fails the test on timeout."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"condition not met within {timeout}s")
-        time.sleep(interval)
-    return time.monotonic() - started

@@ -91,23 +91,33 @@ def test_ids_continue_above_the_old_ones_after_an_etcd_restart(
     assert min(new_client) > max(same_client)
 
 
-def test_two_allocators_in_parallel_get_disjoint_ids(settings: Settings) -> None:
-    stores = [MetaStore.connect(settings) for _ in range(2)]
-    allocators = [IdAllocator(s, batch=3) for s in stores]
-    results: list[list[int]] = [[], []]
-    start = threading.Barrier(2)
+def side_by_side(run: Callable[[int], None], stores: list[MetaStore]) -> None:
+    """`run(i)` for each of `stores`, each in its own thread, all started at once; then the
+    stores are closed."""
+    start = threading.Barrier(len(stores))
 
-    def run(i: int) -> None:
+    def started(i: int) -> None:
         start.wait()
-        results[i] = _ids(allocators[i], 60)
+        run(i)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=started, args=(i,)) for i in range(len(stores))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for s in stores:
         s.close()
+
+
+def test_two_allocators_in_parallel_get_disjoint_ids(settings: Settings) -> None:
+    stores = [MetaStore.connect(settings) for _ in range(2)]
+    allocators = [IdAllocator(s, batch=3) for s in stores]
+    results: list[list[int]] = [[], []]
+
+    def run(i: int) -> None:
+        results[i] = _ids(allocators[i], 60)
+
+    side_by_side(run, stores)
 
     assert len(results[0]) == len(results[1]) == 60
     assert not set(results[0]) & set(results[1])
@@ -207,20 +217,12 @@ def test_two_oracles_in_parallel_never_issue_the_same_timestamp(settings: Settin
     stores = [MetaStore.connect(settings) for _ in range(2)]
     oracles = [TimestampOracle(s, window_ms=5) for s in stores]  # tiny window: many extensions
     results: list[list[int]] = [[], []]
-    start = threading.Barrier(2)
 
     def run(i: int) -> None:
-        start.wait()
         for _ in range(300):
             results[i].append(oracles[i].now())
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in stores:
-        s.close()
+    side_by_side(run, stores)
 
     assert not set(results[0]) & set(results[1])
     assert all(r == sorted(set(r)) for r in results)

@@ -16,8 +16,9 @@ from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.session import Session, SessionConflictError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import NodeSession
+from vchan_assets.testing.waiting import wait_until
 
-from .helpers import ChildNode, wait_until
+from .helpers import ChildNode
 
 TTL = 2.0  # etcd's minimum lease TTL with default election settings is 1.5 s
 SLACK = 1.5
@@ -94,7 +95,12 @@ def test_session_expiry_fires_once_when_keepalive_stops(
     assert expiries.calls[0] - suspended_at <= TTL + SLACK
     assert not session.alive and session.expired
     assert session.expiry_reason is not None and "keep-alive" in session.expiry_reason
-    wait_until(lambda: store.get(store.keys.datanode_session(3)) is None, timeout=TTL + SLACK)
+    wait_until(
+        lambda: store.get(store.keys.datanode_session(3)) is None,
+        TTL + SLACK,
+        "the session gone",
+        interval=0.05,
+    )
     time.sleep(TTL / 2)
     assert len(expiries.calls) == 1
 
@@ -192,7 +198,7 @@ def test_sigstopped_node_loses_its_session_and_notices_when_continued(
     assert store.get(key) is not None
 
     child.signal(signal.SIGSTOP)
-    gone_after = wait_until(lambda: store.get(key) is None, timeout=TTL + 3)
+    gone_after = wait_until(lambda: store.get(key) is None, TTL + 3, "the session gone", interval=0.05)
     child.signal(signal.SIGCONT)
 
     assert gone_after <= TTL + 3

@@ -10,11 +10,7 @@ import time
 import uuid
 
 import pytest
-from lifecycle.helpers import drop_without_copy, expected_pks, flushed_batches, live_l1, sync_all, write_twice
-from lifecycle.test_gc import compact_all
-from lifecycle.test_retention import retain
 
-from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.lifecycle.step import sort_step
@@ -30,19 +26,27 @@ from vchan_assets.query.view import QueryView, read_query_view
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce, segments
+from vchan_assets.testing.steps import (
+    compact_all,
+    drop_without_copy,
+    expected_pks,
+    flushed_batches,
+    live_l1,
+    retain,
+    sync_all,
+    write_twice,
+)
 from vchan_assets.wal.producer import Producer
 from vchan_assets.wal.reader import WalReader
 
 
 @pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+def channels() -> int:
+    return 1  # `collection`'s
 
 
 def flushed(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
+    system: System,
     producer: Producer,
     info: CollectionInfo,
     produced: Produced,
@@ -51,7 +55,7 @@ def flushed(
     """A round of 200 rows and 10 deletes, flushed and synced: one invisible segment."""
     produce(producer, info.name, produced, 200, start_pk=start_pk, deletes=10)
     producer.flush(info.name)
-    sync_all(store, storage, settings, info)
+    sync_all(system, info)
 
 
 def rows_check(system: System, info: CollectionInfo, vchannel: str | None = None) -> CheckOutcome:
@@ -77,16 +81,15 @@ def view(store: MetaStore, info: CollectionInfo, vchannel: str) -> QueryView:
 
 
 def test_a_read_through_the_view_serves_each_live_row_once_in_sorted_invisible_growing_segments_and_the_tail(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+    system: System, store: MetaStore, producer: Producer
 ) -> None:
-    system = System(settings, store, storage)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
     produced = Produced()
-    flushed(store, storage, settings, producer, info, produced, 0)
+    flushed(system, producer, info, produced, 0)
     sort_step(system, engine="local")  # sorted, visible
-    flushed(store, storage, settings, producer, info, produced, 10_000)  # invisible
+    flushed(system, producer, info, produced, 10_000)  # invisible
     produce(producer, info.name, produced, 200, start_pk=20_000, deletes=5)
-    sync_all(store, storage, settings, info)  # growing, with binlogs
+    sync_all(system, info)  # growing, with binlogs
     produce(producer, info.name, produced, 100, start_pk=30_000, deletes=5)  # only in the log
 
     served = 0
@@ -102,10 +105,9 @@ def test_a_read_through_the_view_serves_each_live_row_once_in_sorted_invisible_g
 
 
 def test_the_rows_check_fails_naming_the_count_when_a_segment_meta_is_written_twice(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    system = System(settings, store, storage)
-    flushed(store, storage, settings, producer, collection, Produced(), 0)
+    flushed(system, producer, collection, Produced(), 0)
     sort_step(system, engine="local")
     served_once(system, collection, collection.vchannels[0])
     [seg] = live_l1(store, collection)
@@ -120,12 +122,11 @@ def test_the_rows_check_fails_naming_the_count_when_a_segment_meta_is_written_tw
 
 
 def test_the_rows_check_fails_naming_the_count_when_a_served_segment_is_dropped_without_its_copy(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    system = System(settings, store, storage)
-    flushed(store, storage, settings, producer, collection, Produced(), 0)
+    flushed(system, producer, collection, Produced(), 0)
     sort_step(system, engine="local")
-    flushed(store, storage, settings, producer, collection, Produced(), 10_000)
+    flushed(system, producer, collection, Produced(), 10_000)
     [sorted_one, invisible] = sorted(live_l1(store, collection), key=lambda s: s.is_invisible)
     assert sorted_one.is_sorted and invisible.is_invisible
     drop_without_copy(store, invisible)
@@ -134,10 +135,9 @@ def test_the_rows_check_fails_naming_the_count_when_a_served_segment_is_dropped_
 
 
 def test_the_rows_check_fails_when_a_delete_is_lost_and_the_rows_it_deleted_are_served(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
-    system = System(settings, store, storage)
-    flushed(store, storage, settings, producer, collection, Produced(), 0)
+    flushed(system, producer, collection, Produced(), 0)
     [l0] = [s for s in segments(store, collection) if s.level is SegmentLevel.L0]
     drop_without_copy(store, l0)
 
@@ -145,10 +145,10 @@ def test_the_rows_check_fails_when_a_delete_is_lost_and_the_rows_it_deleted_are_
 
 
 def test_the_invisible_check_passes_up_to_the_limit_and_fails_past_it_until_the_sort_catches_up(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     for start in (0, 10_000, 20_000):  # three flushes, no sort: three invisible segments
-        flushed(store, storage, settings, producer, collection, Produced(), start)
+        flushed(system, producer, collection, Produced(), start)
     behind = view(store, collection, collection.vchannels[0])
     assert check_invisible_segments(behind, 3, time.time()).passed
     failing = check_invisible_segments(behind, 2, time.time())
@@ -156,19 +156,18 @@ def test_the_invisible_check_passes_up_to_the_limit_and_fails_past_it_until_the_
     assert failing.metadata["oldest_invisible_s"] > 0
     assert "3 flushed segments wait for their sort" in failing.description
 
-    sort_step(System(settings, store, storage), engine="local")
+    sort_step(system, engine="local")
     caught_up = view(store, collection, collection.vchannels[0])
     assert check_invisible_segments(caught_up, 2, time.time()).passed
     assert view_figures(caught_up, time.time())["invisible"] == 0
 
 
 def test_after_log_retention_the_rows_check_compares_from_the_first_retained_offset(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
-    system = System(settings, store, storage)
-    flushed_batches(store, storage, settings, producer, collection, batches=3)
-    compact_all(store, storage, settings, collection)  # one segment with rows below and above the floor
-    retain(store, storage, settings)
+    flushed_batches(system, producer, collection, batches=3)
+    compact_all(system, collection)  # one segment with rows below and above the floor
+    retain(system)
     produce(producer, collection.name, Produced(), 50, start_pk=90_000)  # and a log tail
     [vchannel] = collection.vchannels
     floor = WalReader(storage, vchannel, collection).files()[0].first_offset

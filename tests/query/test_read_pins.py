@@ -8,15 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from lifecycle.helpers import sync_all
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.read_pins import PinHandle, SharedPins, pinned, pinned_horizons
+from vchan_assets.datacoord.read_pins import SharedPins, pinned, pinned_horizons
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
@@ -25,25 +23,25 @@ from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.query.asof import now_ts
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA, Produced, produce, segments
+from vchan_assets.testing.harness import Produced, produce, segments
+from vchan_assets.testing.steps import sync_all
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
 
 from .helpers import stopped_read
 
 
 @pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+def channels() -> int:
+    return 1  # `collection`'s
 
 
-def two_flushed_segments(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, info: CollectionInfo
-) -> Produced:
+def two_flushed_segments(system: System, producer: Producer, info: CollectionInfo) -> Produced:
     produced = Produced()
     for batch in range(2):
         produce(producer, info.name, produced, 200, start_pk=batch * 10_000, deletes=5)
         producer.flush(info.name)
-        sync_all(store, storage, settings, info)
+        sync_all(system, info)
     return produced
 
 
@@ -61,45 +59,35 @@ def collect(system: System) -> list[int]:
 
 
 def test_gc_keeps_what_a_running_read_may_open_and_the_read_returns_every_row(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
-    produced = two_flushed_segments(store, storage, settings, producer, collection)
-    read = stopped_read(settings, collection, tmp_path, VCHAN_READ_PIN_TTL="600")
+    produced = two_flushed_segments(system, producer, collection)
+    read = stopped_read(system.settings, collection, tmp_path, VCHAN_READ_PIN_TTL="600")
     try:
         assert collection.id in pinned_horizons(store)
-        merge(System(settings, store, storage), collection)
-        assert collect(System(settings, store, storage)) == []  # pinned: kept
+        merge(system, collection)
+        assert collect(system) == []  # pinned: kept
     finally:
         os.kill(read.pid, signal.SIGCONT)
     out, err = read.communicate(timeout=120)
     assert read.returncode == 0, err[-3000:]
     assert f"ROWS {produced.row_count - len(produced.deleted)}" in out
     assert collection.id not in pinned_horizons(store), "the pin ended with the read"
-    assert len(collect(System(settings, store, storage))) == 2, "unpinned: collected"
+    assert len(collect(system)) == 2, "unpinned: collected"
 
 
 def test_a_read_that_outlived_its_pin_fails_naming_the_pin_not_a_missing_file(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
-    two_flushed_segments(store, storage, settings, producer, collection)
-    read = stopped_read(settings, collection, tmp_path, VCHAN_READ_PIN_TTL="1")
+    two_flushed_segments(system, producer, collection)
+    read = stopped_read(system.settings, collection, tmp_path, VCHAN_READ_PIN_TTL="1")
     try:
         deadline = time.monotonic() + 30
         while collection.id in pinned_horizons(store):  # the lease expires
             assert time.monotonic() < deadline, "the pin outlived its TTL"
             time.sleep(0.2)
-        merge(System(settings, store, storage), collection)
-        removed = collect(System(settings, store, storage))
+        merge(system, collection)
+        removed = collect(system)
         assert len(removed) == 2 and all(
             s.state is not SegmentState.DROPPED for s in segments(store, collection)
         )
@@ -121,13 +109,6 @@ def test_a_pin_holds_its_collection_back_from_its_timestamp_and_ends_with_its_re
     assert not pin.alive(store) and pinned_horizons(store) == {}
 
 
-def _wait_until_ended(store: MetaStore, *pins: PinHandle) -> None:
-    deadline = time.monotonic() + 30
-    while any(p.alive(store) for p in pins):
-        assert time.monotonic() < deadline, "a shared pin outlived its reuse window"
-        time.sleep(0.1)
-
-
 def test_searches_share_a_young_pin_at_or_before_their_time_and_it_ends_after_its_window(
     store: MetaStore, settings: Settings, collection: CollectionInfo
 ) -> None:
@@ -143,7 +124,11 @@ def test_searches_share_a_young_pin_at_or_before_their_time_and_it_ends_after_it
         assert horizon <= (t1 >> 18) / 1000, "GC keeps what a search at the pin's time may open"
     with shared.pinned(store, quick, collection.id, t1 - 1) as earlier:  # before the pin's time
         assert earlier != first and len(store.list_prefix(store.keys.read_pin.prefix).items) == 2
-    _wait_until_ended(store, first, earlier)
+    wait_until(
+        lambda: not any(p.alive(store) for p in (first, earlier)),
+        30,
+        "the shared pins to end after their reuse window",
+    )
     assert pinned_horizons(store) == {}
     with shared.pinned(store, quick, collection.id, now_ts(store)) as fresh:
         assert fresh != first and fresh != earlier

@@ -28,9 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from datacoord.helpers import Cluster, Role, all_synced, create_collections, wait_until
 
-from query.helpers import MARGIN, TIME_TRAVEL, race_settings
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType, PlanState, list_plans
@@ -40,8 +38,11 @@ from vchan_assets.model import CollectionInfo, compose_ts, physical_ms
 from vchan_assets.query.view import collection_segments
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA, checkpoint_of
+from vchan_assets.testing.harness import SCHEMA, Cluster, Role, all_synced, checkpoint_of, create_collections
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import ChannelAppend, Producer, generate_rows
+
+from .helpers import MARGIN, TIME_TRAVEL, race_settings
 
 
 @dataclass

@@ -7,13 +7,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from lifecycle.helpers import expected_pks, sync_all
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
@@ -37,20 +35,16 @@ from vchan_assets.query.asof import (
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, VCHAN, Produced, cli_env, produce, segments
+from vchan_assets.testing.steps import expected_pks, sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import read_pks, stopped_read
 
 
 @pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
-
-
-@pytest.fixture
-def travel(settings: Settings) -> Settings:
-    """Settings whose reads may go ten minutes back."""
-    return replace(settings, time_travel=600.0)
+def travel(system: System) -> System:
+    """The test's system, its reads may go ten minutes back."""
+    return replace(system, settings=replace(system.settings, time_travel=600.0))
 
 
 def pks(catalog: Catalog, info: CollectionInfo, as_of: object = None) -> list[int]:
@@ -62,17 +56,17 @@ def pks(catalog: Catalog, info: CollectionInfo, as_of: object = None) -> list[in
 
 
 def test_a_read_right_after_produce_returns_what_was_written_before_any_sync(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)
-    catalog = Catalog(System(settings, store, storage))
+    catalog = Catalog(system)
     assert pks(catalog, collection) == expected_pks(produced)
     rows = catalog.read_collection(collection.name)
     assert set(rows["segment_id"]) and rows["vec"].map(len).eq(SCHEMA.fields[1].dim * 4).all()
     # the same rows, column for column, once they are in binlogs
     producer.flush(collection.name)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection)
     after = catalog.read_collection(collection.name).sort_values("pk").reset_index(drop=True)
     before = rows.sort_values("pk").reset_index(drop=True)
     assert list(after.columns) == list(before.columns)
@@ -80,19 +74,19 @@ def test_a_read_right_after_produce_returns_what_was_written_before_any_sync(
 
 
 def test_every_row_is_read_once_in_log_growing_invisible_and_sorted_segments(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
-    catalog = Catalog(System(settings, store, storage))
+    catalog = Catalog(system)
     produce(producer, collection.name, produced, 200, start_pk=0, deletes=10)
     producer.flush(collection.name)
-    sync_all(store, storage, settings, collection)  # flushed, invisible
+    sync_all(system, collection)  # flushed, invisible
     produce(producer, collection.name, produced, 200, start_pk=10_000, deletes=5)
     producer.flush(collection.name)
-    sync_all(store, storage, settings, collection)
-    sort_step(System(settings, store, storage), engine="local")  # sorted, visible
+    sync_all(system, collection)
+    sort_step(system, engine="local")  # sorted, visible
     produce(producer, collection.name, produced, 200, start_pk=20_000)
-    sync_all(store, storage, settings, collection)  # growing, with binlogs
+    sync_all(system, collection)  # growing, with binlogs
     produce(producer, collection.name, produced, 200, start_pk=30_000, deletes=7)  # only in the log
     states = {(s.state, s.is_invisible, s.is_sorted) for s in segments(store, collection)}
     assert (SegmentState.GROWING, False, False) in states and (SegmentState.FLUSHED, False, True) in states
@@ -100,12 +94,7 @@ def test_every_row_is_read_once_in_log_growing_invisible_and_sorted_segments(
 
 
 def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 500, start_pk=0, deletes=25)
@@ -117,18 +106,13 @@ def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
         env=env, capture_output=True, timeout=120,
     )  # fmt: skip
     assert done.returncode < 0, "killed at the failpoint"
-    assert any(s.binlogs for s in segments(store, collection)), "segment meta committed"
+    assert any(s.binlogs for s in segments(system.store, collection)), "segment meta committed"
     # Rows now both in binlogs and in the log after the (old) checkpoint: read once.
-    assert pks(Catalog(System(settings, store, storage)), collection) == expected_pks(produced)
+    assert pks(Catalog(system), collection) == expected_pks(produced)
 
 
 def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_loses_no_row(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)  # only in the log
@@ -136,8 +120,8 @@ def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_l
     try:
         # Segment meta, then the checkpoint past every row: all of it after the read's
         # checkpoints, before it lists segments.
-        sync_all(store, storage, settings, collection)
-        assert any(s.binlogs for s in segments(store, collection))
+        sync_all(system, collection)
+        assert any(s.binlogs for s in segments(system.store, collection))
     finally:
         reader.send_signal(signal.SIGCONT)
     out, err = reader.communicate(timeout=120)
@@ -146,12 +130,7 @@ def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_l
 
 
 def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses_nothing(
-    store: MetaStore,
-    storage: Storage,
-    settings: Settings,
-    producer: Producer,
-    collection: CollectionInfo,
-    tmp_path: Path,
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
     """A read plans its log tail from the checkpoint it read; a sync then moves the
     checkpoint past the tail's first files (their rows into segments the read did not list)
@@ -159,16 +138,16 @@ def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses
     files left would silently lose those rows and deletes: the read plans again instead."""
     produced = Produced()
     produce(producer, collection.name, produced, 200, start_pk=0, deletes=5)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection)
     produce(producer, collection.name, produced, 200, start_pk=10_000, deletes=5)  # only in the log
     reader = stopped_read(settings, collection, tmp_path, "read_planned", "stop-once")
     try:
-        sync_all(store, storage, settings, collection)  # the second batch now in segments too
+        sync_all(system, collection)  # the second batch now in segments too
         later = Produced()  # after the read began (its "now" may still cover it: the TSO's window)
         produce(producer, collection.name, later, 200, start_pk=20_000)
         time.sleep(0.05)
         quick = replace(settings, wal_retention=0.001)
-        removed = GarbageCollector(System(quick, store, storage)).run().wal_files
+        removed = GarbageCollector(replace(system, settings=quick)).run().wal_files
         assert removed, "log retention removed the files the read planned to open"
     finally:
         reader.send_signal(signal.SIGCONT)
@@ -179,16 +158,15 @@ def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses
 
 
 def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     """What a Spark task reading a tail planned on the driver gets when retention removed
     its files meanwhile (it cannot plan again): the error, naming the vchannel."""
     produce(producer, collection.name, Produced(), 100, start_pk=0, deletes=5)
-    system = System(settings, store, storage)
-    ts = now_ts(store)
-    segs, views = views_at(store, collection, ts)
+    ts = now_ts(system.store)
+    segs, views = views_at(system.store, collection, ts)
     tail = tail_of(views[0], segs, ts)
-    sync_all(store, storage, settings, collection)
+    sync_all(system, collection)
     produce(producer, collection.name, Produced(), 100, start_pk=1_000)
     time.sleep(0.05)
     assert GarbageCollector(replace(system, settings=replace(settings, wal_retention=0.001))).run().wal_files
@@ -208,7 +186,7 @@ def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
 
 
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
-    store: MetaStore, storage: Storage, travel: Settings, producer: Producer, collection: CollectionInfo
+    travel: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     first = Produced()
     rows = generate_rows(SCHEMA, 300, start_pk=0, seed=0)
@@ -221,8 +199,8 @@ def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
     produce(producer, collection.name, later, 300, start_pk=10_000)
     producer.delete(collection.name, list(range(10, 40)), partition="_default")
     producer.flush(collection.name)
-    sync_all(store, storage, travel, collection)
-    catalog = Catalog(System(travel, store, storage))
+    sync_all(travel, collection)
+    catalog = Catalog(travel)
     assert pks(catalog, collection, as_of=t1) == expected_pks(first)
     assert pks(catalog, collection, as_of=iso(t1)) == pks(catalog, collection, as_of=t1 - (t1 & 0x3FFFF))
     everything = set(expected_pks(first)) | set(expected_pks(later))
@@ -230,7 +208,7 @@ def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
 
 
 def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
-    store: MetaStore, storage: Storage, travel: Settings, producer: Producer, collection: CollectionInfo
+    store: MetaStore, storage: Storage, travel: System, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     t1 = 0
@@ -239,11 +217,11 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
         t1 = max(a.timestamp for a in producer.insert(collection.name, rows).values())
         produced.rows.append(rows)
         producer.flush(collection.name)
-        sync_all(store, storage, travel, collection)
+        sync_all(travel, collection)
     producer.delete(collection.name, list(range(0, 50)), partition="_default")
     producer.flush(collection.name)
-    sync_all(store, storage, travel, collection)
-    system = System(travel, store, storage)
+    sync_all(travel, collection)
+    system = travel
     for kind in (CompactionType.L0, CompactionType.MIX):  # deletes into the segments, then merged away
         assert CompactionTrigger(system).trigger(collection, kind, manual=True)
         outcomes = CompactionExecutor(system, "local").run_pending()
@@ -254,20 +232,20 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
     assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
     assert pks(catalog, collection) == [pk for pk in expected_pks(produced) if pk >= 50]
     # GC keeps what a read in the window needs, even past its drop tolerance
-    GarbageCollector(replace(system, settings=replace(travel, gc_drop_tolerance=0.0))).run()
+    GarbageCollector(replace(system, settings=replace(travel.settings, gc_drop_tolerance=0.0))).run()
     dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
     assert dropped and all(storage.exists(p) for s in dropped for p in segment_paths(s))
     assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
 
 
 def test_a_read_at_t_before_a_compaction_sees_the_rows_it_removed_with_timestamps_ahead_of_the_clock(
-    store: MetaStore, storage: Storage, travel: Settings, collection: CollectionInfo
+    store: MetaStore, storage: Storage, travel: System, collection: CollectionInfo
 ) -> None:
     # Other processes started their oracles a moment ago: a new one issues timestamps above
     # the window they persisted, seconds ahead of the wall clock.
     for _ in range(2):
         TimestampOracle(store).alloc()
-    system = System(travel, store, storage)
+    system = travel
     producer = Producer(system)
     produced = Produced()
     rows = generate_rows(SCHEMA, 200, start_pk=0, seed=0)
@@ -275,10 +253,10 @@ def test_a_read_at_t_before_a_compaction_sees_the_rows_it_removed_with_timestamp
     produced.rows.append(rows)
     assert physical_ms(t1) > (time.time() + 1) * 1000, "timestamps ahead of the wall clock"
     producer.flush(collection.name)
-    sync_all(store, storage, travel, collection)
+    sync_all(travel, collection)
     producer.delete(collection.name, list(range(50)), partition="_default")  # after t1
     producer.flush(collection.name)
-    sync_all(store, storage, travel, collection)
+    sync_all(travel, collection)
     for kind in (CompactionType.L0, CompactionType.MIX):  # within a second of the deletes, by the clock
         assert CompactionTrigger(system).trigger(collection, kind, manual=True)
         assert all(o.state is PlanState.COMPLETED for o in CompactionExecutor(system, "local").run_pending())

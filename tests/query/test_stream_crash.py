@@ -20,9 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from datacoord.helpers import Cluster, Load, Role, all_synced, create_collections, wait_until
 
-from query.helpers import race_settings
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.streams import get_stream
 from vchan_assets.meta.store import MetaStore
@@ -31,9 +29,12 @@ from vchan_assets.query.spark_source import spark_session
 from vchan_assets.query.view import collection_segments
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import cli_env
+from vchan_assets.testing.harness import Cluster, Load, Role, all_synced, cli_env, create_collections
 from vchan_assets.testing.streams import sink_changes, sink_rows, stream_options
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.reader import WalReader
+
+from .helpers import race_settings
 
 KEY = ["vchannel", "offset"]
 

@@ -15,15 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from lifecycle.helpers import sync_all
 from rich.console import Console
 
 from vchan_assets.catalog import Catalog
@@ -31,8 +29,6 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionNotFoundError
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.streams import get_stream, list_streams, retention_holds
-from vchan_assets.deploy.processes import wait_until
-from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.query.asof import iso
@@ -48,7 +44,9 @@ from vchan_assets.status import collect_status, render_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, cli_env
+from vchan_assets.testing.steps import retain, sync_all
 from vchan_assets.testing.streams import sink_changes, sink_rows, stream_options
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
@@ -59,11 +57,21 @@ KEY = ["vchannel", "offset"]
 class Streamed:
     """A collection of 2 vchannels to stream, and what it is stored on."""
 
-    settings: Settings
-    store: MetaStore
-    storage: Storage
+    system: System
     producer: Producer
     info: CollectionInfo
+
+    @property
+    def settings(self) -> Settings:
+        return self.system.settings
+
+    @property
+    def store(self) -> MetaStore:
+        return self.system.store
+
+    @property
+    def storage(self) -> Storage:
+        return self.system.storage
 
     def write(self, start_pk: int, n: int = 300, deletes: int = 30) -> None:
         """`n` inserts from `start_pk`, then deletes of the first `deletes` of them."""
@@ -76,7 +84,7 @@ class Streamed:
     def persist(self) -> None:
         """Flush and sync: the channel checkpoints move to the log's end."""
         self.producer.flush(self.info.name)
-        sync_all(self.store, self.storage, self.settings, self.info)
+        sync_all(self.system, self.info)
 
     def options(self, **extra: str) -> dict[str, str]:
         return {**stream_options(self.settings, self.store, self.info.name), **extra}
@@ -119,9 +127,8 @@ class Streamed:
 
 
 @pytest.fixture
-def log(settings: Settings, store: MetaStore, storage: Storage, producer: Producer) -> Streamed:
-    info = producer.create_collection(f"s{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
-    return Streamed(settings, store, storage, producer, info)
+def log(system: System, producer: Producer, collection: CollectionInfo) -> Streamed:
+    return Streamed(system, producer, collection)
 
 
 def batch(reader: VchanStreamReader, start: dict[str, int], end: dict[str, int]) -> pa.Table:
@@ -143,7 +150,7 @@ def key_of(t: pa.Table) -> pa.Table:
 def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_ones(
     log: Streamed, tmp_path: Path
 ) -> None:
-    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    spark: Any = spark_session(log.system)
     log.write(0)
     log.persist()
     sink, checkpoint = str(tmp_path / "sink"), str(tmp_path / "checkpoint")
@@ -173,7 +180,7 @@ def test_a_stream_sinks_every_change_once_in_order_and_a_restart_only_the_new_on
 
 
 def test_a_stream_without_a_stream_id_fails_in_spark_saying_what_to_add(log: Streamed) -> None:
-    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    spark: Any = spark_session(log.system)
     options = {k: v for k, v in log.options().items() if k != "streamId"}
     query = spark.readStream.format("vchan").options(**options).load().writeStream.format("console").start()
     try:
@@ -212,7 +219,7 @@ def test_a_driver_killed_mid_batch_restarts_from_its_checkpoint_and_sinks_each_c
     assert Path(checkpoint, "offsets", "0").exists()  # the batch was planned and logged, not committed
     assert not Path(checkpoint, "commits", "0").exists()
 
-    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    spark: Any = spark_session(log.system)
     sink_changes(spark, log.options(maxRowsPerTrigger="200"), sink, checkpoint)
     got = key_of(sink_rows(spark, sink))
     assert got.equals(log.changes())
@@ -281,14 +288,6 @@ def test_max_rows_per_trigger_caps_a_batch_in_whole_log_files(log: Streamed) -> 
 # --- registration and retention --------------------------------------------------------
 
 
-def retain(settings: Settings, store: MetaStore, storage: Storage, later: float = 10) -> list[str]:
-    """One GC pass `later` seconds from now, past a log retention of 5 s."""
-    gc = GarbageCollector(
-        System(replace(settings, wal_retention=5.0), store, storage), clock=lambda: time.time() + later
-    )
-    return gc.run().wal_files
-
-
 def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idle(log: Streamed) -> None:
     for i in range(3):
         log.write(i * 1000, n=50, deletes=5)
@@ -296,13 +295,13 @@ def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idl
     reader = log.reader()
     start, end = log.first_batch(reader)  # registers the stream at `start`
     assert retention_holds(log.store, time.time(), log.settings.stream_idle_timeout) == start
-    assert retain(log.settings, log.store, log.storage) == []  # everything is after what it committed
+    assert retain(log.system, expect_deletes=False) == []  # everything is after what it committed
     halfway = {v: o // 2 for v, o in end.items()}
     reader.commit(halfway)
     assert [s.offset_of(log.info.vchannels[0]) for s in list_streams(log.store).values()] == [
         halfway[log.info.vchannels[0]]
     ]
-    deleted = retain(log.settings, log.store, log.storage)
+    deleted = retain(log.system, expect_deletes=False)
     assert deleted  # the files wholly at or before the commit
     for v in log.info.vchannels:
         first = log.log(v).files()[0]
@@ -310,7 +309,7 @@ def test_retention_keeps_what_a_stream_has_not_committed_until_the_stream_is_idl
     # Unseen for longer than the idle timeout: the stream holds nothing back any more.
     idle = log.settings.stream_idle_timeout
     assert retention_holds(log.store, time.time() + idle + 1, idle) == {}
-    assert retain(log.settings, log.store, log.storage, later=idle + 1)
+    assert retain(log.system, later=idle + 1, expect_deletes=False)
     with pytest.raises(StreamOffsetRemovedError, match=r"offset \d+ was removed by log retention") as err:
         reader.latestOffset(halfway, reader.getDefaultReadLimit())
     oldest = log.log(err.value.vchannel).files()[0].first_offset
@@ -400,7 +399,7 @@ def test_a_checkpoint_of_a_collection_created_again_with_more_vchannels_is_a_cle
 def test_a_malformed_offset_in_the_spark_checkpoint_fails_the_restarted_query_naming_it(
     log: Streamed, tmp_path: Path
 ) -> None:
-    spark: Any = spark_session(System(log.settings, log.store, log.storage))
+    spark: Any = spark_session(log.system)
     log.write(0, n=50, deletes=5)
     log.persist()
     sink, checkpoint = str(tmp_path / "sink"), tmp_path / "checkpoint"
@@ -417,7 +416,7 @@ def test_status_lists_streams_and_warns_of_an_idle_one(log: Streamed) -> None:
     reader = log.reader(upTo="head")
     start = reader.initialOffset()
     reader.commit(reader.latestOffset(start, reader.getDefaultReadLimit()))
-    catalog = Catalog(System(log.settings, log.store, log.storage))
+    catalog = Catalog(log.system)
     [stream] = collect_status(catalog, orphans=False)["streams"]
     assert stream["stream"] == f"test-{log.info.name}" and stream["holds_retention"]
     assert stream["behind_head"] == 0 and set(stream["committed"]) == set(log.info.vchannels)

@@ -9,19 +9,16 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
-from lifecycle.helpers import sync_all
-
 from vchan_assets import model
-from vchan_assets.config import Settings
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.query.reads import read_collection
 from vchan_assets.query.view import QueryView, query_view, read_query_view
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer
 
 V = "v0"
@@ -191,9 +188,8 @@ def read_pks(system: System, info: CollectionInfo) -> Counter[int]:
 
 
 def test_the_view_of_synced_and_sorted_segments_and_the_rows_read_through_it(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+    system: System, store: MetaStore, producer: Producer
 ) -> None:
-    system = System(settings, store, storage)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     (vchannel,) = info.vchannels
     assert read_query_view(store, info, vchannel).seek_position == info.start_positions[0]
@@ -202,9 +198,9 @@ def test_the_view_of_synced_and_sorted_segments_and_the_rows_read_through_it(
     for batch in range(2):  # one flushed L1 segment and one L0 segment per round
         produce(producer, info.name, produced, 200, start_pk=batch * 10_000, deletes=10)
         producer.flush(info.name)
-        sync_all(store, storage, settings, info)
+        sync_all(system, info)
     produce(producer, info.name, produced, 50, start_pk=90_000)  # synced, not flushed: growing
-    sync_all(store, storage, settings, info)
+    sync_all(system, info)
     expected = {pk for pk in produced.table["pk"].to_pylist() if pk not in set(produced.deleted)}
 
     before = read_query_view(store, info, vchannel)

@@ -22,7 +22,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from vchan_assets.config import Settings
@@ -31,6 +30,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionSchema
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "f": "float", "s": "string", "b": "bool"})
@@ -50,17 +50,11 @@ def write_flush_count(path: Path, count: int) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old count or the new one
 
 
-def wait_until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {HANDSHAKE_TIMEOUT}s")
-        time.sleep(0.05)
-
-
 def wait_for_a_flush(path: Path) -> None:
     seen = flush_count(path)
-    wait_until(lambda: flush_count(path) > seen, f"no flush recorded in {path}")
+    wait_until(
+        lambda: flush_count(path) > seen, HANDSHAKE_TIMEOUT, f"a flush recorded in {path}", interval=0.05
+    )
 
 
 def gate() -> tuple[Path, int] | None:
@@ -82,7 +76,7 @@ def insert(producer: Producer, collection: str, args: list[str]) -> None:
             wait_for_a_flush(Path(flushes))
         if wait_file and i == wait_file[1]:
             path = wait_file[0]
-            wait_until(path.exists, f"no {path}")
+            wait_until(path.exists, HANDSHAKE_TIMEOUT, f"{path}", interval=0.05)
         first = start + i * rows
         producer.insert(collection, generate_rows(SCHEMA, rows, start_pk=first, seed=first))
         print("batch", i, flush=True)

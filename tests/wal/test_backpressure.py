@@ -13,14 +13,12 @@ import pytest
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import SyncTask
-from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, CollectionSchema
+from vchan_assets.model import CollectionSchema
 from vchan_assets.status import collect_status
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.backpressure import MB, WriteLagExceededError, WriteLimiter, channel_lag
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
@@ -43,12 +41,6 @@ def _insert_until_refused(
         except WriteLagExceededError as refused:
             return i * BATCH, refused
     raise AssertionError(f"{most} inserts were never refused")
-
-
-def _sync(settings: Settings, store: MetaStore, storage: Storage, info: CollectionInfo) -> None:
-    vchannel = info.vchannels[0]
-    lease = store.read_lease(vchannel) or grant_channel_lease(store, IdAllocator(store), vchannel, node_id=1)
-    SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
 
 
 def test_a_lagging_channel_slows_then_refuses_inserts_naming_the_channel_and_its_lag(
@@ -78,7 +70,7 @@ def test_a_lagging_channel_slows_then_refuses_inserts_naming_the_channel_and_its
 
 
 def test_flush_goes_on_and_writes_resume_by_themselves_once_a_sync_catches_up(
-    settings: Settings, store: MetaStore, storage: Storage
+    system: System, settings: Settings, store: MetaStore, storage: Storage
 ) -> None:
     producer = _limited(settings, store, storage, write_lag_limit_mb=0.2)
     producer.limiter.sleep = lambda _: None
@@ -86,7 +78,7 @@ def test_flush_goes_on_and_writes_resume_by_themselves_once_a_sync_catches_up(
     _insert_until_refused(producer, info.name)
 
     flush_ts = producer.flush(info.name)  # not refused: it is how the channel catches up
-    _sync(settings, store, storage, info)
+    sync_all(system, info)
     assert producer.flush_state(info.name, flush_ts)
 
     deadline = time.monotonic() + 10

@@ -17,7 +17,8 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal import CorruptLogError, InvalidBatchError, WalReader, WalWriter, read_log_file
 from vchan_assets.wal.format import SYSTEM_SCHEMA, wal_key
 from vchan_assets.wal.writer import DataFile
-from wal.test_wal_log import CHANNEL, COLLECTION, SCHEMA, batch, user_rows
+
+from .helpers import CHANNEL, COLLECTION, SCHEMA, batch, user_rows
 
 # Written by the format-1 writer (before data files existed): 3 inserts of user_rows(3)
 # at ts 100 (segment 100, partition 10) and a time tick at 101, offsets 0-3.

@@ -20,23 +20,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from cluster.test_s3_outage import Endpoint
-from datanode.helpers import Produced, assert_exactly_once
 
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.leases import grant_channel_lease
-from vchan_assets.datanode.sync import SyncTask
-from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import Produced
+from vchan_assets.testing.steps import assert_exactly_once, sync_all
+from vchan_assets.testing.tcp_proxy import Endpoint
 from vchan_assets.wal.format import data_prefix
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
-from wal.producer_child import DELETE_ENV, FLUSH_COUNT_ENV, GATE_ENV, SCHEMA
+
+from .producer_child import DELETE_ENV, FLUSH_COUNT_ENV, GATE_ENV, SCHEMA
 
 CHILD = Path(__file__).parent / "producer_child.py"
 
@@ -117,13 +116,6 @@ def deleted_pks(logs: dict[str, pa.Table]) -> list[int]:
     ]
 
 
-def sync_all(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> None:
-    ids = IdAllocator(store)
-    for vchannel in info.vchannels:
-        lease = store.read_lease(vchannel) or grant_channel_lease(store, ids, vchannel, node_id=1)
-        SyncTask(System(settings, store, storage), info, vchannel, lease, engine="local").run()
-
-
 def segments(store: MetaStore, info: CollectionInfo) -> dict[int, SegmentInfo]:
     found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo)
     return {d.model.id: d.model for d in found}
@@ -194,7 +186,7 @@ def test_four_producer_processes_and_a_flusher_keep_the_log_and_segments_consist
         len([s for s in sealed.values() if s.level is SegmentLevel.L1]) > 2
     )  # sealed by size and by flushes
 
-    sync_all(store, storage, fast, info)
+    sync_all(System(fast, store, storage), info)
     assert producer.flush_state(info.name, flush_ts)
     assert_exactly_once(store, storage, info, Produced(rows=[produced], deleted=deleted))
 
@@ -308,10 +300,8 @@ def test_producers_retry_through_an_s3_outage_and_write_every_batch_once(
     assert sorted(counts) == sorted(produced["pk"].to_pylist()) and max(counts.values()) == 1
 
 
-def test_a_segment_flushed_by_another_client_receives_no_more_rows(
-    store: MetaStore, storage: Storage, settings: Settings
-) -> None:
-    inserter, flusher = Producer(System(settings, store, storage)), Producer(System(settings, store, storage))
+def test_a_segment_flushed_by_another_client_receives_no_more_rows(system: System, store: MetaStore) -> None:
+    inserter, flusher = Producer(system), Producer(system)
     info = inserter.create_collection(f"f{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
     first = inserter.insert(info.name, generate_rows(SCHEMA, 10, start_pk=0))[info.vchannels[0]]
 

@@ -226,16 +226,16 @@ def test_segments_are_sealed_by_size_as_inserts_arrive(
 
 
 def test_a_collection_whose_create_message_was_lost_is_completed_on_first_use(
-    store: MetaStore, storage: Storage, settings: Settings
+    system: System, store: MetaStore
 ) -> None:
     # A crash after the meta was written but before the log: no create message, no start positions.
     info = CollectionRegistry(store).create("half", SCHEMA, num_channels=2)
 
-    completed = Producer(System(settings, store, storage)).collection("half")
+    completed = Producer(system).collection("half")
 
     assert len(completed.start_positions) == 2
     for vchannel in info.vchannels:
-        assert channel_log(storage, info, vchannel)["msg_type"][0].as_py() == "create_collection"
+        assert channel_log(system.storage, info, vchannel)["msg_type"][0].as_py() == "create_collection"
 
 
 def test_generated_rows_are_deterministic_and_fit_the_schema() -> None:

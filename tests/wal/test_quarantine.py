@@ -36,11 +36,6 @@ from vchan_assets.wal.quarantine import NotDamagedError, inspect_log_file
 from vchan_assets.wal.reader import WalReader
 
 
-@pytest.fixture
-def collection(producer: Producer) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=2)
-
-
 def _vchan(settings: Settings, *args: str, answer: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(VCHAN), *args], env=cli_env(settings), input=answer, capture_output=True, text=True, timeout=300
@@ -60,7 +55,7 @@ def _truncate(storage: Storage, info: CollectionInfo, vchannel: str) -> tuple[Pa
 
 
 def test_a_quarantined_log_file_lets_its_channel_sync_on_and_the_loss_stays_visible(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
     produced = Produced()
     produce(producer, collection.name, produced, 400, start_pk=0)
@@ -81,9 +76,9 @@ def test_a_quarantined_log_file_lets_its_channel_sync_on_and_the_loss_stays_visi
     synced = _sync(settings, collection)
 
     assert synced.returncode == 0, synced.stderr[-2000:]
-    found = store.get_model(store.keys.channel_checkpoint(damaged_channel), MsgPosition)
+    found = system.store.get_model(system.store.keys.channel_checkpoint(damaged_channel), MsgPosition)
     assert found is not None and found.model == WalReader(storage, damaged_channel, collection).head()
-    persisted = set(read_inserted(store, storage, collection)["pk"].to_pylist())
+    persisted = set(read_inserted(system.store, storage, collection)["pk"].to_pylist())
     lost = {pk for pk in produced.table["pk"].to_pylist() if pk not in persisted}
     # Only rows of the damaged file are lost: the first batch's rows of that channel.
     first_batch = produced.rows[0]["pk"]
@@ -93,26 +88,25 @@ def test_a_quarantined_log_file_lets_its_channel_sync_on_and_the_loss_stays_visi
     [loss] = report["data_losses"]
     assert (loss["vchannel"], loss["first_offset"], loss["last_offset"]) == (damaged_channel, first, last)
     assert any(w["kind"] == "data_lost" and str(path) in w["message"] for w in report["warnings"])
-    with Catalog(System(settings, store, storage)) as catalog:
+    with Catalog(system) as catalog:
         assert catalog.data_losses(collection.name)["messages"].tolist() == [last - first + 1]
 
 
 def test_a_readable_log_file_is_not_quarantined(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
+    system: System, storage: Storage, producer: Producer, collection: CollectionInfo
 ) -> None:
     produce(producer, collection.name, Produced(), 100, start_pk=0)
     healthy = WalReader(storage, collection.vchannels[0], collection).files()[1]
 
     with pytest.raises(NotDamagedError, match="it reads"):
-        inspect_log_file(System(settings, store, storage), storage.path(healthy.key))
+        inspect_log_file(system, storage.path(healthy.key))
 
 
 def test_a_quarantined_binlog_leaves_its_segment_the_rows_of_its_other_files_and_records_the_loss(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer
+    system: System, store: MetaStore, storage: Storage, settings: Settings, producer: Producer
 ) -> None:
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     lease = grant_channel_lease(store, IdAllocator(store), info.vchannels[0], node_id=1)
-    system = System(settings, store, storage)
     first, second = Produced(), Produced()
     produce(producer, info.name, first, 300, start_pk=0)
     SyncTask(system, info, info.vchannels[0], lease, engine="local").run()

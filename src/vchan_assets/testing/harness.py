@@ -3,10 +3,12 @@
 - **Cluster and roles**: `vchan datanode` / `vchan datacoord` OS processes on one
   `Settings`, with short timings (`FAST`: a node is declared dead 2-3 s after its last
   keep-alive), and what etcd says of them: `owners` (every channel watched by exactly one
-  node, under its current lease), `all_synced` (every checkpoint at its log's head).
+  node, under its current lease), `all_synced` (every checkpoint at its log's head), and
+  `OneWriterChecker`, which samples etcd for a channel with two writers.
 - **Produced data**: batches of known rows and deletes written through a `Producer`, and
   `exactly_once`, which reads the live segments' binlogs and delta logs back with plain
-  pyarrow and compares them with what was produced, value by value.
+  pyarrow and compares them with what was produced, value by value; `Load`, a producer
+  thread writing batches until stopped.
 - **Chaos**: `ChaosSchedule`, a seeded random schedule of faults (kill -9 of a node or a
   coordinator, SIGSTOP of a node past its session TTL, kill -9 and restart of etcd) under
   a `PausableLoad`, the producer that stops between batches while etcd is down.
@@ -34,7 +36,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.config import Settings
-from vchan_assets.deploy.processes import wait_until
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import MetaStore
@@ -51,6 +52,7 @@ from vchan_assets.model import (
 )
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
 
@@ -529,3 +531,66 @@ class ChaosSchedule:
                 on_fault(fault)
             time.sleep(self.rng.uniform(*self.gap))
         return self.survived
+
+
+class OneWriterChecker(threading.Thread):
+    """Samples etcd continuously; records every moment a channel had two WatchSuccess
+    infos, or a WatchSuccess whose lease was not the channel's current lease holder's
+    while another node's WatchSuccess held it."""
+
+    def __init__(self, store: MetaStore, channels: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.store = store
+        self.channels = channels
+        self.samples = 0
+        self.violations: list[str] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            found, leases = watches(self.store)
+            self.samples += 1
+            for vchannel in self.channels:
+                holders = [w for w in found.get(vchannel, []) if w.state is WatchState.WATCH_SUCCESS]
+                if len(holders) > 1:
+                    self.violations.append(f"{vchannel}: two watchers {holders}")
+                lease = leases.get(vchannel)
+                for w in holders:
+                    if lease is not None and lease.lease_id != w.lease_id and len(holders) > 1:
+                        self.violations.append(f"{vchannel}: {w} without the lease {lease}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+
+
+class Load(threading.Thread):
+    """A producer writing batches into the collections until stopped (the "load")."""
+
+    def __init__(self, producer: Producer, infos: list[CollectionInfo], rows: int = 40) -> None:
+        super().__init__(daemon=True)
+        self.producer = producer
+        self.infos = infos
+        self.rows = rows
+        self.produced = {info.name: Produced() for info in infos}
+        self.batches = 0
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        pk = 1
+        try:
+            while not self._halt.is_set():
+                for info in self.infos:
+                    produce(self.producer, info.name, self.produced[info.name], self.rows, pk, deletes=2)
+                    pk += self.rows
+                self.batches += 1
+                time.sleep(0.05)
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+        assert self.error is None, f"producer failed: {self.error}"

@@ -3,19 +3,24 @@ segments, small enough that every build takes well under a second."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
-import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-from lifecycle.helpers import sync_all
 
-from vchan_assets.indexes.meta import create_index
+from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.step import index_step
 from vchan_assets.lifecycle.step import sort_step
-from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentState
+from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentIndex, SegmentInfo, SegmentState
 from vchan_assets.system import System
+from vchan_assets.testing.steps import new_collection, start_datacoord, sync_all
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
 
 DIM = 16
@@ -47,9 +52,9 @@ class Data:
         return pks[keep], vectors[keep]
 
 
-def new_collection(producer: Producer, channels: int = 1) -> Data:
-    info = producer.create_collection(f"i{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=channels)
-    return Data(info)
+def new_data(producer: Producer, channels: int = 1) -> Data:
+    """A new collection of `SCHEMA` (nothing inserted yet)."""
+    return Data(new_collection(producer, channels, SCHEMA, prefix="i"))
 
 
 def insert(producer: Producer, data: Data, n: int, start_pk: int) -> None:
@@ -73,7 +78,7 @@ def flushed_segments(system: System, producer: Producer, data: Data, sizes: list
     for size in sizes:
         insert(producer, data, size, start_pk=len(data.pks) and max(data.pks) + 1)
         producer.flush(data.info.name)
-        sync_all(system.store, system.storage, system.settings, data.info)
+        sync_all(system, data.info)
 
 
 def sorted_segments(system: System, producer: Producer, data: Data, sizes: list[int]) -> None:
@@ -113,3 +118,50 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def builds(system: System, data: Data) -> list[SegmentIndex]:
+    """The index builds of the collection, by build id."""
+    return sorted((d.model for d in list_builds(system.store, data.info.id)), key=lambda b: b.build_id)
+
+
+# A DataCoord process that only runs tasks: no lifecycle step, sort scan or compaction check
+# of its own within a test, a failed task retried after 1 s.
+QUIET = {
+    "VCHAN_LIFECYCLE_INTERVAL": "3600",
+    "VCHAN_SORT_SCAN_INTERVAL": "3600",
+    "VCHAN_COMPACTION_CHECK_INTERVAL": "3600",
+    "VCHAN_TASK_RETRY_BACKOFF": "1",
+}
+PATIENCE = 60.0  # seconds
+
+
+@contextmanager
+def datacoord(system: System, engine: str = "local", **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A `vchan datacoord` process on `system`'s settings (QUIET, and `env`), stopped on exit."""
+    process = start_datacoord(system.settings, engine, **QUIET, **env)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)  # (if a test left it stopped)
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_for(process: subprocess.Popen[bytes], done: Callable[[], bool], what: str) -> None:
+    """Wait until `done()` while `process` lives; on timeout, stop it and show its output."""
+
+    def check() -> bool:
+        assert process.poll() is None, process.communicate()[0].decode()[-3000:]
+        return done()
+
+    def output() -> str:
+        process.terminate()
+        return process.communicate()[0].decode()[-3000:]
+
+    wait_until(check, PATIENCE, what, interval=0.2, describe=output)

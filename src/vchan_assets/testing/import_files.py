@@ -1,9 +1,8 @@
-"""Shared steps of the import tests: a collection, input files written with plain pyarrow,
-and what a reader sees afterwards."""
+"""Steps of the bulk-import tests: input files written with plain pyarrow, an import job run
+in-process, and what a reader sees afterwards."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datanode.helpers import SCHEMA, VCHAN, cli_env, segments
 
 from vchan_assets import imports
 from vchan_assets.catalog import Catalog
@@ -19,16 +17,11 @@ from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportJob
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.wal.producer import Producer, generate_rows
+from vchan_assets.testing.harness import SCHEMA, segments
+from vchan_assets.wal.producer import generate_rows
 
-__all__ = ["SCHEMA", "VCHAN", "cli_env", "segments"]
 DIM = 8
-
-
-def new_collection(producer: Producer, channels: int = 2) -> CollectionInfo:
-    return producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=channels)
 
 
 def rows(n: int, start_pk: int = 0, seed: int = 0) -> pa.Table:
@@ -58,8 +51,9 @@ def run_import(
     return imports.run(job_id, engine="local", on_progress=on_progress, store=store, settings=settings)
 
 
-def visible(store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo) -> pa.Table:
-    table = Catalog(System(settings, store, storage)).read_collection(info.name, as_arrow=True)
+def visible(system: System, info: CollectionInfo) -> pa.Table:
+    """Every row a reader of `info` sees now."""
+    table = Catalog(system).read_collection(info.name, as_arrow=True)
     assert isinstance(table, pa.Table)
     return table
 
@@ -68,11 +62,9 @@ def live_segments(store: MetaStore, info: CollectionInfo) -> list[int]:
     return sorted(s.id for s in segments(store, info) if s.state is SegmentState.FLUSHED)
 
 
-def assert_nothing_visible(
-    store: MetaStore, storage: Storage, settings: Settings, info: CollectionInfo
-) -> None:
-    assert visible(store, storage, settings, info).num_rows == 0
-    states = {s.state for s in segments(store, info)}
+def assert_nothing_visible(system: System, info: CollectionInfo) -> None:
+    assert visible(system, info).num_rows == 0
+    states = {s.state for s in segments(system.store, info)}
     assert states <= {SegmentState.DROPPED}, f"segments left in {states}"
 
 

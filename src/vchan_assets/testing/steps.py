@@ -1,0 +1,182 @@
+"""Steps the tests share, in-process on real etcd and real files: a new collection, a sync
+of every vchannel (the DataNode's sync task), a manual mix compaction of a collection (the
+DataCoord's compaction trigger and executor), a GC pass past the log retention, flushed
+rounds of known rows, the lifecycle's invariants read back through the catalog, `vchan`
+processes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from collections import Counter
+from dataclasses import replace
+from typing import Literal
+
+import pyarrow as pa
+
+from vchan_assets.catalog import Catalog
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.leases import grant_channel_lease
+from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
+from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
+from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.meta.allocator import IdAllocator
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import (
+    SCHEMA,
+    VCHAN,
+    Cluster,
+    Load,
+    Produced,
+    all_synced,
+    cli_env,
+    exactly_once,
+    produce,
+    segments,
+)
+from vchan_assets.testing.waiting import wait_until
+from vchan_assets.wal.producer import Producer
+
+
+def new_collection(
+    producer: Producer, channels: int = 2, schema: CollectionSchema = SCHEMA, prefix: str = "c"
+) -> CollectionInfo:
+    """A collection of a new name (`prefix` and 8 hex digits) with `channels` vchannels."""
+    return producer.create_collection(f"{prefix}{uuid.uuid4().hex[:8]}", schema, num_channels=channels)
+
+
+def sync_all(system: System, info: CollectionInfo, *, engine: Literal["local", "spark"] = "local") -> None:
+    """One sync task of every vchannel of `info`, under the channel's current lease (one
+    granted to node 1 where the channel has none)."""
+    store = system.store
+    for vchannel in info.vchannels:
+        lease = store.read_lease(vchannel) or grant_channel_lease(
+            store, IdAllocator(store), vchannel, node_id=1
+        )
+        SyncTask(system, info, vchannel, lease, engine=engine).run()
+
+
+def compact_all(system: System, info: CollectionInfo) -> None:
+    """A manual mix compaction of `info`, planned and run here; every plan must complete."""
+    CompactionTrigger(system).trigger(info, CompactionType.MIX, manual=True)
+    outcomes = CompactionExecutor(system, "local").run_pending()
+    assert all(o.state is PlanState.COMPLETED for o in outcomes), outcomes
+
+
+def retain(system: System, later: float = 10.0, expect_deletes: bool = True) -> list[str]:
+    """One GC pass `later` seconds from now, past a log retention of 5 s: the log files it
+    deleted (with `expect_deletes`, at least one, or the calling test proves nothing)."""
+    quick = replace(system, settings=replace(system.settings, wal_retention=5.0))
+    deleted = GarbageCollector(quick, clock=lambda: time.time() + later).run().wal_files
+    assert deleted or not expect_deletes, "nothing was old enough to delete: the test proves nothing"
+    return deleted
+
+
+def flushed_batches(
+    system: System,
+    producer: Producer,
+    info: CollectionInfo,
+    batches: int,
+    rows: int = 200,
+    deletes: int = 10,
+    first_batch: int = 0,
+) -> Produced:
+    """`batches` rounds of insert (+ deletes of the round's first pks), flush, sync: one
+    small Flushed L1 segment per round and vchannel, one L0 segment per round."""
+    produced = Produced()
+    for b in range(first_batch, first_batch + batches):
+        produce(producer, info.name, produced, rows, start_pk=b * 10_000, deletes=deletes)
+        producer.flush(info.name)
+        sync_all(system, info)
+    return produced
+
+
+def live(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
+    """The segments of `info` not Dropped."""
+    return [s for s in segments(store, info) if s.state is not SegmentState.DROPPED]
+
+
+def live_l1(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
+    """The live segments of `info` that hold rows (not L0)."""
+    return [s for s in live(store, info) if s.level is not SegmentLevel.L0]
+
+
+def expected_pks(produced: Produced) -> list[int]:
+    """The produced pks not deleted, sorted."""
+    deleted = set(produced.deleted)
+    return sorted(pk for pk in produced.table["pk"].to_pylist() if pk not in deleted)
+
+
+def assert_exactly_once(store: MetaStore, storage: Storage, info: CollectionInfo, produced: Produced) -> None:
+    """Every produced row in exactly one binlog with its values; every delete in a delta log once."""
+    tally = exactly_once(store, storage, info, produced)
+    assert tally.ok, tally.describe()
+
+
+def assert_lifecycle_invariants(system: System, info: CollectionInfo, produced: Produced) -> None:
+    """Every live row in exactly one live segment, every delete applied, no live meta
+    naming a missing file."""
+    rows = Catalog(system).read_collection(info.name, as_arrow=True)
+    assert isinstance(rows, pa.Table)
+    counts = Counter(rows["pk"].to_pylist())
+    dup = [pk for pk, c in counts.items() if c > 1]
+    assert not dup, f"pks in more than one live segment: {dup[:5]}"
+    assert sorted(counts) == expected_pks(produced)
+    want = produced.table.sort_by("pk")
+    got = rows.sort_by("pk")
+    keep = pa.array([pk in counts for pk in want["pk"].to_pylist()])
+    for column in ("n", "s", "vec"):
+        assert got[column].equals(want.filter(keep)[column]), f"column {column} changed"
+    missing = [p for s in live(system.store, info) for p in segment_paths(s) if not system.storage.exists(p)]
+    assert not missing, f"live meta names missing files: {missing[:3]}"
+
+
+def write_twice(store: MetaStore, seg: SegmentInfo) -> SegmentInfo:
+    """A second meta of `seg` under another id, naming the same binlogs: its rows live twice."""
+    copy = seg.with_changes(id=seg.id + 1_000_000)
+    store.put(store.keys.segment(copy.collection_id, copy.partition_id, copy.id), copy)
+    return copy
+
+
+def drop_without_copy(store: MetaStore, seg: SegmentInfo) -> None:
+    """`seg` Dropped with nothing compacted from it: its rows (or deletes) are gone."""
+    key = store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
+    found = store.get_model(key, SegmentInfo)
+    assert found is not None
+    store.cas(key, found.kv.version, found.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))
+
+
+def run_vchan(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`vchan ARGS` in its own process on `settings` and the variables `env`, to its end."""
+    return subprocess.run(
+        [str(VCHAN), *args], env=cli_env(settings, **env), capture_output=True, text=True, timeout=300
+    )
+
+
+def start_datacoord(settings: Settings, engine: str = "local", **env: str) -> subprocess.Popen[bytes]:
+    """A `vchan datacoord --engine {engine}` process on `settings` and the variables `env`,
+    its output piped (read it with `communicate` after `terminate`)."""
+    return subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", engine],
+        env=cli_env(settings, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def finish_and_check(cluster: Cluster, store: MetaStore, producer_infos: tuple, load: Load) -> None:
+    """Stop the load, let the nodes sync everything, then check exactly-once."""
+    producer, infos = producer_infos
+    load.stop()
+    for info in infos:
+        producer.time_tick(info.name)
+    storage = Storage.from_settings(cluster.settings)
+    wait_until(lambda: all_synced(store, storage, infos), 40, "every channel synced to its head")
+    for info in infos:
+        assert_exactly_once(store, storage, info, load.produced[info.name])

@@ -1,0 +1,31 @@
+"""The tests' one way to wait: poll a condition until it holds, and on timeout fail
+saying what was awaited and what was last seen."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class WaitTimeout(TimeoutError, AssertionError):
+    """A condition a test waited for did not hold in time (a test failure)."""
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+    *,
+    describe: Callable[[], object] | None = None,
+) -> float:
+    """Poll `predicate` until it returns something true; the seconds it took. On timeout,
+    `WaitTimeout` names `what` and what was last seen: `describe()` when given, otherwise
+    the predicate's last value."""
+    started = time.monotonic()
+    while not (last := predicate()):
+        if time.monotonic() - started > timeout:
+            seen = describe() if describe is not None else repr(last)
+            raise WaitTimeout(f"waited {timeout:g}s for {what}; last saw: {seen}")
+        time.sleep(interval)
+    return time.monotonic() - started
