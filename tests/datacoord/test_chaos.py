@@ -22,7 +22,7 @@ from vchan_assets.testing.steps import assert_exactly_once
 from vchan_assets.testing.waiting import wait_until
 
 SEED = int(os.environ.get("VCHAN_CHAOS_SEED", "20261123"))
-CHAOS_SECONDS = 40.0
+FAULTS = 6  # a number, not a duration: under load each fault takes longer
 
 
 def test_a_seeded_chaos_schedule_under_a_producer_loses_and_duplicates_nothing(
@@ -36,12 +36,12 @@ def test_a_seeded_chaos_schedule_under_a_producer_loses_and_duplicates_nothing(
     chaos.replenish(nodes=3, coordinators=2)
     wait_until(lambda: owners(store, channels), 40, "every channel watched")
     load.start()
-    survived = chaos.run(CHAOS_SECONDS)
+    survived = chaos.run(faults=FAULTS)
 
     chaos.replenish(nodes=2, coordinators=1)
     load.stop()
     producer.time_tick(infos[0].name)
     storage = Storage.from_settings(cluster.settings)
-    wait_until(lambda: all_synced(store, storage, infos), 90, f"every channel caught up after {survived}")
+    wait_until(lambda: all_synced(store, storage, infos), 300, f"every channel caught up after {survived}")
     assert_exactly_once(store, storage, infos[0], load.produced)
-    assert len(survived) >= 5 and set(survived) > {"kill_node"}, survived
+    assert len(survived) == FAULTS and set(survived) > {"kill_node"}, survived

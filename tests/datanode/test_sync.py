@@ -216,8 +216,12 @@ def test_sync_killed_at_a_commit_step_then_resynced_persists_every_row_exactly_o
     cp_before = checkpoint(store, vchannel)
     meta_before = {s.id: s for s in segments(store, collection)}
 
+    # The commit steps run in the driver, the same for both engines: the process that dies
+    # writes its binlogs with Spark where the files are what the step leaves behind, and
+    # in process (no JVM to start) past the meta commit.
+    engine = "spark" if step == "after_binlogs" else "local"
     crashed = run_sync_process(
-        system.settings, collection.name, vchannel, lease.lease_id, VCHAN_FAILPOINT=step
+        system.settings, collection.name, vchannel, lease.lease_id, engine, VCHAN_FAILPOINT=step
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
 

@@ -522,10 +522,18 @@ class ChaosSchedule:
         self.last_fault_end = time.monotonic()
         return fault
 
-    def run(self, seconds: float, on_fault: Callable[[str], None] | None = None) -> list[str]:
-        """Faults for `seconds`; the faults survived, in order."""
+    def run(
+        self,
+        seconds: float = float("inf"),
+        on_fault: Callable[[str], None] | None = None,
+        faults: int | None = None,
+    ) -> list[str]:
+        """Faults for `seconds`, or `faults` of them (a test means a number of faults: on a
+        loaded machine each takes longer); the faults survived, in order."""
+        if seconds == float("inf") and faults is None:
+            raise ValueError("a chaos run needs seconds or a number of faults")
         ends = time.monotonic() + seconds
-        while time.monotonic() < ends:
+        while time.monotonic() < ends and (faults is None or len(self.survived) < faults):
             fault = self.fault()
             if on_fault is not None:
                 on_fault(fault)
