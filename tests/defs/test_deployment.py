@@ -613,7 +613,7 @@ def _kill_daemon(pid: int) -> None:
 
 # The faults of the schedule: a number of each kind, not a duration (under load each takes
 # longer); CHAOS_CEILING only fails a schedule that cannot get them done.
-CHAOS_FAULTS = {"kill_run_worker": 4, "kill_daemon": 2}
+CHAOS_FAULTS = {"kill_run_worker": 2, "kill_daemon": 1}
 CHAOS_CEILING = 600.0
 CHAOS_SEED = int(os.environ.get("VCHAN_CHAOS_SEED", "20261123"))
 IN_FLIGHT = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
@@ -676,7 +676,7 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
         ends = time.monotonic() + CHAOS_CEILING
         while any(faults[kind] < n for kind, n in CHAOS_FAULTS.items()):
             assert time.monotonic() < ends, f"only {dict(faults)} in {CHAOS_CEILING:.0f}s"
-            # Two run workers, then the daemon, and again: both kinds in the shortest run;
+            # Two run workers, then the daemon: both kinds in the shortest schedule;
             # the seed picks the victims and the gaps.
             if sum(faults.values()) % 3 == 2:
                 orphaned += _kill_and_restart_the_daemon(deployment)
