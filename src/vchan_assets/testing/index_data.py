@@ -19,6 +19,7 @@ from vchan_assets.indexes.step import index_step
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentIndex, SegmentInfo, SegmentState
 from vchan_assets.system import System
+from vchan_assets.testing.harness import segments
 from vchan_assets.testing.steps import new_collection, start_datacoord, sync_all
 from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
@@ -99,8 +100,9 @@ def ivf_indexed(
 
 
 def live_sorted(system: System, info: CollectionInfo) -> list[SegmentInfo]:
-    found, _ = system.store.list_models(system.store.keys.segment.under(info.id), SegmentInfo)
-    return [d.model for d in found if d.model.state is SegmentState.FLUSHED and d.model.is_sorted]
+    """The flushed, sorted segments of `info` (read through `harness.segments`, the tests'
+    one listing of a collection's segment meta)."""
+    return [s for s in segments(system.store, info) if s.state is SegmentState.FLUSHED and s.is_sorted]
 
 
 def exact_neighbours(data: Data, queries: np.ndarray, k: int) -> list[set[int]]:
