@@ -3,6 +3,7 @@ instance, compaction running through Spark Connect, against a real etcd and real
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import dagster as dg
@@ -12,6 +13,7 @@ from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.defs.lifecycle.assets import (
     COMPACTED_SEGMENTS,
     GARBAGE_COLLECTION,
+    SORT_LEFTOVER_AFTER,
     SORTED_SEGMENTS,
     lifecycle_sensor,
     segment_lifecycle,
@@ -21,6 +23,8 @@ from vchan_assets.defs.lifecycle.assets import (
 )
 from vchan_assets.defs.partitions import VchannelsConfig
 from vchan_assets.defs.resources import VchanResource
+from vchan_assets.lifecycle.plans import PlanState
+from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.system import System
@@ -46,6 +50,30 @@ def test_lifecycle_step_materializes_compacted_segments_and_gc_with_passing_chec
     assert len(checks) == 3 and all(c.passed for c in checks), [c.description for c in checks]
     [merged] = live_l1(store, info)
     assert merged.is_sorted and len(merged.compaction_from) == 3
+    assert_lifecycle_invariants(system, info, produced)
+
+
+def test_a_fresh_flush_is_the_sort_sensors_and_the_lifecycle_step_sorts_only_leftovers(
+    system: System, instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, producer: Producer
+) -> None:
+    """A lifecycle run that lands right after a flush leaves the new segment to the sort
+    sensor, so its sort shows as `sorted_segments` with its check (it did not: a deployment
+    whose lifecycle step came first never evaluated `sorted_rows_conserved`); a segment still
+    unsorted SORT_LEFTOVER_AFTER seconds after its flush is the lifecycle step's."""
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    produced = flushed_batches(system, producer, info, batches=1)
+    assert dg.materialize([segment_lifecycle], instance=instance, resources={"vchan": vchan}).success
+    [fresh] = live_l1(store, info)
+    assert not fresh.is_sorted
+    [request] = evaluate(sort_sensor, instance, vchan).run_requests or []
+    assert _sorts(request, info) == list(info.vchannels)
+
+    later = time.time() + SORT_LEFTOVER_AFTER + 1
+    report = lifecycle_step(system, now=later, sort_grace=SORT_LEFTOVER_AFTER, collect=False)
+    assert [o.state for o in report.outcomes] == [PlanState.COMPLETED]
+    [leftover] = live_l1(store, info)
+    assert leftover.is_sorted and leftover.compaction_from == (fresh.id,)
     assert_lifecycle_invariants(system, info, produced)
 
 

@@ -272,9 +272,11 @@ class CompactionTrigger:
         vchannel: str | None = None,
         check: bool = False,
         segments: Collection[int] | None = None,
+        flushed_before: float | None = None,
     ) -> list[CompactionPlan]:
         """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given,
-        only of `segments` if given).
+        only of `segments` if given; sorts only of segments flushed before the epoch second
+        `flushed_before` if given).
 
         `check`: the cheap compaction check between lifecycle steps: L0 compaction only of
         partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
@@ -289,6 +291,8 @@ class CompactionTrigger:
         free = [d for d in found if d.model.id not in busy]
         max_rows = max_rows_of(collection, self.settings)
         if kind is CompactionType.SORT:
+            if flushed_before is not None:
+                free = [d for d in free if physical_ms(d.model.last_flush_ts) / 1000 < flushed_before]
             candidates = sort_candidates(free)
         elif kind is CompactionType.MIX:
             ratios = {} if check else delete_ratios(self.storage, [d.model for d in found])

@@ -81,15 +81,19 @@ def lifecycle_step(
     collect: bool = True,
     sort: bool = True,
     gc_passes: Sequence[GcPass] = (),
+    sort_grace: float = 0.0,
 ) -> LifecycleReport:
-    """`sort`: plan sorts too (False where the task scheduler runs them); `gc_passes`: more
-    garbage collection run by the GC pass (the index files')."""
+    """`sort`: plan sorts too (False where the task scheduler runs them); `sort_grace`: sort
+    only the segments flushed at least this many seconds ago, the ones the stats task that
+    runs right after flush did not get to (Dagster's sort sensor: a fresh flush is its, so
+    its sort shows as `sorted_segments`); `gc_passes`: more garbage collection run by the GC
+    pass (the index files')."""
     now = time.time() if now is None else now
     report = LifecycleReport()
     expire_plans(system.store, system.settings, now, report)
     if compact:
         then = (CompactionType.MIX, CompactionType.SORT) if sort else (CompactionType.MIX,)
-        _compact(system, engine, report, then)
+        _compact(system, engine, report, then, flushed_before=now - sort_grace if sort_grace else None)
     gc = GarbageCollector(system, passes=gc_passes)
     if collect and system.settings.gc_enabled and gc.due():
         report.gc = gc.run()
@@ -112,6 +116,7 @@ def _compact(
     report: LifecycleReport,
     then: tuple[CompactionType, ...],
     check: bool = False,
+    flushed_before: float | None = None,
 ) -> None:
     """L0 compaction first (deletes into the segments that hold their pks), then the kinds
     `then`: a round of each, so neither keeps the other's segments busy forever. A round
@@ -129,7 +134,7 @@ def _compact(
             p.plan_id
             for info in CollectionRegistry(system.store).list()
             for kind in kinds
-            for p in trigger.trigger(info, kind, check=check)
+            for p in trigger.trigger(info, kind, check=check, flushed_before=flushed_before)
         ]
         report.planned += planned
         if not check:
