@@ -275,8 +275,8 @@ class CompactionTrigger:
         flushed_before: float | None = None,
     ) -> list[CompactionPlan]:
         """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given,
-        only of `segments` if given; sorts only of segments flushed before the epoch second
-        `flushed_before` if given).
+        only of `segments` if given; if `flushed_before` (an epoch second) is given, no sort or
+        mix of an unsorted segment flushed after it: that one waits for the stats task).
 
         `check`: the cheap compaction check between lifecycle steps: L0 compaction only of
         partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
@@ -289,10 +289,14 @@ class CompactionTrigger:
             found = [d for d in found if d.model.id in segments]
         busy = busy_segments(list_plans(self.store))
         free = [d for d in found if d.model.id not in busy]
+        if flushed_before is not None and kind is not CompactionType.L0:  # fresh flushes: the stats task's
+            free = [
+                d
+                for d in free
+                if d.model.is_sorted or physical_ms(d.model.last_flush_ts) / 1000 < flushed_before
+            ]
         max_rows = max_rows_of(collection, self.settings)
         if kind is CompactionType.SORT:
-            if flushed_before is not None:
-                free = [d for d in free if physical_ms(d.model.last_flush_ts) / 1000 < flushed_before]
             candidates = sort_candidates(free)
         elif kind is CompactionType.MIX:
             ratios = {} if check else delete_ratios(self.storage, [d.model for d in found])

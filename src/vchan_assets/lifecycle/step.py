@@ -84,8 +84,8 @@ def lifecycle_step(
     sort_grace: float = 0.0,
 ) -> LifecycleReport:
     """`sort`: plan sorts too (False where the task scheduler runs them); `sort_grace`: sort
-    only the segments flushed at least this many seconds ago, the ones the stats task that
-    runs right after flush did not get to (Dagster's sort sensor: a fresh flush is its, so
+    (or merge) only the unsorted segments flushed at least this many seconds ago, the ones the
+    stats task that runs right after flush did not get to (Dagster's sort sensor: a fresh flush is its, so
     its sort shows as `sorted_segments`); `gc_passes`: more garbage collection run by the GC
     pass (the index files')."""
     now = time.time() if now is None else now
