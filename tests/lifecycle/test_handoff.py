@@ -177,6 +177,51 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
     assert_lifecycle_invariants(system, collection, produced)
 
 
+def test_a_datacoord_killed_mid_sort_leaves_its_plans_to_the_standby_at_once(
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo, tmp_path: Path
+) -> None:
+    """Kill -9 of the active DataCoord with its sort plans Executing (files written, no
+    commit), a standby running: the standby fails and cleans the dead term's plans as soon
+    as it leads and sorts the segments again, long before VCHAN_COMPACTION_TIMEOUT (an hour
+    here). Before plans named their worker, the standby's sort tasks were deferred, twice a
+    second, until the timeout, and the segments stayed invisible as long."""
+    timing = {
+        "VCHAN_LIFECYCLE_INTERVAL": "3600",
+        "VCHAN_SORT_SCAN_INTERVAL": "3600",
+        "VCHAN_COMPACTION_CHECK_INTERVAL": "3600",
+        "VCHAN_COMPACTION_TIMEOUT": "3600",
+    }
+    marker = tmp_path / "failpoint"
+    env = cli_env(system.settings, **timing)
+    first = subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"],
+        env={**env, "VCHAN_FAILPOINT": "compaction_after_files=kill", "VCHAN_FAILPOINT_MARKER": str(marker)},
+    )
+    standby: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(
+            lambda: first.poll() is not None or store.get(store.keys.datacoord_session()) is not None,
+            60,
+            "the first DataCoord active",
+        )
+        standby = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=env)
+        produced = flushed_batches(system, producer, collection, batches=1)
+        assert first.wait(120) == -signal.SIGKILL, "killed with its sort's files written"
+        assert marker.read_text().startswith("compaction_after_files")
+        [dead] = [d.model for d in list_plans(store) if d.model.state is PlanState.EXECUTING]
+        assert dead.worker.endswith(f"@{dead.worker.rpartition('@')[2]}") and f":{first.pid}@" in dead.worker
+        wait_until_sorted(store, collection, standby, timeout=180)
+    finally:
+        for proc in (first, standby):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+    [released] = [d.model for d in list_plans(store) if d.model.plan_id == dead.plan_id]
+    assert released.state is PlanState.CLEANED and "ended" in released.reason, released
+    assert not invisible_ids(store, collection)
+    assert_lifecycle_invariants(system, collection, produced)
+
+
 def test_a_push_spent_while_another_plan_held_the_segments_is_made_good_by_the_scan(
     system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:

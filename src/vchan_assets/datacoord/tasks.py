@@ -60,6 +60,8 @@ from vchan_assets.system import System
 log = logging.getLogger(__name__)
 
 ROWS_PER_SLOT = 1_000_000
+# seconds a deferred task (its segment in another plan) waits before it is tried again
+DEFER_SECONDS = 5.0
 
 T = TypeVar("T")
 
@@ -67,7 +69,7 @@ T = TypeVar("T")
 class Outcome(NamedTuple):
     """What one task's attempt came to: done (the record is deleted), failed (an attempt
     spent, with the reason), or deferred (not runnable now, e.g. its segment is in another
-    plan: back to the queue, no attempt spent)."""
+    plan: back to the queue for DEFER_SECONDS, no attempt spent)."""
 
     state: str  # "done", "failed", "deferred"
     reason: str = ""
@@ -148,6 +150,42 @@ class RoundReport:
 
 def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def worker_of(store: MetaStore) -> str:
+    """What a task or a compaction plan records as the worker running it: this process
+    under the store's DataCoord term (`host:pid@term`; term 0: an unfenced process, such as
+    `vchan compact` or a Dagster run)."""
+    return f"{this_process()}@{store.fence.create_revision if store.fence else 0}"
+
+
+def worker_gone(store: MetaStore, worker: str) -> str:
+    """Why `worker` (as `worker_of` names it) can no longer finish what it started: its
+    DataCoord term ended (the election key is gone or was created again since), or its
+    process on this host exited. "" while it may still, or nothing tells (a process without
+    a term on another host: only the timeout does)."""
+    process, _, term = worker.rpartition("@")
+    host, _, pid = process.rpartition(":")
+    if term.isdigit() and int(term):
+        held = store.get(store.keys.datacoord_session())
+        return (
+            ""
+            if held is not None and held.create_revision == int(term)
+            else f"its DataCoord term {term} ended"
+        )
+    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        return f"its process {pid} exited"
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def list_tasks(store: MetaStore, kind: str | None = None) -> list[Decoded[TaskRecord]]:
@@ -275,7 +313,7 @@ class TaskScheduler:
 
     def worker(self, store: MetaStore) -> str:
         """This process under the store's term (0: unfenced)."""
-        return f"{this_process()}@{store.fence.create_revision if store.fence else 0}"
+        return worker_of(store)
 
     # --- queueing -------------------------------------------------------------------
 
@@ -425,8 +463,13 @@ class TaskScheduler:
             if swap_task(store, d, None) is not None:
                 report.done.append((t.kind, t.segment_id))
             return
-        if outcome.state == "deferred":
-            swap_task(store, d, replace(t, state=TaskState.QUEUED, attempts=t.attempts - 1, worker=""))
+        if outcome.state == "deferred":  # not its turn: no attempt spent, and no busy loop
+            not_before = self.clock() + DEFER_SECONDS
+            swap_task(
+                store,
+                d,
+                replace(t, state=TaskState.QUEUED, attempts=t.attempts - 1, worker="", not_before=not_before),
+            )
             return
         self._spent(store, d, outcome.reason, report.retried, report.failed, self.backoff(d.model.attempts))
 

@@ -31,7 +31,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint
 from vchan_assets.datacoord.segment_manager import max_rows_of
-from vchan_assets.datacoord.tasks import memory_batches
+from vchan_assets.datacoord.tasks import memory_batches, worker_of
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import (
@@ -413,7 +413,9 @@ class CompactionExecutor:
         self, plan: Decoded[CompactionPlan]
     ) -> tuple[Decoded[CompactionPlan], CompactionSpec] | PlanOutcome | None:
         """Pending -> Executing and the task's spec; a plan whose inputs changed fails."""
-        executing = transition(self.store, plan, state=PlanState.EXECUTING, started_at=time.time())
+        executing = transition(
+            self.store, plan, state=PlanState.EXECUTING, started_at=time.time(), worker=worker_of(self.store)
+        )
         if executing is None:
             return None  # another executor took it
         p = executing.model

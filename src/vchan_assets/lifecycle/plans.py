@@ -4,7 +4,12 @@ A plan names its type (sort, l0, mix), its input segments with the etcd version 
 had when planned, the segment ids reserved for its outputs, and its state:
 
     Pending --start--> Executing --commit--> Completed --cleanup--> Cleaned (deleted later)
-       |                   +------fail (conflict, bad input, timeout)--> Failed --cleanup--+
+       |                   +--fail (conflict, bad input, worker gone, timeout)--> Failed --cleanup--+
+
+An Executing plan names its worker (process and DataCoord term): when that term ends or
+that process exits, the next lifecycle step or sort task fails and cleans it at once
+(`release_orphaned_plans`), so its segments are free for new plans within seconds of a
+crash rather than VCHAN_COMPACTION_TIMEOUT later.
 
 `commit_compaction` is the only way a compaction changes segment meta: in ONE etcd
 transaction it compares every input's version (and the plan's), adds the outputs,
@@ -79,6 +84,10 @@ class CompactionPlan(Record):
     # a partition): the targets later links will give these deletes to. Reserved like inputs;
     # this link's commit keeps the L0 inputs live and creates the next link.
     chained: tuple[int, ...] = ()
+    # Who executes it (`datacoord.tasks.worker_of`: `host:pid@term`), set when it starts:
+    # once that worker is gone the plan is failed at once, not at VCHAN_COMPACTION_TIMEOUT
+    # ("" on plans written before: only the timeout ends those).
+    worker: str = ""
 
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deletes_applied"})
 

@@ -10,7 +10,7 @@ from vchan_assets.datacoord.tasks import DEFERRED, DONE, Outcome, TaskSpec, fail
 from vchan_assets.lifecycle.compaction import input_memory_mb
 from vchan_assets.lifecycle.handoff import awaits_sort
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
-from vchan_assets.lifecycle.step import sort_step, unsorted_segments
+from vchan_assets.lifecycle.step import release_orphaned_plans, sort_step, unsorted_segments
 from vchan_assets.model import SegmentInfo, TaskRecord
 from vchan_assets.spark import Engine
 from vchan_assets.system import System
@@ -33,6 +33,7 @@ class SortTasks:
 
     def run(self, system: System, engine: Engine, tasks: Sequence[TaskRecord]) -> dict[int, Outcome]:
         segments = {t.segment_id for t in tasks}
+        release_orphaned_plans(system.store, segments)  # a dead DataCoord's sorts of them
         outcomes = sort_step(
             system,
             engine,

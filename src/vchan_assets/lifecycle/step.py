@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.tasks import worker_gone
 from vchan_assets.lifecycle.compaction import (
     CompactionExecutor,
     CompactionTrigger,
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class LifecycleReport:
     timed_out: list[int] = field(default_factory=list)
+    orphaned: list[int] = field(default_factory=list)  # their worker was gone
     cleaned: list[int] = field(default_factory=list)
     deleted_plans: list[int] = field(default_factory=list)
     planned: list[int] = field(default_factory=list)
@@ -56,9 +58,34 @@ class LifecycleReport:
     gc: GcReport | None = None
 
 
+def release_orphaned_plans(
+    store: MetaStore, segments: Collection[int] | None = None, now: float | None = None
+) -> list[int]:
+    """Executing plans (holding any of `segments` if given) whose worker is gone (its
+    DataCoord term ended, its process exited: `worker_gone`) -> Failed and Cleaned at once:
+    their segments are free for new plans, their files orphans for GC. Returns them."""
+    now = time.time() if now is None else now
+    released = []
+    for d in list_plans(store):
+        p = d.model
+        if p.state is not PlanState.EXECUTING or not p.worker:
+            continue
+        if segments is not None and not set(p.reserved) & set(segments):
+            continue
+        if not (why := worker_gone(store, p.worker)):
+            continue
+        reason = f"worker {p.worker} is gone: {why}"
+        if transition(store, d, state=PlanState.FAILED, reason=reason, finished_at=now) is not None:
+            log.warning("compaction plan %d failed: %s", p.plan_id, reason)
+            cleanup_plan(store, p.plan_id)
+            released.append(p.plan_id)
+    return released
+
+
 def expire_plans(store: MetaStore, settings: Settings, now: float, report: LifecycleReport) -> None:
-    """Executing past the timeout -> Failed (its executor died: its files are orphans);
-    Completed/Failed -> Cleaned; Cleaned past the plan retention -> deleted."""
+    """Executing past the timeout, or whose worker is gone -> Failed (its files are
+    orphans); Completed/Failed -> Cleaned; Cleaned past the plan retention -> deleted."""
+    report.orphaned += release_orphaned_plans(store, now=now)
     for d in list_plans(store):
         p = d.model
         expired = p.state is PlanState.EXECUTING and now - p.started_at > settings.compaction_timeout
