@@ -560,16 +560,19 @@ class TaskRecord(Record):
     rows: int = 0
     memory_mb: float = 0.0  # the estimate admission counts against VCHAN_TASK_MEMORY_MB
     state: TaskState = TaskState.QUEUED
-    attempts: int = 0  # attempts started (a worker that died counts)
+    attempts: int = 0  # attempts spent (a worker's death counts only from its second in a row)
     reason: str = ""  # why the last attempt failed
     worker: str = ""  # host:pid@term of the DataCoord running it
     created_at: float = 0.0
     started_at: float = 0.0
     # A failed attempt's backoff: the task is not run again before this wall-clock time.
     not_before: float = 0.0
+    # Its worker died while running it this many times in a row: from the first, it runs
+    # alone; from the second, each death spends an attempt (the task is the likely cause).
+    deaths: int = 0
 
-    # Left out when 0: as written before it existed.
-    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before"})
+    # Left out when 0: as written before they existed.
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before", "deaths"})
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,47 @@ def test_a_task_of_a_dead_worker_goes_back_to_the_queue_and_is_finished(
     assert states(system, data) == [SegmentIndexState.FINISHED]
 
 
+def _dies_under(sched: TaskScheduler, system: System, key: tuple[str, int]) -> TaskRecord:
+    """The task starts (an attempt) under a worker that dies, and the next round finds it."""
+    [d] = [d for d in list_tasks(system.store) if (d.model.kind, d.model.segment_id) == key]
+    running = replace(
+        d.model,
+        state=TaskState.IN_PROGRESS,
+        attempts=d.model.attempts + 1,
+        worker="elsewhere:1@7",
+        started_at=time.time(),
+    )
+    system.store.cas(d.kv.key, d.kv.version, running)
+    report = RoundReport()
+    sched.recover(system.store, report)
+    assert report.recovered == [key]
+    return tasks(system)[key]
+
+
+def test_a_worker_dying_under_a_task_spends_attempts_only_from_its_second_death_in_a_row(
+    system: System, producer: Producer, data: Data
+) -> None:
+    """A DataCoord killed three times for its own reasons while a sort ran: the sort still
+    finishes (the first death spent no attempt; after it the task runs alone). A task that
+    kills its worker every time is Failed at its fourth death (VCHAN_TASK_MAX_ATTEMPTS 3)."""
+    flushed_segments(system, producer, data, [1500, 1400])
+    sched = TaskScheduler([SortTasks()], system.settings)
+    unlucky, poison = (("sort", seg) for _, seg in sorted(sched.scan(system)))
+
+    seen = [_dies_under(sched, system, unlucky) for _ in range(3)]
+    assert [(t.attempts, t.deaths, t.state) for t in seen] == [
+        (0, 1, TaskState.QUEUED),
+        (1, 2, TaskState.QUEUED),
+        (2, 3, TaskState.QUEUED),
+    ]
+    alone = sched.round(system, "local")
+    assert alone.ran == [unlucky] and alone.done == [unlucky], "a suspect runs in a batch of its own"
+
+    deaths = [_dies_under(sched, system, poison) for _ in range(4)]
+    assert [t.state for t in deaths] == [TaskState.QUEUED] * 3 + [TaskState.FAILED]
+    assert deaths[-1].attempts == 3 and "died or its term ended" in deaths[-1].reason
+
+
 class GatedIndexTasks(IndexTasks):
     """The real index kind, whose batches wait for `gate` before they build: a build that
     takes minutes, on demand."""

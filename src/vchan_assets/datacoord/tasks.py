@@ -28,8 +28,12 @@ keeps the queue:
   is Failed (shown by `vchan status`) until `retry` re-queues it (`vchan index --retry`).
 - **Dead workers**: a task InProgress under another worker (a DataCoord that died, or
   whose term ended: the worker names its term) or past VCHAN_TASK_TIMEOUT goes back to the
-  queue at once (the worker's death, not the task's failure: no backoff); its attempt
-  counts, so a task that kills its worker every time ends Failed.
+  queue at once (the worker's death, not the task's failure: no backoff). The first death
+  spends no attempt (a DataCoord killed for its own reasons is not the task's fault), but
+  the task then runs alone, in a batch of its own: a second death in a row while it ran
+  alone points at the task, and from then on each death spends an attempt. So a task that
+  kills its worker every time ends Failed after VCHAN_TASK_MAX_ATTEMPTS + 1 deaths, and
+  one whose DataCoord was killed three times for other reasons still finishes.
 - **Graceful stop**: a DataCoord stopping (SIGTERM) abandons its batches in flight before
   it resigns (`abandon`): their tasks go back to the queue at once, no attempt spent, and
   the process exits without waiting for them (the next active DataCoord runs them).
@@ -395,12 +399,17 @@ class TaskScheduler:
         report.backing_off += sum(1 for d in queued if d.model.not_before > now)
         batch: list[Decoded[TaskRecord]] = []
         for d in (d for d in queued if d.model.not_before <= now):
+            if d.model.deaths and (batch or held):  # a suspect runs alone
+                report.waiting += 1
+                continue
             need = task_slots(d.model.rows)
             if (batch or held) and (need > slots or d.model.memory_mb > memory):
                 report.waiting += 1
                 continue
             slots, memory = slots - need, memory - d.model.memory_mb
             batch.append(d)
+            if d.model.deaths:
+                break
         return batch
 
     def _start(
@@ -471,7 +480,8 @@ class TaskScheduler:
                 replace(t, state=TaskState.QUEUED, attempts=t.attempts - 1, worker="", not_before=not_before),
             )
             return
-        self._spent(store, d, outcome.reason, report.retried, report.failed, self.backoff(d.model.attempts))
+        ended = Decoded(replace(t, deaths=0), d.kv)  # its worker lived through it: deaths in a row end
+        self._spent(store, ended, outcome.reason, report.retried, report.failed, self.backoff(t.attempts))
 
     def _spent(
         self,
@@ -539,5 +549,18 @@ class TaskScheduler:
             ):
                 continue
             reason = f"worker {t.worker} died or its term ended (started {now - t.started_at:.0f}s ago)"
-            if self._spent(store, d, reason, report.retried, report.failed):
+            if self._died(store, d, reason, report):
                 report.recovered.append((t.kind, t.segment_id))
+
+    def _died(self, store: MetaStore, d: Decoded[TaskRecord], reason: str, report: RoundReport) -> bool:
+        """The worker running `d` died: back to the queue, to run alone next; the attempt it
+        started is spent only if its worker died under it the time before too (see the
+        module's "Dead workers")."""
+        t = d.model
+        again = replace(t, deaths=t.deaths + 1)
+        if not t.deaths:  # the first death in a row: not the task's fault
+            again = replace(again, attempts=max(t.attempts - 1, 0))
+        log.warning(
+            "%s task of segment %d: %s (its %d death in a row)", t.kind, t.segment_id, reason, again.deaths
+        )
+        return self._spent(store, Decoded(again, d.kv), reason, report.retried, report.failed)

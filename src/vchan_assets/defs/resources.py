@@ -274,7 +274,7 @@ class VchanResource(dg.ConfigurableResource):
     )
     task_max_attempts: str | None = Field(
         default=None,
-        description="VCHAN_TASK_MAX_ATTEMPTS: attempts of a sort or index task before it is Failed (shown by `vchan status`; `vchan index --retry` re-queues index builds) [default: `3`]",
+        description="VCHAN_TASK_MAX_ATTEMPTS: attempts of a sort or index task before it is Failed (shown by `vchan status`; `vchan index --retry` re-queues index builds); a worker's death under a task spends one only from the second in a row [default: `3`]",
     )
     task_timeout: str | None = Field(
         default=None,
