@@ -329,6 +329,7 @@ class Settings:
     task_timeout: float = FROM_TABLE
     task_retry_backoff: float = FROM_TABLE
     task_retry_backoff_max: float = FROM_TABLE
+    task_failed_retry: float = FROM_TABLE
     import_interval: float = FROM_TABLE
     import_buffer_mb: float = FROM_TABLE
     import_timeout: float = FROM_TABLE

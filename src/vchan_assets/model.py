@@ -570,9 +570,12 @@ class TaskRecord(Record):
     # Its worker died while running it this many times in a row: from the first, it runs
     # alone; from the second, each death spends an attempt (the task is the likely cause).
     deaths: int = 0
+    # Times it ended Failed: a Failed task is tried again on its own at `not_before`
+    # (VCHAN_TASK_FAILED_RETRY, doubled each further time), or by `vchan tasks --retry`.
+    failures: int = 0
 
     # Left out when 0: as written before they existed.
-    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before", "deaths"})
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"not_before", "deaths", "failures"})
 
 
 @dataclass(frozen=True)

@@ -437,6 +437,7 @@ def _tasks(catalog: Catalog) -> list[dict[str, Any]]:
             "attempts": t.attempts,
             "worker": t.worker,
             "reason": t.reason,
+            "next_try": t.not_before or None,  # a backed-off or Failed task's next attempt (epoch s)
         }
         for t in (d.model for d in list_tasks(catalog.store))
     ]
@@ -448,7 +449,8 @@ def _task_warnings(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for t in tasks:
         if t["state"] != TaskState.FAILED.value:
             continue
-        retry = "`vchan index --retry` re-queues it" if t["kind"] == "index" else "see the DataCoord's log"
+        again = f"tried again on its own in {t['next_try'] - time.time():.0f}s; " if t["next_try"] else ""
+        retry = f"{again}`vchan tasks --retry` re-queues it now"
         out.append(
             {
                 "kind": "task_failed",

@@ -178,6 +178,48 @@ def test_a_sort_that_fails_is_retried_up_to_the_limit_then_failed(
     assert sched.scan(system) == [] and tasks(system) == {}, "the full scan prunes its task"
 
 
+def test_a_failed_task_is_tried_again_on_its_own_after_a_doubling_wait_and_at_once_by_vchan_tasks(
+    system: System, producer: Producer, data: Data
+) -> None:
+    """Failed is never for good: VCHAN_TASK_FAILED_RETRY after it ended Failed the task is
+    back in the queue with its attempts reset (twice as long after the next time), and
+    `vchan tasks --retry` re-queues it at once; `vchan tasks` lists it with its reason."""
+    flushed_segments(system, producer, data, [1500])
+    clock = Clock()
+    settings = replace(system.settings, task_failed_retry=100.0, task_retry_backoff=0.0)
+    sched = TaskScheduler([SortTasks()], settings, clock)
+    [(_, seg_id)] = sched.scan(system)
+    [d] = [d for d in list_segments(system, data) if d.model.id == seg_id]
+    path = d.model.binlog_files[0].path
+    saved = system.storage.read_bytes(path)
+    system.storage.delete(path)
+
+    def fail_out() -> TaskRecord:
+        for _ in range(3):
+            sched.round(system, "local")
+        return tasks(system)[("sort", seg_id)]
+
+    first = fail_out()
+    assert first.state is TaskState.FAILED and first.failures == 1
+    assert first.not_before == pytest.approx(clock.now + 100.0)
+    clock.now += 99.0
+    assert sched.round(system, "local").revived == [], "not before its time"
+    clock.now += 2.0
+    assert sched.round(system, "local").revived == [("sort", seg_id)]
+    second = fail_out()  # its attempts were reset: three more, then Failed again
+    assert second.state is TaskState.FAILED and second.failures == 2
+    assert second.not_before == pytest.approx(clock.now + 200.0), "doubled"
+
+    listed = run_vchan(system.settings, "tasks", "--kind", "sort")
+    assert listed.returncode == 0, listed.stderr
+    assert f"sort of segment {seg_id} (collection {data.info.id}): Failed, attempts 3" in listed.stdout
+    system.storage.write_atomic(path, saved)
+    again = run_vchan(system.settings, "tasks", "--retry", "--collection", data.info.name)
+    assert again.returncode == 0, again.stderr
+    assert "re-queued 1 failed sort tasks and 0 failed index tasks" in again.stdout
+    assert sched.round(system, "local").done == [("sort", seg_id)]
+
+
 def test_admission_by_memory_runs_one_task_over_the_budget_alone(
     system: System, producer: Producer, data: Data
 ) -> None:

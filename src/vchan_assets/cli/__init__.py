@@ -4,7 +4,7 @@ Owns the command line: one module per command group, each registering its comman
 with `@command(...)` (base.py: `Command`, `COMMANDS` and what the groups share):
 - `collections`: create-collection, produce.
 - `nodes`: sync, and the long-running roles datanode and datacoord.
-- `lifecycle`: compact, gc.
+- `lifecycle`: compact, gc, quarantine, tasks.
 - `imports`: import.
 - `indexes`: create-index, drop-index, describe-index, search.
 - `services`: demo, up, down, status, metrics.
@@ -41,7 +41,7 @@ from vchan_assets.wal.format import LogError
 # after them, in the order it registered.
 _HELP_ORDER = (
     "create-collection", "produce", "sync", "compact", "gc", "import",
-    "create-index", "describe-index", "drop-index", "search",
+    "create-index", "describe-index", "drop-index", "search", "tasks",
     "demo", "up", "down", "status", "metrics",
     "datanode", "datacoord",
 )  # fmt: skip

@@ -136,3 +136,59 @@ def quarantine(args: argparse.Namespace, settings: Settings) -> int:
             lost = f"{loss.vchannel} offsets {loss.first_offset}..{loss.last_offset}"
     print(f"quarantined: kept at {loss.moved_to}; loss {loss.loss_id} recorded ({lost}); the rest goes on")
     return 0
+
+
+# --- tasks ------------------------------------------------------------------------------
+
+
+def _tasks_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--retry",
+        action="store_true",
+        help="re-queue the Failed tasks (their attempts reset; the DataCoord runs them)",
+    )
+    parser.add_argument("--kind", choices=("sort", "index"), help="only this kind's (default: both)")
+    parser.add_argument("--collection", help="only this collection's (default: every collection's)")
+
+
+@command(
+    "tasks",
+    "list the DataCoord's sort and index tasks (state, attempts, why the last one failed); "
+    "--retry re-queues the Failed ones",
+    _tasks_args,
+)
+def tasks(args: argparse.Namespace, settings: Settings) -> int:
+    from vchan_assets.datacoord.collections import CollectionRegistry
+    from vchan_assets.datacoord.tasks import list_tasks, retry_tasks
+    from vchan_assets.indexes.tasks import retry_failed_builds
+
+    where = f" of {args.collection}" if args.collection else ""
+    with opened(settings) as stack:
+        registry = CollectionRegistry(stack.store)
+        collection_id = registry.get_by_name(args.collection).id if args.collection else None
+        if args.retry:
+            sorts = len(retry_tasks(stack.store, "sort", collection_id)) if args.kind != "index" else 0
+            builds, indexes = (
+                retry_failed_builds(stack.store, collection_id) if args.kind != "sort" else (0, 0)
+            )
+            print(
+                f"re-queued {sorts} failed sort tasks and {indexes} failed index tasks{where}"
+                f" ({builds} failed index builds back to Unissued)"
+            )
+            return 0
+        found = [
+            d.model
+            for d in list_tasks(stack.store, args.kind)
+            if collection_id in (None, d.model.collection_id)
+        ]
+    if not found:
+        print(f"no tasks{where}")
+    now = time.time()
+    for t in sorted(found, key=lambda t: (t.kind, t.collection_id, t.segment_id)):
+        when = f", next try in {t.not_before - now:.0f}s" if t.not_before > now else ""
+        why = f": {t.reason}" if t.reason else ""
+        print(
+            f"{t.kind} of segment {t.segment_id} (collection {t.collection_id}): {t.state}, "
+            f"attempts {t.attempts}{when}{why}"
+        )
+    return 0

@@ -25,7 +25,9 @@ keeps the queue:
   the first failure, doubled at each further one, at most VCHAN_TASK_RETRY_BACKOFF_MAX
   (a segment whose files are briefly unreadable, or a worker short of memory, is not
   retried at once into the same failure). After VCHAN_TASK_MAX_ATTEMPTS attempts the task
-  is Failed (shown by `vchan status`) until `retry` re-queues it (`vchan index --retry`).
+  is Failed (shown by `vchan status`), never for good: it goes back to the queue, its
+  attempts reset, VCHAN_TASK_FAILED_RETRY seconds later (doubled each further time it ends
+  Failed, at most a day), or at once by `retry` (`vchan tasks --retry`, `vchan index --retry`).
 - **Dead workers**: a task InProgress under another worker (a DataCoord that died, or
   whose term ended: the worker names its term) or past VCHAN_TASK_TIMEOUT goes back to the
   queue at once (the worker's death, not the task's failure: no backoff). The first death
@@ -66,6 +68,8 @@ log = logging.getLogger(__name__)
 ROWS_PER_SLOT = 1_000_000
 # seconds a deferred task (its segment in another plan) waits before it is tried again
 DEFER_SECONDS = 5.0
+# the longest wait before a Failed task is tried again on its own
+FAILED_RETRY_MAX = 86_400.0
 
 T = TypeVar("T")
 
@@ -150,6 +154,7 @@ class RoundReport:
     recovered: list[tuple[str, int]] = field(default_factory=list)  # dead workers' tasks re-queued
     waiting: int = 0  # queued tasks not admitted this round
     backing_off: int = 0  # queued tasks whose backoff after a failed attempt has not passed
+    revived: list[tuple[str, int]] = field(default_factory=list)  # Failed tasks whose time came
 
 
 def this_process() -> str:
@@ -237,12 +242,13 @@ def enqueue_tasks(
 
 def _requeued(t: TaskRecord) -> TaskRecord:
     """A Failed task back to the queue with its attempts reset."""
-    return replace(t, state=TaskState.QUEUED, attempts=0, worker="", started_at=0.0, not_before=0.0)
+    return replace(t, state=TaskState.QUEUED, attempts=0, deaths=0, worker="", started_at=0.0, not_before=0.0)
 
 
-def retry_tasks(store: MetaStore, kind: str, collection_id: int | None = None) -> list[TaskRecord]:
-    """Failed tasks of `kind` (of one collection if given) back to the queue with their
-    attempts reset (`vchan index --retry`). Returns them as re-queued."""
+def retry_tasks(store: MetaStore, kind: str | None, collection_id: int | None = None) -> list[TaskRecord]:
+    """Failed tasks of `kind` (every kind's if None; of one collection if given) back to
+    the queue with their attempts reset (`vchan tasks --retry`, `vchan index --retry`).
+    Returns them as re-queued."""
     again = []
     for d in list_tasks(store, kind):
         t = d.model
@@ -359,6 +365,7 @@ class TaskScheduler:
         them (the DataCoord's loop: a long index batch never holds up the next sort)."""
         report = RoundReport()
         self.recover(system.store, report)
+        self.revive(system.store, report)
         self.collect(report)
         for kind in self.kinds:
             if kind.name in self._lanes:
@@ -496,9 +503,18 @@ class TaskScheduler:
         Failed once out of attempts."""
         t = d.model
         out = t.attempts >= self.settings.task_max_attempts
-        state = TaskState.FAILED if out else TaskState.QUEUED
-        not_before = 0.0 if out or not backoff else self.clock() + backoff
-        changed = replace(t, state=state, reason=reason, worker="", not_before=not_before)
+        if out:
+            changed = replace(
+                t,
+                state=TaskState.FAILED,
+                reason=reason,
+                worker="",
+                failures=t.failures + 1,
+                not_before=self._revival(t.failures + 1),
+            )
+        else:
+            not_before = self.clock() + backoff if backoff else 0.0
+            changed = replace(t, state=TaskState.QUEUED, reason=reason, worker="", not_before=not_before)
         if swap_task(store, d, changed) is None:
             return False
         (failed_out if out else retried).append((t.kind, t.segment_id, reason))
@@ -510,6 +526,24 @@ class TaskScheduler:
                 t.kind, t.segment_id, t.attempts, backoff, reason,
             )  # fmt: skip
         return True
+
+    def _revival(self, failures: int) -> float:
+        """When a task Failed for the `failures`-th time goes back to the queue on its own
+        (0.0: never, VCHAN_TASK_FAILED_RETRY=0)."""
+        base = self.settings.task_failed_retry
+        return self.clock() + min(FAILED_RETRY_MAX, base * 2.0 ** min(failures - 1, 30)) if base else 0.0
+
+    def revive(self, store: MetaStore, report: RoundReport) -> None:
+        """Failed tasks whose time to be tried again came: back to the queue, attempts reset."""
+        now = self.clock()
+        for d in list_tasks(store):
+            t = d.model
+            due = t.state is TaskState.FAILED and 0.0 < t.not_before <= now
+            if due and swap_task(store, d, _requeued(t)) is not None:
+                log.info(
+                    "%s task of segment %d tried again (Failed %d times)", t.kind, t.segment_id, t.failures
+                )
+                report.revived.append((t.kind, t.segment_id))
 
     def abandon(self, store: MetaStore, reason: str) -> list[tuple[str, int]]:
         """The DataCoord is stopping: every batch in flight is given up, its tasks back to

@@ -288,6 +288,10 @@ class VchanResource(dg.ConfigurableResource):
         default=None,
         description="VCHAN_TASK_RETRY_BACKOFF_MAX: the longest wait between two attempts of a failed task [default: `600`]",
     )
+    task_failed_retry: str | None = Field(
+        default=None,
+        description="VCHAN_TASK_FAILED_RETRY: seconds before a Failed sort or index task is tried again on its own (its attempts reset), doubled each further time it ends Failed, at most a day (0: only `vchan tasks --retry`) [default: `1800`]",
+    )
     import_interval: str | None = Field(
         default=None,
         description="VCHAN_IMPORT_INTERVAL: seconds between the active DataCoord's import steps (start Pending jobs, take over stuck ones) [default: `2`]",
