@@ -46,10 +46,11 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.streams import is_idle, list_streams
 from vchan_assets.datacoord.tasks import list_tasks
 from vchan_assets.deploy.service import daemon_state, instance_home
+from vchan_assets.lifecycle.plans import ACTIVE, CompactionPlan, list_plans
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.model import NodeSession, SegmentState, SessionState, TaskState
+from vchan_assets.model import NodeSession, SegmentState, SessionState, TaskRecord, TaskState
 from vchan_assets.wal.backpressure import SLOW_FROM
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
@@ -123,13 +124,27 @@ def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> l
     ]
 
 
-def _handoff(segments: pd.DataFrame, settings: Settings, now: float) -> dict[str, Any]:
+def _handoff(segments: pd.DataFrame, settings: Settings, now: float, holds: dict[int, str]) -> dict[str, Any]:
     """The hand-off after flush: segments invisible now (served as growing until sorted),
-    the oldest of them, and the flush -> sorted latency of the sorts still in meta."""
+    the oldest of them, what each late one waits on (`holds`: by segment, see
+    `_what_holds`), and the flush -> sorted latency of the sorts still in meta."""
     live = segments[segments["state"] != SegmentState.DROPPED.value]
     waiting = live[live["invisible"].astype(bool)]
     ages = [now - ts.timestamp() for ts in waiting["flushed_at"] if ts is not None and not pd.isna(ts)]
     latency = segments["flush_to_sorted_s"].dropna()
+    late_after = max(120.0, 2 * settings.sort_scan_interval)
+    stuck = [
+        {
+            "segment": int(row.segment_id),
+            "collection": row.collection,
+            "invisible_s": round(now - row.flushed_at.timestamp(), 1),
+            "waits_on": holds.get(int(row.segment_id), NO_SORT_TASK),
+        }
+        for row in waiting.itertuples()
+        if row.flushed_at is not None
+        and not pd.isna(row.flushed_at)
+        and now - row.flushed_at.timestamp() > late_after
+    ]
     return {
         "invisible": len(waiting),
         "oldest_invisible_s": round(max(ages), 1) if ages else None,
@@ -137,8 +152,36 @@ def _handoff(segments: pd.DataFrame, settings: Settings, now: float) -> dict[str
         "flush_to_sorted_p50_s": round(float(latency.quantile(0.5)), 2) if len(latency) else None,
         "flush_to_sorted_p95_s": round(float(latency.quantile(0.95)), 2) if len(latency) else None,
         # Past this an invisible segment means the sort is not running or not keeping up.
-        "late_after_s": max(120.0, 2 * settings.sort_scan_interval),
+        "late_after_s": late_after,
+        "stuck": sorted(stuck, key=lambda r: -r["invisible_s"])[:STUCK_SHOWN],
     }
+
+
+STUCK_SHOWN = 20  # late invisible segments listed, the oldest first
+NO_SORT_TASK = "no sort task or plan holds it: is an active DataCoord (or the Dagster sort sensor) running?"
+
+
+def _what_holds(tasks: list[TaskRecord], plans: list[CompactionPlan], now: float) -> dict[int, str]:
+    """What each segment with an active plan or a sort task waits on, in words."""
+    holds: dict[int, str] = {}
+    for t in tasks:
+        if t.kind != "sort":
+            continue
+        if t.state is TaskState.FAILED:
+            again = f"; tried again in {t.not_before - now:.0f}s" if t.not_before else ""
+            holds[t.segment_id] = f"its sort task Failed after {t.attempts} attempts: {t.reason}{again}"
+        elif t.state is TaskState.IN_PROGRESS:
+            holds[t.segment_id] = f"its sort task, running on {t.worker} for {now - t.started_at:.0f}s"
+        elif t.not_before > now:
+            holds[t.segment_id] = f"its sort task, queued, next try in {t.not_before - now:.0f}s: {t.reason}"
+        else:
+            holds[t.segment_id] = "its sort task, queued"
+    for p in plans:
+        if p.state in ACTIVE:
+            by = f" on {p.worker}" if p.worker else ""
+            for seg in p.input_ids:
+                holds[seg] = f"compaction plan {p.plan_id} ({p.type}, {p.state}{by})"
+    return holds
 
 
 def _handoff_warnings(handoff: dict[str, Any]) -> list[dict[str, Any]]:
@@ -150,7 +193,8 @@ def _handoff_warnings(handoff: dict[str, Any]) -> list[dict[str, Any]]:
             "kind": "sort_behind",
             "count": handoff["invisible"],
             "message": f"{handoff['invisible']} flushed segments still invisible (waiting for their sort), "
-            f"the oldest for {oldest:.0f}s: is an active DataCoord running, and keeping up?",
+            f"the oldest for {oldest:.0f}s: "
+            + "; ".join(f"segment {r['segment']} waits on {r['waits_on']}" for r in handoff["stuck"][:3]),
         }
     ]
 
@@ -372,7 +416,9 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     nodes = _nodes(sessions, channels, now)
     segment_table = catalog.segments(include_dropped=True)
     segment_rows = _segment_rows(segment_table)
-    handoff = _handoff(segment_table, settings, now)
+    task_records = [d.model for d in list_tasks(catalog.store)]
+    plans = [d.model for d in list_plans(catalog.store)]
+    handoff = _handoff(segment_table, settings, now, _what_holds(task_records, plans, now))
     coordinator = active_coordinator(catalog)
     services = dagster_services(settings, now)
     streams = _streams(catalog, channel_rows, now)
@@ -383,7 +429,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         *_handoff_warnings(handoff),
         *_stream_warnings(streams, settings),
     ]
-    tasks = _tasks(catalog)
+    tasks = _tasks(catalog, task_records)
     warnings += _task_warnings(tasks)
     losses = _records(catalog.data_losses(), LOSS_COLUMNS)
     warnings += _loss_warnings(losses)
@@ -425,7 +471,7 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
 TASK_COLUMNS = ["kind", "collection", "segment", "state", "attempts", "worker", "reason"]
 
 
-def _tasks(catalog: Catalog) -> list[dict[str, Any]]:
+def _tasks(catalog: Catalog, records: list[TaskRecord]) -> list[dict[str, Any]]:
     """The DataCoord scheduler's tasks (queued, in progress, failed), sorts first."""
     names = {c.id: c.name for c in CollectionRegistry(catalog.store).list(include_dropped=True)}
     rows = [
@@ -439,7 +485,7 @@ def _tasks(catalog: Catalog) -> list[dict[str, Any]]:
             "reason": t.reason,
             "next_try": t.not_before or None,  # a backed-off or Failed task's next attempt (epoch s)
         }
-        for t in (d.model for d in list_tasks(catalog.store))
+        for t in records
     ]
     return sorted(rows, key=lambda r: (r["kind"] != "sort", r["collection"], r["segment"]))
 

@@ -222,6 +222,27 @@ def test_a_datacoord_killed_mid_sort_leaves_its_plans_to_the_standby_at_once(
     assert_lifecycle_invariants(system, collection, produced)
 
 
+def test_status_says_what_each_late_invisible_segment_waits_on(
+    system: System, store: MetaStore, producer: Producer, collection: CollectionInfo
+) -> None:
+    """Past the late threshold, `vchan status` names for each invisible segment what holds
+    it: a compaction plan and its worker, its sort task's state, or nothing (no DataCoord)."""
+    flushed_batches(system, producer, collection, batches=2)
+    held, *free = sorted(invisible_ids(store, collection))
+    [plan] = CompactionTrigger(system).trigger(collection, CompactionType.SORT, segments={held})
+    [d] = [d for d in list_plans(store) if d.model.plan_id == plan.plan_id]
+    transition(store, d, state=PlanState.EXECUTING, worker="elsewhere:1@7", started_at=time.time())
+
+    later = time.time() + 600
+    with Catalog(system) as catalog:
+        report = collect_status(catalog, now=later, orphans=False)
+    waits = {r["segment"]: r["waits_on"] for r in report["handoff"]["stuck"]}
+    assert waits[held] == f"compaction plan {plan.plan_id} (sort, Executing on elsewhere:1@7)"
+    assert free and all("no sort task or plan holds it" in waits[f] for f in free)
+    [warning] = [w for w in report["warnings"] if w["kind"] == "sort_behind"]
+    assert f"segment {held} waits on compaction plan {plan.plan_id}" in warning["message"]
+
+
 def test_a_push_spent_while_another_plan_held_the_segments_is_made_good_by_the_scan(
     system: System, store: MetaStore, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:
