@@ -152,7 +152,8 @@ def _check_bounds(operation: str, branches: Sequence[Sequence[Any]]) -> None:
     ops = max(len(b) for b in branches)
     size = sum(_op_bytes(op) for b in branches for op in b)
     if ops > MAX_TXN_OPS or size > MAX_REQUEST_BYTES:
-        raise TransactionTooLargeError(operation, ops, size, MAX_TXN_OPS, MAX_REQUEST_BYTES)
+        named = operation if len(operation) <= 300 else operation[:300] + "..."  # it lists every key
+        raise TransactionTooLargeError(named, ops, size, MAX_TXN_OPS, MAX_REQUEST_BYTES)
 
 
 def is_compacted(exc: BaseException) -> bool:
