@@ -48,6 +48,7 @@ from vchan_assets.indexes.meta import collection_progress
 from vchan_assets.lifecycle.plans import list_plans
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.model import (
     ChannelLease,
     CollectionInfo,
@@ -137,10 +138,7 @@ class Catalog:
         return CollectionRegistry(self.store).get_by_name(name)
 
     def segment_infos(self, collection_id: int | None = None) -> list[SegmentInfo]:
-        segment = self.store.keys.segment
-        prefix = segment.prefix if collection_id is None else segment.under(collection_id)
-        found, _ = self.store.list_models(prefix, SegmentInfo, True)
-        return [d.model for d in found]
+        return [d.model for d in SegmentMeta(self.store).list(collection_id, skip_malformed=True)]
 
     def sessions(self) -> list[NodeSession]:
         """Live DataNode sessions (a session key disappears with its etcd lease)."""

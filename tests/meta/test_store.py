@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import Settings
+from vchan_assets.meta import store as store_module
 from vchan_assets.meta.codec import decode, encode
 from vchan_assets.meta.embedded import EmbeddedEtcd, free_port
 from vchan_assets.meta.errors import (
@@ -21,8 +23,11 @@ from vchan_assets.meta.errors import (
     MalformedValueError,
     MetaError,
     MetaUnavailableError,
+    RevisionCompactedError,
+    TransactionTooLargeError,
+    ValueTooLargeError,
 )
-from vchan_assets.meta.store import MetaStore
+from vchan_assets.meta.store import MAX_REQUEST_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES, MetaStore
 from vchan_assets.model import ChannelLease, MsgPosition
 
 
@@ -173,7 +178,7 @@ def test_a_txn_unchanged_since_a_listing_fails_once_a_key_under_its_prefix_was_w
     assert store.txn_unchanged_since(empty, [f"{root}/range/c/"], {f"{root}/range/c/1": b"u"}) is not None
 
 
-def test_list_prefixes_reads_every_prefix_in_key_order_in_one_transaction(store: MetaStore) -> None:
+def test_list_prefixes_reads_every_prefix_in_key_order_at_one_revision(store: MetaStore) -> None:
     root = store.keys.root
     for key in ("many/b/2", "many/a/2", "many/a/1", "many/a1"):
         store.put(f"{root}/{key}", key.encode())
@@ -325,3 +330,96 @@ def test_revoking_an_unknown_lease_is_refused_not_reported_as_unavailable(store:
     with pytest.raises(MetaError, match="etcd refused revoke lease") as err:
         store.revoke(lease)
     assert not isinstance(err.value, MetaUnavailableError)
+
+
+# --- paged reads and write bounds --------------------------------------------------------
+
+
+def _write_keys(store: MetaStore, prefix: str, count: int) -> None:
+    store.txn({}, {f"{prefix}{i:04d}": {"v": 1, "i": i} for i in range(count)})
+
+
+def test_a_listing_whose_revision_is_compacted_mid_walk_starts_again_at_a_fresh_revision(
+    private_store: MetaStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = private_store
+    monkeypatch.setattr(store_module, "PAGE_KEYS", 10)
+    prefix = store.keys.root + "/walk/"
+    _write_keys(store, prefix, 35)
+    get_range = store.client.get_range_response
+    pages: list[object] = []
+
+    def page_then_compact(*args: object, **kwargs: object) -> object:
+        page = get_range(*args, **kwargs)
+        pages.append(kwargs["revision"])
+        if len(pages) == 1:  # between the first and second page: a write, and a compaction past it
+            store.put(f"{prefix}9999", {"v": 1, "i": 9999})
+            store.compact(store.revision())
+        return page
+
+    monkeypatch.setattr(store.client, "get_range_response", page_then_compact)
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        listed = store.list_prefix(prefix)
+    assert len(listed.items) == 36 and listed.items[-1].key == f"{prefix}9999"
+    assert listed.revision == store.revision()
+    assert "was compacted" in caplog.text and "listing again at a fresh revision" in caplog.text
+    assert pages[0] is None and pages[1] is None  # the second page failed: the walk began again
+
+
+def test_a_listing_at_a_compacted_revision_raises_naming_the_prefix_and_revision(
+    private_store: MetaStore,
+) -> None:
+    store = private_store
+    prefix = store.keys.root + "/walk/"
+    _write_keys(store, prefix, 3)
+    old = store.revision()
+    store.put(f"{prefix}0000", {"v": 1, "i": -1})
+    store.compact(store.revision())
+    with pytest.raises(RevisionCompactedError) as gone:
+        store.list_prefix(prefix, revision=old)
+    assert gone.value.prefix == prefix and gone.value.revision == old
+
+
+def test_a_value_over_the_bound_is_refused_at_write_naming_key_and_size(store: MetaStore) -> None:
+    key = store.keys.root + "/big"
+    value = b"x" * (MAX_VALUE_BYTES + 1)
+    for write in (
+        lambda: store.put(key, value),
+        lambda: store.cas(key, 0, value),
+        lambda: store.txn({}, {key: value}),
+    ):
+        with pytest.raises(ValueTooLargeError) as refused:
+            write()
+        assert refused.value.key == key and refused.value.size == MAX_VALUE_BYTES + 1
+        assert key in str(refused.value) and str(MAX_VALUE_BYTES + 1) in str(refused.value)
+    assert store.get(key) is None
+
+
+def test_a_transaction_over_etcds_operation_bound_is_refused_naming_it(store: MetaStore) -> None:
+    puts = {f"{store.keys.root}/many/{i}": b"1" for i in range(MAX_TXN_OPS + 1)}
+    with pytest.raises(TransactionTooLargeError) as refused:
+        store.txn({}, puts)
+    assert refused.value.operations == MAX_TXN_OPS + 1
+    assert f"{store.keys.root}/many/0" in refused.value.operation
+    assert store.list_prefix(f"{store.keys.root}/many/").items == []
+
+
+def test_a_transaction_over_etcds_request_bound_is_refused_naming_it(store: MetaStore) -> None:
+    half = b"x" * (MAX_REQUEST_BYTES // 2)
+    puts = {f"{store.keys.root}/wide/{i}": half for i in range(3)}
+    with pytest.raises(TransactionTooLargeError) as refused:
+        store.txn({}, puts)
+    assert refused.value.size > MAX_REQUEST_BYTES and refused.value.operations == 3
+    assert store.list_prefix(f"{store.keys.root}/wide/").items == []
+
+
+def test_a_page_of_values_near_the_bound_over_the_receive_limit_is_read_with_fewer_keys(
+    store: MetaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefix = store.keys.root + "/large/"
+    for i in range(5):  # 5 MiB in all: more than one gRPC response may carry
+        store.put(f"{prefix}{i}", bytes([i]) * MAX_VALUE_BYTES)
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        listed = store.list_prefix(prefix)
+    assert [kv.value[0] for kv in listed.items] == list(range(5))
+    assert "over the receive limit" in caplog.text

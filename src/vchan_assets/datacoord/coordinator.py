@@ -38,6 +38,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.channelwatch import END_STATES
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError, MetaError, NotLeaderError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.session import Election
 from vchan_assets.meta.store import Fence, MetaStore, Snapshot
 from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
@@ -62,8 +63,7 @@ class MetaReloader:
 
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded."""
-        snap = self.store.list_prefix(self.store.keys.segment.prefix)
-        seen = (max((kv.mod_revision for kv in snap.items), default=0), len(snap.items))
+        seen = SegmentMeta(self.store).changes_seen()
         if seen == self.seen:
             return False
         self.segments.seal_orphans()

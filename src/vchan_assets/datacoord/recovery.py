@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from vchan_assets.datacoord.collections import VchannelNotFoundError
 from vchan_assets.meta.codec import decode
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -30,8 +31,7 @@ def channel_checkpoint(store: MetaStore, vchannel: str) -> Decoded[MsgPosition] 
 
 def channel_segments(store: MetaStore, collection_id: int, vchannel: str) -> list[Decoded[SegmentInfo]]:
     """Every segment of the collection on this vchannel, with its etcd version."""
-    found, _ = store.list_models(store.keys.segment.under(collection_id), SegmentInfo)
-    return [d for d in found if d.model.vchannel == vchannel]
+    return SegmentMeta(store).list(collection_id, vchannel=vchannel)
 
 
 def start_position(collection: CollectionInfo, vchannel: str) -> MsgPosition:
@@ -94,7 +94,7 @@ class RecoverySnapshot:
         raw = self._checkpoints.get(key)
         checkpoint = None if raw is None else decode(key, raw, MsgPosition)  # only this channel's
         if collection.id not in self._segments:
-            found, _ = self.store.list_models(self.store.keys.segment.under(collection.id), SegmentInfo)
+            found = SegmentMeta(self.store).list(collection.id)
             self._segments[collection.id] = [d.model for d in found]
         segments = [s for s in self._segments[collection.id] if s.vchannel == vchannel]
         return _recovery(collection, vchannel, checkpoint, segments)
@@ -149,7 +149,7 @@ def _stage_name(stage: int) -> str:
 
 def referenced_paths(store: MetaStore) -> set[str]:
     """Every binlog, delta log and stats log key that segment meta points to."""
-    segments, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
+    segments = SegmentMeta(store).list()
     paths: set[str] = set()
     for decoded in segments:
         seg = decoded.model

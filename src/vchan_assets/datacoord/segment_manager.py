@@ -46,6 +46,7 @@ from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
 from vchan_assets.meta.channel_head import ChannelHeads, HeldChannel
 from vchan_assets.meta.errors import CasConflictError, SegmentNotFoundError
 from vchan_assets.meta.retry import retry_on_conflict
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     ChannelHead,
@@ -428,7 +429,7 @@ class SegmentManager:
         taking them off the head and sealing them): they can receive no more rows, and
         the head's last timestamp is above all of theirs."""
         open_ids = {s.segment_id for h in self.heads.all() for s in h.open_segments}
-        found, _ = self.store.list_models(self.store.keys.segment.prefix, SegmentInfo, skip_malformed=True)
+        found = SegmentMeta(self.store).list(skip_malformed=True)
         sealed = []
         for decoded in found:
             seg = decoded.model
@@ -468,7 +469,7 @@ class SegmentManager:
         # run now), and Growing ones on no head (orphans) are sealed above their channel's
         # last timestamp. A segment open on a head now was opened after this flush sealed
         # its channel: its rows come after flush_ts, it is not part of this flush.
-        segments, _ = self.store.list_models(self.store.keys.segment.under(collection_id), SegmentInfo)
+        segments = SegmentMeta(self.store).list(collection_id)
         now_heads = {h.vchannel: h for h in map(self.heads.read, found.model.vchannels) if h is not None}
         open_ids = {s.segment_id for h in now_heads.values() for s in h.open_segments}
         for decoded in segments:
@@ -494,7 +495,7 @@ class SegmentManager:
             cp = self.store.get_model(self.store.keys.channel_checkpoint(vchannel), MsgPosition)
             if cp is None or cp.model.timestamp < flush_ts:
                 lagging.append((vchannel, cp.model.timestamp if cp else None))
-        segments, _ = self.store.list_models(self.store.keys.segment.under(collection_id), SegmentInfo)
+        segments = SegmentMeta(self.store).list(collection_id)
         pending = sorted(
             d.model.id for d in segments if d.model.state in SEALABLE and d.model.seal_ts <= flush_ts
         )
@@ -510,7 +511,7 @@ class SegmentManager:
         their seal_ts hold all their rows in binlogs (segment meta is committed before
         the checkpoint), so they are completed here: Flushed, or Dropped if empty.
         The others are reported as pending: the DataNode sync completes them."""
-        found, _ = self.store.list_models(self.store.keys.segment.prefix, SegmentInfo, skip_malformed=True)
+        found = SegmentMeta(self.store).list(skip_malformed=True)
         checkpoints: dict[str, MsgPosition | None] = {}
         out = []
         for decoded in found:
@@ -557,7 +558,7 @@ class SegmentManager:
                     held.commit(replace(held.head, open_segments=kept))
         if partition_id is None:
             self._max_rows.pop(collection_id, None)
-        found, _ = self.store.list_models(self.store.keys.segment.under(collection_id), SegmentInfo)
+        found = SegmentMeta(self.store).list(collection_id)
         dropped = []
         for decoded in found:
             seg = decoded.model
@@ -583,8 +584,7 @@ class SegmentManager:
             new = change(found.model)
             if new is None or new == found.model:
                 return found.model
-            self.store.cas(key, found.kv.version, new)
-            return new
+            return SegmentMeta(self.store).swap(found.kv.version, new).model
 
         return retry_on_conflict(f"segment {key}", attempt, on_conflict=self._count_conflict)
 

@@ -58,6 +58,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.errors import CasConflictError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import SegmentInfo, SegmentState, TaskRecord, TaskState
 from vchan_assets.spark import Engine
@@ -349,7 +350,7 @@ class TaskScheduler:
 
     def prune(self, store: MetaStore) -> list[TaskRecord]:
         """Delete the tasks whose segment is Dropped or gone from meta; returns them."""
-        found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo, skip_malformed=True)
+        found = SegmentMeta(store).list(skip_malformed=True)
         segments = {d.model.id for d in found if d.model.state is not SegmentState.DROPPED}
         gone = [d for d in list_tasks(store) if d.model.segment_id not in segments]
         return [d.model for d in gone if swap_task(store, d, None) is not None]

@@ -17,6 +17,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
 from vchan_assets.imports.jobs import ImportFormat, ImportJob
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
@@ -24,7 +25,7 @@ from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_delet
 
 
 def _job_segments(store: MetaStore, job: ImportJob) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segment.under(job.collection_id), SegmentInfo)
+    found = SegmentMeta(store).list(job.collection_id)
     return [d.model for d in found if d.model.id in job.segment_ids]
 
 
@@ -60,7 +61,7 @@ def check_rows_match_files(
 def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) -> CheckOutcome:
     info = CollectionRegistry(store).get(job.collection_id, include_dropped=True)
     pk = info.schema.primary.name
-    found, _ = store.list_models(store.keys.segment.under(job.collection_id), SegmentInfo)
+    found = SegmentMeta(store).list(job.collection_id)
     every = [d.model for d in found]
     mine = {s.id for s in every if s.id in job.segment_ids}
     others = [s for s in every if s.id not in mine and s.partition_id == job.partition_id and readable(s)]

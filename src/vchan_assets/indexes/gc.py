@@ -26,14 +26,15 @@ from __future__ import annotations
 from vchan_assets.indexes.meta import list_builds, list_indexes
 from vchan_assets.lifecycle.gc import GarbageCollector, GcReport
 from vchan_assets.meta.errors import CasConflictError
-from vchan_assets.model import SegmentIndex, SegmentIndexState, SegmentInfo, SegmentState
+from vchan_assets.meta.segments import SegmentMeta
+from vchan_assets.model import SegmentIndex, SegmentIndexState, SegmentState
 from vchan_assets.storage.layout import INDEX_FILES
 
 
 def collect_indexes(gc: GarbageCollector, report: GcReport) -> None:
     store, storage = gc.store, gc.storage
     indexes = {d.model.index_id: d for d in list_indexes(store, include_deleted=True)}
-    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
+    found = SegmentMeta(store).list()
     segments = {d.model.id: d.model for d in found}
     builds = list_builds(store)
     finished = {

@@ -39,6 +39,7 @@ from vchan_assets.indexes.params import build_params
 from vchan_assets.meta.allocator import IdAllocator, fresh_ts
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -310,7 +311,7 @@ def create_missing_builds(
         indexes = [d.model for d in list_indexes(store, info.id)]
     if not indexes:
         return []
-    found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo, True)
+    found = SegmentMeta(store).list(info.id, skip_malformed=True)
     ids = ids or IdAllocator(store)
     return [b for index in indexes for b in create_builds(store, index, [d.model for d in found], ids)]
 
@@ -411,7 +412,7 @@ def release_waiting_outputs(
     indexes = [d.model for d in list_indexes(store, collection_id)]
     if not indexes:
         return []
-    found, _ = store.list_models(store.keys.segment.under(collection_id), SegmentInfo, True)
+    found = SegmentMeta(store).list(collection_id, skip_malformed=True)
     waiting = [
         d
         for d in found
@@ -568,7 +569,7 @@ def index_progress(
 
 def collection_progress(store: MetaStore, info: CollectionInfo) -> list[IndexProgress]:
     """`index_progress` of each live index of the collection."""
-    found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo, True)
+    found = SegmentMeta(store).list(info.id, skip_malformed=True)
     segments = [d.model for d in found]
     builds = [d.model for d in list_builds(store, info.id)]
     return [index_progress(d.model, segments, builds) for d in list_indexes(store, info.id)]

@@ -20,6 +20,7 @@ from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome, files_exist_outcome
 from vchan_assets.lifecycle.gc import segment_paths
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
@@ -28,7 +29,7 @@ from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_delet
 
 
 def _segments(store: MetaStore) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
+    found = SegmentMeta(store).list()
     return [d.model for d in found]
 
 

@@ -60,6 +60,7 @@ from vchan_assets.lifecycle.task import (
 )
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.spark import Engine
@@ -282,7 +283,7 @@ class CompactionTrigger:
         partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
         small segments (the delete ratios, which read every delta log and bloom filter of
         the collection, wait for the lifecycle step)."""
-        found, _ = self.store.list_models(self.store.keys.segment.under(collection.id), SegmentInfo)
+        found = SegmentMeta(self.store).list(collection.id)
         if vchannel is not None:
             found = [d for d in found if d.model.vchannel == vchannel]
         if segments is not None:
@@ -428,7 +429,7 @@ class CompactionExecutor:
         if bad:
             return self.fail(executing, f"segments {bad} are not Flushed L1 segments with rows")
         info = self.collections.get(p.collection_id, include_dropped=True)
-        found, _ = self.store.list_models(self.store.keys.segment.under(p.collection_id), SegmentInfo)
+        found = SegmentMeta(self.store).list(p.collection_id)
         spec = CompactionSpec(
             plan_id=p.plan_id,
             storage=self.storage,
@@ -516,7 +517,7 @@ class CompactionExecutor:
             return set(), None
         done = {t.id for t in targets}
         l0 = tuple(i for i in plan.inputs if i.segment_id not in done)
-        found, _ = self.store.list_models(self.store.keys.segment.under(plan.collection_id), SegmentInfo)
+        found = SegmentMeta(self.store).list(plan.collection_id)
         live = {d.model.id: d for d in found if compactable(d.model)}  # one listing, not a get per target
         rest = [PlanInput(i, live[i].kv.version) for i in plan.chained if i in live]
         if not rest:

@@ -40,6 +40,7 @@ from vchan_assets.failpoints import failpoint
 from vchan_assets.lifecycle.plans import busy_segments, list_plans
 from vchan_assets.meta.codec import decode_dict
 from vchan_assets.meta.errors import CasConflictError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import FieldIndex, SegmentInfo, SegmentState, awaited_indexes, physical_ms
 from vchan_assets.storage.layout import BINLOG_ROOTS, segment_of
@@ -130,7 +131,7 @@ class GarbageCollector:
             return report
         # Meta is read before files are listed: a file written after this read is younger
         # than the tolerance, so it is never taken for an orphan.
-        found, _ = self.store.list_models(self.store.keys.segment.prefix, SegmentInfo)
+        found = SegmentMeta(self.store).list()
         busy = busy_segments(list_plans(self.store))
         self._orphans(found, busy, report)
         self._dropped(found, report)

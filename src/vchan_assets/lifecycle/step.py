@@ -39,6 +39,7 @@ from vchan_assets.lifecycle.plans import (
     list_plans,
     transition,
 )
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo
 from vchan_assets.spark import Engine
@@ -173,7 +174,7 @@ def _compact(
 def unsorted_segments(store: MetaStore, vchannel: str | None = None) -> list[SegmentInfo]:
     """Flushed L1 segments not sorted by pk and in no active plan (of `vchannel` if given):
     the stats task's work."""
-    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo)
+    found = SegmentMeta(store).list()
     if vchannel is not None:
         found = [d for d in found if d.model.vchannel == vchannel]
     busy = busy_segments(list_plans(store))

@@ -128,3 +128,36 @@ class NotLeaderError(DeclaredError, MetaError):
             f"not the leader any more: {self.key} was created at revision {self.create_revision} for this "
             f"writer's term, now {holder}; the write was rejected and nothing was committed"
         )
+
+
+class ValueTooLargeError(DeclaredError, MetaError):
+    """A value over the size bound of one etcd value: refused before it is sent, so a
+    listing of its prefix can always be read in pages under gRPC's receive limit."""
+
+    key: str
+    size: int
+    limit: int
+    message = "refusing to write {key}: its value is {size} bytes, over the bound of {limit} bytes"
+
+
+class TransactionTooLargeError(DeclaredError, MetaError):
+    """A transaction over etcd's bounds (operations per branch, bytes per request),
+    refused before it is sent: etcd would refuse it whole with an opaque message."""
+
+    operation: str
+    operations: int
+    size: int
+    max_operations: int
+    max_size: int
+    message = (
+        "refusing {operation}: {operations} operations and {size} bytes, over etcd's bounds of "
+        "{max_operations} operations and {max_size} bytes per transaction"
+    )
+
+
+class RevisionCompactedError(DeclaredError, MetaError):
+    """A read at a revision etcd has compacted away: the caller lists again from now."""
+
+    prefix: str
+    revision: int
+    message = "listing {prefix} at revision {revision}: the revision was compacted"

@@ -5,6 +5,13 @@ failed after one connection error and refuses every call to it for `time_retry`
 seconds (300 s by default). With 0.5 s, a restarted etcd is used again at once.
 Every call has the settings' timeout, so an etcd that is down gives a
 `MetaUnavailableError` within a bounded time, never a hang.
+
+Reads of a prefix are paged, as Milvus' `WalkWithPrefix`: `PAGE_KEYS` keys a range
+request, each page from the last key + NUL, every page at the revision of the first, so a
+caller gets one snapshot of a prefix of any size and no response nears gRPC's 4 MiB
+receive limit. Writes are bounded: a value over `MAX_VALUE_BYTES` and a transaction over
+etcd's `MAX_TXN_OPS` operations or `MAX_REQUEST_BYTES` are refused before they are sent,
+with an error naming them.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from vchan_assets.meta.errors import (
     MetaError,
     MetaUnavailableError,
     NotLeaderError,
+    RevisionCompactedError,
+    TransactionTooLargeError,
+    ValueTooLargeError,
 )
 from vchan_assets.meta.keys import Keys
 from vchan_assets.model import ChannelLease
@@ -39,6 +49,20 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 ENDPOINT_RETRY_SECONDS = 0.5
+
+# A page of a paged read: 1,000 keys of realistic meta (segment meta is 1-3 KB) is 1-3 MB,
+# under gRPC's 4 MiB receive limit. A page of values near MAX_VALUE_BYTES that passes the
+# limit is read again with half as many keys (a single value always fits).
+PAGE_KEYS = 1000
+# etcd's defaults, which the embedded etcd keeps: --max-request-bytes and --max-txn-ops.
+MAX_REQUEST_BYTES = 1536 * 1024
+MAX_TXN_OPS = 128
+# The bound of one value: under etcd's request limit with room for its key and the other
+# operations of its transaction.
+MAX_VALUE_BYTES = 1024 * 1024
+# A paged read whose revision is compacted before its last page starts again at a fresh
+# revision, at most this many times (each restart is logged).
+WALK_RESTARTS = 3
 _REFUSED_CODES = frozenset(
     {
         grpc.StatusCode.NOT_FOUND,
@@ -102,13 +126,55 @@ def _pair_kv(value: bytes, meta: Any) -> KeyValue:
 Value = bytes | Model | dict[str, Any]
 
 
-def _as_bytes(value: Value) -> bytes:
-    return value if isinstance(value, bytes) else encode(value)
+def _as_bytes(key: str, value: Value) -> bytes:
+    """The bytes `key` is written with; ValueTooLargeError over MAX_VALUE_BYTES."""
+    data = value if isinstance(value, bytes) else encode(value)
+    if len(data) > MAX_VALUE_BYTES:
+        raise ValueTooLargeError(key, len(data), MAX_VALUE_BYTES)
+    return data
 
 
 def _write_ops(tx: Any, puts: Mapping[str, Value], deletes: Sequence[str]) -> list[Any]:
     """The success branch of a multi-key commit: every put, then every delete."""
-    return [tx.put(k, _as_bytes(v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
+    return [tx.put(k, _as_bytes(k, v)) for k, v in puts.items()] + [tx.delete(k) for k in deletes]
+
+
+def _op_bytes(op: Any) -> int:
+    """About what an operation of a transaction adds to etcd's request: its key, range
+    end and value (a put's, or a compare's target)."""
+    parts = (getattr(op, name, None) for name in ("key", "range_end", "value"))
+    return sum(len(p) if isinstance(p, bytes | str) else 8 for p in parts if p is not None)
+
+
+def _check_bounds(operation: str, branches: Sequence[Sequence[Any]]) -> None:
+    """TransactionTooLargeError if a branch has more than MAX_TXN_OPS operations or the
+    request more than MAX_REQUEST_BYTES (etcd checks the same, per branch and per request)."""
+    ops = max(len(b) for b in branches)
+    size = sum(_op_bytes(op) for b in branches for op in b)
+    if ops > MAX_TXN_OPS or size > MAX_REQUEST_BYTES:
+        named = operation if len(operation) <= 300 else operation[:300] + "..."  # it lists every key
+        raise TransactionTooLargeError(named, ops, size, MAX_TXN_OPS, MAX_REQUEST_BYTES)
+
+
+def is_compacted(exc: BaseException) -> bool:
+    """Whether an etcd error says the revision asked for was compacted away."""
+    if isinstance(exc, etcd3.exceptions.RevisionCompactedError):
+        return True
+    return (
+        isinstance(exc, grpc.RpcError)
+        and hasattr(exc, "code")
+        and exc.code() == grpc.StatusCode.OUT_OF_RANGE
+        and "compacted" in (exc.details() or "")
+    )
+
+
+def _too_large(exc: BaseException) -> bool:
+    """Whether a gRPC error is a response over the client's receive limit."""
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _range_end(prefix: str) -> bytes:
+    return bytes(etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix)))
 
 
 @dataclass(frozen=True)
@@ -160,6 +226,7 @@ class MetaStore:
     ) -> tuple[bool, list[Any]]:
         """One transaction under this writer's fence: `success` if every `compare` (and the
         fence) holds, else `failure`. A refusal the fence caused raises NotLeaderError."""
+        _check_bounds(what, (compare, success, failure or []))
         with self._call(what):
             ok, responses = self.client.transaction(
                 compare=[*compare, *self._fence_compare()], success=success, failure=failure or []
@@ -255,21 +322,79 @@ class MetaStore:
             return None
         return Decoded(decode(key, kv.value, model), kv)
 
-    def list_prefix(self, prefix: str) -> Snapshot:
-        with self._call(f"list {prefix}"):
-            resp = self.client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
-        return Snapshot([_kv(kv) for kv in resp.kvs], resp.header.revision)
+    def list_prefix(self, prefix: str, revision: int | None = None, keys_only: bool = False) -> Snapshot:
+        """Every key under `prefix` in key order, as one snapshot, read in pages.
+
+        At `revision` if given (RevisionCompactedError if etcd compacted it), else at the
+        revision of the first page (a walk that outlives a compaction starts again)."""
+        [items], at = self._walk([prefix], revision, keys_only)
+        return Snapshot(items, at)
 
     def list_prefixes(self, prefixes: Sequence[str]) -> list[list[KeyValue]]:
-        """The keys under each of `prefixes` (each list in key order), read in one
-        transaction: one round trip, every prefix at the same revision."""
-        tx = self.client.transactions
-        ranges = [
-            tx.get(p, range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p))) for p in prefixes
-        ]
-        with self._call(f"list {', '.join(prefixes)}"):
-            _, responses = self.client.transaction(compare=[], success=ranges, failure=[])
-        return [[_pair_kv(value, meta) for value, meta in found] for found in responses]
+        """The keys under each of `prefixes` (each list in key order), every prefix read in
+        pages at the same revision: one snapshot of all of them."""
+        found, _ = self._walk(prefixes)
+        return found
+
+    def _walk(
+        self, prefixes: Sequence[str], revision: int | None = None, keys_only: bool = False
+    ) -> tuple[list[list[KeyValue]], int]:
+        """The keys under each prefix at one revision, and that revision (Milvus'
+        `WalkWithPrefix`). Without a `revision`, the first page's is used; if etcd compacts
+        it before the last page, the walk starts again at a fresh one (logged), at most
+        WALK_RESTARTS times."""
+        for restart in range(WALK_RESTARTS + 1):
+            at = revision
+            found: list[list[KeyValue]] = []
+            try:
+                for prefix in prefixes:
+                    items, at = self._walk_prefix(prefix, at, keys_only)
+                    found.append(items)
+            except RevisionCompactedError as exc:
+                if revision is not None or restart == WALK_RESTARTS:
+                    raise
+                log.warning("%s after %s keys: listing again at a fresh revision", exc, sum(map(len, found)))
+                continue
+            return found, at if at is not None else self.revision()
+        raise AssertionError("unreachable: the last restart raises")
+
+    def _walk_prefix(self, prefix: str, revision: int | None, keys_only: bool) -> tuple[list[KeyValue], int]:
+        """One prefix in pages at `revision` (None: the first page's)."""
+        items: list[KeyValue] = []
+        start, end = etcd3.utils.to_bytes(prefix), _range_end(prefix)
+        while True:
+            resp = self._page(prefix, start, end, revision, keys_only)
+            if revision is None:
+                revision = int(resp.header.revision)
+            items.extend(_kv(kv) for kv in resp.kvs)
+            if not resp.more or not resp.kvs:
+                return items, revision
+            start = bytes(resp.kvs[-1].key) + b"\x00"
+
+    def _page(self, prefix: str, start: bytes, end: bytes, revision: int | None, keys_only: bool) -> Any:
+        """One range request of at most PAGE_KEYS keys from `start`, in key order; a
+        response over gRPC's receive limit is asked again with half as many keys."""
+        limit = PAGE_KEYS
+        while True:
+            try:
+                with self._call(f"list {prefix}"):
+                    return self.client.get_range_response(
+                        start,
+                        end,
+                        sort_order="ascend",
+                        sort_target="key",
+                        limit=limit,
+                        revision=revision,
+                        keys_only=keys_only,
+                    )
+            except MetaError as exc:
+                cause = exc.__cause__
+                if cause is not None and is_compacted(cause) and revision is not None:
+                    raise RevisionCompactedError(prefix, revision) from cause
+                if cause is None or not _too_large(cause) or limit == 1:
+                    raise
+                limit //= 2
+                log.warning("a page of %s over the receive limit: reading %s keys a page", prefix, limit)
 
     def list_models(
         self, prefix: str, model: type[M], skip_malformed: bool = False
@@ -304,9 +429,9 @@ class MetaStore:
     def put(self, key: str, value: Value, lease: int | None = None) -> int:
         if self.fence is not None:
             tx = self.client.transactions
-            return self._fenced_ops(f"put {key}", [tx.put(key, _as_bytes(value), lease=lease)])
+            return self._fenced_ops(f"put {key}", [tx.put(key, _as_bytes(key, value), lease=lease)])
         with self._call(f"put {key}"):
-            resp = self.client.put(key, _as_bytes(value), lease=lease)
+            resp = self.client.put(key, _as_bytes(key, value), lease=lease)
         return int(resp.header.revision)
 
     def delete(self, key: str) -> bool:
@@ -336,7 +461,7 @@ class MetaStore:
         version is still `expected_version` (0: the key must not exist). Returns the new
         revision; raises CasConflictError with the version found otherwise."""
         tx = self.client.transactions
-        op = tx.delete(key) if value is None else tx.put(key, _as_bytes(value), lease=lease)
+        op = tx.delete(key) if value is None else tx.put(key, _as_bytes(key, value), lease=lease)
         ok, responses = self._transaction(
             f"compare-and-swap {key}", [tx.version(key) == expected_version], [op], [tx.get(key)]
         )
@@ -345,6 +470,24 @@ class MetaStore:
             # (responses hold (value, KVMetadata) pairs for the failure branch's get)
             raise CasConflictError(key, expected_version, found)
         return _txn_revision(responses)
+
+    def swap(self, key: str, expected_version: int, value: Value) -> KeyValue:
+        """`cas` of a put that returns the key as written (its version, revisions and
+        value), read in the same transaction."""
+        tx = self.client.transactions
+        ok, responses = self._transaction(
+            f"compare-and-swap {key}",
+            [tx.version(key) == expected_version],
+            [tx.put(key, _as_bytes(key, value)), tx.get(key)],
+            [tx.get(key)],
+        )
+        found = [_range_kv(r) for r in responses if isinstance(r, list)]
+        if not ok:
+            raise CasConflictError(key, expected_version, found[0].version if found[0] else 0)
+        written = found[0]
+        if written is None:
+            raise MetaError(f"compare-and-swap {key} committed, but its read found no key")
+        return written
 
     def txn(
         self,

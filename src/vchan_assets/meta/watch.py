@@ -38,8 +38,8 @@ import etcd3.utils
 import grpc
 
 from vchan_assets.meta.codec import decode
-from vchan_assets.meta.errors import MetaError, MetaUnavailableError
-from vchan_assets.meta.store import MetaStore, Snapshot, error_reason
+from vchan_assets.meta.errors import MetaError, MetaUnavailableError, RevisionCompactedError
+from vchan_assets.meta.store import MetaStore, Snapshot, error_reason, is_compacted
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,6 @@ def _proven_revision(response: Any) -> int:
     return int(response.header.revision)
 
 
-def _is_compacted(exc: BaseException) -> bool:
-    if isinstance(exc, etcd3.exceptions.RevisionCompactedError):
-        return True
-    return (
-        isinstance(exc, grpc.RpcError)
-        and hasattr(exc, "code")
-        and exc.code() == grpc.StatusCode.OUT_OF_RANGE
-        and "compacted" in (exc.details() or "")
-    )
-
-
 class _Compacted(Exception):
     """The cursor's revision is gone from etcd's history."""
 
@@ -131,7 +120,7 @@ def _etcd_call(store: MetaStore, operation: str) -> Iterator[None]:
     try:
         yield
     except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
-        if _is_compacted(exc):
+        if is_compacted(exc):
             raise _Compacted(str(exc)) from exc
         raise MetaUnavailableError(store.endpoints, operation, error_reason(exc)) from exc
 
@@ -163,7 +152,7 @@ class _PrefixStream:
         if item is _WAKE:
             return None
         if isinstance(item, BaseException):
-            if _is_compacted(item):
+            if is_compacted(item):
                 raise _Compacted(f"watch of {self.prefix}: revision compacted") from item
             raise MetaUnavailableError(
                 self.store.endpoints, f"watch {self.prefix}", error_reason(item)
@@ -222,9 +211,11 @@ def poll_changes(store: MetaStore, prefix: str, after_revision: int | None, sett
 
 def _collect(store: MetaStore, prefix: str, after: int, snapshot: Snapshot, settle: float) -> Changes:
     current = snapshot.revision
-    with _etcd_call(store, f"list {prefix} at revision {after}"):
-        before = store.client.get_prefix_response(prefix, revision=after, keys_only=True)
-    keys_before = {bytes(kv.key).decode() for kv in before.kvs}
+    try:
+        before = store.list_prefix(prefix, revision=after, keys_only=True)
+    except RevisionCompactedError as exc:
+        raise _Compacted(str(exc)) from exc
+    keys_before = {kv.key for kv in before.items}
     keys_now = {kv.key for kv in snapshot.items}
     net_change = bool(keys_before - keys_now) or any(kv.mod_revision > after for kv in snapshot.items)
 

@@ -45,6 +45,7 @@ from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
 from vchan_assets.indexes.meta import live_indexes
 from vchan_assets.meta.allocator import now_ts
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -213,16 +214,16 @@ def meta_at(store: MetaStore, info: CollectionInfo, ts: int, builds: bool = Fals
     over it (a mix output replaces its inputs if it was ready at `ts`: `view.index_ready`).
     The channel checkpoints are read first (`view.read_checkpoints`: a sync committing in
     between would otherwise lose rows), then the segments, the live indexes and (`builds`)
-    the index builds in one etcd transaction: one round trip, one revision, so the indexes
+    the index builds at one revision (`SegmentMeta.list_with`, paged reads), so the indexes
     and builds a search uses are those of the segments it lists."""
     checkpoints = read_checkpoints(store, info.vchannels)
     failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
     keys = store.keys
-    prefixes = [keys.segment.under(info.id), keys.field_index.under(info.id)]
-    listed = store.list_prefixes([*prefixes, keys.segment_index.under(info.id)] if builds else prefixes)
-    segments = segments_at([d.model for d in store.decode_models(listed[0], SegmentInfo, True)], ts)
-    indexes = [d.model for d in live_indexes(store.decode_models(listed[1], FieldIndex, True))]
-    found = store.decode_models(listed[2], SegmentIndex, True) if builds else []
+    prefixes = [keys.field_index.under(info.id), *([keys.segment_index.under(info.id)] if builds else [])]
+    listed, others = SegmentMeta(store).list_with(info.id, prefixes, skip_malformed=True)
+    segments = segments_at([d.model for d in listed], ts)
+    indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
+    found = store.decode_models(others[1], SegmentIndex, True) if builds else []
     views = collection_views(store, info, segments, checkpoints, ts, indexes)
     return MetaAt(segments, views, indexes, found)
 

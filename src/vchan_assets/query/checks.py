@@ -37,6 +37,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.read_pins import pin_or_lost, pinned
 from vchan_assets.datacoord.recovery import channel_checkpoint, start_position
 from vchan_assets.datanode.checks import CheckOutcome, retained_log
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelHead, CollectionInfo, SegmentInfo, SegmentState, compose_ts
 from vchan_assets.query.asof import at_or_before, iso, segments_at
@@ -91,7 +92,7 @@ def view_figures(view: QueryView, now: float) -> dict[str, int | float]:
 def view_revisions(store: MetaStore) -> dict[str, tuple[int, int]]:
     """Vchannel -> (newest etcd revision, count) of its segment meta, one listing for every
     collection: any change of a vchannel's view changes its pair."""
-    found, _ = store.list_models(store.keys.segment.prefix, SegmentInfo, skip_malformed=True)
+    found = SegmentMeta(store).list(skip_malformed=True)
     out: dict[str, tuple[int, int]] = defaultdict(lambda: (0, 0))
     for d in found:
         newest, count = out[d.model.vchannel]

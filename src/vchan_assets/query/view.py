@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from vchan_assets.datacoord.recovery import channel_checkpoint, start_position
 from vchan_assets.indexes.meta import list_indexes
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     CollectionInfo,
@@ -236,7 +237,7 @@ def _earliest_position(segments: Sequence[SegmentInfo]) -> MsgPosition | None:
 def collection_segments(store: MetaStore, collection_id: int) -> list[SegmentInfo]:
     """Every segment of a collection, in any state, in key order (a malformed value is
     logged and skipped: a reader goes on past it)."""
-    found, _ = store.list_models(store.keys.segment.under(collection_id), SegmentInfo, True)
+    found = SegmentMeta(store).list(collection_id, skip_malformed=True)
     return [d.model for d in found]
 
 

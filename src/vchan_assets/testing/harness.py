@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 from vchan_assets.config import Settings
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     ChannelLease,
@@ -284,7 +285,7 @@ def produce(
 
 
 def segments(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
-    found, _ = store.list_models(store.keys.segment.under(info.id), SegmentInfo)
+    found = SegmentMeta(store).list(info.id)
     return [d.model for d in found]
 
 
