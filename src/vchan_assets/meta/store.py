@@ -346,6 +346,21 @@ class MetaStore:
             raise CasConflictError(key, expected_version, found)
         return _txn_revision(responses)
 
+    def swap(self, key: str, expected_version: int, value: Value) -> tuple[bool, KeyValue | None]:
+        """Compare-version-and-swap in one round trip, for a hot key: (True, None) when
+        written; else (False, the key as it is now, None if absent), so the caller can try
+        again at once without a read of its own."""
+        tx = self.client.transactions
+        ok, responses = self._transaction(
+            f"compare-and-swap {key}",
+            [tx.version(key) == expected_version],
+            [tx.put(key, _as_bytes(value))],
+            [tx.get(key)],
+        )
+        if ok:
+            return True, None
+        return False, _range_kv(responses[0]) if responses else None
+
     def txn(
         self,
         expect_versions: Mapping[str, int],
