@@ -17,7 +17,7 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.meta.allocator import TimestampOracle, read_clock_mark
 from vchan_assets.meta.embedded import EmbeddedEtcd
-from vchan_assets.meta.errors import MetaUnavailableError
+from vchan_assets.meta.errors import MalformedValueError, MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import compose_ts, physical_ms
 
@@ -68,6 +68,22 @@ def test_oracles_started_one_after_another_stay_on_the_wall_clock(settings: Sett
     assert all(_on_the_clock(*s) for s in stamps), f"newest {stamps[-1]}: ahead of the wall clock"
     ts = [t for _, t, _ in stamps]
     assert all(b > a for a, b in zip(ts, ts[1:], strict=False))
+
+
+def test_oracles_taking_turns_each_issue_above_what_the_other_issued_meanwhile(
+    settings: Settings, store: MetaStore
+) -> None:
+    stores = [MetaStore.connect(settings) for _ in range(2)]
+    oracles = [TimestampOracle(s) for s in stores]
+
+    counts = [1 + i % 3 for i in range(400)]
+    lasts = [oracles[i % 2].alloc(n) for i, n in enumerate(counts)]  # many in one millisecond
+    for s in stores:
+        s.close()
+
+    firsts = [last - n + 1 for last, n in zip(lasts, counts, strict=True)]
+    assert all(first > last for first, last in zip(firsts[1:], lasts, strict=False)), "blocks overlap"
+    assert read_clock_mark(store).last_ts == lasts[-1]
 
 
 def test_processes_started_one_after_another_and_side_by_side_stay_on_the_wall_clock(
@@ -155,3 +171,12 @@ def test_an_etcd_outage_stops_issuing_and_nothing_jumps_after_it(
     new_store.close()
     assert before < same[1] < new[1]
     assert _on_the_clock(*same) and _on_the_clock(*new)
+
+
+def test_a_mark_that_is_no_timestamp_stops_issuing_naming_the_key(store: MetaStore) -> None:
+    store.put(store.keys.tso(), b'{"v":1,"last_ts":"soon"}')
+
+    with pytest.raises(MalformedValueError) as bad:
+        TimestampOracle(store).now()
+
+    assert bad.value.key == store.keys.tso()

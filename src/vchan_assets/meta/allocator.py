@@ -79,10 +79,18 @@ class IdAllocator:
 @dataclass(frozen=True)
 class ClockMark:
     """The timestamp oracles' mark in etcd: the newest hybrid timestamp issued (0: none
-    yet), and the version of the key holding it (what the next compare-and-swap expects)."""
+    yet), whether it is stored in this version's format, whose bytes sort as the
+    timestamps do (`encode_clock_mark`), and if not the version of the key as read."""
 
     last_ts: int
     version: int
+    ordered: bool = True
+
+
+def encode_clock_mark(last_ts: int) -> bytes:
+    """The mark's value: JSON whose bytes sort as the timestamps do (the timestamp as a
+    fixed-width string), so etcd can compare a new mark with the stored one."""
+    return encode({"last_ts": f"{last_ts:020d}"})
 
 
 def read_clock_mark(store: MetaStore, key: str | None = None) -> ClockMark:
@@ -93,16 +101,16 @@ def read_clock_mark(store: MetaStore, key: str | None = None) -> ClockMark:
 
 def _clock_mark(key: str, kv: KeyValue | None) -> ClockMark:
     if kv is None:
-        return ClockMark(0, 0)
+        return ClockMark(0, 0, ordered=False)
     text = kv.value.strip()
     if text.isdigit():
         # Written by the window oracles of earlier versions: the end of the last window
         # persisted (physical ms, exclusive). Anything below it may have been issued.
-        return ClockMark(max(compose_ts(int(text)) - 1, 0), kv.version)
+        return ClockMark(max(compose_ts(int(text)) - 1, 0), kv.version, ordered=False)
     last = decode_dict(key, kv.value).get("last_ts")
-    if not isinstance(last, int) or isinstance(last, bool) or last < 0:
-        raise MalformedValueError(key, f"expected a hybrid timestamp in last_ts, got {last!r}")
-    return ClockMark(last, kv.version)
+    if not isinstance(last, str) or len(last) != 20 or not last.isdigit():
+        raise MalformedValueError(key, f"expected a hybrid timestamp of 20 digits in last_ts, got {last!r}")
+    return ClockMark(int(last), kv.version)
 
 
 def timestamp_ceiling(store: MetaStore, key: str | None = None) -> int:
@@ -128,7 +136,10 @@ class TimestampOracle:
     Every allocation moves the mark in etcd, the newest timestamp issued, with one
     compare-and-swap before it returns: a new timestamp is max(wall clock, mark + 1
     logical step), so it is above every one issued before it, by any process, and it is
-    never ahead of the wall clock unless the mark is. Nothing is reserved ahead, so a
+    never ahead of the wall clock unless the mark is. The swap compares the stored mark
+    with the new timestamp, not with the version this oracle last saw: oracles of other
+    processes moving the mark meanwhile cost a second round trip only when they issued
+    at or above it (in the same millisecond). Nothing is reserved ahead, so a
     process that starts (each `vchan produce` is one) has nothing to skip over: this costs
     one etcd round trip per allocation instead of a window's none (BENCHMARKS.md).
 
@@ -163,9 +174,13 @@ class TimestampOracle:
                 wall = compose_ts(int(self.clock() * 1000))
                 first = max(wall, mark.last_ts + 1, above + 1)
                 last = first + count - 1
-                written, found = self.store.swap(self.key, mark.version, encode({"last_ts": last}))
+                value = encode_clock_mark(last)
+                if mark.ordered:  # written only if no timestamp at or above `first` was issued
+                    written, found = self.store.raise_value(self.key, encode_clock_mark(first), value)
+                else:  # absent, or an earlier version's value: not comparable, compare its version
+                    written, found = self.store.swap(self.key, mark.version, value)
                 if written:
-                    self._mark = ClockMark(last, mark.version + 1)
+                    self._mark = ClockMark(last, 0)
                     if physical_ms(first) - physical_ms(wall) > AHEAD_TOLERANCE_MS:
                         _warn_ahead(self.key, physical_ms(first) - physical_ms(wall))
                     return last

@@ -351,11 +351,20 @@ class MetaStore:
         written; else (False, the key as it is now, None if absent), so the caller can try
         again at once without a read of its own."""
         tx = self.client.transactions
+        return self._put_or_get(key, [tx.version(key) == expected_version], value)
+
+    def raise_value(self, key: str, below: bytes, value: Value) -> tuple[bool, KeyValue | None]:
+        """Put `value` only if the key holds a value below `below` (bytes compared; an
+        absent key is not below anything), in one round trip: a mark that only moves up,
+        which writers raise without conflicting as long as each writes above the last.
+        (True, None) when written; else (False, the key as it is now)."""
+        tx = self.client.transactions
+        return self._put_or_get(key, [tx.value(key) < below], value)
+
+    def _put_or_get(self, key: str, compare: list[Any], value: Value) -> tuple[bool, KeyValue | None]:
+        tx = self.client.transactions
         ok, responses = self._transaction(
-            f"compare-and-swap {key}",
-            [tx.version(key) == expected_version],
-            [tx.put(key, _as_bytes(value))],
-            [tx.get(key)],
+            f"compare-and-swap {key}", compare, [tx.put(key, _as_bytes(value))], [tx.get(key)]
         )
         if ok:
             return True, None
