@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.meta.allocator import TimestampOracle, read_clock_mark
+from vchan_assets.meta.allocator import TimestampOracle, now_ts, read_clock_mark
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.meta.errors import MalformedValueError, MetaUnavailableError
 from vchan_assets.meta.store import MetaStore
@@ -86,6 +86,20 @@ def test_oracles_taking_turns_each_issue_above_what_the_other_issued_meanwhile(
     assert read_clock_mark(store).last_ts == lasts[-1]
 
 
+def test_a_reads_now_is_above_every_timestamp_issued_before_it_and_below_every_later_one(
+    settings: Settings, store: MetaStore
+) -> None:
+    producer_store = MetaStore.connect(settings)
+    producer = TimestampOracle(producer_store)
+
+    issued = []
+    for _ in range(50):
+        issued += [producer.now(), now_ts(store)]  # "now" keeps the mark its store saw last
+    producer_store.close()
+
+    assert all(b > a for a, b in zip(issued, issued[1:], strict=False))
+
+
 def test_processes_started_one_after_another_and_side_by_side_stay_on_the_wall_clock(
     settings: Settings,
 ) -> None:
@@ -124,6 +138,17 @@ def test_timestamps_follow_a_mark_persisted_far_ahead_without_extending_it(
         and "back on the wall clock" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_an_oracle_that_knew_the_mark_follows_an_earlier_versions_mark_written_since(
+    store: MetaStore,
+) -> None:
+    oracle = TimestampOracle(store)
+    oracle.now()
+    ahead_ms = int(time.time() * 1000) + 200_000
+    store.put(store.keys.tso(), str(ahead_ms).encode())  # an older process's window, meanwhile
+
+    assert oracle.now() == compose_ts(ahead_ms)
 
 
 def test_timestamps_come_back_to_the_wall_clock_once_it_passes_a_mark_ahead(store: MetaStore) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,6 +94,11 @@ def encode_clock_mark(last_ts: int) -> bytes:
     return encode({"last_ts": f"{last_ts:020d}"})
 
 
+# Every mark stored in this format is above it (0 is never issued); an earlier version's
+# (digits only) is below.
+_NO_MARK = encode_clock_mark(0)
+
+
 def read_clock_mark(store: MetaStore, key: str | None = None) -> ClockMark:
     """The oracles' mark as etcd holds it now."""
     key = key or store.keys.tso()
@@ -124,8 +130,15 @@ def now_ts(store: MetaStore) -> int:
     timestamp on (a compaction output's `ready_ts`): a timestamp from the oracles, so it is
     above every one issued before the call, by any process, and below every one issued
     after it. A message acknowledged before the call is at or before it; a message whose
-    timestamp is taken after it is not; a read at it picks the same rows whenever it runs."""
-    return TimestampOracle(store).now()
+    timestamp is taken after it is not; a read at it picks the same rows whenever it runs.
+    The mark each store last saw is kept, so that this is one round trip, not two."""
+    oracle = TimestampOracle(store, known=_seen_by.get(store))
+    ts = oracle.now()
+    _seen_by[store] = oracle.known
+    return ts
+
+
+_seen_by: weakref.WeakKeyDictionary[MetaStore, ClockMark | None] = weakref.WeakKeyDictionary()
 
 
 class TimestampOracle:
@@ -151,14 +164,23 @@ class TimestampOracle:
     """
 
     def __init__(
-        self, store: MetaStore, key: str | None = None, clock: Callable[[], float] = time.time
+        self,
+        store: MetaStore,
+        key: str | None = None,
+        clock: Callable[[], float] = time.time,
+        known: ClockMark | None = None,
     ) -> None:
         self.store = store
         self.key = key or store.keys.tso()
         self.clock = clock
         self.conflicts = 0  # allocations retried because another oracle moved the mark first
-        self._mark: ClockMark | None = None  # as this oracle last wrote or read it
+        self._mark = known  # as this oracle last wrote or read it (None: read it first)
         self._lock = threading.Lock()
+
+    @property
+    def known(self) -> ClockMark | None:
+        """The mark as this oracle last wrote or read it (a stale one costs a retry only)."""
+        return self._mark
 
     def now(self) -> int:
         return self.alloc(1)
@@ -176,7 +198,8 @@ class TimestampOracle:
                 last = first + count - 1
                 value = encode_clock_mark(last)
                 if mark.ordered:  # written only if no timestamp at or above `first` was issued
-                    written, found = self.store.raise_value(self.key, encode_clock_mark(first), value)
+                    below = encode_clock_mark(first)
+                    written, found = self.store.raise_value(self.key, _NO_MARK, below, value)
                 else:  # absent, or an earlier version's value: not comparable, compare its version
                     written, found = self.store.swap(self.key, mark.version, value)
                 if written:

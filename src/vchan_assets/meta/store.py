@@ -353,13 +353,13 @@ class MetaStore:
         tx = self.client.transactions
         return self._put_or_get(key, [tx.version(key) == expected_version], value)
 
-    def raise_value(self, key: str, below: bytes, value: Value) -> tuple[bool, KeyValue | None]:
-        """Put `value` only if the key holds a value below `below` (bytes compared; an
-        absent key is not below anything), in one round trip: a mark that only moves up,
-        which writers raise without conflicting as long as each writes above the last.
-        (True, None) when written; else (False, the key as it is now)."""
+    def raise_value(self, key: str, above: bytes, below: bytes, value: Value) -> tuple[bool, KeyValue | None]:
+        """Put `value` only if the key holds a value between `above` and `below` (bytes
+        compared, both excluded; an absent key holds none), in one round trip: a mark that
+        only moves up, which writers raise without conflicting as long as each writes
+        above the last. (True, None) when written; else (False, the key as it is now)."""
         tx = self.client.transactions
-        return self._put_or_get(key, [tx.value(key) < below], value)
+        return self._put_or_get(key, [tx.value(key) > above, tx.value(key) < below], value)
 
     def _put_or_get(self, key: str, compare: list[Any], value: Value) -> tuple[bool, KeyValue | None]:
         tx = self.client.transactions
