@@ -12,7 +12,9 @@ on one scratch etcd.
   one by one: the median seconds per call with each oracle, and the difference (what one
   clock adds to an insert call);
 - how far ahead of the wall clock the newest timestamp is after `--starts` oracles started
-  one after another (each a new process's oracle), each issuing one timestamp.
+  one after another (each a new process's oracle), each issuing one timestamp;
+- a read's "now": before, the wall clock or the persisted window (one get); with one clock a
+  timestamp from the oracle (`now_ts`: one compare-and-swap), `--inserts` of each, alternating.
 "one clock, version swap" is the same clock with a compare-and-swap on the version of the
 mark last seen (any allocation by another oracle since then costs a second round trip),
 against the shipped compare of the stored mark with the new timestamp. The designs
@@ -31,7 +33,7 @@ import time
 from collections.abc import Callable
 
 from bench import bench_system
-from vchan_assets.meta.allocator import TimestampOracle
+from vchan_assets.meta.allocator import TimestampOracle, now_ts
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import LOGICAL_BITS, CollectionSchema, compose_ts, physical_ms
@@ -143,6 +145,27 @@ def insert_seconds(producers: dict[str, tuple[Producer, str]], inserts: int, row
     return {d: statistics.median(t) for d, t in times.items()}
 
 
+def window_now(store: MetaStore, key: str) -> int:
+    """A read's "now" before one clock: the wall clock, or the window persisted (a read)."""
+    kv = store.get(key)
+    return max(compose_ts(int(time.time() * 1000)), compose_ts(int(kv.value)) - 1 if kv else 0)
+
+
+def reads_now_ms(store: MetaStore, key: str, calls: int) -> dict[str, float]:
+    """Median milliseconds of a read's "now", before (one get) and with one clock (one
+    compare-and-swap: `now_ts`), alternating."""
+    times: dict[str, list[float]] = {"window (before)": [], "one clock": []}
+    for _ in range(calls):
+        for design, call in (
+            ("window (before)", lambda: window_now(store, key)),
+            ("one clock", lambda: now_ts(store)),
+        ):
+            began = time.perf_counter()
+            call()
+            times[design].append(1000 * (time.perf_counter() - began))
+    return {d: statistics.median(t) for d, t in times.items()}
+
+
 def ahead_after_starts(make: Make, store: MetaStore, key: str, starts: int) -> float:
     """Seconds the newest timestamp is ahead of the wall clock after `starts` oracles,
     each issuing one timestamp."""
@@ -190,6 +213,8 @@ def main() -> None:
                     record(design, f"s ahead after {args.starts} starts", ahead)
                 for design, seconds in insert_seconds(producers, args.inserts, args.rows).items():
                     record(design, "ms per insert", 1000 * seconds)
+                for design, ms in reads_now_ms(store, f"{store.keys.root}/bench/{r}-0", args.inserts).items():
+                    record(design, "ms per read's now", ms)
                 print(f"round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             second.close()
