@@ -23,6 +23,7 @@ BENCHMARKS = (
     "import",
     "scale",
     "overload",
+    "clock",
 )
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Helpers of the metastore tests: real child node processes."""
+"""Helpers of the metastore tests: real child node processes, calls across an etcd restart."""
 
 from __future__ import annotations
 
@@ -7,11 +7,27 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from vchan_assets.meta.errors import MetaUnavailableError
+
 CHILD = Path(__file__).with_name("session_child.py")
+T = TypeVar("T")
+
+
+def through_reconnect(call: Callable[[], T], attempts: int = 50) -> T:
+    """Call through a short reconnect window after an etcd restart."""
+    for _ in range(attempts - 1):
+        try:
+            return call()
+        except MetaUnavailableError:
+            time.sleep(0.1)
+    return call()
 
 
 class ChildNode:

@@ -4,8 +4,10 @@ invisible or a sorted segment, a compaction's output); T defaults to now."""
 
 from __future__ import annotations
 
+import datetime as dt
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +21,6 @@ from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrig
 from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import sort_step
-from vchan_assets.meta.allocator import TimestampOracle
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState, compose_ts, physical_ms
 from vchan_assets.query.asof import (
@@ -202,7 +203,8 @@ def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(
     sync_all(travel, collection)
     catalog = Catalog(travel)
     assert pks(catalog, collection, as_of=t1) == expected_pks(first)
-    assert pks(catalog, collection, as_of=iso(t1)) == pks(catalog, collection, as_of=t1 - (t1 & 0x3FFFF))
+    # A wall-clock time reads what was stamped before it: to the end of the millisecond before
+    assert pks(catalog, collection, as_of=iso(t1)) == pks(catalog, collection, as_of=t1 - (t1 & 0x3FFFF) - 1)
     everything = set(expected_pks(first)) | set(expected_pks(later))
     assert pks(catalog, collection) == sorted(everything - set(range(10, 40)))
 
@@ -241,10 +243,9 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
 def test_a_read_at_t_before_a_compaction_sees_the_rows_it_removed_with_timestamps_ahead_of_the_clock(
     store: MetaStore, storage: Storage, travel: System, collection: CollectionInfo
 ) -> None:
-    # Other processes started their oracles a moment ago: a new one issues timestamps above
-    # the window they persisted, seconds ahead of the wall clock.
-    for _ in range(2):
-        TimestampOracle(store).alloc()
+    # An earlier version's oracles persisted their window 3 s ahead of the wall clock: the
+    # timestamps follow that mark until the clock passes it.
+    store.put(store.keys.tso(), str(int(time.time() * 1000) + 3000).encode())
     system = travel
     producer = Producer(system)
     produced = Produced()
@@ -263,6 +264,40 @@ def test_a_read_at_t_before_a_compaction_sees_the_rows_it_removed_with_timestamp
     catalog = Catalog(system)
     assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
     assert pks(catalog, collection) == list(range(50, 200))
+
+
+def test_a_read_at_a_wall_clock_time_has_every_row_acknowledged_before_it_and_none_inserted_after(
+    settings: Settings, travel: System, collection: CollectionInfo
+) -> None:
+    stores = [MetaStore.connect(settings) for _ in range(2)]
+    producers = [Producer(replace(travel, store=s)) for s in stores]  # two clients, two oracles
+    inserts: list[tuple[float, float, range]] = []  # (started, acknowledged, pks)
+
+    def insert(i: int) -> None:
+        for batch in range(12):
+            first = (i * 100 + batch) * 10
+            rows = generate_rows(SCHEMA, 10, start_pk=first, seed=first)
+            started = time.time()
+            producers[i].insert(collection.name, rows)
+            inserts.append((started, time.time(), range(first, first + 10)))
+
+    threads = [threading.Thread(target=insert, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p, s in zip(producers, stores, strict=True):
+        p.close()
+        s.close()
+
+    catalog = Catalog(travel)
+    acks = sorted(acked for _, acked, _ in inserts)
+    for instant in acks[2::5]:
+        read = set(pks(catalog, collection, as_of=dt.datetime.fromtimestamp(instant, dt.UTC)))
+        acked_before = {pk for _, acked, r in inserts if acked <= instant for pk in r}
+        started_after = {pk for started, _, r in inserts if started >= instant + 0.001 for pk in r}
+        assert acked_before <= read, f"as of {instant}: rows acknowledged before it are missing"
+        assert not started_after & read, f"as of {instant}: rows inserted after it are read"
 
 
 def test_bad_as_of_values_are_refused_naming_the_reason(
@@ -286,10 +321,10 @@ def test_bad_as_of_values_are_refused_naming_the_reason(
         catalog.read_collection(collection.name, as_of=12345)
 
 
-def test_the_time_travel_window_is_measured_on_the_wall_clock_not_on_the_oracles_window(
+def test_the_time_travel_window_is_measured_on_the_wall_clock_not_on_the_oracles_mark(
     store: MetaStore, storage: Storage, settings: Settings, collection: CollectionInfo
 ) -> None:
-    TimestampOracle(store).alloc()  # a new oracle persists its window, seconds ahead
+    store.put(store.keys.tso(), str(int(time.time() * 1000) + 3000).encode())  # a mark ahead
     assert physical_ms(now_ts(store)) > time.time() * 1000 + 2000, "'now' is ahead of the wall clock"
     catalog = Catalog(System(replace(settings, time_travel=5.0), store, storage))
     four_seconds_ago = compose_ts(int((time.time() - 4) * 1000))

@@ -318,12 +318,14 @@ class SegmentManager:
         return sealed
 
     def next_ts(self, head: ChannelHead, count: int = 1, at_least: int = 0) -> int:
-        """The last of `count` timestamps for the held channel: from this client's oracle
-        (or from `at_least` on), but above the channel's last (another client's oracle may
-        be ahead of ours)."""
-        if at_least:  # a timestamp the caller took from an oracle already (a flush's)
-            return max(at_least + count - 1, head.last_ts + count)
-        return max(self.tso.alloc(count), head.last_ts + count)
+        """The last of `count` timestamps for the held channel, from the oracle, above the
+        channel's last (a mark an older version persisted may be behind it). From
+        `at_least` on when given: a timestamp the caller took from the oracle already (a
+        flush's), used as it is where the channel is still below it, so that one flush
+        seals every channel at one timestamp."""
+        if at_least > head.last_ts:
+            return at_least + count - 1
+        return self.tso.alloc(count, above=max(head.last_ts, at_least - 1))
 
     # --- allocation as one call ----------------------------------------------------------------
 
@@ -455,7 +457,7 @@ class SegmentManager:
         # One seal timestamp for every channel if it can be: above every channel's last
         # (a channel that moved past it meanwhile gets a larger one, and flush_ts is the largest).
         heads = [h for h in map(self.heads.read, found.model.vchannels) if h is not None]
-        flush_ts = max([self.tso.now(), *(h.last_ts + 1 for h in heads)])
+        flush_ts = self.tso.alloc(above=max((h.last_ts for h in heads), default=0))
         for vchannel in found.model.vchannels:
             sealed = self._seal_open(
                 vchannel,

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from vchan_assets.datacoord.collections import CollectionNotFoundError, validate_name
 from vchan_assets.errors import DeclaredError
 from vchan_assets.indexes.params import build_params
-from vchan_assets.meta.allocator import IdAllocator, fresh_ts
+from vchan_assets.meta.allocator import IdAllocator, now_ts
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.segments import SegmentMeta
@@ -375,7 +375,7 @@ def finish_build(
         seg = store.get_model(segment_key, SegmentInfo)
         if seg is not None and _all_built(store, seg.model, done):
             expect[segment_key] = seg.kv.version
-            puts[segment_key] = replace(seg.model, ready_ts=fresh_ts(store))
+            puts[segment_key] = replace(seg.model, ready_ts=now_ts(store))
         if store.txn(expect, puts) is None:
             current = store.get(build.kv.key)
             if current is None or current.version != build.kv.version:
@@ -435,7 +435,7 @@ def release_waiting_outputs(
         if not (finished or failed or now - seg.created_at > timeout):
             continue
         try:
-            store.cas(d.kv.key, d.kv.version, replace(seg, ready_ts=fresh_ts(store)))
+            store.cas(d.kv.key, d.kv.version, replace(seg, ready_ts=now_ts(store)))
         except CasConflictError:
             continue  # changed meanwhile: the next call looks again
         stamped.append(seg.id)

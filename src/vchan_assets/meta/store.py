@@ -489,6 +489,30 @@ class MetaStore:
             raise MetaError(f"compare-and-swap {key} committed, but its read found no key")
         return written
 
+    def try_swap(self, key: str, expected_version: int, value: Value) -> tuple[bool, KeyValue | None]:
+        """Compare-version-and-swap in one round trip, for a hot key: (True, None) when
+        written; else (False, the key as it is now, None if absent), so the caller can try
+        again at once without a read of its own."""
+        tx = self.client.transactions
+        return self._put_or_get(key, [tx.version(key) == expected_version], value)
+
+    def raise_value(self, key: str, above: bytes, below: bytes, value: Value) -> tuple[bool, KeyValue | None]:
+        """Put `value` only if the key holds a value between `above` and `below` (bytes
+        compared, both excluded; an absent key holds none), in one round trip: a mark that
+        only moves up, which writers raise without conflicting as long as each writes
+        above the last. (True, None) when written; else (False, the key as it is now)."""
+        tx = self.client.transactions
+        return self._put_or_get(key, [tx.value(key) > above, tx.value(key) < below], value)
+
+    def _put_or_get(self, key: str, compare: list[Any], value: Value) -> tuple[bool, KeyValue | None]:
+        tx = self.client.transactions
+        ok, responses = self._transaction(
+            f"compare-and-swap {key}", compare, [tx.put(key, _as_bytes(key, value))], [tx.get(key)]
+        )
+        if ok:
+            return True, None
+        return False, _range_kv(responses[0]) if responses else None
+
     def txn(
         self,
         expect_versions: Mapping[str, int],

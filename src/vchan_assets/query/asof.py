@@ -7,12 +7,16 @@ or growing segment's binlogs, or still only in the log after the channel checkpo
 - **The time**: `resolve_as_of` turns what a caller gives (None for now, a hybrid
   timestamp, an ISO-8601 time or a datetime) into a hybrid timestamp, and refuses one in
   the future or older than VCHAN_TIME_TRAVEL (default 1 h) with `TimeTravelError`,
-  naming the oldest readable time. "Now" is at or above every timestamp issued so far
-  (`now_ts`), so a row acknowledged before the read started is in it.
+  naming the oldest readable time. "Now" is a timestamp from the oracles (`now_ts`):
+  above every one issued before the read started, so a row acknowledged before is in it,
+  and below every one issued after. A wall-clock time reads what was stamped before it:
+  timestamps follow the wall clock, so every row acknowledged before that time is in the
+  read, and no row whose insert began after it, down to the millisecond (a time within a
+  millisecond reads that millisecond whole).
 - **Segments live at T** (`segments_at`): a compaction (sort, mix) swaps inputs for
   outputs in one transaction that stamps the inputs' `dropped_ts`: the newest timestamp
   of the deletes the outputs applied (a timestamp, not the wall clock of `dropped_at`:
-  timestamps can run seconds ahead of it). At a T below it the outputs lack rows that
+  timestamps run ahead of it while the oracles follow a mark ahead of the clock). At a T below it the outputs lack rows that
   deletes after T removed: `segments_at` puts the inputs back and leaves the outputs out,
   so such a row is still read at T. At or above it the outputs hold exactly the inputs'
   rows at T, and are served. GC keeps a Dropped segment's files at least VCHAN_TIME_TRAVEL for this.
@@ -69,6 +73,7 @@ READ_ATTEMPTS = 3
 
 # Hybrid timestamps are physical milliseconds << 18: anything below this is no such time.
 _SMALLEST_TS = compose_ts(1_000_000_000_000)  # 2001-09-09
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 class LogMovedError(DeclaredError, RuntimeError):
@@ -105,8 +110,7 @@ def _parse(as_of: Any) -> int:
     if isinstance(as_of, int):
         return as_of
     if isinstance(as_of, dt.datetime):
-        moment = as_of if as_of.tzinfo else as_of.replace(tzinfo=dt.UTC)
-        return compose_ts(int(moment.timestamp() * 1000))
+        return _stamped_before(as_of if as_of.tzinfo else as_of.replace(tzinfo=dt.UTC))
     if isinstance(as_of, str):
         text = as_of.strip()
         if text.isdigit():
@@ -116,6 +120,14 @@ def _parse(as_of: Any) -> int:
         except ValueError:
             pass
     raise TimeTravelError(repr(as_of), "not a timestamp (a hybrid timestamp, an ISO-8601 time or a datetime)")
+
+
+def _stamped_before(moment: dt.datetime) -> int:
+    """The newest hybrid timestamp stamped before `moment` at millisecond resolution: the
+    last of the millisecond before it, or, for a moment within a millisecond, of that one
+    (a row acknowledged before the moment was stamped in it or earlier)."""
+    micros = (moment - _EPOCH) // dt.timedelta(microseconds=1)
+    return compose_ts(-(-micros // 1000)) - 1
 
 
 def parse_time(value: Any) -> int:
@@ -134,11 +146,16 @@ def resolve_as_of(store: MetaStore, settings: Settings, as_of: Any = None) -> in
     if as_of is None:
         return now
     ts = parse_time(as_of)
+    while ts > now and physical_ms(ts) == physical_ms(now):
+        # A time in the current millisecond: read once it is over, so that no timestamp
+        # issued later falls at or before `ts` (the same read gives the same rows later).
+        time.sleep(0.001)
+        now = now_ts(store)
     if ts > now:
         raise TimeTravelError(str(as_of), f"{iso(ts)} is in the future (now is {iso(now)})")
     # The window is measured on the wall clock, as GC measures how long it keeps a dropped
-    # segment: "now" may be up to an oracle's persisted window (3 s) ahead of it, and the
-    # oldest readable time would jump with it.
+    # segment: "now" is ahead of it while the oracles follow a mark ahead of the clock, and
+    # the oldest readable time would move with it.
     oldest = compose_ts(int((time.time() - settings.time_travel) * 1000))
     if ts < oldest:
         raise TimeTravelError(
