@@ -14,7 +14,7 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.datacoord import segment_ops
 from vchan_assets.datacoord.recovery import list_orphans
-from vchan_assets.imports.executor import CHUNK_SEGMENTS
+from vchan_assets.imports.executor import CHUNK_SEGMENTS, MANIFEST_ROOT
 from vchan_assets.imports.jobs import ImportState, get_job
 from vchan_assets.imports.step import import_step
 from vchan_assets.meta.store import MetaStore
@@ -152,3 +152,19 @@ def test_a_chained_failure_killed_midway_is_finished_by_the_next_executor_with_i
     assert report.failed == [83] and done.state is ImportState.FAILED and done.reason == reason
     assert {s.state for s in segments(store, info)} == {SegmentState.DROPPED}
     assert visible(system, info).num_rows == 0
+
+
+def test_a_chained_job_past_its_retention_takes_the_manifests_of_its_attempts_with_it(
+    system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer)
+    job = run_import(
+        store, two_rows_a_segment(settings), info, [write_parquet(tmp_path / "a.parquet", rows(ROWS))]
+    )
+    left = f"{MANIFEST_ROOT}/{job.job_id}/0.json"  # as by an attempt killed before the job named it
+    system.storage.write_atomic(left, b"{}")
+
+    report = import_step(system, engine="local", now=job.finished_at + settings.import_job_retention + 1)
+
+    assert report.deleted == [job.job_id]
+    assert not system.storage.exists(left) and not system.storage.exists(job.manifest)
