@@ -14,7 +14,10 @@ and inside each sync task (a Spark Python worker, or the local engine's process)
   task_written         the task wrote its files, their paths not yet returned
 
 by bulk import (imports/executor.py): import_after_preimport, import_after_binlogs,
-import_before_commit; by the lifecycle: handoff_taken (the DataCoord got a flush's push, no
+import_mid_register (a job registered over several transactions: the first committed, not
+all), import_before_commit, import_mid_commit (a job committed over several transactions:
+the first committed, not all), import_mid_fail (a failed job dropping its segments over
+several transactions: the first committed, with the reason); by the lifecycle: handoff_taken (the DataCoord got a flush's push, no
 sort planned yet), compaction_after_files, compaction_after_commit, compaction_before_cleanup,
 gc_after_files; by index builds: index_built (indexes/build.py, in the process that builds:
 a Spark Python worker, or the local engine's; the index file written, the outcome not

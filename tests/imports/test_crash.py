@@ -6,8 +6,6 @@ files are orphans that garbage collection removes."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,32 +16,24 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.recovery import list_orphans
 from vchan_assets.imports.jobs import ImportState, get_job
 from vchan_assets.imports.step import import_step
-from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import VCHAN, cli_env, segments
-from vchan_assets.testing.import_files import assert_imported_once, rows, run_import, visible, write_parquet
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.import_files import (
+    assert_imported_once,
+    collect_garbage,
+    rows,
+    run_import,
+    vchan_import,
+    visible,
+    write_parquet,
+)
 from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
 STEPS = ["import_after_preimport", "import_after_binlogs", "import_before_commit"]
-
-
-def vchan_import(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(VCHAN), "import", "--wait", "--engine", "local", *args],
-        env=cli_env(settings, **env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def collect_garbage(store: MetaStore, storage: Storage, settings: Settings) -> None:
-    quick = replace(settings, gc_missing_tolerance=1.0, gc_drop_tolerance=1.0)
-    GarbageCollector(System(quick, store, storage), clock=lambda: time.time() + 5).run()
 
 
 @pytest.mark.parametrize("restart", ["same command", "datacoord step"])

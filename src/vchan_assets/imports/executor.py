@@ -5,14 +5,27 @@ Commit order, each step a compare-and-swap on the job's version:
      counts and the job's one TSO timestamp                    failpoint import_after_preimport
   2. the import tasks write binlogs + stats logs (Spark job, one task per file or slice
      of row groups), nothing in etcd yet                         failpoint import_after_binlogs
-  3. ONE transaction: the segments created in state Importing (invisible to readers)
-     and their ids recorded in the job                           failpoint import_before_commit
-  4. ONE transaction: every segment Importing -> Flushed and the job Completed, only if
-     the job, the collection and every segment are as read.
+  3. register: the segments created in state Importing (invisible to readers) and their
+     ids recorded in the job                                     failpoint import_before_commit
+  4. commit: the segments Importing -> Flushed and the job Completed, only if the job,
+     the collection and every segment are as read.
+A job of at most CHUNK_SEGMENTS segments does 3 and 4 in ONE transaction each: it is
+never half visible. A larger one cannot (etcd allows 128 operations per transaction), so
+3 and 4 are chained, as Milvus' catalog AlterSegments splits its writes into transactions
+of at most 64 operations: the segments' meta goes to a manifest file and the job records
+their reserved ids and the manifest first; each transaction of 3 then puts a chunk of
+segments and the job's `registered` count (failpoint import_mid_register after the
+first), each transaction of 4 flips a chunk to Flushed and the job's `committed` count
+(failpoint import_mid_commit after the first), the last one marks the job Completed.
+Every chunk expects the job's version, so a restarted executor goes on from the counts:
+no segment is registered twice or lost. Visibility of such a job is per chunk: a reader
+between two commit transactions sees the chunks committed so far.
 A crash before 3 leaves only files no meta names (orphans for garbage collection): the
-job is imported again from step 2. A crash after 3 leaves invisible segments the job
-names: it is finished by step 4. A failed job drops its Importing segments in the same
-transaction that marks it Failed. So a job is never half visible and never imported twice.
+job is imported again from step 2. A crash after 3 began leaves segments the job names:
+it is finished by 3 and 4. A failed job drops its Importing segments in the transactions
+that mark it Failed (the reason recorded by the first, failpoint import_mid_fail after
+it, Failed by the last); a failure in the middle of a chained commit leaves the chunks
+already Flushed visible.
 """
 
 from __future__ import annotations
@@ -20,8 +33,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from vchan_assets.config import Settings
@@ -49,6 +63,7 @@ from vchan_assets.imports.task import (
     run_tasks_arrow,
 )
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
+from vchan_assets.meta.codec import decode_dict, encode
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark import Engine
@@ -57,13 +72,20 @@ from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
-# etcd's default limit is 128 operations per transaction; the commit makes every segment
-# of a job visible at once, plus the job and the collection.
-MAX_SEGMENTS_PER_JOB = 120
+# etcd's default limit is 128 operations per transaction (meta.store.MAX_TXN_OPS): one
+# transaction of the register or the commit holds this many segments at most, with the job
+# and the collection, and at most CHUNK_BYTES of their meta (MAX_REQUEST_BYTES is 1.5 MiB).
+CHUNK_SEGMENTS = 100
+CHUNK_BYTES = 1 << 20
+# A sanity bound: the job's value lists every segment id, its manifest every segment's meta.
+MAX_SEGMENTS_PER_JOB = 10_000
 # What an import task holds: its row buffer (VCHAN_IMPORT_BUFFER_MB) and the binlogs it
 # encodes from it; its estimate against VCHAN_TASK_MEMORY_MB.
 IMPORT_MEMORY_FACTOR = 2.0
 LOG_IDS_PER_TASK = 10_000
+# Where a chained registration keeps its segments' meta until they are all in etcd (outside
+# the binlog roots: garbage collection never takes it for an orphan binlog).
+MANIFEST_ROOT = "import_manifest"
 Progress = Callable[[ImportJob], None]
 
 
@@ -119,9 +141,14 @@ class ImportExecutor:
         return job.model
 
     def _advance(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
-        state = job.model.state
-        if state in (ImportState.PENDING, ImportState.PRE_IMPORTING):
+        j = job.model
+        if j.reason:  # a failure that dropped some of its segments, not yet all
+            raise ImportFailed(j.reason)
+        if j.state in (ImportState.PENDING, ImportState.PRE_IMPORTING):
             return self._pre_import(job)
+        if j.registering:
+            job = self._register_rest(job, self._manifest(j))
+            failpoint("import_before_commit")
         if job.model.segment_ids:
             return self._commit(job)
         return self._import(job)
@@ -184,8 +211,8 @@ class ImportExecutor:
         per_task = [k + s.rows // max_rows + int(j.upsert) for s in slices]
         if sum(per_task) > MAX_SEGMENTS_PER_JOB:
             raise ImportFailed(
-                f"the job would write {sum(per_task)} segments, more than the {MAX_SEGMENTS_PER_JOB} one "
-                "commit can make visible: import fewer or larger files per job"
+                f"the job would write {sum(per_task)} segments, more than the {MAX_SEGMENTS_PER_JOB} "
+                "one job may hold: split the files over several jobs"
             )
         first_segment = self.ids.alloc(sum(per_task))
         first_row = self.ids.alloc(max(1, j.rows))
@@ -273,47 +300,94 @@ class ImportExecutor:
             self.on_progress(self.current.model)
 
     def _register(self, job: Decoded[ImportJob], segments: list[SegmentInfo]) -> Decoded[ImportJob]:
-        """One transaction: the segments (Importing) and their ids in the job."""
+        """The segments (Importing) and their ids in the job: in one transaction if they fit,
+        else their manifest and reserved ids first, then chunk after chunk."""
         j = job.model
+        changes: dict[str, Any] = {
+            "segment_ids": tuple(s.id for s in segments),
+            "imported_rows": sum(s.num_rows for s in segments if s.level is not SegmentLevel.L0),
+            "progress": 90,
+        }
+        if _chunk_len(segments) == len(segments):
+            return self._register_chunk(job, segments, replace(j, **changes, registered=len(segments)))
+        manifest = f"{MANIFEST_ROOT}/{j.job_id}/{j.attempt}.json"
+        self.storage.write_atomic(manifest, encode({"segments": [s.to_dict() for s in segments]}))
+        job = self._update(job, **changes, manifest=manifest, registered=0)
+        return self._register_rest(job, segments)
+
+    def _register_rest(self, job: Decoded[ImportJob], segments: list[SegmentInfo]) -> Decoded[ImportJob]:
+        """The segments the job has not registered yet, a chunk per transaction, each with
+        the job's new `registered` count."""
+        while (at := job.model.registered) < len(segments):
+            n = _chunk_len(segments[at:])
+            job = self._register_chunk(job, segments[at : at + n], replace(job.model, registered=at + n))
+            if at == 0 and job.model.registering:
+                failpoint("import_mid_register")
+        return job
+
+    def _register_chunk(
+        self, job: Decoded[ImportJob], segments: list[SegmentInfo], updated: ImportJob
+    ) -> Decoded[ImportJob]:
+        """One transaction: `segments` created (none may exist) and the job as `updated`,
+        if the job is as read."""
         puts: dict[str, Any] = {self._segment_key(s): s for s in segments}
         expect = {key: 0 for key in puts}
-        updated = replace(
-            j,
-            segment_ids=tuple(s.id for s in segments),
-            imported_rows=sum(s.num_rows for s in segments if s.level is not SegmentLevel.L0),
-            progress=90,
-            updated_at=time.time(),
-        )
-        puts[job.kv.key] = updated
+        puts[job.kv.key] = replace(updated, updated_at=time.time())
         expect[job.kv.key] = job.kv.version
         if self.store.txn(expect, puts) is None:
-            raise ImportJobTakenError(j.job_id)
-        self.current = get_job(self.store, j.job_id)
+            raise ImportJobTakenError(updated.job_id)
+        self.current = get_job(self.store, updated.job_id)
         return self.current
+
+    def _manifest(self, j: ImportJob) -> list[SegmentInfo]:
+        """The segments of a chained registration, as its manifest file holds them."""
+        body = decode_dict(j.manifest, self.storage.read_bytes(j.manifest))
+        segments = [SegmentInfo.from_dict(d) for d in body["segments"]]
+        if tuple(s.id for s in segments) != j.segment_ids:
+            raise ImportFailed(f"the manifest {j.manifest} does not list the job's segments")
+        return segments
 
     # --- step 4: visible ------------------------------------------------------------
 
     def _commit(self, job: Decoded[ImportJob]) -> Decoded[ImportJob]:
-        """Every segment Importing -> Flushed and the job Completed, in one transaction
-        that also checks the collection is the one read (not dropped meanwhile)."""
-        j = job.model
+        """The segments not committed yet Importing -> Flushed, a chunk per transaction that
+        also checks the collection is the one read (not dropped meanwhile) and records the
+        job's `committed` count; the one with the last chunk marks the job Completed."""
+        if job.model.manifest:  # every segment is registered: the manifest is no longer needed
+            self.storage.delete(job.model.manifest)
+        while True:
+            j = job.model
+            rest = j.segment_ids[j.committed :]
+            self._collection(j)  # a dropped collection (its segments with it) fails the job as such
+            n = _chunk_len([d.model for _, d in self._segments(j, rest[:CHUNK_SEGMENTS])])
+            chunk, last = rest[:n], n == len(rest)
+            now = time.time()
+            done = replace(j, committed=j.committed + n, updated_at=now)
+            if last:
+                done = replace(done, state=ImportState.COMPLETED, progress=100, finished_at=now)
+            gave_up = ImportFailed("the collection kept changing during the commit")
+            job = self.current = self._finish(job, done, partial(self._flushed, j, chunk), gave_up)
+            if last:
+                break
+            if j.committed == 0:
+                failpoint("import_mid_commit")
+            self.on_progress(job.model)
+        log.info(
+            "import job %d: %d rows visible in %d segments", j.job_id, j.imported_rows, len(j.segment_ids)
+        )
+        return job
 
-        def flushed() -> tuple[dict[str, int], dict[str, Any]]:
-            collection = self._collection(j).kv
-            segments = self._segments(j)
-            expect = {k: d.kv.version for k, d in segments} | {collection.key: collection.version}
-            return expect, {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
+    def _flushed(self, j: ImportJob, chunk: Sequence[int]) -> tuple[dict[str, int], dict[str, Any]]:
+        """The versions a commit transaction expects (the chunk's segments, the collection)
+        and its puts (the chunk Flushed)."""
+        collection = self._collection(j).kv
+        segments = self._segments(j, chunk)
+        expect = {k: d.kv.version for k, d in segments} | {collection.key: collection.version}
+        return expect, {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
 
-        now = time.time()
-        done = replace(j, state=ImportState.COMPLETED, progress=100, finished_at=now, updated_at=now)
-        gave_up = ImportFailed("the collection kept changing during the commit")
-        committed = self._finish(job, done, flushed, gave_up)
-        log.info("import job %d: %d rows visible in segments %s", j.job_id, j.imported_rows, j.segment_ids)
-        return committed
-
-    def _segments(self, j: ImportJob) -> list[tuple[str, Decoded[SegmentInfo]]]:
+    def _segments(self, j: ImportJob, ids: Sequence[int]) -> list[tuple[str, Decoded[SegmentInfo]]]:
         out = []
-        for seg_id in j.segment_ids:
+        for seg_id in ids:
             key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
             found = self.store.get_model(key, SegmentInfo)
             if found is None or found.model.state is not SegmentState.IMPORTING:
@@ -325,28 +399,47 @@ class ImportExecutor:
     # --- failing ------------------------------------------------------------------------
 
     def fail(self, job: Decoded[ImportJob], reason: str) -> Decoded[ImportJob]:
-        """Failed with `reason`; its Importing segments Dropped in the same transaction
-        (their files go to garbage collection). Nothing of the job stays visible."""
+        """Failed with `reason`; its Importing segments Dropped (their files go to garbage
+        collection), in the same transaction if they fit in one, else a chunk per
+        transaction: the first records the reason (a restarted executor goes on failing),
+        the last marks the job Failed. Segments a chained commit already made Flushed stay."""
         j = job.model
+        importing = [d.model for _, d in self._importing(j, j.segment_ids)]
+        chunks: list[tuple[int, ...]] = []
+        while importing or not chunks:
+            n = _chunk_len(importing)
+            chunks.append(tuple(s.id for s in importing[:n]))
+            importing = importing[n:]
 
-        def drops() -> tuple[dict[str, int], dict[str, Any]]:
-            expect: dict[str, int] = {}
-            puts: dict[str, Any] = {}
-            for seg_id in j.segment_ids:
-                key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
-                found = self.store.get_model(key, SegmentInfo)
-                if found is not None and found.model.state is SegmentState.IMPORTING:
-                    dropped = segment_ops.drop(found.model)
-                    assert dropped is not None
-                    puts[key] = dropped
-                    expect[key] = found.kv.version
-            return expect, puts
-
-        now = time.time()
-        done = replace(j, state=ImportState.FAILED, reason=reason, finished_at=now, updated_at=now)
-        failed = self._finish(job, done, drops, ImportJobTakenError(j.job_id))
+        for i, ids in enumerate(chunks):
+            j = job.model
+            now = time.time()
+            done = replace(j, reason=reason, updated_at=now)
+            if i == len(chunks) - 1:
+                done = replace(done, state=ImportState.FAILED, finished_at=now)
+            job = self.current = self._finish(
+                job, done, partial(self._drops, j, ids), ImportJobTakenError(j.job_id)
+            )
+            if i == 0 and len(chunks) > 1:
+                failpoint("import_mid_fail")
+        if j.manifest:
+            self.storage.delete(j.manifest)
         log.warning("import job %d failed: %s", j.job_id, reason)
-        return failed
+        return job
+
+    def _drops(self, j: ImportJob, ids: Sequence[int]) -> tuple[dict[str, int], dict[str, Any]]:
+        found = self._importing(j, ids)
+        return {k: d.kv.version for k, d in found}, {k: segment_ops.drop(d.model) for k, d in found}
+
+    def _importing(self, j: ImportJob, ids: Sequence[int]) -> list[tuple[str, Decoded[SegmentInfo]]]:
+        """Those of `ids` whose segment is Importing, with their keys."""
+        out = []
+        for seg_id in ids:
+            key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
+            found = self.store.get_model(key, SegmentInfo)
+            if found is not None and found.model.state is SegmentState.IMPORTING:
+                out.append((key, found))
+        return out
 
     def _finish(
         self,
@@ -381,6 +474,17 @@ class ImportExecutor:
 
     def _segment_key(self, seg: SegmentInfo) -> str:
         return self.store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
+
+
+def _chunk_len(segments: Sequence[SegmentInfo]) -> int:
+    """How many of `segments`, from the first, one transaction holds: at most CHUNK_SEGMENTS
+    and CHUNK_BYTES of meta, at least one."""
+    size = 0
+    for n, seg in enumerate(segments[:CHUNK_SEGMENTS]):
+        size += len(encode(seg))
+        if n and size > CHUNK_BYTES:
+            return n
+    return min(len(segments), CHUNK_SEGMENTS)
 
 
 def _run_on_spark(

@@ -60,14 +60,19 @@ class ImportJob(Record):
     files: tuple[ImportFile, ...]
     format: ImportFormat = ImportFormat.PARQUET
     state: ImportState = ImportState.PENDING
-    reason: str = ""  # why it failed
+    reason: str = ""  # why it failed (set first, while a failure drops segments over several transactions)
     drop_unknown_columns: bool = False  # else an extra column fails the job
     upsert: bool = False  # a delete of every imported pk at the import timestamp
     progress: int = 0  # percent
     rows: int = 0  # counted by pre-import
     bytes: int = 0
     imported_rows: int = 0  # in the committed segments
-    segment_ids: tuple[int, ...] = ()  # its Importing segments, recorded with them in one commit
+    segment_ids: tuple[int, ...] = ()  # its segments, in the order they are registered and committed
+    # A job of more segments than one transaction holds (executor.CHUNK_SEGMENTS): its segments' meta in a manifest
+    # file, how many of them are in etcd (Importing or later), how many the commit made Flushed.
+    manifest: str = ""
+    registered: int = 0
+    committed: int = 0
     timestamp: int = 0  # one TSO timestamp for every row of the job (as Milvus)
     attempt: int = 0  # executors that took the job on (the DataCoord step gives up after a limit)
     created_at: float = 0.0
@@ -77,6 +82,12 @@ class ImportJob(Record):
     @property
     def done(self) -> bool:
         return self.state in FINISHED
+
+    @property
+    def registering(self) -> bool:
+        """Segment ids reserved, some of their segments not yet in etcd (only a job whose
+        registration is chained over several transactions is ever seen so)."""
+        return bool(self.manifest) and self.registered < len(self.segment_ids)
 
     def validate(self) -> None:
         if not self.files:

@@ -6,8 +6,9 @@ history.
 
 A job is stuck when it made no progress (`updated_at`) for VCHAN_IMPORT_TIMEOUT seconds:
 its executor died. Taking it over is safe at any step (see `executor`): a job whose
-segments are registered is committed, any other is pre-imported or imported again; the
-dead executor's files are orphans for garbage collection.
+segments are registered (or, chained, partly registered) is registered on and committed,
+any other is pre-imported or imported again; the dead executor's files are orphans for
+garbage collection. A deleted chained job takes the manifest files of its attempts with it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from vchan_assets.imports.executor import ImportExecutor
+from vchan_assets.imports.executor import MANIFEST_ROOT, ImportExecutor
 from vchan_assets.imports.jobs import ImportJobTakenError, ImportState, list_jobs
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.spark import Engine
@@ -47,7 +48,10 @@ def import_step(system: System, engine: Engine = "spark", now: float | None = No
                     store.cas(d.kv.key, d.kv.version, None)
                     report.deleted.append(j.job_id)
                 except CasConflictError:
-                    pass  # changed meanwhile: looked at again by the next step
+                    continue  # changed meanwhile: looked at again by the next step
+                if j.manifest:  # a chained job: an attempt that died before naming its manifest left one
+                    for key in system.storage.list_keys(f"{MANIFEST_ROOT}/{j.job_id}/"):
+                        system.storage.delete(key)
             continue
         stuck = j.state is not ImportState.PENDING and now - j.updated_at > settings.import_timeout
         if j.state is not ImportState.PENDING and not stuck:

@@ -4,8 +4,9 @@ garbage collector: interval, missing tolerance, drop tolerance, pause/resume).
 One pass, in this order:
   1. orphans: binlog files no segment meta names (a sync or compaction that crashed or
      lost its commit) once older than the missing tolerance; files of segments an active
-     compaction plan reserved are left alone, and so is any file younger than the
-     tolerance (a sync in flight writes files before their meta);
+     compaction plan or an unfinished import job reserved are left alone (a large import
+     registers its segments over several transactions, maybe after a restart), and so is
+     any file younger than the tolerance (a sync in flight writes files before their meta);
   2. Dropped segments, once dropped longer than the drop tolerance AND once the channel
      checkpoint is past their dml_position (a replay from an older checkpoint would need
      the meta to skip their rows) AND once no compaction output made from them waits for
@@ -41,7 +42,7 @@ from vchan_assets.lifecycle.plans import busy_segments, list_plans
 from vchan_assets.meta.codec import decode_dict
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.segments import SegmentMeta
-from vchan_assets.meta.store import Decoded
+from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import FieldIndex, SegmentInfo, SegmentState, awaited_indexes, physical_ms
 from vchan_assets.storage.layout import BINLOG_ROOTS, segment_of
 from vchan_assets.system import System
@@ -81,6 +82,17 @@ def dropped_since(seg: SegmentInfo) -> float:
     if seg.dropped_at:
         return seg.dropped_at
     return max(seg.created_at, physical_ms(seg.last_flush_ts) / 1000.0)
+
+
+def import_reserved(store: MetaStore) -> set[int]:
+    """The segment ids unfinished import jobs reserved (Milvus' importMeta): their files are
+    written before their meta. Read as plain records: the import layer sits above this one."""
+    out: set[int] = set()
+    for kv in store.list_prefix(store.keys.import_job.prefix).items:
+        job = decode_dict(kv.key, kv.value)
+        if job.get("state") not in ("Completed", "Failed"):
+            out.update(int(i) for i in job.get("segment_ids", ()))
+    return out
 
 
 GcPass = Callable[["GarbageCollector", GcReport], None]
@@ -132,7 +144,7 @@ class GarbageCollector:
         # Meta is read before files are listed: a file written after this read is younger
         # than the tolerance, so it is never taken for an orphan.
         found = SegmentMeta(self.store).list()
-        busy = busy_segments(list_plans(self.store))
+        busy = busy_segments(list_plans(self.store)) | import_reserved(self.store)
         self._orphans(found, busy, report)
         self._dropped(found, report)
         self._wal(report)

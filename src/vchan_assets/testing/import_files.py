@@ -1,9 +1,13 @@
 """Steps of the bulk-import tests: input files written with plain pyarrow, an import job run
-in-process, and what a reader sees afterwards."""
+in-process or by `vchan import` in a process of its own (to be killed at a failpoint), what
+a reader sees afterwards, and a garbage collection pass that takes every orphan."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +19,12 @@ from vchan_assets import imports
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportJob
+from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
+from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import SCHEMA, segments
+from vchan_assets.testing.harness import SCHEMA, VCHAN, cli_env, segments
 from vchan_assets.wal.producer import generate_rows
 
 DIM = 8
@@ -77,3 +83,21 @@ def assert_imported_once(table: pa.Table, expected: pa.Table) -> None:
         assert got[column].to_pylist() == want[column].to_pylist(), column
     vectors = np.frombuffer(b"".join(v.as_py() for v in got["vec"]), dtype="<f4")
     assert np.array_equal(vectors, want["vec"].combine_chunks().flatten().to_numpy().astype("<f4"))
+
+
+def vchan_import(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`vchan import --wait --engine local *args` in a process of its own, on `settings`
+    and `env` (e.g. VCHAN_FAILPOINT)."""
+    return subprocess.run(
+        [str(VCHAN), "import", "--wait", "--engine", "local", *args],
+        env=cli_env(settings, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def collect_garbage(store: MetaStore, storage: Storage, settings: Settings) -> None:
+    """One garbage collection pass that takes any orphan or Dropped segment of now."""
+    quick = replace(settings, gc_missing_tolerance=1.0, gc_drop_tolerance=1.0)
+    GarbageCollector(System(quick, store, storage), clock=lambda: time.time() + 5).run()
