@@ -89,7 +89,12 @@ def test_a_datanode_whose_spark_jvm_dies_goes_abnormal_its_channels_move_and_it_
         now = _session(store, spark)
         return now is not None and now.state is SessionState.HEALTHY and owners(store, channels) is not None
 
-    wait_until(recovered, 180, "the node HEALTHY again on a new Spark session")
+    wait_until(  # a second JVM start on a loaded machine: a generous ceiling, and the node's log if it fails
+        recovered,
+        300,
+        "the node HEALTHY again on a new Spark session",
+        describe=lambda: f"{_session(store, spark)}; the node's log ends: {spark.log()[-3000:]}",
+    )
     assert spark.alive() and _jvm_of(spark) != jvm
     assert spark.log().count("Spark session up") == 2
     finish_and_check(cluster, store, (producer, infos), load)
