@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypeVar
 
 from vchan_assets.config import Settings
+from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import CasConflictError
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
@@ -183,19 +184,9 @@ def worker_gone(store: MetaStore, worker: str) -> str:
             if held is not None and held.create_revision == int(term)
             else f"its DataCoord term {term} ended"
         )
-    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+    if host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid)):
         return f"its process {pid} exited"
     return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def list_tasks(store: MetaStore, kind: str | None = None) -> list[Decoded[TaskRecord]]:

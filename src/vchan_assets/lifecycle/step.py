@@ -67,13 +67,16 @@ def release_orphaned_plans(
     their segments are free for new plans, their files orphans for GC. Returns them."""
     now = time.time() if now is None else now
     released = []
+    gone: dict[str, str] = {}  # by worker: one read of the election key per worker, not per plan
     for d in list_plans(store):
         p = d.model
         if p.state is not PlanState.EXECUTING or not p.worker:
             continue
         if segments is not None and not set(p.reserved) & set(segments):
             continue
-        if not (why := worker_gone(store, p.worker)):
+        if p.worker not in gone:
+            gone[p.worker] = worker_gone(store, p.worker)
+        if not (why := gone[p.worker]):
             continue
         reason = f"worker {p.worker} is gone: {why}"
         if transition(store, d, state=PlanState.FAILED, reason=reason, finished_at=now) is not None:
