@@ -106,13 +106,23 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
     instance = deployment.instance
     runs = instance.get_runs(dg.RunsFilter(job_name="sync"))
     assert runs and all(r.tags.get("vchan/channel") in deployment.collection.vchannels for r in runs)
-    wait_until(
-        lambda: all(
-            r.status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE)
+    finished = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE)
+
+    def sync_runs() -> list[tuple[str, str, str]]:
+        return [
+            (r.run_id[:8], r.status.value, r.tags.get("vchan/channel", "?"))
             for r in instance.get_runs(dg.RunsFilter(job_name="sync"))
-        ),
-        60,
-        "runs to finish",
+        ]
+
+    # A sync run requested before the nodes' loops started may still be queued behind the
+    # other runs (a slot each for the two loops, the view, the lifecycle, the indexes): on a
+    # loaded machine its process takes tens of seconds to start, so this waits on the runs'
+    # states and, if they do not finish, says which were left in which state.
+    wait_until(
+        lambda: all(r.status in finished for r in instance.get_runs(dg.RunsFilter(job_name="sync"))),
+        240,
+        "the sync runs to finish",
+        describe=sync_runs,
     )
     statuses = {r.run_id: r.status for r in instance.get_runs(dg.RunsFilter(job_name="sync"))}
     assert dg.DagsterRunStatus.SUCCESS in statuses.values()
