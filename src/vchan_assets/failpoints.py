@@ -24,8 +24,9 @@ a Spark Python worker, or the local engine's; the index file written, the outcom
 returned) and index_after_files (indexes/step.py, in the committing process: the build's
 file written, the build not yet Finished); by reads: read_checkpointed (query/asof.py: channel
 checkpoints read, segment meta not listed yet), read_planned (query/reads.py: pinned,
-segments chosen, no file opened yet), stream_read (a change stream's task handed one log
-file's changes to Spark, more to come).
+segments chosen, no file opened yet), read_tail_listed (query/asof.py: a log tail's files
+listed, none opened yet), stream_read (a change stream's task handed one log file's
+changes to Spark, more to come).
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

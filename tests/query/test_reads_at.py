@@ -158,6 +158,35 @@ def test_a_read_whose_log_tail_retention_removed_meanwhile_plans_again_and_loses
     assert read_pks(out) in (expected_pks(produced), expected_pks(with_later))
 
 
+def test_a_read_whose_listed_log_files_retention_removed_before_it_opened_them_plans_again(
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
+) -> None:
+    """The same race one step later: the tail's log files are listed (the first one still
+    follows the read's checkpoint), then a sync moves the checkpoint past them and log
+    retention removes them before the read opens them. The read plans again instead of
+    failing on a log file whose data file is "missing" (a fresh-clone CI run met this
+    under load: CorruptLogError from a read racing the lifecycle)."""
+    produced = Produced()
+    produce(producer, collection.name, produced, 200, start_pk=0, deletes=5)
+    sync_all(system, collection)
+    produce(producer, collection.name, produced, 200, start_pk=10_000, deletes=5)  # only in the log
+    reader = stopped_read(settings, collection, tmp_path, "read_tail_listed", "stop-once")
+    try:
+        sync_all(system, collection)  # the second batch now in segments too
+        later = Produced()
+        produce(producer, collection.name, later, 200, start_pk=20_000)
+        time.sleep(0.05)
+        quick = replace(settings, wal_retention=0.001)
+        removed = GarbageCollector(replace(system, settings=quick)).run().wal_files
+        assert removed, "log retention removed the files the read had listed"
+    finally:
+        reader.send_signal(signal.SIGCONT)
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err[-2000:]
+    with_later = Produced(produced.rows + later.rows, produced.deleted)
+    assert read_pks(out) in (expected_pks(produced), expected_pks(with_later))
+
+
 def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
     system: System, storage: Storage, settings: Settings, producer: Producer, collection: CollectionInfo
 ) -> None:

@@ -62,8 +62,8 @@ from vchan_assets.model import (
 )
 from vchan_assets.query.view import QueryView, collection_views, read_checkpoints
 from vchan_assets.storage import Storage
-from vchan_assets.wal.format import MsgType, user_fields
-from vchan_assets.wal.reader import WalReader, read_log_file
+from vchan_assets.wal.format import CorruptLogError, MsgType, user_fields
+from vchan_assets.wal.reader import WalFile, WalReader, read_log_file
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -294,17 +294,22 @@ class Tail:
         """The messages at or before `ts`: offset, msg_type, timestamp and `columns`,
         validated; log files that start after `ts` are not opened."""
         reader = WalReader(storage, self.vchannel, info)
-        files = reader.files_after(self.after_offset)
-        if files and files[0].first_offset > self.after_offset + 1:
-            # Log retention removed files after the checkpoint this read planned from: a
-            # sync moved the checkpoint past them since. Their rows are in segments the
-            # read did not list; reading on would silently lose them.
-            raise LogMovedError(self.vchannel, self.after_offset, files[0].first_offset)
+        files = self._files(reader)
+        failpoint("read_tail_listed")  # the tail's log files listed, none opened yet
         tables = []
         for f in files:
             if f.first_timestamp is not None and f.first_timestamp > self.ts:
                 break  # timestamps grow with offsets on a channel
-            table = read_log_file(storage, f.key, info.schema, columns)
+            try:
+                table = read_log_file(storage, f.key, info.schema, columns)
+            except CorruptLogError:
+                # Retention may have removed the file (or its data file) since it was
+                # listed: then the vchannel's files start past this read's checkpoint now,
+                # and the read plans again. Otherwise the file is damaged: say so.
+                fresh = WalReader(storage, self.vchannel, info)  # no footers cached
+                if not self._files(fresh):  # every file after the checkpoint removed
+                    raise LogMovedError(self.vchannel, self.after_offset, f.end_offset) from None
+                raise
             if f.first_offset <= self.after_offset:
                 table = table.slice(self.after_offset + 1 - f.first_offset)
             tables.append(table)
@@ -313,6 +318,15 @@ class Tail:
             return pa.schema([reader.schema.field(n) for n in names]).empty_table()
         log = pa.concat_tables(tables)
         return log.filter(pc.less_equal(log["timestamp"], self.ts))
+
+    def _files(self, reader: WalReader) -> list[WalFile]:
+        """The log files after the read's checkpoint; LogMovedError if log retention removed
+        files after it: a sync moved the checkpoint past them since the read planned. Their
+        rows are in segments the read did not list; reading on would silently lose them."""
+        files = reader.files_after(self.after_offset)
+        if files and files[0].first_offset > self.after_offset + 1:
+            raise LogMovedError(self.vchannel, self.after_offset, files[0].first_offset)
+        return files
 
     def _fresh_inserts(self, log: pa.Table) -> pa.Table:
         """The inserts above their segment's dml offset: in no binlog yet."""
