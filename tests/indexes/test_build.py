@@ -7,7 +7,7 @@ from __future__ import annotations
 import faiss
 import pytest
 
-from vchan_assets.indexes.build import engine_version, load_index
+from vchan_assets.indexes.build import engine_version, load_index, waves
 from vchan_assets.indexes.meta import (
     BuiltFiles,
     create_index,
@@ -135,3 +135,22 @@ def test_the_index_step_builds_segments_sorted_after_the_index_was_created(
     assert all(b.state is SegmentIndexState.FINISHED for b in done)
     assert len(report.created) == 2 and len(report.finished) == 1  # the 500-row one needs no files
     assert index_step(system, engine="local").created == []
+
+
+@pytest.mark.parametrize(
+    ("count", "cores", "expected"),
+    [
+        (1, 2, [(range(0, 1), 2)]),  # a lone build gets every core
+        (2, 2, [(range(0, 2), 1)]),
+        (3, 2, [(range(0, 2), 1), (range(2, 3), 2)]),  # the third does not run on one core of two
+        (10, 2, [(range(0, 10), 1)]),
+        (5, 4, [(range(0, 4), 1), (range(4, 5), 4)]),
+        (7, 4, [(range(0, 4), 1), (range(4, 7), 1)]),  # 3 left on 4 cores: one thread each
+        (2, 8, [(range(0, 2), 4)]),
+        (0, 2, []),
+    ],
+)
+def test_builds_fill_every_core_and_a_tail_that_would_not_splits_them(
+    count: int, cores: int, expected: list[tuple[range, int]]
+) -> None:
+    assert waves(count, cores) == expected

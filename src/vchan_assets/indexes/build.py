@@ -161,24 +161,54 @@ def build_pickled(spec: BuildSpec, threads: int = 0) -> dict[str, object]:
     return {"build_id": spec.build_id, "result": pickle.dumps(result)}
 
 
-def builds_arrow(specs: list[BuildSpec], batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: the input holds build indices; each yields one row. A Spark task
-    has one core, so its build takes one thread."""
+def waves(count: int, cores: int) -> list[tuple[range, int]]:
+    """How `count` builds share `cores`, as (the builds, faiss threads per build) run one
+    wave after the other. Builds side by side with one thread each use the cores best (an
+    HNSW or IVF build scales below linearly in its threads), so as long as they fill every
+    core they run that way; the last `count % cores` builds, which would leave cores idle
+    (3 builds on 2 cores: the third alone on one core), run side by side with the cores
+    split between them. A lone build gets every core."""
+    cores = max(1, cores)
+    full = count - count % cores
+    tail = count - full
+    found = []
+    if full:
+        found.append((range(full), 1))
+    if tail:
+        found.append((range(full, count), max(1, cores // tail)))
+    return found
+
+
+def builds_arrow(
+    specs: list[tuple[BuildSpec, int]], batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: the input holds indices into `specs` (a build and its threads);
+    each yields one row."""
     for batch in batches:
         for index in batch.column(0).to_pylist():
-            yield pa.RecordBatch.from_pylist([build_pickled(specs[int(index)], 1)], schema=RESULT_SCHEMA)
+            spec, threads = specs[int(index)]
+            yield pa.RecordBatch.from_pylist([build_pickled(spec, threads)], schema=RESULT_SCHEMA)
 
 
-def build_here(specs: list[BuildSpec]) -> list[BuildOutput | IndexBuildError]:
-    """The builds in this process: one alone with every core, several side by side on a
-    thread each (faiss releases the GIL), as many at once as there are cores. The threads
-    are daemons, not a ThreadPoolExecutor's, which the interpreter joins at exit: a
+def build_here(specs: list[BuildSpec], cores: int | None = None) -> list[BuildOutput | IndexBuildError]:
+    """The builds in this process, in `waves` over `cores` (this machine's by default),
+    each wave's builds side by side on a thread each (faiss releases the GIL)."""
+    cores = cores or os.cpu_count() or 1
+    outcomes: dict[int, BuildOutput | IndexBuildError] = {}
+    for builds, threads in waves(len(specs), cores):
+        outcomes |= _side_by_side(specs, builds, threads, at_once=max(1, cores // threads))
+    return [outcomes[i] for i in range(len(specs))]
+
+
+def _side_by_side(
+    specs: list[BuildSpec], builds: range, threads: int, at_once: int
+) -> dict[int, BuildOutput | IndexBuildError]:
+    """The `builds` (indices into `specs`), `at_once` at a time with `threads` each. The
+    threads are daemons, not a ThreadPoolExecutor's, which the interpreter joins at exit: a
     DataCoord stopping (SIGTERM) with a batch in flight abandons it and exits at once."""
-    if len(specs) == 1:
-        return [outcome_of(build_pickled(specs[0]))]
-    outcomes: list[BuildOutput | IndexBuildError | None] = [None] * len(specs)
+    outcomes: dict[int, BuildOutput | IndexBuildError] = {}
     errors: list[BaseException] = []
-    pending = iter(range(len(specs)))
+    pending = iter(builds)
     lock = threading.Lock()
 
     def builder() -> None:
@@ -188,22 +218,22 @@ def build_here(specs: list[BuildSpec]) -> list[BuildOutput | IndexBuildError]:
             if i is None:
                 return
             try:
-                outcomes[i] = outcome_of(build_pickled(specs[i], 1))
+                outcomes[i] = outcome_of(build_pickled(specs[i], threads))
             except BaseException as exc:  # raised in the caller's thread below
                 errors.append(exc)
                 return
 
-    threads = [
+    workers = [
         threading.Thread(target=builder, name=f"index build {n}", daemon=True)
-        for n in range(min(len(specs), os.cpu_count() or 1))
+        for n in range(min(len(builds), at_once))
     ]
-    for t in threads:
+    for t in workers:
         t.start()
-    for t in threads:
+    for t in workers:
         t.join()
     if errors:
         raise errors[0]
-    return [o for o in outcomes if o is not None]
+    return outcomes
 
 
 def outcome_of(row: dict[str, object]) -> BuildOutput | IndexBuildError:

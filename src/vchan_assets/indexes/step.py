@@ -31,6 +31,7 @@ from vchan_assets.indexes.build import (
     build_here,
     builds_arrow,
     outcome_of,
+    waves,
 )
 from vchan_assets.indexes.engine import OURS, target_engine
 from vchan_assets.indexes.meta import (
@@ -199,12 +200,18 @@ class IndexBuilder:
 def _run_on_spark(
     system: System, specs: list[BuildSpec], timeout: float
 ) -> list[BuildOutput | IndexBuildError]:
-    from vchan_assets.spark.session import get_spark, run_arrow_tasks
+    """The builds as Spark tasks, one per build, in `waves` over the session's cores (one
+    Spark job per wave): a task has one core, except those of a last wave that would leave
+    cores idle, which split them."""
+    from vchan_assets.spark.session import get_spark, run_arrow_tasks, session_cores
 
     spark = system.spark or get_spark(system.settings)
-    description = f"index builds {[s.build_id for s in specs]}"
-    rows = run_arrow_tasks(spark, builds_arrow, specs, RESULT_SCHEMA, description, timeout)
-    by_build = {r["build_id"]: outcome_of(r.asDict()) for r in rows}
+    by_build: dict[int, BuildOutput | IndexBuildError] = {}
+    for builds, threads in waves(len(specs), session_cores(spark)):
+        wave = [(specs[i], threads) for i in builds]
+        description = f"index builds {[s.build_id for s, _ in wave]} ({threads} threads each)"
+        rows = run_arrow_tasks(spark, builds_arrow, wave, RESULT_SCHEMA, description, timeout)
+        by_build |= {r["build_id"]: outcome_of(r.asDict()) for r in rows}
     return [by_build[s.build_id] for s in specs]
 
 

@@ -225,5 +225,22 @@ def run_arrow_tasks(
     return run_job(spark, description, df.collect, timeout)
 
 
+def session_cores(spark: SparkSession) -> int:
+    """How many tasks the session runs at once: its default parallelism (every executor
+    core; the machine's cores for `local[*]`). A Spark Connect session, which has no
+    SparkContext, says it through its `spark.default.parallelism` or a `local[N]` master;
+    otherwise this machine's cores (a local Spark Connect server's)."""
+    if not settings_is_connect(spark):
+        return max(1, int(spark.sparkContext.defaultParallelism))
+    declared = spark.conf.get("spark.default.parallelism", None)
+    if declared:
+        return max(1, int(declared))
+    master = spark.conf.get("spark.master", None) or ""
+    inside = master.removeprefix("local[").removesuffix("]")
+    if master.startswith("local[") and inside.isdigit():
+        return max(1, int(inside))
+    return os.cpu_count() or 1
+
+
 def settings_is_connect(spark: SparkSession) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
