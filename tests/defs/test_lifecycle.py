@@ -16,6 +16,7 @@ from vchan_assets.cli.lifecycle import tasks as vchan_tasks
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.datacoord.tasks import TaskSpec, enqueue_tasks, list_tasks
+from vchan_assets.defs.indexes.assets import index_sensor
 from vchan_assets.defs.lifecycle.assets import (
     COMPACTED_SEGMENTS,
     GARBAGE_COLLECTION,
@@ -162,7 +163,7 @@ def test_lifecycle_sensors_stand_by_while_a_datacoord_process_leads_the_election
     process = DataCoordinator(dsettings, system.store)  # what `vchan datacoord` runs: it sorts and compacts
     assert process.election.campaign(timeout=10)
     try:
-        for sensor in (sort_sensor, lifecycle_sensor):
+        for sensor in (sort_sensor, lifecycle_sensor, index_sensor):
             idle = evaluate(sensor, instance, vchan)
             assert not idle.run_requests and "runs the lifecycle" in skip_message(idle)
     finally:
