@@ -31,6 +31,7 @@ from vchan_assets.testing.index_data import (
     ivf_indexed,
     live_sorted,
     sorted_segments,
+    vectors_lost,
 )
 from vchan_assets.testing.steps import run_vchan
 from vchan_assets.wal.producer import Producer
@@ -107,11 +108,7 @@ def test_a_failing_build_is_retried_after_a_doubling_backoff_up_to_the_limit_the
 ) -> None:
     ivf_indexed(system, producer, data, [1500])
     [seg] = live_sorted(system, data.info)
-    field_id = data.info.schema.field("vec").field_id
-    vec_group = next(g for g in seg.binlogs if field_id in g.field_ids)
-    saved = {b.path: system.storage.read_bytes(b.path) for b in vec_group.logs}
-    for path in saved:
-        system.storage.delete(path)
+    saved = vectors_lost(system, data, seg)
     clock = Clock()
     sched = scheduler(system, clock, backoff=30.0)
     sched.scan(system)

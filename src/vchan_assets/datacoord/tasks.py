@@ -36,6 +36,12 @@ keeps the queue:
   alone points at the task, and from then on each death spends an attempt. So a task that
   kills its worker every time ends Failed after VCHAN_TASK_MAX_ATTEMPTS + 1 deaths, and
   one whose DataCoord was killed three times for other reasons still finishes.
+- **Beside other schedulers**: a Dagster run is one process among several (a sort run, an
+  index run, a partition materialized from the UI), so its scheduler is not `exclusive`: it
+  runs rounds restricted to its kinds and to the segments of one vchannel (`round(...,
+  segments=..., kinds=...)`), and takes over another worker's task only once `worker_gone`
+  says that worker can no longer finish it (or past VCHAN_TASK_TIMEOUT). The records,
+  attempts, backoff and Failed state are the same whoever runs the round.
 - **Graceful stop**: a DataCoord stopping (SIGTERM) abandons its batches in flight before
   it resigns (`abandon`): their tasks go back to the queue at once, no attempt spent, and
   the process exits without waiting for them (the next active DataCoord runs them).
@@ -158,6 +164,12 @@ class RoundReport:
     backing_off: int = 0  # queued tasks whose backoff after a failed attempt has not passed
     revived: list[tuple[str, int]] = field(default_factory=list)  # Failed tasks whose time came
 
+    def merge(self, other: RoundReport) -> None:
+        """`other`'s (a later round's) added to this report; counts of the last round."""
+        for name in ("queued", "ran", "done", "retried", "failed", "recovered", "revived"):
+            getattr(self, name).extend(getattr(other, name))
+        self.waiting, self.backing_off = other.waiting, other.backing_off
+
 
 def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -187,6 +199,22 @@ def worker_gone(store: MetaStore, worker: str) -> str:
     if host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid)):
         return f"its process {pid} exited"
     return ""
+
+
+def held_back(t: TaskRecord, now: float) -> bool:
+    """Whether `t` is not to run at `now`: Failed until its time to be tried again (for
+    good with VCHAN_TASK_FAILED_RETRY=0, until `vchan tasks --retry`), or queued but backing
+    off after a failed attempt (or deferred). What a caller that asks for rounds (Dagster's
+    sensors) leaves out, so a failing segment is not asked for at every tick."""
+    if t.state is TaskState.FAILED:
+        return not 0.0 < t.not_before <= now
+    return t.state is TaskState.QUEUED and t.not_before > now
+
+
+def held_tasks(store: MetaStore, kind: str, segments: Collection[int], now: float) -> list[TaskRecord]:
+    """The tasks of `kind` of `segments` held back at `now` (`held_back`), by segment id."""
+    held = [d.model for d in list_tasks(store, kind) if d.model.segment_id in segments]
+    return sorted((t for t in held if held_back(t, now)), key=lambda t: t.segment_id)
 
 
 def list_tasks(store: MetaStore, kind: str | None = None) -> list[Decoded[TaskRecord]]:
@@ -251,6 +279,16 @@ def retry_tasks(store: MetaStore, kind: str | None, collection_id: int | None = 
     return again
 
 
+def prune_tasks(store: MetaStore) -> list[TaskRecord]:
+    """Delete the tasks whose segment is Dropped or gone from meta (a Failed task of a
+    segment compacted or collected since): the full scan's, and Dagster's lifecycle step's.
+    Returns them."""
+    found = SegmentMeta(store).list(skip_malformed=True)
+    segments = {d.model.id for d in found if d.model.state is not SegmentState.DROPPED}
+    gone = [d for d in list_tasks(store) if d.model.segment_id not in segments]
+    return [d.model for d in gone if swap_task(store, d, None) is not None]
+
+
 def queue_once(store: MetaStore, kind: str, spec: TaskSpec) -> bool:
     """`spec`'s task queued unless it is queued or running already; a Failed one goes back
     to the queue with its attempts reset (what it failed on changed). Whether it is queued
@@ -266,6 +304,20 @@ def queue_once(store: MetaStore, kind: str, spec: TaskSpec) -> bool:
         if swap_task(store, found, _requeued(found.model)) is not None:
             return True
     return False
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """The tasks a round works on: of these segments and kinds (None: all of them)."""
+
+    segments: Collection[int] | None = None
+    kinds: Collection[str] | None = None
+
+    def has_kind(self, kind: str) -> bool:
+        return self.kinds is None or kind in self.kinds
+
+    def has(self, t: TaskRecord) -> bool:
+        return self.has_kind(t.kind) and (self.segments is None or t.segment_id in self.segments)
 
 
 @dataclass
@@ -297,13 +349,20 @@ class _Lane:
 
 class TaskScheduler:
     """The queues of `kinds` (in priority order: the first runs first). `clock`: the wall
-    clock that starts, times out and backs off tasks."""
+    clock that starts, times out and backs off tasks. `exclusive`: the only scheduler
+    running (the active DataCoord): a task InProgress under another worker is a dead one's.
+    Otherwise (a Dagster run, beside other runs) only once `worker_gone` says so."""
 
     def __init__(
-        self, kinds: Sequence[TaskKind], settings: Settings, clock: Callable[[], float] = time.time
+        self,
+        kinds: Sequence[TaskKind],
+        settings: Settings,
+        clock: Callable[[], float] = time.time,
+        exclusive: bool = True,
     ) -> None:
         self.kinds = list(kinds)
         self.settings = settings
+        self.exclusive = exclusive
         self._lanes: dict[str, _Lane] = {}  # the batch running per kind
         self._abandoned: list[_Lane] = []  # given up by a stop, maybe still running
         self.clock = clock
@@ -341,28 +400,49 @@ class TaskScheduler:
 
     def prune(self, store: MetaStore) -> list[TaskRecord]:
         """Delete the tasks whose segment is Dropped or gone from meta; returns them."""
-        found = SegmentMeta(store).list(skip_malformed=True)
-        segments = {d.model.id for d in found if d.model.state is not SegmentState.DROPPED}
-        gone = [d for d in list_tasks(store) if d.model.segment_id not in segments]
-        return [d.model for d in gone if swap_task(store, d, None) is not None]
+        return prune_tasks(store)
 
     # --- one round ------------------------------------------------------------------
 
-    def round(self, system: System, engine: Engine, wait: bool = True) -> RoundReport:
+    def run_now(
+        self, system: System, engine: Engine, segments: Collection[int], kinds: Collection[str] | None = None
+    ) -> RoundReport:
+        """Rounds of the tasks of `segments` (and `kinds`) only, each batch run to its end,
+        until none of them is admitted any more (what one round's budget left waits for the
+        next): the work of a Dagster run over one vchannel. A task held back (backing off,
+        Failed) is not run; one whose time came is. Returns the rounds' reports merged."""
+        total = RoundReport()
+        while True:
+            report = self.round(system, engine, wait=True, segments=segments, kinds=kinds)
+            total.merge(report)
+            if not report.waiting or not report.ran:
+                return total
+
+    def round(
+        self,
+        system: System,
+        engine: Engine,
+        wait: bool = True,
+        segments: Collection[int] | None = None,
+        kinds: Collection[str] | None = None,
+    ) -> RoundReport:
         """Recover dead workers' tasks and record the batches that ended, then each kind in
         priority order whose lane is free: admit its queued tasks within what is left of
         the budget and run them as one batch in its lane. `wait`: each batch runs to its
         end before the next kind is admitted (and its done tasks push the kinds that
         follow it); otherwise the batches run in the background and a later round records
-        them (the DataCoord's loop: a long index batch never holds up the next sort)."""
+        them (the DataCoord's loop: a long index batch never holds up the next sort).
+        `segments`, `kinds`: only the tasks of these segments and kinds are recovered,
+        revived and run (a Dagster run's round over one vchannel)."""
         report = RoundReport()
-        self.recover(system.store, report)
-        self.revive(system.store, report)
+        mine = _Selection(segments, kinds)
+        self.recover(system.store, report, mine)
+        self.revive(system.store, report, mine)
         self.collect(report)
         for kind in self.kinds:
-            if kind.name in self._lanes:
+            if kind.name in self._lanes or not mine.has_kind(kind.name):
                 continue
-            batch = self._admit(system.store, kind, report)
+            batch = self._admit(system.store, kind, report, mine)
             if batch and (lane := self._start(system, engine, kind, batch, report)) is not None and wait:
                 lane.thread.join()
                 self.collect(report)
@@ -380,7 +460,9 @@ class TaskScheduler:
         """The kinds whose batch is running."""
         return list(self._lanes)
 
-    def _admit(self, store: MetaStore, kind: TaskKind, report: RoundReport) -> list[Decoded[TaskRecord]]:
+    def _admit(
+        self, store: MetaStore, kind: TaskKind, report: RoundReport, mine: _Selection
+    ) -> list[Decoded[TaskRecord]]:
         """Queued tasks of `kind`, oldest first, while the budget the running batches leave
         holds them. A kind after the first may hold at most half the budget, so the first
         (the sort) always finds room. A task over what is left runs alone."""
@@ -391,7 +473,11 @@ class TaskScheduler:
             slots = min(slots, max(1, self.settings.task_slots // 2))
             memory = min(memory, self.settings.task_memory_mb / 2)
         queued = sorted(
-            (d for d in list_tasks(store, kind.name) if d.model.state is TaskState.QUEUED),
+            (
+                d
+                for d in list_tasks(store, kind.name)
+                if d.model.state is TaskState.QUEUED and mine.has(d.model)
+            ),
             key=lambda d: (d.model.created_at, d.model.segment_id),
         )
         now = self.clock()
@@ -525,12 +611,13 @@ class TaskScheduler:
         base = self.settings.task_failed_retry
         return self.clock() + min(FAILED_RETRY_MAX, base * 2.0 ** min(failures - 1, 30)) if base else 0.0
 
-    def revive(self, store: MetaStore, report: RoundReport) -> None:
-        """Failed tasks whose time to be tried again came: back to the queue, attempts reset."""
-        now = self.clock()
+    def revive(self, store: MetaStore, report: RoundReport, mine: _Selection | None = None) -> None:
+        """Failed tasks (of `mine` if given) whose time to be tried again came: back to the
+        queue, attempts reset."""
+        now, mine = self.clock(), mine or _Selection()
         for d in list_tasks(store):
             t = d.model
-            due = t.state is TaskState.FAILED and 0.0 < t.not_before <= now
+            due = t.state is TaskState.FAILED and 0.0 < t.not_before <= now and mine.has(t)
             if due and swap_task(store, d, _requeued(t)) is not None:
                 log.info(
                     "%s task of segment %d tried again (Failed %d times)", t.kind, t.segment_id, t.failures
@@ -560,23 +647,35 @@ class TaskScheduler:
             log.warning("abandoned %d tasks in flight (%s): %s", len(given_up), reason, given_up)
         return given_up
 
-    def recover(self, store: MetaStore, report: RoundReport) -> None:
-        """Tasks InProgress under another worker (dead, or of an ended term) or past
+    def recover(self, store: MetaStore, report: RoundReport, mine: _Selection | None = None) -> None:
+        """Tasks (of `mine` if given) InProgress under another worker (dead, or of an ended
+        term; when not `exclusive`, only once `worker_gone` says so) or past
         VCHAN_TASK_TIMEOUT back to the queue (an attempt spent)."""
-        me, now = self.worker(store), self.clock()
+        me, now, mine = self.worker(store), self.clock(), mine or _Selection()
         lanes = dict(self._lanes)  # (a stop may abandon them meanwhile)
         running = {(name, d.model.segment_id) for name, lane in lanes.items() for d in lane.started}
+        gone: dict[str, str] = {}  # by worker: one look per worker, not per task
         for d in list_tasks(store):
             t = d.model
             if (t.kind, t.segment_id) in running and lanes[t.kind].thread.is_alive():
                 continue  # its batch runs in this process: recorded when it ends
-            if t.state is not TaskState.IN_PROGRESS or (
-                t.worker == me and now - t.started_at < self.settings.task_timeout
-            ):
+            if t.state is not TaskState.IN_PROGRESS or not mine.has(t):
+                continue
+            timed_out = now - t.started_at >= self.settings.task_timeout
+            if not timed_out and (t.worker == me or not self._gone(store, t.worker, gone)):
                 continue
             reason = f"worker {t.worker} died or its term ended (started {now - t.started_at:.0f}s ago)"
             if self._died(store, d, reason, report):
                 report.recovered.append((t.kind, t.segment_id))
+
+    def _gone(self, store: MetaStore, worker: str, seen: dict[str, str]) -> bool:
+        """Whether another worker can no longer finish its tasks: always, for the only
+        scheduler (`exclusive`); else as `worker_gone` tells (asked once per worker)."""
+        if self.exclusive:
+            return True
+        if worker not in seen:
+            seen[worker] = worker_gone(store, worker)
+        return bool(seen[worker])
 
     def _died(self, store: MetaStore, d: Decoded[TaskRecord], reason: str, report: RoundReport) -> bool:
         """The worker running `d` died: back to the queue, to run alone next; the attempt it

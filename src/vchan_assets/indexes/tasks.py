@@ -16,20 +16,29 @@ missing or unreadable, once (of two searches that find it, one re-issues it; the
 queued once, deduped by its key). `rebuild_segment` is `vchan quarantine`'s, given a
 damaged binlog: the segment's rows changed under its builds, every one of them is reset and
 its task queued once.
+
+`build_vchannel` is one vchannel's builds through the same tasks from a process beside
+others (Dagster's `segment_indexes`): the same records, attempts, backoff and Failed state
+as in `vchan datacoord`, so `vchan tasks` and `vchan describe-index` read the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.tasks import (
     DEFERRED,
     DONE,
     Outcome,
+    RoundReport,
+    TaskScheduler,
     TaskSpec,
     enqueue_tasks,
     failed,
+    held_tasks,
     list_tasks,
     queue_once,
     retry_tasks,
@@ -43,9 +52,10 @@ from vchan_assets.indexes.meta import (
     release_waiting_outputs,
     reset_segment_builds,
 )
-from vchan_assets.indexes.step import IndexBuilder
+from vchan_assets.indexes.step import IndexBuilder, IndexReport
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
+    CollectionInfo,
     IndexEngine,
     SegmentIndex,
     SegmentIndexState,
@@ -67,14 +77,19 @@ def build_memory_mb(rows: int, dim: int) -> float:
 
 
 class IndexTasks:
-    """`versions`: the index engine versions the builds can write (`indexes.engine`)."""
+    """`versions`: the index engine versions the builds can write (`indexes.engine`);
+    `on_report`: told each batch's `IndexReport` (what a Dagster run reports)."""
 
     name = KIND
     follows: str | None = "sort"
     versions: IndexEngine = OURS
+    on_report: Callable[[IndexReport], None] | None = None
 
-    def __init__(self, versions: IndexEngine = OURS) -> None:
+    def __init__(
+        self, versions: IndexEngine = OURS, on_report: Callable[[IndexReport], None] | None = None
+    ) -> None:
         self.versions = versions
+        self.on_report = on_report
 
     def discover(self, system: System, collections: Collection[int] | None) -> list[TaskSpec]:
         """Builds for the indexable segments without one, then a task for each segment
@@ -120,6 +135,8 @@ class IndexTasks:
         ]
         todo = {b.build_id for b in builds if b.state is not SegmentIndexState.FINISHED}
         report = IndexBuilder(system, engine, versions=self.versions).run(build_ids=todo, restart=True)
+        if self.on_report is not None:
+            self.on_report(report)
         reasons, lost = dict(report.failed), set(report.lost)
         result: dict[int, Outcome] = {}
         for t in tasks:
@@ -132,6 +149,40 @@ class IndexTasks:
             else:  # finished, or not started: its segment is gone or Dropped, its index dropped
                 result[t.segment_id] = DONE
         return result
+
+
+@dataclass
+class BuildRound:
+    """What one vchannel's builds through the task scheduler did: the builds created (of
+    the whole collection, as CreateIndex's), the builds run, the rounds' report, and the
+    vchannel's index tasks held back after it (Failed, or backing off)."""
+
+    created: list[int] = field(default_factory=list)
+    builds: IndexReport = field(default_factory=IndexReport)
+    report: RoundReport = field(default_factory=RoundReport)
+    held: list[TaskRecord] = field(default_factory=list)
+
+
+def build_vchannel(
+    system: System, engine: Engine, info: CollectionInfo, segments: Collection[int]
+) -> BuildRound:
+    """The index builds of `segments` (one vchannel's indexable segments) through the
+    DataCoord's task scheduler, from a process that is one of several (a Dagster run: not
+    `exclusive`): the builds the collection's sorted segments lack, an index task queued for
+    each of `segments` with a build to run (`IndexTasks.discover`), then rounds of those
+    tasks only. A task backing off or Failed is not run before its time."""
+    store = system.store
+    found = BuildRound(created=[b.build_id for b in create_missing_builds(store, info)])
+    reports: list[IndexReport] = []
+    kind = IndexTasks(on_report=reports.append)
+    scheduler = TaskScheduler([kind], system.settings, exclusive=False)
+    wanted = set(segments)
+    scheduler.enqueue(store, KIND, [s for s in kind.discover(system, {info.id}) if s.segment_id in wanted])
+    found.report = scheduler.run_now(system, engine, wanted)
+    for report in reports:
+        found.builds.merge(report)
+    found.held = held_tasks(store, KIND, wanted, time.time())
+    return found
 
 
 def retry_failed_builds(store: MetaStore, collection_id: int | None = None) -> tuple[int, int]:

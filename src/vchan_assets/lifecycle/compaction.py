@@ -274,10 +274,12 @@ class CompactionTrigger:
         check: bool = False,
         segments: Collection[int] | None = None,
         flushed_before: float | None = None,
+        held: Collection[int] = (),
     ) -> list[CompactionPlan]:
         """Pending plans of `kind` for the collection (only of `vchannel`'s segments if given,
         only of `segments` if given; if `flushed_before` (an epoch second) is given, no sort or
-        mix of an unsorted segment flushed after it: that one waits for the stats task).
+        mix of an unsorted segment flushed after it: that one waits for the stats task; no sort
+        or mix of the `held` segments: their sort task failed and waits for its next try).
 
         `check`: the cheap compaction check between lifecycle steps: L0 compaction only of
         partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
@@ -290,6 +292,8 @@ class CompactionTrigger:
             found = [d for d in found if d.model.id in segments]
         busy = busy_segments(list_plans(self.store))
         free = [d for d in found if d.model.id not in busy]
+        if held and kind is not CompactionType.L0:  # what their sort failed on would fail these plans too
+            free = [d for d in free if d.model.id not in held]
         if flushed_before is not None and kind is not CompactionType.L0:  # fresh flushes: the stats task's
             free = [
                 d

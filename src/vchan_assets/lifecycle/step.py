@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
-from vchan_assets.datacoord.tasks import worker_gone
+from vchan_assets.datacoord.tasks import held_back, list_tasks, worker_gone
 from vchan_assets.lifecycle.compaction import (
     CompactionExecutor,
     CompactionTrigger,
@@ -124,7 +124,8 @@ def lifecycle_step(
     expire_plans(system.store, system.settings, now, report)
     if compact:
         then = (CompactionType.MIX, CompactionType.SORT) if sort else (CompactionType.MIX,)
-        _compact(system, engine, report, then, flushed_before=now - sort_grace if sort_grace else None)
+        flushed_before = now - sort_grace if sort_grace else None
+        _compact(system, engine, report, then, flushed_before=flushed_before, now=now)
     gc = GarbageCollector(system, passes=gc_passes)
     if collect and system.settings.gc_enabled and gc.due():
         report.gc = gc.run()
@@ -148,15 +149,21 @@ def _compact(
     then: tuple[CompactionType, ...],
     check: bool = False,
     flushed_before: float | None = None,
+    now: float | None = None,
 ) -> None:
     """L0 compaction first (deletes into the segments that hold their pks), then the kinds
     `then`: a round of each, so neither keeps the other's segments busy forever. A round
-    runs every plan it made (as one job), the chained links of L0 plans after.
+    runs every plan it made (as one job), the chained links of L0 plans after. A segment
+    whose sort task backs off or is Failed at `now` goes in no sort or mix plan.
 
     VCHAN_COMPACTION_ENABLED=off plans no L0 or mix compaction: only the sort is left (it
     is the stats task after flush, which makes segments visible, not a compaction)."""
     trigger = CompactionTrigger(system)
     executor = CompactionExecutor(system, engine)
+    now = time.time() if now is None else now
+    # Segments whose sort task backs off or is Failed: no leftover sort or mix retries them
+    # before the scheduler does ("sort": `sort_tasks.KIND`, which imports this module).
+    held = {d.model.segment_id for d in list_tasks(system.store, "sort") if held_back(d.model, now)}
     rounds = [(CompactionType.L0,), then]
     if not system.settings.compaction_enabled:
         rounds = [tuple(k for k in kinds if k is CompactionType.SORT) for kinds in rounds]
@@ -165,7 +172,7 @@ def _compact(
             p.plan_id
             for info in CollectionRegistry(system.store).list()
             for kind in kinds
-            for p in trigger.trigger(info, kind, check=check, flushed_before=flushed_before)
+            for p in trigger.trigger(info, kind, check=check, flushed_before=flushed_before, held=held)
         ]
         report.planned += planned
         if not check:

@@ -99,6 +99,17 @@ def ivf_indexed(
         index_step(system, "local")
 
 
+def vectors_lost(system: System, data: Data, seg: SegmentInfo) -> dict[str, bytes]:
+    """The files of `seg`'s `vec` column group deleted (its builds fail: "vectors
+    unreadable"); returns them by path, to write back."""
+    field_id = data.info.schema.field("vec").field_id
+    group = next(g for g in seg.binlogs if field_id in g.field_ids)
+    saved = {b.path: system.storage.read_bytes(b.path) for b in group.logs}
+    for path in saved:
+        system.storage.delete(path)
+    return saved
+
+
 def live_sorted(system: System, info: CollectionInfo) -> list[SegmentInfo]:
     """The flushed, sorted segments of `info` (read through `harness.segments`, the tests'
     one listing of a collection's segment meta)."""

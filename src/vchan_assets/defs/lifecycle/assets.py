@@ -1,11 +1,14 @@
 """The segment lifecycle as assets downstream of `segments`:
 
-- `sorted_segments`, partitioned by vchannel: the stats task after flush (`sort_step`).
-  `sort_sensor` requests one `sort` run for every vchannel with newly flushed unsorted
-  segments, at most every SORT_SENSOR_INTERVAL seconds and never while one is queued or
-  running; the run reports each vchannel's sorts as a materialization of its partition, with
-  its check (as the sync loop reports syncs), so sort runs grow with time, not with the flush
-  rate or the number of vchannels. Materializing a partition from the UI runs the asset;
+- `sorted_segments`, partitioned by vchannel: the stats task after flush, run through the
+  DataCoord's task scheduler (`sort_tasks.sort_vchannel`: a sort task per segment, with the
+  attempts, backoff and Failed state of `vchan datacoord`). `sort_sensor` requests one `sort`
+  run for every vchannel with newly flushed unsorted segments whose task may run (not
+  backing off, not Failed), at most every SORT_SENSOR_INTERVAL seconds and never while one is
+  queued or running; the run reports each vchannel's sorts as a materialization of its
+  partition, with its check (as the sync loop reports syncs), so sort runs grow with time,
+  not with the flush rate or the number of vchannels. Materializing a partition from the UI
+  runs the asset;
 - `compacted_segments` (L0, mix and leftover sort plans of the DataCoord lifecycle step:
   sorts of segments flushed more than SORT_LEFTOVER_AFTER seconds ago)
   and `garbage_collection` (orphans, dropped segments, old log files), materialized
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 
 import dagster as dg
 
+from vchan_assets.datacoord.tasks import prune_tasks
 from vchan_assets.defs.checks import (
     ReportedEvent,
     VchannelResults,
@@ -36,6 +40,7 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
 from vchan_assets.defs.sync.sensor import IN_FLIGHT
+from vchan_assets.defs.tasks import log_held, task_metadata
 from vchan_assets.indexes.gc import collect_indexes
 from vchan_assets.lifecycle.checks import (
     check_live_files_exist,
@@ -44,7 +49,8 @@ from vchan_assets.lifecycle.checks import (
     storage_figures,
 )
 from vchan_assets.lifecycle.plans import CompactionPlan, PlanState
-from vchan_assets.lifecycle.step import lifecycle_step, sort_step, unsorted_segments
+from vchan_assets.lifecycle.sort_tasks import sort_vchannel, sorts_due
+from vchan_assets.lifecycle.step import lifecycle_step, unsorted_segments
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import NodeSession, SegmentInfo, physical_ms
 
@@ -112,17 +118,20 @@ def sort_results(
     log: logging.Logger | dg.DagsterLogManager,
 ) -> VchannelResults:
     """Sort the newly flushed segments of `vchannel` (`waiting`: its unsorted segments, as
-    listed before): the materialization of `sorted_segments` for it (how many, their rows, how
-    long each waited since its flush) and its check."""
+    listed before) through their sort tasks: the materialization of `sorted_segments` for it
+    (how many, their rows, how long each waited since its flush, the tasks' attempts and the
+    segments held back: Failed or backing off, with their next try) and its check."""
     store, storage = runtime.store, runtime.storage
     flushed_at = {s.id: physical_ms(s.last_flush_ts) / 1000 for s in waiting}
-    outcomes = sort_step(runtime, vchannel=vchannel, collections={s.collection_id for s in waiting})
+    sorts = sort_vchannel(runtime, "spark", waiting)
+    outcomes = sorts.plans
     done = time.time()
     completed = [o.plan_id for o in outcomes if o.state is PlanState.COMPLETED]
     plans = _plans(store, completed)
     rows = check_rows_conserved(store, storage, plans)
     waited = [done - flushed_at[i] for p in plans for i in p.input_ids if i in flushed_at]
     log.info("%s: %d segments sorted, %d failed", vchannel, len(completed), len(outcomes) - len(completed))
+    log_held(log, f"{vchannel}: sort", sorts.held)
     materialized: dg.MaterializeResult[None] = dg.MaterializeResult(
         asset_key=SORTED_SEGMENTS,
         metadata=typed(
@@ -132,6 +141,7 @@ def sort_results(
                 "rows": sum(p.rows_out for p in plans),
                 "flush_to_sorted_s_median": round(statistics.median(waited), 2) if waited else 0.0,
                 "flush_to_sorted_s_max": round(max(waited), 2) if waited else 0.0,
+                **task_metadata(sorts.report, sorts.held),
             }
         ),
     )
@@ -183,23 +193,29 @@ sort_job = dg.GraphDefinition(name="sort", node_defs=[sort_segments]).to_job(
 )
 def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
     """Sort right after flush: one `sort` run for every vchannel with newly flushed unsorted
-    segments, none while a sort run is queued or running; once per set of newest such
-    segments (the run key), so a failed run is not repeated until what waits changes."""
+    segments whose sort task may run now (`sorts_due`: one backing off after a failed
+    attempt, or Failed, waits for its time), none while a sort run is queued or running;
+    once per state of what waits (the run key: each vchannel's newest such segment and their
+    tasks' etcd revisions), so a failed run is not repeated until what waits changes, and a
+    task whose backoff passed is asked for again."""
     if context.instance.get_runs_count(dg.RunsFilter(job_name=sort_job.name, statuses=IN_FLIGHT)):
         return dg.SensorResult(skip_reason="a sort run is queued or running")
     with vchan.open() as runtime:
         elsewhere = lifecycle_elsewhere(runtime.store)
-        waiting = [] if elsewhere else unsorted_segments(runtime.store)
+        due = [] if elsewhere else sorts_due(runtime.store, time.time())
         known = set(context.instance.get_dynamic_partitions(VCHANNELS))
     if elsewhere:
         return dg.SensorResult(skip_reason=elsewhere)
-    newest: dict[str, int] = defaultdict(int)
-    for s in waiting:
+    stamps: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for s, revision in due:
         if s.vchannel in known:
-            newest[s.vchannel] = max(newest[s.vchannel], s.id)
-    if not newest:
-        return dg.SensorResult(skip_reason="no newly flushed segment waits for its sort")
-    return dg.SensorResult(run_requests=[vchannels_run_request(sort_segments.name, newest)])
+            stamp = stamps[s.vchannel]
+            stamp[0], stamp[1] = max(stamp[0], s.id), max(stamp[1], revision)
+    if not stamps:
+        return dg.SensorResult(
+            skip_reason="no newly flushed segment waits for its sort (or their tasks wait for their next try)"
+        )
+    return dg.SensorResult(run_requests=[vchannels_run_request(sort_segments.name, stamps)])
 
 
 @dg.multi_asset(
@@ -230,10 +246,12 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
 )
 def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -> object:
     """One DataCoord lifecycle step: expire and clean plans, trigger, compact, garbage-collect
-    (binlogs, log files, index builds and files)."""
+    (binlogs, log files, index builds and files), and delete the sort and index tasks of
+    segments that are gone."""
     with vchan.open() as runtime:
         store, storage = runtime.store, runtime.storage
         report = lifecycle_step(runtime, gc_passes=[collect_indexes], sort_grace=SORT_LEFTOVER_AFTER)
+        pruned = prune_tasks(store)  # as the DataCoord's full scan: tasks of segments gone
         completed = [o.plan_id for o in report.outcomes if o.state is PlanState.COMPLETED]
         plans = _plans(store, completed)
         figures = storage_figures(store, storage)
@@ -251,6 +269,7 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
                     "completed": len(completed),
                     "failed": len(report.outcomes) - len(completed),
                     "timed_out": len(report.timed_out),
+                    "tasks_pruned": len(pruned),
                     "rows_in": sum(p.rows_in for p in plans),
                     "rows_out": sum(p.rows_out for p in plans),
                     **figures,
