@@ -26,7 +26,9 @@ file written, the build not yet Finished); by reads: read_checkpointed (query/as
 checkpoints read, segment meta not listed yet), read_planned (query/reads.py: pinned,
 segments chosen, no file opened yet), read_tail_listed (query/asof.py: a log tail's files
 listed, none opened yet), stream_read (a change stream's task handed one log file's
-changes to Spark, more to come).
+changes to Spark, more to come); by the per-vchannel segment index (meta/segments.py):
+channel_index_backfill (a transaction of missing entries committed, maybe not all, the mark
+not written).
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

@@ -30,7 +30,7 @@ from vchan_assets.testing.import_files import (
     visible,
     write_parquet,
 )
-from vchan_assets.testing.steps import new_collection
+from vchan_assets.testing.steps import assert_channel_index_complete, new_collection
 from vchan_assets.wal.producer import Producer
 
 ROWS = 300  # two rows a segment: 150 segments, more than one transaction's 128 operations
@@ -45,6 +45,7 @@ def assert_each_segment_once(store: MetaStore, info: CollectionInfo, segment_ids
     assert len(segment_ids) == len(set(segment_ids)) > CHUNK_SEGMENTS
     assert sorted(s.id for s in found) == sorted(segment_ids), "no segment twice, none lost"
     assert {s.state for s in found} == {SegmentState.FLUSHED}
+    assert_channel_index_complete(store)  # every registered segment with its vchannel's index entry
 
 
 def test_a_job_of_more_segments_than_one_transaction_holds_completes_with_every_row_once(
@@ -107,18 +108,18 @@ def test_a_chained_commit_that_fails_midway_keeps_the_committed_chunks_and_drops
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     first = get_job(store, 82).model
-    last = store.get_model(
-        store.keys.segment(info.id, first.partition_id, first.segment_ids[-1]), SegmentInfo
-    )
-    assert last is not None
-    store.cas(last.kv.key, last.kv.version, segment_ops.drop(last.model))  # e.g. by an operator
+    # a segment of the chunk the restarted commit takes next, dropped (e.g. by an operator)
+    next_chunk = first.segment_ids[CHUNK_SEGMENTS]
+    taken = store.get_model(store.keys.segment(info.id, first.partition_id, next_chunk), SegmentInfo)
+    assert taken is not None
+    store.cas(taken.kv.key, taken.kv.version, segment_ops.drop(taken.model))
     seen = visible(system, info).num_rows
 
     report = import_step(System(replace(small, import_timeout=0.001), store, system.storage), engine="local")
 
     job = get_job(store, 82).model
     assert report.failed == [82] and job.state is ImportState.FAILED
-    assert job.reason == f"segment {first.segment_ids[-1]} of the job is Dropped, not Importing"
+    assert job.reason == f"segment {next_chunk} of the job is Dropped, not Importing"
     states = {s.id: s.state for s in segments(store, info)}
     assert {states[i] for i in job.segment_ids[:CHUNK_SEGMENTS]} == {SegmentState.FLUSHED}
     assert {states[i] for i in job.segment_ids[CHUNK_SEGMENTS:]} == {SegmentState.DROPPED}

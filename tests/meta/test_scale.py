@@ -13,72 +13,17 @@ from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta import store as store_module
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.codec import encode
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import (
-    Binlog,
-    CollectionInfo,
-    ColumnGroupBinlogs,
-    MsgPosition,
-    SegmentInfo,
-    SegmentLevel,
-    SegmentState,
-)
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState
 from vchan_assets.status import collect_status
 from vchan_assets.system import System
 from vchan_assets.testing.harness import Produced, produce
+from vchan_assets.testing.steps import flushed_segment, write_segments
 from vchan_assets.wal.producer import Producer
 
 SEGMENTS = 3000  # about 1.9 KB of meta each: 5.6 MB, over gRPC's 4 MiB receive limit
 RECEIVE_LIMIT = 4 * 1024 * 1024
-BATCH = 100  # puts per transaction while writing them
-
-
-def flushed_segment(info: CollectionInfo, vchannel: str, segment_id: int) -> SegmentInfo:
-    """The meta of a Flushed, sorted segment of 4 binlogs and 4 stats logs, as a sync and
-    a sort leave it (the files are not written: only its meta is listed here)."""
-    ts = 449_000_000_000_000_000
-
-    def log(n: int) -> Binlog:
-        log_id = segment_id * 100 + n
-        path = f"insert_log/{info.id}/{info.partitions[0]}/{segment_id}/0/{log_id}.parquet"
-        return Binlog(log_id, path, entries=1000, ts_from=ts + n, ts_to=ts + 100_000 + n, size_bytes=123_456)
-
-    fields = (0, 1, *(f.field_id for f in info.schema.fields))
-    return SegmentInfo(
-        id=segment_id,
-        collection_id=info.id,
-        partition_id=info.partitions[0],
-        vchannel=vchannel,
-        state=SegmentState.FLUSHED,
-        level=SegmentLevel.L1,
-        num_rows=4000,
-        max_rows=100_000,
-        binlogs=(ColumnGroupBinlogs(0, fields, tuple(log(n) for n in range(4))),),
-        statslogs=tuple(log(50 + n) for n in range(4)),
-        start_position=MsgPosition(vchannel, 0, ts),
-        dml_position=MsgPosition(vchannel, 4000, ts),
-        is_sorted=True,
-        last_flush_ts=ts,
-        created_at=1.7e9,
-        last_insert_at=1.7e9,
-        seal_ts=ts,
-        flushed_at=1.7e9,
-    )
-
-
-def write_segments(store: MetaStore, info: CollectionInfo, vchannel: str, count: int) -> int:
-    """`count` flushed segments of `info` on `vchannel`, written straight to etcd in
-    transactions of BATCH puts; returns the bytes of meta written."""
-    first = 10_000_000
-    written = 0
-    for start in range(first, first + count, BATCH):
-        batch = [flushed_segment(info, vchannel, i) for i in range(start, min(start + BATCH, first + count))]
-        puts = {store.keys.segment(s.collection_id, s.partition_id, s.id): encode(s) for s in batch}
-        assert store.txn({}, puts) is not None
-        written += sum(len(v) for v in puts.values())
-    return written
 
 
 @pytest.fixture

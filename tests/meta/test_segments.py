@@ -43,6 +43,20 @@ def test_swap_against_a_stale_version_raises_one_conflict_naming_key_and_version
     assert (exists.value.expected_version, exists.value.found_version) == (0, 2)
 
 
+def test_delete_takes_the_vchannel_index_entry_with_the_segment_and_refuses_a_stale_version(
+    store: MetaStore,
+) -> None:
+    door = SegmentMeta(store)
+    created = door.swap(0, _segment(7))
+    assert store.get(door.index_key(created.model)) is not None
+    moved = door.swap(created.kv.version, created.model.with_changes(state=SegmentState.DROPPED))
+    with pytest.raises(CasConflictError) as stale:
+        door.delete(created)
+    assert (stale.value.expected_version, stale.value.found_version) == (1, 2)
+    door.delete(moved)
+    assert door.get(1, 2, 7) is None and store.get(door.index_key(created.model)) is None
+
+
 def test_a_malformed_segment_raises_unless_the_listing_skips_it_and_counts_it(store: MetaStore) -> None:
     door = SegmentMeta(store)
     door.swap(0, _segment(7))

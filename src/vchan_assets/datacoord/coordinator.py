@@ -54,7 +54,9 @@ class MetaReloader:
     what is reloaded here are Growing segments on no head, which get sealed). A change is
     a higher mod revision or a different count of segment keys: a deletion moves no
     remaining key's revision. (Channel checkpoints are read where they are used: by the
-    recovery info of an assignment.)"""
+    recovery info of an assignment.) Each reload also repairs the per-vchannel segment
+    index (`SegmentMeta.repair_channel_index`, keys only): during a rolling upgrade a
+    process of a version before the index creates segments without their entries."""
 
     store: MetaStore
     segments: SegmentManager
@@ -63,9 +65,11 @@ class MetaReloader:
 
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded."""
-        seen = SegmentMeta(self.store).changes_seen()
+        door = SegmentMeta(self.store)
+        seen = door.changes_seen()
         if seen == self.seen:
             return False
+        door.repair_channel_index()
         self.segments.seal_orphans()
         self.seen = seen
         self.reloads += 1
@@ -124,6 +128,7 @@ class DataCoordinator:
         self.segments: SegmentManager | None = None
         self.reloader: MetaReloader | None = None
         self.recovered: list[FlushRecovery] = []
+        self.channel_index_ready = False  # the per-vchannel segment index is complete
         self.active = threading.Event()
         self.stopping = threading.Event()
         self._stop_once = threading.Lock()  # held once `stop()` began
@@ -165,10 +170,16 @@ class DataCoordinator:
         return self.recovered
 
     def tick(self, now: float | None = None) -> CoordinatorTick:
-        """One round: channel reconcile, seal policies, and the meta reload when due."""
+        """One round: channel reconcile, seal policies, and the meta reload when due. The
+        first tick of a term completes the per-vchannel segment index of a stack written
+        before it (`SegmentMeta.backfill_channel_index`: one get once it is complete)."""
         if self.channels is None or self.segments is None or self.reloader is None:
             self.activate()
         assert self.channels is not None and self.segments is not None and self.reloader is not None
+        if not self.channel_index_ready:
+            assert self.writer is not None
+            SegmentMeta(self.writer).backfill_channel_index()
+            self.channel_index_ready = True
         now = time.time() if now is None else now
         report = self.channels.reconcile(now)
         sealed = tuple(self.segments.seal_by_policy(now))

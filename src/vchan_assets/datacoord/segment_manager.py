@@ -47,7 +47,7 @@ from vchan_assets.meta.channel_head import ChannelHeads, HeldChannel
 from vchan_assets.meta.errors import CasConflictError, SegmentNotFoundError
 from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.segments import SegmentMeta
-from vchan_assets.meta.store import MetaStore
+from vchan_assets.meta.store import MetaStore, Value
 from vchan_assets.model import (
     ChannelHead,
     CollectionInfo,
@@ -225,7 +225,7 @@ class SegmentManager:
             return
         max_rows = self.max_rows(collection_id)
         opened: list[OpenSegment] = []
-        puts: dict[str, SegmentInfo] = {}
+        puts: dict[str, Value] = {}
         while free < count:
             segment_id = self.ids.alloc()
             info = SegmentInfo(
@@ -238,7 +238,7 @@ class SegmentManager:
                 created_at=now,
                 last_insert_at=now,
             )
-            puts[self.store.keys.segment(collection_id, partition_id, segment_id)] = info
+            puts.update(SegmentMeta(self.store).create_puts(info))
             opened.append(
                 OpenSegment(segment_id, collection_id, partition_id, max_rows, 0, now, now, 0, head.vchannel)
             )

@@ -52,7 +52,8 @@ from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import CasConflictError, CheckpointRegressionError, SyncSupersededError
 from vchan_assets.meta.retry import retry_on_conflict
-from vchan_assets.meta.store import Decoded
+from vchan_assets.meta.segments import SegmentMeta
+from vchan_assets.meta.store import Decoded, Value
 from vchan_assets.model import (
     Binlog,
     ChannelLease,
@@ -70,7 +71,9 @@ from vchan_assets.wal.reader import WalFile, WalReader
 
 log = logging.getLogger(__name__)
 
-SEGMENTS_PER_TXN = 64  # etcd allows 128 operations per transaction by default
+# etcd allows 128 operations per transaction by default: a segment is 1 put, 2 when the
+# sync creates it (its meta and its vchannel's index entry, `SegmentMeta.create_puts`).
+SEGMENTS_PER_TXN = 64
 COMMIT_ATTEMPTS = 20
 IDS_PER_TASK = 100_000
 
@@ -379,9 +382,10 @@ class SyncTask:
         end: MsgPosition,
         group_fields: dict[int, tuple[int, ...]],
     ) -> list[int]:
+        door = SegmentMeta(self.store)
 
         def attempt() -> list[int]:
-            puts: dict[str, SegmentInfo] = {}
+            puts: dict[str, Value] = {}
             expect: dict[str, int] = {}
             flushed = []
             for sid in chunk:
@@ -390,8 +394,9 @@ class SyncTask:
                 if current is None:
                     assert upd is not None
                     seg = self._new_segment(upd)
-                    key = self.store.keys.segment(self.collection.id, upd.partition_id, sid)
+                    key = door.key(seg)
                     expect[key] = 0
+                    puts.update(door.create_puts(seg))  # its vchannel's index entry with it
                 else:
                     seg = current.model
                     key = current.kv.key

@@ -64,6 +64,7 @@ from vchan_assets.imports.task import (
 )
 from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
 from vchan_assets.meta.codec import decode_dict, encode
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.spark import Engine
@@ -75,7 +76,9 @@ log = logging.getLogger(__name__)
 # etcd's default limit is 128 operations per transaction (meta.store.MAX_TXN_OPS): one
 # transaction of the register or the commit holds this many segments at most, with the job
 # and the collection, and at most CHUNK_BYTES of their meta (MAX_REQUEST_BYTES is 1.5 MiB).
-CHUNK_SEGMENTS = 100
+# A registration puts 2 keys per segment (its meta and its vchannel's index entry,
+# `SegmentMeta.create_puts`) and the job: 121 operations.
+CHUNK_SEGMENTS = 60
 CHUNK_BYTES = 1 << 20
 # A sanity bound: the job's value lists every segment id, its manifest every segment's meta.
 MAX_SEGMENTS_PER_JOB = 10_000
@@ -330,8 +333,9 @@ class ImportExecutor:
     ) -> Decoded[ImportJob]:
         """One transaction: `segments` created (none may exist) and the job as `updated`,
         if the job is as read."""
-        puts: dict[str, Any] = {self._segment_key(s): s for s in segments}
-        expect = {key: 0 for key in puts}
+        door = SegmentMeta(self.store)
+        puts: dict[str, Any] = {k: v for s in segments for k, v in door.create_puts(s).items()}
+        expect = {door.key(s): 0 for s in segments}
         puts[job.kv.key] = replace(updated, updated_at=time.time())
         expect[job.kv.key] = job.kv.version
         if self.store.txn(expect, puts) is None:
@@ -471,9 +475,6 @@ class ImportExecutor:
         if j.partition_id not in found.model.partitions:
             raise ImportFailed(f"partition {j.partition!r} of {j.collection!r} was dropped during the job")
         return found
-
-    def _segment_key(self, seg: SegmentInfo) -> str:
-        return self.store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
 
 
 def _chunk_len(segments: Sequence[SegmentInfo]) -> int:

@@ -73,8 +73,9 @@ log = logging.getLogger(__name__)
 
 # --- triggers ------------------------------------------------------------------------------
 
-# Inputs of one plan at most: its commit writes every input and output and the plan in one
-# etcd transaction, and etcd refuses more than 128 operations in one (--max-txn-ops).
+# Inputs of one plan at most: its commit writes every input, every output (2 puts each: its
+# meta and its vchannel's index entry), the plan and a chained link in one etcd transaction,
+# and etcd refuses more than 128 operations in one (--max-txn-ops).
 MAX_PLAN_SEGMENTS = 60
 # What a compaction or sort holds in memory, over its input's binlog bytes (read, merged or
 # sorted, written): its estimate against VCHAN_TASK_MEMORY_MB.
@@ -285,9 +286,7 @@ class CompactionTrigger:
         partitions past VCHAN_L0_COMPACTION_TRIGGER_COUNT / _MB, mix compaction only of
         small segments (the delete ratios, which read every delta log and bloom filter of
         the collection, wait for the lifecycle step)."""
-        found = SegmentMeta(self.store).list(collection.id)
-        if vchannel is not None:
-            found = [d for d in found if d.model.vchannel == vchannel]
+        found = SegmentMeta(self.store).list(collection.id, vchannel=vchannel)
         if segments is not None:
             found = [d for d in found if d.model.id in segments]
         busy = busy_segments(list_plans(self.store))

@@ -200,7 +200,7 @@ class GarbageCollector:
             failpoint("gc_after_files")
             if not report.dry_run:
                 try:
-                    self.store.cas(d.kv.key, d.kv.version, None)
+                    SegmentMeta(self.store).delete(d)  # with its vchannel's index entry
                 except CasConflictError:
                     continue  # changed meanwhile: the next pass looks again
             report.dropped_segments.append(seg.id)

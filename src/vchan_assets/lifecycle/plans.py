@@ -12,10 +12,10 @@ that process exits, the next lifecycle step or sort task fails and cleans it at 
 crash rather than VCHAN_COMPACTION_TIMEOUT later.
 
 `commit_compaction` is the only way a compaction changes segment meta: in ONE etcd
-transaction it compares every input's version (and the plan's), adds the outputs,
-marks the inputs Dropped and the plan Completed. A concurrent change of any input (a
-sync, a flush, another plan, a GC) makes it fail whole; the outputs' files are then
-orphans for garbage collection. So a crash at any step leaves either the inputs or the
+transaction it compares every input's version (and the plan's), adds the outputs (each
+with its vchannel's index entry), marks the inputs Dropped and the plan Completed. A
+concurrent change of any input (a sync, a flush, another plan, a GC) makes it fail whole;
+the outputs' files are then orphans for garbage collection. So a crash at any step leaves either the inputs or the
 outputs live, never both.
 """
 
@@ -31,6 +31,7 @@ from vchan_assets.datacoord import segment_ops
 from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import timestamp_ceiling
 from vchan_assets.meta.errors import CasConflictError, MetaError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import Record, SegmentInfo
 
@@ -201,10 +202,10 @@ def commit_compaction(
     for seg in changed_inputs:
         puts[segment_key(store, p, seg.id)] = seg
     expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}
+    door = SegmentMeta(store)
     for seg in outputs:
-        key = segment_key(store, p, seg.id)
-        puts[key] = seg
-        expect[key] = 0
+        puts.update(door.create_puts(seg))  # its meta and its vchannel's index entry
+        expect[door.key(seg)] = 0
     if then is not None:
         puts[store.keys.compaction_plan(then.plan_id)] = then
         expect[store.keys.compaction_plan(then.plan_id)] = 0

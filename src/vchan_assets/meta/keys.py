@@ -78,6 +78,15 @@ class Keys:
     # meta
     collection = _Family("meta/collection/{collection}")
     segment = _Family("meta/segment/{collection}/{partition}/{segment}")
+    # the segments of each vchannel: one entry per segment key, created and deleted with it
+    # (meta/segments.py), so a vchannel's segments are read without its collection's
+    channel_segment = _Family("meta/channel-segment/{vchannel}/{collection}/{partition}/{segment}")
+
+    def channel_segment_index(self) -> str:
+        """The mark that every segment key has its `channel_segment` entry (written once
+        the backfill of a stack older than the index finished)."""
+        return self._k("meta", "channel-segment-index")
+
     channel_checkpoint = _Family("meta/channel-cp/{vchannel}")
     channel_lease = _Family("meta/channel-lease/{vchannel}")
     channel_sync = _Family("meta/channel-sync/{vchannel}")

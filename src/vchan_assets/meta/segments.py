@@ -6,8 +6,20 @@ policy for malformed values live in one place:
 
 - listings are paged reads of etcd (`MetaStore.list_prefix`, Milvus' `WalkWithPrefix`):
   one snapshot at one revision however many segments a collection holds;
-- a partition is ranged by its own prefix; a vchannel or state filter is applied to the
-  collection's listing;
+- a partition is ranged by its own prefix; a state filter is applied to the listing;
+- a vchannel's segments are read through the per-vchannel index
+  `meta/channel-segment/{vchannel}/{collection}/{partition}/{segment}`: its keys (read
+  keys only) name the segment keys, which are then read at the index listing's revision
+  (`MetaStore.get_at`), so a sync of one vchannel reads that vchannel's segments, not
+  its collection's. An entry is put in the same transaction that creates its segment key
+  and deleted in the one that deletes it (`create_puts`, `create`, `delete`: every site
+  that creates or deletes a segment key goes through them; a segment's vchannel never
+  changes). An entry whose segment is gone is skipped;
+- a stack written before the index has segment keys without entries: until the mark
+  `meta/channel-segment-index` exists, a vchannel's listing filters its collection's
+  listing (correct, O(collection)). `backfill_channel_index` adds the missing entries and
+  then writes the mark; the active DataCoord runs it at the start of its term (a
+  no-op, one get, once the mark exists). It can be killed anywhere and run again;
 - a value that does not decode raises `MalformedValueError` naming its key, unless the
   caller lists with `skip_malformed` (readers and schedulers that go on without it): the
   value is then logged and counted in `MetaStore.malformed_skipped`. Garbage collection,
@@ -19,10 +31,28 @@ policy for malformed values live in one place:
 from __future__ import annotations
 
 import builtins
+import logging
+import time
 from collections.abc import Collection, Sequence
+from typing import Any
 
-from vchan_assets.meta.store import Decoded, KeyValue, MetaStore
+from vchan_assets.failpoints import failpoint
+from vchan_assets.meta.codec import decode_dict
+from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, RevisionCompactedError
+from vchan_assets.meta.store import WALK_RESTARTS, Decoded, KeyValue, MetaStore, Value, too_many_ops
 from vchan_assets.model import SegmentInfo, SegmentState
+
+log = logging.getLogger(__name__)
+
+# The version of the per-vchannel index the mark states; a mark of a lower version is
+# backfilled again.
+CHANNEL_INDEX_VERSION = 1
+# What an index entry holds: nothing its key does not say (listings read keys only).
+INDEX_ENTRY: dict[str, Any] = {}
+# Entries a backfill transaction puts, each with a compare of its segment key (it must still
+# exist): 60 puts and 61 compares with the writer's fence, under etcd's 128 operations a
+# branch; fewer when an etcd with a lower --max-txn-ops refuses.
+BACKFILL_BATCH = 60
 
 
 class SegmentMeta:
@@ -33,6 +63,36 @@ class SegmentMeta:
 
     def key(self, segment: SegmentInfo) -> str:
         return self.store.keys.segment(segment.collection_id, segment.partition_id, segment.id)
+
+    def index_key(self, segment: SegmentInfo) -> str:
+        """The segment's entry in its vchannel's index."""
+        return self.store.keys.channel_segment(
+            segment.vchannel, segment.collection_id, segment.partition_id, segment.id
+        )
+
+    # --- creating and deleting: the segment key and its index entry together -----------
+
+    def create_puts(self, segment: SegmentInfo) -> dict[str, Value]:
+        """The puts that create `segment` in a caller's transaction: its key and its
+        vchannel's index entry (2 operations; the caller compares the key's version 0 where
+        it may exist)."""
+        return {self.key(segment): segment, self.index_key(segment): INDEX_ENTRY}
+
+    def create(self, segment: SegmentInfo) -> Decoded[SegmentInfo]:
+        """`segment` created (its key must be absent) with its index entry, as written;
+        CasConflictError if the key exists."""
+        puts = self.create_puts(segment)
+        key = self.key(segment)
+        written = self.store.swap(key, 0, segment, also={k: v for k, v in puts.items() if k != key})
+        return Decoded(segment, written)
+
+    def delete(self, found: Decoded[SegmentInfo]) -> None:
+        """The segment's key and its index entry deleted in one transaction, if the key is
+        still at the version read; CasConflictError otherwise."""
+        key = found.kv.key
+        if self.store.txn({key: found.kv.version}, {}, [key, self.index_key(found.model)]) is None:
+            now = self.store.get(key)
+            raise CasConflictError(key, found.kv.version, now.version if now else 0)
 
     def prefix(self, collection: int | None = None, partition: int | None = None) -> str:
         """The range of a partition, a collection, or every segment (no collection)."""
@@ -54,9 +114,39 @@ class SegmentMeta:
     ) -> list[Decoded[SegmentInfo]]:
         """The segments of a collection (every collection's without one), with their etcd
         versions, in key order, at one revision; only those of `vchannel`, `partition`
-        and `states` when given."""
-        snapshot = self.store.list_prefix(self.prefix(collection, partition))
-        return self._select(snapshot.items, vchannel, states, skip_malformed)
+        and `states` when given. With a `vchannel`, read through its index (its segments
+        only) once the index is complete, else filtered from the collection's listing."""
+        if vchannel is not None and self.channel_index_ready():
+            items = self._channel_items(vchannel, collection, partition)
+        else:
+            items = self.store.list_prefix(self.prefix(collection, partition)).items
+        return self._select(items, vchannel, states, skip_malformed)
+
+    def _channel_items(
+        self, vchannel: str, collection: int | None, partition: int | None
+    ) -> builtins.list[KeyValue]:
+        """The segment keys a vchannel's index names, read at the revision of the index's
+        listing (again at a fresh one if etcd compacted it meanwhile, as a paged walk)."""
+        ids = [i for i in (collection, partition) if i is not None]
+        if partition is not None and collection is None:
+            raise TypeError("a partition's segments are listed with its collection")
+        prefix = self.store.keys.channel_segment.under(vchannel, *ids)
+        for restart in range(WALK_RESTARTS + 1):
+            entries = self.store.list_prefix(prefix, keys_only=True)
+            keys = [self._segment_key_of(kv.key) for kv in entries.items]
+            try:
+                found = self.store.get_at(keys, entries.revision)
+            except RevisionCompactedError as exc:
+                if restart == WALK_RESTARTS:
+                    raise
+                log.warning("%s: listing %s again at a fresh revision", exc, prefix)
+                continue
+            return [kv for kv in found if kv is not None]
+        raise AssertionError("unreachable: the last restart raises")
+
+    def _segment_key_of(self, entry: str) -> str:
+        collection, partition, segment = entry.rsplit("/", 3)[1:]
+        return self.store.keys.segment(collection, partition, segment)
 
     def list_with(
         self, collection: int, prefixes: Sequence[str], skip_malformed: bool = False
@@ -76,10 +166,109 @@ class SegmentMeta:
         return self.store.get_model(self.store.keys.segment(collection, partition, segment), SegmentInfo)
 
     def swap(self, expected_version: int, new: SegmentInfo) -> Decoded[SegmentInfo]:
-        """Write `new` if its key still has `expected_version` (0: absent), and return it as
-        written; CasConflictError naming the key and both versions otherwise."""
+        """Write `new` if its key still has `expected_version` (0: absent, then created with
+        its index entry), and return it as written; CasConflictError naming the key and both
+        versions otherwise."""
+        if expected_version == 0:
+            return self.create(new)
         written = self.store.swap(self.key(new), expected_version, new)
         return Decoded(new, written)
+
+    # --- the per-vchannel index: its mark and its backfill ------------------------------
+
+    def channel_index_ready(self) -> bool:
+        """Whether every segment key has its index entry (the backfill's mark is there)."""
+        found = self.store.get(self.store.keys.channel_segment_index())
+        if found is None:
+            return False
+        try:
+            return int(decode_dict(found.key, found.value).get("version", 0)) >= CHANNEL_INDEX_VERSION
+        except (MalformedValueError, TypeError, ValueError):
+            log.error("the mark %s does not decode: listing vchannels by their collections", found.key)
+            return False
+
+    def backfill_channel_index(self) -> int:
+        """Make the index complete on a stack written before it, then write the mark;
+        returns how many entries were added (0 at once when the mark is there).
+
+        Killed anywhere, it is run again: the entries already written are not written
+        again (`repair_channel_index` adds only what is missing), and the mark comes last."""
+        if self.channel_index_ready():
+            return 0
+        added, removed = self.repair_channel_index()
+        self.store.put(
+            self.store.keys.channel_segment_index(),
+            {"version": CHANNEL_INDEX_VERSION, "at": time.time(), "added": added, "removed": removed},
+        )
+        log.info("the per-vchannel segment index is complete: %d entries added, %d removed", added, removed)
+        return added
+
+    def repair_channel_index(self) -> tuple[int, int]:
+        """(entries added, entries removed): an entry for each segment key that lacks one
+        and none for a segment key that is gone, from the keys of both read at one revision
+        (keys only; the values of the segments that lack an entry are then read in batches,
+        for their vchannels). New code writes both in one transaction; a difference is a
+        stack written before the index, or a process of that version still running during
+        a rolling upgrade (the DataCoord's meta reload repairs it, see `MetaReloader`).
+
+        Each transaction puts a batch of entries only if their segment keys still exist and
+        deletes entries only if their segment keys are still absent, so a segment deleted
+        or created meanwhile is never mis-indexed. A segment value that does not decode
+        cannot be indexed (its vchannel is unknown): it is logged and counted, as listings
+        that skip it."""
+        keys = self.store.keys
+        segments, entries = self.store.list_prefixes(
+            [self.prefix(), keys.channel_segment.prefix], keys_only=True
+        )
+        indexed = {self._segment_key_of(kv.key): kv.key for kv in entries}
+        present = {kv.key for kv in segments}
+        missing = [kv.key for kv in segments if kv.key not in indexed]
+        stale = [(segment, entry) for segment, entry in indexed.items() if segment not in present]
+        added = 0
+        for i in range(0, len(missing), BACKFILL_BATCH):
+            found = self.store.get_at(missing[i : i + BACKFILL_BATCH], self.store.revision())
+            values = [kv for kv in found if kv is not None]
+            added += self._index_batches(self.store.decode_models(values, SegmentInfo, skip_malformed=True))
+        removed = self._unindex(stale)
+        if added or removed:
+            log.warning(
+                "the per-vchannel segment index lacked %d entries and held %d of segments gone",
+                added,
+                removed,
+            )
+        return added, removed
+
+    def _index_batches(self, missing: Sequence[Decoded[SegmentInfo]]) -> int:
+        """Entries for `missing`, in transactions of at most BACKFILL_BATCH, each only if its
+        segment keys exist; returns how many were written."""
+        written, size = 0, BACKFILL_BATCH
+        rest = list(missing)
+        while rest:
+            batch = rest[:size]
+            puts: dict[str, Value] = {self.index_key(d.model): INDEX_ENTRY for d in batch}
+            try:
+                done = self.store.txn({}, puts, present=[d.kv.key for d in batch])
+            except MetaError as exc:
+                if not too_many_ops(exc) or size == 1:
+                    raise
+                size = max(1, size // 2)
+                continue
+            if done is None:  # a segment of the batch was deleted meanwhile: leave it out
+                rest = [d for d in rest if d not in batch or self.store.get(d.kv.key) is not None]
+                continue
+            written += len(batch)
+            rest = rest[len(batch) :]
+            failpoint("channel_index_backfill")
+        return written
+
+    def _unindex(self, stale: Sequence[tuple[str, str]]) -> int:
+        """The entries of `stale` (segment key, entry key) deleted, each only while its
+        segment key is absent; returns how many were."""
+        removed = 0
+        for segment, entry in stale:
+            if self.store.txn({segment: 0}, {}, [entry]) is not None:
+                removed += 1
+        return removed
 
     def _select(
         self,

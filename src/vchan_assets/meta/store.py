@@ -9,9 +9,11 @@ Every call has the settings' timeout, so an etcd that is down gives a
 Reads of a prefix are paged, as Milvus' `WalkWithPrefix`: `PAGE_KEYS` keys a range
 request, each page from the last key + NUL, every page at the revision of the first, so a
 caller gets one snapshot of a prefix of any size and no response nears gRPC's 4 MiB
-receive limit. Writes are bounded: a value over `MAX_VALUE_BYTES` and a transaction over
-etcd's `MAX_TXN_OPS` operations or `MAX_REQUEST_BYTES` are refused before they are sent,
-with an error naming them.
+receive limit. Keys that share no prefix (an index's targets) are read at one revision in
+transactions of range requests (`get_at`). Every key and byte etcd returns to a read is
+counted (`keys_read`, `bytes_read`). Writes are bounded: a value over `MAX_VALUE_BYTES`
+and a transaction over etcd's `MAX_TXN_OPS` operations or `MAX_REQUEST_BYTES` are refused
+before they are sent, with an error naming them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Generic, TypeVar
 import etcd3
 import etcd3.exceptions
 import grpc
+from etcd3 import etcdrpc
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.codec import Model, decode, encode
@@ -173,6 +176,17 @@ def _too_large(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def too_many_ops(exc: BaseException) -> bool:
+    """Whether etcd refused a transaction for holding more operations than its
+    --max-txn-ops (a server configured below etcd's default of MAX_TXN_OPS)."""
+    cause = exc.__cause__ if isinstance(exc, MetaError) else exc
+    return (
+        isinstance(cause, grpc.RpcError)
+        and cause.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "too many operations" in (cause.details() or "")
+    )
+
+
 def _range_end(prefix: str) -> bytes:
     return bytes(etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix)))
 
@@ -199,6 +213,10 @@ class MetaStore:
         self.keys = keys
         self.malformed_skipped = 0  # values skipped because they did not decode (each is logged)
         self.fence: Fence | None = None
+        # What reads received from etcd (ranges, gets and `get_at`): keys, and their key and
+        # value bytes. A view made by `fenced` counts on its own.
+        self.keys_read = 0
+        self.bytes_read = 0
 
     def fenced(self, fence: Fence) -> MetaStore:
         """This store (same connection) with every write fenced by `fence`; a refused write
@@ -314,7 +332,60 @@ class MetaStore:
     def get(self, key: str) -> KeyValue | None:
         with self._call(f"get {key}"):
             resp = self.client.get_response(key)
+        self._count(resp.kvs)
         return _kv(resp.kvs[0]) if resp.kvs else None
+
+    def _count(self, kvs: Sequence[Any]) -> None:
+        self.keys_read += len(kvs)
+        self.bytes_read += sum(len(kv.key) + len(kv.value) for kv in kvs)
+
+    def get_at(self, keys: Sequence[str], revision: int) -> list[KeyValue | None]:
+        """Each of `keys` as etcd held it at `revision` (None: absent then), in order: range
+        requests in read-only transactions of at most MAX_TXN_OPS (etcd answers a
+        transaction at one revision; each range also names `revision`, so every batch reads
+        the same snapshot). A batch whose response passes the receive limit, or that an etcd
+        with a lower --max-txn-ops refuses, is asked again in halves.
+        RevisionCompactedError if etcd compacted `revision`."""
+        out: list[KeyValue | None] = []
+        size = MAX_TXN_OPS
+        while len(out) < len(keys):
+            batch = keys[len(out) : len(out) + size]
+            try:
+                resp = self._range_txn(batch, revision)
+            except MetaError as exc:
+                cause = exc.__cause__
+                if cause is not None and is_compacted(cause):
+                    raise RevisionCompactedError(batch[0], revision) from cause
+                if len(batch) == 1 or cause is None or not (_too_large(cause) or too_many_ops(exc)):
+                    raise
+                size = len(batch) // 2
+                continue
+            for r in resp.responses:
+                kvs = r.response_range.kvs
+                self._count(kvs)
+                out.append(_kv(kvs[0]) if kvs else None)
+        return out
+
+    def _range_txn(self, keys: Sequence[str], revision: int) -> Any:
+        """One transaction of a range request per key, each at `revision`. (The client's
+        `transaction` builds its ranges without a revision: the request is built here, and
+        a gRPC error goes through the client's handling, which marks a failed endpoint.)"""
+        ops = [
+            etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode(), revision=revision))
+            for k in keys
+        ]
+        client = self.client
+        with self._call(f"get {len(keys)} keys from {keys[0]} at revision {revision}"):
+            try:
+                return client.kvstub.Txn(
+                    etcdrpc.TxnRequest(success=ops),
+                    client.timeout,
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)  # raises the client's error for it
+                raise
 
     def get_model(self, key: str, model: type[M]) -> Decoded[M] | None:
         kv = self.get(key)
@@ -330,10 +401,10 @@ class MetaStore:
         [items], at = self._walk([prefix], revision, keys_only)
         return Snapshot(items, at)
 
-    def list_prefixes(self, prefixes: Sequence[str]) -> list[list[KeyValue]]:
+    def list_prefixes(self, prefixes: Sequence[str], keys_only: bool = False) -> list[list[KeyValue]]:
         """The keys under each of `prefixes` (each list in key order), every prefix read in
         pages at the same revision: one snapshot of all of them."""
-        found, _ = self._walk(prefixes)
+        found, _ = self._walk(prefixes, keys_only=keys_only)
         return found
 
     def _walk(
@@ -366,6 +437,7 @@ class MetaStore:
             resp = self._page(prefix, start, end, revision, keys_only)
             if revision is None:
                 revision = int(resp.header.revision)
+            self._count(resp.kvs)
             items.extend(_kv(kv) for kv in resp.kvs)
             if not resp.more or not resp.kvs:
                 return items, revision
@@ -471,14 +543,16 @@ class MetaStore:
             raise CasConflictError(key, expected_version, found)
         return _txn_revision(responses)
 
-    def swap(self, key: str, expected_version: int, value: Value) -> KeyValue:
+    def swap(
+        self, key: str, expected_version: int, value: Value, also: Mapping[str, Value] | None = None
+    ) -> KeyValue:
         """`cas` of a put that returns the key as written (its version, revisions and
-        value), read in the same transaction."""
+        value), read in the same transaction; `also` is put with it."""
         tx = self.client.transactions
         ok, responses = self._transaction(
             f"compare-and-swap {key}",
             [tx.version(key) == expected_version],
-            [tx.put(key, _as_bytes(key, value)), tx.get(key)],
+            [*_write_ops(tx, {key: value, **(also or {})}, ()), tx.get(key)],
             [tx.get(key)],
         )
         found = [_range_kv(r) for r in responses if isinstance(r, list)]
@@ -518,14 +592,16 @@ class MetaStore:
         expect_versions: Mapping[str, int],
         puts: Mapping[str, Value],
         deletes: Sequence[str] = (),
+        present: Sequence[str] = (),
     ) -> int | None:
         """Multi-key compare-version-and-swap: every put and delete, only if each key of
-        `expect_versions` still has that version (0: absent). Returns the revision of the
-        commit, or None when a key had changed (nothing written)."""
+        `expect_versions` still has that version (0: absent) and each key of `present`
+        exists. Returns the revision of the commit, or None when a key had changed
+        (nothing written)."""
         tx = self.client.transactions
         ok, responses = self._transaction(
             f"transaction on {', '.join([*puts, *deletes])}",
-            [tx.version(k) == v for k, v in expect_versions.items()],
+            [tx.version(k) == v for k, v in expect_versions.items()] + [tx.version(k) > 0 for k in present],
             _write_ops(tx, puts, deletes),
         )
         return _txn_revision(responses) if ok else None

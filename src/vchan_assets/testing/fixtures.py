@@ -18,6 +18,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
@@ -69,9 +70,16 @@ def settings(etcd: EmbeddedEtcd, tmp_path: Path) -> Settings:
     )
 
 
+def _new_root(meta: MetaStore) -> MetaStore:
+    """A fresh root as the DataCoord's first tick leaves it: its per-vchannel segment index
+    marked complete (vchannels are listed through it)."""
+    SegmentMeta(meta).backfill_channel_index()
+    return meta
+
+
 @pytest.fixture
 def store(settings: Settings) -> Iterator[MetaStore]:
-    meta = MetaStore.connect(settings)
+    meta = _new_root(MetaStore.connect(settings))
     yield meta
     meta.close()
 
@@ -115,7 +123,7 @@ def private_settings(settings: Settings, private_etcd: EmbeddedEtcd) -> Settings
 
 @pytest.fixture
 def private_store(private_settings: Settings) -> Iterator[MetaStore]:
-    meta = MetaStore.connect(private_settings)
+    meta = _new_root(MetaStore.connect(private_settings))
     yield meta
     meta.close()
 

@@ -1,8 +1,8 @@
 """Steps the tests share, in-process on real etcd and real files: a new collection, a sync
 of every vchannel (the DataNode's sync task), a manual mix compaction of a collection (the
 DataCoord's compaction trigger and executor), a GC pass past the log retention, flushed
-rounds of known rows, the lifecycle's invariants read back through the catalog, `vchan`
-processes.
+rounds of known rows, the lifecycle's invariants read back through the catalog, the
+per-vchannel segment index against segment meta, `vchan` processes.
 """
 
 from __future__ import annotations
@@ -24,8 +24,19 @@ from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrig
 from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentInfo, SegmentLevel, SegmentState
+from vchan_assets.meta.codec import encode
+from vchan_assets.meta.segments import SegmentMeta
+from vchan_assets.meta.store import MetaStore, Value
+from vchan_assets.model import (
+    Binlog,
+    CollectionInfo,
+    CollectionSchema,
+    ColumnGroupBinlogs,
+    MsgPosition,
+    SegmentInfo,
+    SegmentLevel,
+    SegmentState,
+)
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import (
@@ -97,6 +108,64 @@ def flushed_batches(
     return produced
 
 
+def flushed_segment(info: CollectionInfo, vchannel: str, segment_id: int) -> SegmentInfo:
+    """The meta of a Flushed, sorted segment of 4 binlogs and 4 stats logs (about 1.9 KB),
+    as a sync and a sort leave it (its files are not written: for tests of meta alone)."""
+    ts = 449_000_000_000_000_000
+
+    def log(n: int) -> Binlog:
+        log_id = segment_id * 100 + n
+        path = f"insert_log/{info.id}/{info.partitions[0]}/{segment_id}/0/{log_id}.parquet"
+        return Binlog(log_id, path, entries=1000, ts_from=ts + n, ts_to=ts + 100_000 + n, size_bytes=123_456)
+
+    fields = (0, 1, *(f.field_id for f in info.schema.fields))
+    return SegmentInfo(
+        id=segment_id,
+        collection_id=info.id,
+        partition_id=info.partitions[0],
+        vchannel=vchannel,
+        state=SegmentState.FLUSHED,
+        level=SegmentLevel.L1,
+        num_rows=4000,
+        max_rows=100_000,
+        binlogs=(ColumnGroupBinlogs(0, fields, tuple(log(n) for n in range(4))),),
+        statslogs=tuple(log(50 + n) for n in range(4)),
+        start_position=MsgPosition(vchannel, 0, ts),
+        dml_position=MsgPosition(vchannel, 4000, ts),
+        is_sorted=True,
+        last_flush_ts=ts,
+        created_at=1.7e9,
+        last_insert_at=1.7e9,
+        seal_ts=ts,
+        flushed_at=1.7e9,
+    )
+
+
+def write_segments(
+    store: MetaStore,
+    info: CollectionInfo,
+    vchannel: str,
+    count: int,
+    first: int = 10_000_000,
+    indexed: bool = True,
+    batch: int = 60,
+) -> int:
+    """`count` flushed segments of `info` on `vchannel` (ids from `first`), written straight
+    to etcd, `batch` segments a transaction; returns the bytes of segment meta written.
+    `indexed`: each with its vchannel's index entry, as segments are created now; else its
+    key alone, as a version before the index wrote them."""
+    door = SegmentMeta(store)
+    written = 0
+    for start in range(first, first + count, batch):
+        made = [flushed_segment(info, vchannel, i) for i in range(start, min(start + batch, first + count))]
+        puts: dict[str, Value] = {}
+        for seg in made:
+            puts.update(door.create_puts(seg) if indexed else {door.key(seg): seg})
+        assert store.txn({}, puts) is not None
+        written += sum(len(encode(seg)) for seg in made)
+    return written
+
+
 def live(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
     """The segments of `info` not Dropped."""
     return [s for s in segments(store, info) if s.state is not SegmentState.DROPPED]
@@ -117,6 +186,18 @@ def assert_exactly_once(store: MetaStore, storage: Storage, info: CollectionInfo
     """Every produced row in exactly one binlog with its values; every delete in a delta log once."""
     tally = exactly_once(store, storage, info, produced)
     assert tally.ok, tally.describe()
+    assert_channel_index_complete(store)
+
+
+def assert_channel_index_complete(store: MetaStore) -> None:
+    """Every segment key has its entry in its vchannel's index and every entry a segment
+    key, both read at one revision: no site that creates or deletes a segment forgot it."""
+    door = SegmentMeta(store)
+    segments, entries = store.list_prefixes([door.prefix(), store.keys.channel_segment.prefix])
+    want = {door.index_key(d.model) for d in store.decode_models(segments, SegmentInfo, skip_malformed=True)}
+    have = {kv.key for kv in entries}
+    assert not want - have, f"segments without their vchannel's index entry: {sorted(want - have)[:5]}"
+    assert not have - want, f"index entries without their segment: {sorted(have - want)[:5]}"
 
 
 def assert_lifecycle_invariants(system: System, info: CollectionInfo, produced: Produced) -> None:
@@ -135,12 +216,13 @@ def assert_lifecycle_invariants(system: System, info: CollectionInfo, produced: 
         assert got[column].equals(want.filter(keep)[column]), f"column {column} changed"
     missing = [p for s in live(system.store, info) for p in segment_paths(s) if not system.storage.exists(p)]
     assert not missing, f"live meta names missing files: {missing[:3]}"
+    assert_channel_index_complete(system.store)
 
 
 def write_twice(store: MetaStore, seg: SegmentInfo) -> SegmentInfo:
     """A second meta of `seg` under another id, naming the same binlogs: its rows live twice."""
     copy = seg.with_changes(id=seg.id + 1_000_000)
-    store.put(store.keys.segment(copy.collection_id, copy.partition_id, copy.id), copy)
+    SegmentMeta(store).create(copy)
     return copy
 
 
@@ -180,3 +262,4 @@ def finish_and_check(cluster: Cluster, store: MetaStore, producer_infos: tuple, 
     wait_until(lambda: all_synced(store, storage, infos), 40, "every channel synced to its head")
     for info in infos:
         assert_exactly_once(store, storage, info, load.produced[info.name])
+    assert_channel_index_complete(store)
