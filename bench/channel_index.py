@@ -1,0 +1,129 @@
+"""A vchannel's listing and sync beside a collection of many segments: the per-vchannel
+segment index against the collection's listing filtered (what every sync did before it).
+
+    .venv/bin/python -m bench.channel_index [--sizes 1000 20000 100000] [--old-up-to 20000]
+
+A collection of 2 vchannels on a real etcd: vchannel A holds 1 flushed segment of 200 rows
+(synced), vchannel B holds N synthetic flushed segments (realistic values, ~1.9 KB each,
+written straight to etcd with their index entries). For each N, on A:
+
+- its listing, `SegmentMeta(store).list(collection, vchannel=A)`: the keys and bytes etcd
+  returned (`MetaStore.keys_read`, `bytes_read`) and the seconds;
+- a sync of 100 new rows (`SyncTask`, engine local): the same figures for the whole sync.
+
+Both through the index, and for N up to `--old-up-to` through the collection's listing
+(the index's mark removed: how a stack without the index reads). The target of issue 38:
+a vchannel's sync at the largest N within 1.3x of the same at 1,000 segments.
+
+Results: bench/results/channel_index.json (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from bench import bench_stack, write_report
+from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.meta.segments import SegmentMeta
+from vchan_assets.meta.store import MetaStore
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.harness import SCHEMA, Produced, produce
+from vchan_assets.testing.steps import sync_all, write_segments
+from vchan_assets.wal.producer import Producer
+
+
+def measured(store: MetaStore, work: Any) -> tuple[int, int, float]:
+    """(keys, bytes, seconds) of `work()`."""
+    keys, read, started = store.keys_read, store.bytes_read, time.perf_counter()
+    work()
+    return store.keys_read - keys, store.bytes_read - read, time.perf_counter() - started
+
+
+def one_size(system: System, n: int, old: bool) -> list[dict[str, Any]]:
+    store = system.store
+    producer = Producer(system)
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
+    a, b = info.vchannels
+    produce(producer, info.name, Produced(), 200, start_pk=0)
+    producer.flush(info.name)
+    sync_all(system, info)
+    started = time.perf_counter()
+    meta_bytes = write_segments(store, info, b, n)
+    print(
+        f"  N={n:,}: {meta_bytes / 2**20:.1f} MiB of segment meta on B in {time.perf_counter() - started:.0f}s"
+    )
+    mark = store.keys.channel_segment_index()
+    marker = store.get(mark)
+    assert marker is not None
+    rows: list[dict[str, Any]] = []
+    for path in ("index", "collection listing") if old else ("index",):
+        if path == "index":
+            store.put(mark, marker.value)
+        else:
+            store.delete(mark)
+        listing = measured(store, lambda: SegmentMeta(store).list(info.id, vchannel=a))
+        produce(producer, info.name, Produced(), 100, start_pk=1_000_000 + len(rows) * 1_000)
+        lease = store.read_lease(a)
+        assert lease is not None
+        task = SyncTask(system, info, a, lease, engine="local")
+        sync = measured(store, task.run)
+        row = {
+            "segments_on_b": n,
+            "segment_meta_mib": round(meta_bytes / 2**20, 1),
+            "path": path,
+            "listing_keys": listing[0],
+            "listing_bytes": listing[1],
+            "listing_ms": round(listing[2] * 1000, 1),
+            "sync_keys": sync[0],
+            "sync_bytes": sync[1],
+            "sync_ms": round(sync[2] * 1000, 1),
+            "load_1m": round(os.getloadavg()[0], 1),
+        }
+        print(f"    {row}", flush=True)
+        rows.append(row)
+    store.put(mark, marker.value)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 20_000, 100_000])
+    parser.add_argument("--old-up-to", type=int, default=20_000, help="the largest N read the old way too")
+    parser.add_argument("--out", default="bench/results/channel_index.json")
+    args = parser.parse_args()
+    work, etcd, settings = bench_stack("vchan-channel-index-")
+    try:
+        settings = replace(settings, sync_in_process_mb=32.0)
+        store = MetaStore.connect(settings)
+        storage = Storage.from_settings(settings)
+        storage.ensure_root()
+        SegmentMeta(store).backfill_channel_index()  # the mark, as a DataCoord's first tick writes it
+        system = System(settings, store, storage)
+        rows = [r for n in args.sizes for r in one_size(system, n, old=n <= args.old_up_to)]
+        index = {r["segments_on_b"]: r["sync_ms"] for r in rows if r["path"] == "index"}
+        smallest, largest = min(index), max(index)
+        report = {
+            "rows": rows,
+            "sync_ratio_largest_over_smallest": round(index[largest] / index[smallest], 3),
+            "sizes": [smallest, largest],
+        }
+        print(
+            f"sync of A at {largest:,} / at {smallest:,} segments on B: {report['sync_ratio_largest_over_smallest']}"
+        )
+        write_report(args.out, report)
+    finally:
+        etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
