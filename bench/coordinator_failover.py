@@ -13,12 +13,14 @@ sync; the active DataCoord sorts and indexes them and is SIGKILLed by its failpo
 - mid-build: `index_after_files=kill` (an index build Running, its file written, not
   Finished).
 
-Measured from the kill (the process gone) until every live segment is sorted and
-visible, and until each has a Finished build: the target is 2 x the session TTL + the
-sort's (or build's) own time, the sort's own time being the time the first DataCoord
-took from the first flush to its kill. Before plans recorded their worker, the standby
-waited for VCHAN_COMPACTION_TIMEOUT (checked at the 300-s lifecycle step): 741 s after a
-kill mid-sort of 2M rows, 3 of 5 segments still invisible.
+Measured from the kill (the failpoint's marker, written just before it) until every live
+segment is sorted and visible, and until each has a Finished build, beside 2 x the session
+TTL (how long the standby may wait for the dead term's session to expire). Issue 39's target
+is 2 x TTL + the sort's (or the builds') own time: the own times are in the standby's log
+(`compaction ... (sort)` and `index build ... in N s` lines) and are said with the figures in
+BENCHMARKS.md. Before plans recorded their worker, the standby waited for
+VCHAN_COMPACTION_TIMEOUT (checked at the 300-s lifecycle step): 741 s after a kill mid-sort
+of 2M rows, 3 of 5 segments still invisible.
 
 Results: bench/results/coordinator_failover.json (or `--out`).
 """
@@ -106,10 +108,10 @@ def phase(system: System, name: str, point: str, rows: int, rounds: int, timeout
             "failpoint": point,
             "rows": rows,
             "segments": len(live_l1(system.store, info)),
-            "first_coordinator_s_from_first_flush_to_kill": round(own, 1),
+            "first_flush_to_kill_s": round(own, 1),
             "kill_to_visible_s": round(to_visible, 1),
             "kill_to_indexed_s": round(to_indexed, 1),
-            "target_s": round(2 * ttl + own, 1),
+            "two_ttl_s": round(2 * ttl, 1),
             "load_1m": round(os.getloadavg()[0], 1),
         }
         print(f"  {result}", flush=True)
