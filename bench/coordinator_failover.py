@@ -30,11 +30,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import signal
 import subprocess
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from bench import bench_system, wait_for, write_report
@@ -61,6 +63,19 @@ def indexed(system: System, info: CollectionInfo) -> bool:
         if b.model.state is SegmentIndexState.FINISHED
     }
     return visible(system, info) and all(s.id in done for s in live)
+
+
+def own_times(log: Path) -> dict[str, Any]:
+    """What the standby's own work took, from its log: its sorts and its index builds."""
+    text = log.read_text(errors="replace")
+    builds = [float(s) for s in re.findall(r"index build \d+ \(.*? in ([0-9.]+)s", text)]
+    return {
+        "standby_sorts": len(re.findall(r"compaction \d+ \(sort\): ", text)),
+        "standby_mixes": len(re.findall(r"compaction \d+ \(mix\): ", text)),
+        "standby_builds": len(builds),
+        "standby_build_s_max": round(max(builds, default=0.0), 1),
+        "standby_build_s_sum": round(sum(builds), 1),
+    }
 
 
 def phase(system: System, name: str, point: str, rows: int, rounds: int, timeout: float) -> dict[str, Any]:
@@ -113,6 +128,7 @@ def phase(system: System, name: str, point: str, rows: int, rounds: int, timeout
             "kill_to_indexed_s": round(to_indexed, 1),
             "two_ttl_s": round(2 * ttl, 1),
             "load_1m": round(os.getloadavg()[0], 1),
+            **own_times(logs / f"{name}-standby.log"),
         }
         print(f"  {result}", flush=True)
         return result
