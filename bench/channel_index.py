@@ -12,7 +12,7 @@ written straight to etcd with their index entries). For each N, on A:
 - a sync of 100 new rows (`SyncTask`, engine local): the same figures for the whole sync.
 
 Both through the index, and for N up to `--old-up-to` through the collection's listing
-(the index's mark removed: how a stack without the index reads). The target of issue 38:
+(the index's mark removed: how a stack without the index reads). The target:
 a vchannel's sync at the largest N within 1.3x of the same at 1,000 segments.
 
 Results: bench/results/channel_index.json (or `--out`).

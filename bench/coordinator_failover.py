@@ -15,7 +15,7 @@ sync; the active DataCoord sorts and indexes them and is SIGKILLed by its failpo
 
 Measured from the kill (the failpoint's marker, written just before it) until every live
 segment is sorted and visible, and until each has a Finished build, beside 2 x the session
-TTL (how long the standby may wait for the dead term's session to expire). Issue 39's target
+TTL (how long the standby may wait for the dead term's session to expire). The target
 is 2 x TTL + the sort's (or the builds') own time: the own times are in the standby's log
 (`compaction ... (sort)` and `index build ... in N s` lines) and are said with the figures in
 BENCHMARKS.md. Before plans recorded their worker, the standby waited for
