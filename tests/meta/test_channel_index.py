@@ -256,3 +256,34 @@ def test_a_sync_of_a_channel_granted_anew_lists_only_its_vchannel(
     mine = channel_segments(store, collection.id, first)
     assert mine and {d.model.vchannel for d in mine} == {first}
     assert_channel_index_complete(store)
+
+
+def test_the_reloads_repair_reads_the_segment_keys_it_is_given_and_only_the_entries_beside(
+    store: MetaStore, collection: CollectionInfo
+) -> None:
+    """The DataCoord's reload lists every segment key (keys only) to see whether meta
+    changed; its repair of the index reads the entries at that listing's revision instead
+    of listing the segment keys a second time."""
+    vchannel = collection.vchannels[0]
+    write_segments(store, collection, vchannel, 200, first=900)
+    write_segments(store, collection, vchannel, 3, first=2_000, indexed=False)  # an older version's
+    door = SegmentMeta(store)
+    listing = door.segment_keys()
+    entries = len(store.list_prefix(store.keys.channel_segment.prefix, keys_only=True).items)
+    keys, _ = reads(store, lambda: door.repair_channel_index(listing))
+    assert keys == entries + 3, (keys, entries)  # the entries, then the 3 values to index
+    assert_channel_index_complete(store)
+    assert {2_000, 2_001, 2_002} <= set(ids(store, collection, vchannel))
+
+
+def test_a_repair_whose_listing_etcd_compacted_meanwhile_reads_both_again(
+    private_store: MetaStore, collection: CollectionInfo
+) -> None:
+    vchannel = collection.vchannels[0]
+    write_segments(private_store, collection, vchannel, 4, first=900, indexed=False)
+    door = SegmentMeta(private_store)
+    listing = door.segment_keys()
+    write_segments(private_store, collection, vchannel, 2, first=950, indexed=False)
+    private_store.compact(private_store.revision())
+    assert door.repair_channel_index(listing) == (6, 0)  # a fresh listing: the later two too
+    assert_channel_index_complete(private_store)

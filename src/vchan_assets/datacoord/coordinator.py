@@ -66,10 +66,11 @@ class MetaReloader:
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded."""
         door = SegmentMeta(self.store)
-        seen = door.changes_seen()
+        listing = door.segment_keys()  # read once: for the change, then for the repair
+        seen = door.changes_seen(listing)
         if seen == self.seen:
             return False
-        door.repair_channel_index()
+        door.repair_channel_index(listing)
         self.segments.seal_orphans()
         self.seen = seen
         self.reloads += 1

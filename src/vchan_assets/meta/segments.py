@@ -39,7 +39,7 @@ from typing import Any
 from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.codec import decode_dict
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, RevisionCompactedError
-from vchan_assets.meta.store import WALK_RESTARTS, Decoded, KeyValue, MetaStore, Value, too_many_ops
+from vchan_assets.meta.store import WALK_RESTARTS, Decoded, KeyValue, MetaStore, Snapshot, Value, too_many_ops
 from vchan_assets.model import SegmentInfo, SegmentState
 
 log = logging.getLogger(__name__)
@@ -156,10 +156,15 @@ class SegmentMeta:
         segments, *others = self.store.list_prefixes([self.prefix(collection), *prefixes])
         return self._select(segments, None, None, skip_malformed), others
 
-    def changes_seen(self) -> tuple[int, int]:
-        """(the highest mod revision, the count) of every segment key, read keys only: it
-        moves whenever a segment is written, created or deleted."""
-        items = self.store.list_prefix(self.prefix(), keys_only=True).items
+    def segment_keys(self) -> Snapshot:
+        """Every segment key, keys only, paged at one revision."""
+        return self.store.list_prefix(self.prefix(), keys_only=True)
+
+    def changes_seen(self, listing: Snapshot | None = None) -> tuple[int, int]:
+        """(the highest mod revision, the count) of every segment key (of `listing`, read
+        by `segment_keys`, if given): it moves whenever a segment is written, created or
+        deleted."""
+        items = (listing or self.segment_keys()).items
         return max((kv.mod_revision for kv in items), default=0), len(items)
 
     def get(self, collection: int, partition: int, segment: int) -> Decoded[SegmentInfo] | None:
@@ -203,7 +208,7 @@ class SegmentMeta:
         log.info("the per-vchannel segment index is complete: %d entries added, %d removed", added, removed)
         return added
 
-    def repair_channel_index(self) -> tuple[int, int]:
+    def repair_channel_index(self, listing: Snapshot | None = None) -> tuple[int, int]:
         """(entries added, entries removed): an entry for each segment key that lacks one
         and none for a segment key that is gone, from the keys of both read at one revision
         (keys only; the values of the segments that lack an entry are then read in batches,
@@ -215,11 +220,10 @@ class SegmentMeta:
         deletes entries only if their segment keys are still absent, so a segment deleted
         or created meanwhile is never mis-indexed. A segment value that does not decode
         cannot be indexed (its vchannel is unknown): it is logged and counted, as listings
-        that skip it."""
-        keys = self.store.keys
-        segments, entries = self.store.list_prefixes(
-            [self.prefix(), keys.channel_segment.prefix], keys_only=True
-        )
+        that skip it. `listing`: the segment keys as `segment_keys` read them (the
+        DataCoord's reload has them already); the index's keys are then read at its
+        revision."""
+        segments, entries = self._keys_and_entries(listing)
         indexed = {self._segment_key_of(kv.key): kv.key for kv in entries}
         present = {kv.key for kv in segments}
         missing = [kv.key for kv in segments if kv.key not in indexed]
@@ -237,6 +241,20 @@ class SegmentMeta:
                 removed,
             )
         return added, removed
+
+    def _keys_and_entries(
+        self, listing: Snapshot | None
+    ) -> tuple[builtins.list[KeyValue], builtins.list[KeyValue]]:
+        """Every segment key and every index entry, keys only, at one revision."""
+        entries_prefix = self.store.keys.channel_segment.prefix
+        if listing is not None:
+            try:
+                entries = self.store.list_prefix(entries_prefix, revision=listing.revision, keys_only=True)
+                return listing.items, entries.items
+            except RevisionCompactedError:
+                pass  # compacted since the listing: both again, at a fresh revision
+        segments, entries_now = self.store.list_prefixes([self.prefix(), entries_prefix], keys_only=True)
+        return segments, entries_now
 
     def _index_batches(self, missing: Sequence[Decoded[SegmentInfo]]) -> int:
         """Entries for `missing`, in transactions of at most BACKFILL_BATCH, each only if its
