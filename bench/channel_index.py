@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 import uuid
 from dataclasses import replace
 from typing import Any
 
-from bench import bench_stack, write_report
+from bench import bench_system, write_report
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
 from vchan_assets.testing.steps import sync_all, write_segments
@@ -100,29 +98,17 @@ def main() -> None:
     parser.add_argument("--old-up-to", type=int, default=20_000, help="the largest N read the old way too")
     parser.add_argument("--out", default="bench/results/channel_index.json")
     args = parser.parse_args()
-    work, etcd, settings = bench_stack("vchan-channel-index-")
-    try:
-        settings = replace(settings, sync_in_process_mb=32.0)
-        store = MetaStore.connect(settings)
-        storage = Storage.from_settings(settings)
-        storage.ensure_root()
-        SegmentMeta(store).backfill_channel_index()  # the mark, as a DataCoord's first tick writes it
-        system = System(settings, store, storage)
+    with bench_system("vchan-channel-index-") as (_, opened):
+        system = replace(opened, settings=replace(opened.settings, sync_in_process_mb=32.0))
+        SegmentMeta(system.store).backfill_channel_index()  # the mark, as a DataCoord's first tick writes it
         rows = [r for n in args.sizes for r in one_size(system, n, old=n <= args.old_up_to)]
-        index = {r["segments_on_b"]: r["sync_ms"] for r in rows if r["path"] == "index"}
-        smallest, largest = min(index), max(index)
-        report = {
-            "rows": rows,
-            "sync_ratio_largest_over_smallest": round(index[largest] / index[smallest], 3),
-            "sizes": [smallest, largest],
-        }
-        print(
-            f"sync of A at {largest:,} / at {smallest:,} segments on B: {report['sync_ratio_largest_over_smallest']}"
-        )
-        write_report(args.out, report)
-    finally:
-        etcd.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    index = {r["segments_on_b"]: r["sync_ms"] for r in rows if r["path"] == "index"}
+    smallest, largest = min(index), max(index)
+    ratio = round(index[largest] / index[smallest], 3)
+    print(f"sync of A at {largest:,} / at {smallest:,} segments on B: {ratio}")
+    write_report(
+        args.out, {"rows": rows, "sync_ratio_largest_over_smallest": ratio, "sizes": [smallest, largest]}
+    )
 
 
 if __name__ == "__main__":

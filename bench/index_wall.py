@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -36,11 +35,9 @@ from typing import Any
 
 import faiss
 
-from bench import bench_stack, write_report
+from bench import bench_system, write_report
 from bench.index_build import EF_CONSTRUCTION, M, clustered, faiss_builds, load, segment_pks, sorted_segments
 from vchan_assets.catalog import Catalog
-from vchan_assets.meta.store import MetaStore
-from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import cli_env
 
@@ -70,12 +67,8 @@ def main() -> None:
     parser.add_argument("--engine", choices=["spark", "local"], default="spark")
     parser.add_argument("--out", default="bench/results/index_wall.json")
     args = parser.parse_args()
-    work, etcd, settings = bench_stack("vchan-index-wall-")
     results: list[dict[str, Any]] = []
-    try:
-        storage = Storage.from_settings(settings)
-        storage.ensure_root()
-        system = System(settings, MetaStore.connect(settings), storage)
+    with bench_system("vchan-index-wall-") as (_, system):
         catalog = Catalog(system)
         for count in args.counts:
             vectors = clustered(count * args.rows_per_segment, seed=count)
@@ -100,7 +93,9 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             results.append(row)
-        result = {
+    write_report(
+        args.out,
+        {
             "engine": args.engine,
             "index": f"HNSW M={M} efConstruction={EF_CONSTRUCTION}",
             "rows_per_segment": args.rows_per_segment,
@@ -108,11 +103,8 @@ def main() -> None:
             "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
             "faiss": faiss.__version__,
             "runs": results,
-        }
-        write_report(args.out, result)
-    finally:
-        etcd.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        },
+    )
 
 
 if __name__ == "__main__":
