@@ -341,3 +341,24 @@ def test_a_sort_runs_and_is_recorded_while_an_index_batch_is_still_building(
     index.gate.set()
     rounds_until(sched, system, lambda r: not sched.busy and not list_tasks(system.store))
     assert states(system, data) == [SegmentIndexState.FINISHED] * 3, "the sort's push queued its build"
+
+
+def test_a_round_after_a_stop_abandoned_the_batch_in_flight_starts_nothing_again(
+    system: System, producer: Producer, data: Data
+) -> None:
+    """A stopping DataCoord gives its batch up (back in the queue, for the next DataCoord);
+    its task loop may still be mid-round in another thread: that round must not admit the
+    tasks just given back under the ending term (they would stay InProgress once it ends)."""
+    ivf_indexed(system, producer, data, [1500])
+    index = GatedIndexTasks()
+    sched = TaskScheduler([SortTasks(), index], system.settings)
+    sched.scan(system)
+    assert [kind for kind, _ in sched.round(system, "local", wait=False).ran] == ["index"]
+
+    given_up = sched.abandon(system.store, "abandoned: stopping")
+    assert [kind for kind, _ in given_up] == ["index"]
+    after = sched.round(system, "local", wait=False)
+    index.gate.set()
+
+    assert after.ran == [], "a round after the stop started the given-up batch again"
+    assert [(t.state, t.attempts) for t in tasks(system).values()] == [(TaskState.QUEUED, 0)]

@@ -365,6 +365,8 @@ class TaskScheduler:
         self.exclusive = exclusive
         self._lanes: dict[str, _Lane] = {}  # the batch running per kind
         self._abandoned: list[_Lane] = []  # given up by a stop, maybe still running
+        self._stopped = False  # `abandon` was called: no batch starts any more
+        self._starting = threading.Lock()  # a batch starts, or the stop gives the lanes up
         self.clock = clock
 
     def backoff(self, attempts: int) -> float:
@@ -435,6 +437,8 @@ class TaskScheduler:
         `segments`, `kinds`: only the tasks of these segments and kinds are recovered,
         revived and run (a Dagster run's round over one vchannel)."""
         report = RoundReport()
+        if self._stopped:
+            return report  # the task loop's last round, after the stop gave its lanes up
         mine = _Selection(segments, kinds)
         self.recover(system.store, report, mine)
         self.revive(system.store, report, mine)
@@ -505,29 +509,34 @@ class TaskScheduler:
         batch: list[Decoded[TaskRecord]],
         report: RoundReport,
     ) -> _Lane | None:
-        """Mark the batch InProgress under this worker and run it in its lane's thread."""
-        worker, now = self.worker(system.store), self.clock()
-        started: list[Decoded[TaskRecord]] = []
-        for d in batch:
-            t = d.model
-            mine = replace(
-                t,
-                state=TaskState.IN_PROGRESS,
-                attempts=t.attempts + 1,
-                worker=worker,
-                started_at=now,
-                not_before=0.0,
+        """Mark the batch InProgress under this worker and run it in its lane's thread;
+        nothing once a stop called `abandon` (the stop's thread and the task loop's race:
+        a batch is either started and given up, or not started)."""
+        with self._starting:
+            if self._stopped:
+                return None
+            worker, now = self.worker(system.store), self.clock()
+            started: list[Decoded[TaskRecord]] = []
+            for d in batch:
+                t = d.model
+                mine = replace(
+                    t,
+                    state=TaskState.IN_PROGRESS,
+                    attempts=t.attempts + 1,
+                    worker=worker,
+                    started_at=now,
+                    not_before=0.0,
+                )
+                if (found := swap_task(system.store, d, mine)) is not None:
+                    started.append(found)
+            if not started:
+                return None
+            report.ran += [(kind.name, d.model.segment_id) for d in started]
+            lane = _Lane(kind, system, started)
+            lane.thread = threading.Thread(
+                target=lane.run, args=(engine,), name=f"tasks-{kind.name}", daemon=True
             )
-            if (found := swap_task(system.store, d, mine)) is not None:
-                started.append(found)
-        if not started:
-            return None
-        report.ran += [(kind.name, d.model.segment_id) for d in started]
-        lane = _Lane(kind, system, started)
-        lane.thread = threading.Thread(
-            target=lane.run, args=(engine,), name=f"tasks-{kind.name}", daemon=True
-        )
-        self._lanes[kind.name] = lane
+            self._lanes[kind.name] = lane
         lane.thread.start()
         return lane
 
@@ -627,14 +636,15 @@ class TaskScheduler:
     def abandon(self, store: MetaStore, reason: str) -> list[tuple[str, int]]:
         """The DataCoord is stopping: every batch in flight is given up, its tasks back to
         the queue for the next active DataCoord, with no attempt spent (the task did not
-        fail), through `store` (the ending term's, before it resigns). The batches' threads
+        fail), through `store` (the ending term's, before it resigns); no batch starts
+        after it. The batches' threads
         run on unrecorded: their commits are refused once the term has ended, and a build
         the next DataCoord starts again gets a new version. Returns the tasks given up."""
         given_up = []
-        for name in list(self._lanes):
-            lane = self._lanes.pop(name, None)
-            if lane is None:
-                continue
+        with self._starting:
+            self._stopped = True
+            lanes = [self._lanes.pop(name) for name in list(self._lanes)]
+        for lane in lanes:
             self._abandoned.append(lane)
             for d in lane.started:
                 t = d.model
