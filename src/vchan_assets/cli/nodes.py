@@ -171,10 +171,17 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
     from vchan_assets.indexes.tasks import IndexTasks
     from vchan_assets.lifecycle.handoff import run_lifecycle
     from vchan_assets.lifecycle.sort_tasks import SortTasks
+    from vchan_assets.meta.segment_cache import SegmentCache
 
     logging.getLogger().setLevel(logging.INFO)
     stop = stop_on_signals()
     store = connect(settings)
+    # Segment meta in memory (Milvus' meta.go), warmed before this process campaigns: a
+    # standby that takes over starts with it loaded. Until it is, listings read etcd.
+    cache = SegmentCache(store).start()
+    if not cache.wait_loaded(settings.etcd_timeout * 2):
+        log.warning("the segment cache is not loaded yet: segment listings read etcd until it is")
+    store.segment_cache = cache
     try:
         # One task scheduler for the tasks after flush: sorts first, then index builds. A
         # stopping DataCoord gives up its batches in flight (the next one runs them) and
@@ -205,6 +212,7 @@ def datacoord(args: argparse.Namespace, settings: Settings) -> int:
         stop.set()
         runner.join(settings.etcd_timeout * 2 + 5)
     finally:
+        cache.stop()
         store.close()
     print(f"datacoord {coord.server_id} stopped", flush=True)
     if tasks.abandoned_running:

@@ -114,13 +114,24 @@ class SegmentMeta:
     ) -> list[Decoded[SegmentInfo]]:
         """The segments of a collection (every collection's without one), with their etcd
         versions, in key order, at one revision; only those of `vchannel`, `partition`
-        and `states` when given. With a `vchannel`, read through its index (its segments
-        only) once the index is complete, else filtered from the collection's listing."""
+        and `states` when given. From the process's segment cache when it has one (as
+        fresh as etcd, see meta/segment_cache.py); else with a `vchannel`, read through
+        its index (its segments only) once the index is complete, else filtered from the
+        collection's listing."""
+        cached = self._cached(self.prefix(collection, partition))
+        if cached is not None:
+            return self._select(cached.items, vchannel, states, skip_malformed)
         if vchannel is not None and self.channel_index_ready():
             items = self._channel_items(vchannel, collection, partition)
         else:
             items = self.store.list_prefix(self.prefix(collection, partition)).items
         return self._select(items, vchannel, states, skip_malformed)
+
+    def _cached(self, prefix: str) -> Snapshot | None:
+        """The keys under `prefix` from the process's segment cache, None without one or
+        when it cannot prove it is current (then etcd is read)."""
+        cache = self.store.segment_cache
+        return None if cache is None else cache.snapshot(prefix)
 
     def _channel_items(
         self, vchannel: str, collection: int | None, partition: int | None
@@ -157,8 +168,10 @@ class SegmentMeta:
         return self._select(segments, None, None, skip_malformed), others
 
     def segment_keys(self) -> Snapshot:
-        """Every segment key, keys only, paged at one revision."""
-        return self.store.list_prefix(self.prefix(), keys_only=True)
+        """Every segment key (keys only, paged at one revision; from the segment cache,
+        with their values, where the process has one)."""
+        cached = self._cached(self.prefix())
+        return cached if cached is not None else self.store.list_prefix(self.prefix(), keys_only=True)
 
     def changes_seen(self, listing: Snapshot | None = None) -> tuple[int, int]:
         """(the highest mod revision, the count) of every segment key (of `listing`, read
@@ -295,7 +308,11 @@ class SegmentMeta:
         states: Collection[SegmentState] | None,
         skip_malformed: bool,
     ) -> builtins.list[Decoded[SegmentInfo]]:
-        found = self.store.decode_models(items, SegmentInfo, skip_malformed)
+        cache = self.store.segment_cache
+        if cache is not None:
+            found = cache.models(items, skip_malformed)  # each version decoded once
+        else:
+            found = self.store.decode_models(items, SegmentInfo, skip_malformed)
         return [
             d
             for d in found

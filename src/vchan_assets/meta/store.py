@@ -23,7 +23,7 @@ import copy
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import etcd3
 import etcd3.exceptions
@@ -45,7 +45,7 @@ from vchan_assets.meta.errors import (
     ValueTooLargeError,
 )
 from vchan_assets.meta.keys import Keys
-from vchan_assets.model import ChannelLease
+from vchan_assets.model import ChannelLease, SegmentInfo
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,17 @@ class Fence:
     create_revision: int
 
 
+class SegmentCopy(Protocol):
+    """Segment meta held in memory, as fresh as etcd (`meta.segment_cache.SegmentCache`)."""
+
+    def snapshot(self, prefix: str) -> Snapshot | None:
+        """The keys under `prefix` in key order, or None when the copy cannot prove it is
+        current (the caller reads etcd)."""
+
+    def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
+        """`items` decoded (each version once)."""
+
+
 class MetaStore:
     """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions.
 
@@ -217,6 +228,9 @@ class MetaStore:
         # value bytes. A view made by `fenced` counts on its own.
         self.keys_read = 0
         self.bytes_read = 0
+        # Segment meta in memory, where a process keeps it (`vchan datacoord`): listings of
+        # segments read it instead of etcd (meta/segments.py). Views made by `fenced` share it.
+        self.segment_cache: SegmentCopy | None = None
 
     def fenced(self, fence: Fence) -> MetaStore:
         """This store (same connection) with every write fenced by `fence`; a refused write

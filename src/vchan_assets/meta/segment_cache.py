@@ -1,0 +1,309 @@
+"""Segment meta held in memory by a `vchan datacoord` process: Milvus' DataCoord `meta.go`,
+loaded once in pages and kept current by one etcd watch.
+
+In Milvus the DataCoord is the only writer of segment meta, so its memory is the truth.
+Here DataNodes commit their own segments under their channel lease, so the copy follows
+etcd instead of owning it; a read of it is still as fresh as a listing of etcd would be:
+
+- at start it reads the segment prefix in pages at one revision (`MetaStore.list_prefix`,
+  Milvus' `WalkWithPrefix`), then watches the prefix from the next revision on a gRPC
+  stream of its own and applies every put and delete;
+- a read first asks etcd for the stream's progress (etcd's `RequestProgress`): etcd
+  answers with its current revision once every event up to it was sent on the stream.
+  Responses arrive in order, so when the answer is seen every change committed before
+  the read began has been applied. One round trip, no value read;
+- a stream that fell behind etcd's compaction (an outage longer than the history etcd
+  keeps) loads the prefix again in pages and says so in the log;
+- while the stream is down (etcd restarting), or when etcd does not answer the progress
+  request in time, `snapshot` returns None and `SegmentMeta` lists etcd itself, in pages,
+  as it does without a cache: a stale copy is never acted on.
+
+Values are decoded once per version and kept (`models`); the key order is kept sorted,
+so the segments of one collection or partition are a slice, not a scan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import etcd3.utils
+import grpc
+from etcd3.etcdrpc import kv_pb2, rpc_pb2_grpc
+from etcd3.etcdrpc import rpc_pb2 as pb
+
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason
+from vchan_assets.model import SegmentInfo
+
+log = logging.getLogger(__name__)
+
+# etcd answers a progress request only while every watcher of the server is in sync
+# (none catching up): a request that got no answer is sent again after this long.
+PROGRESS_RESEND = 0.2
+MAX_BACKOFF = 2.0
+
+
+class _Compacted(Exception):
+    """The stream's start revision is gone from etcd's history."""
+
+
+class SegmentCache:
+    """Every segment key and value under `store`'s root, in memory, following etcd.
+
+    `start()` loads and follows in a thread; `wait_loaded(timeout)` blocks until the first
+    load is in; `snapshot(prefix)` is a fresh, consistent listing or None (read etcd).
+    Counters: `loads` (the first and each after a compaction), `reconnects`,
+    `events_applied`, `progress_timeouts` (reads that fell back to etcd)."""
+
+    def __init__(self, store: MetaStore, fresh_timeout: float | None = None) -> None:
+        self.store = store
+        self.prefix = store.keys.segment.prefix
+        self.fresh_timeout = store.client.timeout if fresh_timeout is None else fresh_timeout
+        self._kvs: dict[str, KeyValue] = {}
+        self._sorted: list[str] | None = []  # the keys in order; None: rebuilt at the next read
+        self._models: dict[str, Decoded[SegmentInfo]] = {}  # by key, for the KeyValue cached
+        self._revision = 0  # every event up to it applied (the resume cursor)
+        self._following = False  # the stream is open and the copy current up to it
+        self._progress = 0  # progress answers seen
+        self._cond = threading.Condition()
+        self._asking = threading.Lock()  # one progress request at a time
+        self._requests: queue.Queue[Any] | None = None
+        self._call: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loads = 0
+        self.reconnects = 0
+        self.events_applied = 0
+        self.progress_timeouts = 0
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> SegmentCache:
+        self._thread = threading.Thread(target=self._run, name="segment cache", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """Whether the copy was loaded and follows etcd within `timeout` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._following, timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._end_stream()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.store.client.timeout + 1)
+
+    @property
+    def revision(self) -> int:
+        """Every change up to this revision is in the copy."""
+        return self._revision
+
+    def __len__(self) -> int:
+        return len(self._kvs)
+
+    # --- reads ----------------------------------------------------------------------
+
+    def snapshot(self, prefix: str) -> Snapshot | None:
+        """The keys under `prefix` (within the segment prefix) in key order, with every
+        change committed before this call: None when that cannot be proven in
+        `fresh_timeout` (the stream is down, etcd slow), and the caller reads etcd."""
+        if not prefix.startswith(self.prefix):
+            raise ValueError(f"{prefix} is not under the cached prefix {self.prefix}")
+        if not self._fresh():
+            return None
+        with self._cond:
+            if self._sorted is None:
+                self._sorted = sorted(self._kvs)
+            keys = self._sorted
+            first = bisect.bisect_left(keys, prefix)
+            last = bisect.bisect_left(keys, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else len(keys)
+            return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision)
+
+    def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
+        """`items` (from `snapshot`) decoded, each version once; a malformed value raises
+        MalformedValueError naming its key, or is logged, counted and skipped."""
+        out = []
+        for kv in items:
+            known = self._models.get(kv.key)
+            if known is not None and known.kv is kv:
+                out.append(known)
+                continue
+            try:
+                decoded = Decoded(decode(kv.key, kv.value, SegmentInfo), kv)
+            except MalformedValueError as exc:
+                if not skip_malformed:
+                    raise
+                self.store.malformed_skipped += 1
+                log.error("skipping %s", exc)
+                continue
+            self._models[kv.key] = decoded
+            out.append(decoded)
+        return out
+
+    def _fresh(self) -> bool:
+        """Ask etcd for the stream's progress and wait for the answer (see the module)."""
+        deadline = time.monotonic() + self.fresh_timeout
+        with self._asking:
+            with self._cond:
+                if not self._following:
+                    return False
+                seen = self._progress
+            while (left := deadline - time.monotonic()) > 0:
+                requests = self._requests
+                if requests is None:
+                    return False
+                requests.put(pb.WatchRequest(progress_request=pb.WatchProgressRequest()))
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: self._progress > seen or not self._following, min(PROGRESS_RESEND, left)
+                    )
+                    if self._progress > seen:
+                        return True
+                    if not self._following:
+                        return False
+        self.progress_timeouts += 1
+        log.warning(
+            "segment cache: etcd did not answer a progress request in %.1fs: reading etcd", self.fresh_timeout
+        )
+        return False
+
+    # --- the thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.1
+        load = True
+        while not self._stop.is_set():
+            try:
+                if load:
+                    self._load()
+                    load = False
+                self._follow()
+                backoff = 0.1
+            except _Compacted:
+                log.warning(
+                    "segment cache fell behind etcd's compaction (revision %d is gone): loading %s again in pages",
+                    self._revision + 1,
+                    self.prefix,
+                )
+                load = True
+            except Exception as exc:  # etcd down or restarting: reads go to etcd meanwhile
+                if self._stop.is_set():
+                    break
+                self.reconnects += 1
+                log.warning(
+                    "segment cache: watch of %s interrupted (%s); again in %.1fs",
+                    self.prefix,
+                    error_reason(exc),
+                    backoff,
+                )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+            finally:
+                with self._cond:
+                    self._following = False
+                    self._cond.notify_all()
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        snapshot = self.store.list_prefix(self.prefix)  # in pages, at one revision
+        with self._cond:
+            self._kvs = {kv.key: kv for kv in snapshot.items}
+            self._sorted = None
+            self._models = {k: d for k, d in self._models.items() if self._kvs.get(k) is d.kv}
+            self._revision = snapshot.revision
+        self.loads += 1
+        log.info(
+            "segment cache: %d segment keys loaded at revision %d in %.2fs",
+            len(snapshot.items),
+            snapshot.revision,
+            time.monotonic() - started,
+        )
+
+    def _follow(self) -> None:
+        """Watch from the cursor until stopped or the stream breaks."""
+        requests: queue.Queue[Any] = queue.Queue()
+        create = pb.WatchCreateRequest(
+            key=etcd3.utils.to_bytes(self.prefix),
+            range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(self.prefix)),
+            start_revision=self._revision + 1,
+        )
+        requests.put(pb.WatchRequest(create_request=create))
+        client = self.store.client
+        stub = rpc_pb2_grpc.WatchStub(client.channel)
+        call = stub.Watch(_drain(requests), credentials=client.call_credentials, metadata=client.metadata)
+        self._requests, self._call = requests, call
+        if self._stop.is_set():
+            self._end_stream()
+        try:
+            for response in call:
+                self._receive(response)
+        except grpc.RpcError:
+            if self._stop.is_set():
+                return
+            raise
+        finally:
+            self._requests = None
+        if not self._stop.is_set():
+            raise ConnectionError("the watch stream ended")
+
+    def _receive(self, response: Any) -> None:
+        if response.compact_revision:
+            raise _Compacted()
+        if response.created:
+            with self._cond:
+                self._following = True
+                self._cond.notify_all()
+            return
+        if response.canceled:
+            raise ConnectionError(f"etcd cancelled the watch: {response.cancel_reason}")
+        if not response.events:  # etcd's answer to a progress request (watch id -1)
+            with self._cond:
+                self._revision = max(self._revision, int(response.header.revision))
+                self._progress += 1
+                self._cond.notify_all()
+            return
+        with self._cond:
+            for event in response.events:
+                self._apply(event)
+            self._cond.notify_all()
+
+    def _apply(self, event: Any) -> None:
+        kv = event.kv
+        key = kv.key.decode()
+        if event.type == kv_pb2.Event.DELETE:
+            if self._kvs.pop(key, None) is not None:
+                self._sorted = None
+            self._models.pop(key, None)
+        else:
+            if key not in self._kvs:
+                self._sorted = None
+            self._kvs[key] = KeyValue(
+                key=key,
+                value=bytes(kv.value),
+                version=kv.version,
+                mod_revision=kv.mod_revision,
+                create_revision=kv.create_revision,
+                lease=kv.lease,
+            )
+        self._revision = max(self._revision, int(kv.mod_revision))
+        self.events_applied += 1
+
+    def _end_stream(self) -> None:
+        requests, call = self._requests, self._call
+        if requests is not None:
+            requests.put(None)
+        if call is not None:
+            call.cancel()
+
+
+def _drain(requests: queue.Queue[Any]) -> Iterator[Any]:
+    while (request := requests.get()) is not None:
+        yield request

@@ -1,0 +1,164 @@
+"""The DataCoord's segment meta in memory (`SegmentCache`): a listing through the door of a
+process that holds it returns what a listing of etcd returns, changes made by another
+client included the moment they commit, without reading a segment value from etcd; a
+stream that fell behind etcd's compaction loads again in pages and says so; with etcd
+gone, a listing fails as it does without the cache instead of answering from a stale copy."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vchan_assets.config import Settings
+from vchan_assets.datacoord.coordinator import DataCoordinator
+from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.meta.embedded import EmbeddedEtcd
+from vchan_assets.meta.errors import MalformedValueError, MetaUnavailableError
+from vchan_assets.meta.segment_cache import SegmentCache
+from vchan_assets.meta.segments import SegmentMeta
+from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
+from vchan_assets.storage import Storage
+from vchan_assets.system import System
+from vchan_assets.testing.steps import SCHEMA, flushed_segment, new_collection, write_segments
+from vchan_assets.testing.tcp_proxy import Endpoint
+from vchan_assets.testing.waiting import wait_until
+from vchan_assets.wal.producer import Producer
+
+
+@pytest.fixture
+def cached(settings: Settings) -> Iterator[MetaStore]:
+    """A second client of the test's root, holding the segment cache (as `vchan datacoord`)."""
+    store = MetaStore.connect(settings)
+    cache = SegmentCache(store).start()
+    assert cache.wait_loaded(30), "the segment cache never loaded"
+    store.segment_cache = cache
+    yield store
+    cache.stop()
+    store.close()
+
+
+def listing(found: list[Decoded[SegmentInfo]]) -> list[tuple[str, int, int, SegmentInfo]]:
+    return [(d.kv.key, d.kv.version, d.kv.mod_revision, d.model) for d in found]
+
+
+def test_a_cached_listing_is_what_etcd_lists_after_every_change_another_client_commits(
+    store: MetaStore, cached: MetaStore, producer: Producer
+) -> None:
+    info = new_collection(producer)
+    other = new_collection(producer)
+    one, two = info.vchannels
+    write_segments(store, info, one, 30, first=1_000)
+    write_segments(store, info, two, 20, first=2_000)
+    write_segments(store, other, other.vchannels[0], 10, first=3_000)
+    door, etcd = SegmentMeta(cached), SegmentMeta(store)
+
+    def same() -> None:
+        for collection, vchannel, states in [
+            (None, None, None),
+            (info.id, None, None),
+            (info.id, two, None),
+            (other.id, None, None),
+            (info.id, None, [SegmentState.DROPPED]),
+        ]:
+            got = door.list(collection, vchannel=vchannel, states=states)  # first: right after the write
+            assert listing(got) == listing(etcd.list(collection, vchannel=vchannel, states=states))
+        assert listing(door.list(info.id, partition=info.partitions[0])) == listing(
+            etcd.list(info.id, partition=info.partitions[0])
+        )
+
+    same()
+    for i, found in enumerate(etcd.list(info.id)[:25]):
+        # Each change by the other client is seen by the very next listing, no wait between.
+        if i % 3 == 0:
+            etcd.delete(found)
+        else:
+            etcd.swap(found.kv.version, found.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))
+        same()
+    etcd.create(flushed_segment(info, one, 9_999))
+    same()
+
+    reads = cached.keys_read
+    for _ in range(5):
+        door.list()
+        door.list(info.id, vchannel=one)
+    assert cached.keys_read == reads, "a cached listing read segment keys from etcd"
+    assert cached.segment_cache is not None and cached.segment_cache.progress_timeouts == 0
+
+
+def test_a_malformed_value_raises_naming_its_key_or_is_skipped_as_without_the_cache(
+    store: MetaStore, cached: MetaStore, producer: Producer
+) -> None:
+    info = new_collection(producer)
+    write_segments(store, info, info.vchannels[0], 3, first=1_000)
+    bad = store.keys.segment(info.id, info.partitions[0], 1_001)
+    store.put(bad, b"{not json")
+
+    with pytest.raises(MalformedValueError, match=bad):
+        SegmentMeta(cached).list(info.id)
+    skipped = cached.malformed_skipped
+    assert [d.model.id for d in SegmentMeta(cached).list(info.id, skip_malformed=True)] == [1_000, 1_002]
+    assert cached.malformed_skipped == skipped + 1
+
+
+def test_a_cache_whose_stream_fell_behind_etcds_compaction_loads_again_in_pages_and_says_so(
+    private_etcd: EmbeddedEtcd, settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache's client reaches etcd through a proxy; the proxy goes down, another client
+    changes segments and compacts etcd's history past them, the proxy comes back."""
+    settings = replace(settings, etcd_endpoints=(private_etcd.endpoint,))
+    writer = MetaStore.connect(settings)
+    proxy = Endpoint(private_etcd.endpoint, tmp_path / "proxy.log")
+    proxy.start()
+    store = MetaStore.connect(settings, [proxy.url])
+    cache = SegmentCache(store, fresh_timeout=1.0).start()
+    try:
+        assert cache.wait_loaded(30)
+        store.segment_cache = cache
+        info = CollectionInfo(1, "c", SCHEMA, (2,), ("dml_0_1v0",))
+        write_segments(writer, info, "dml_0_1v0", 5, first=1_000)
+        door, etcd = SegmentMeta(store), SegmentMeta(writer)
+        assert listing(door.list()) == listing(etcd.list())
+
+        proxy.kill()
+        write_segments(writer, info, "dml_0_1v0", 5, first=2_000)
+        etcd.delete(etcd.list()[0])
+        writer.compact(writer.revision())
+        with caplog.at_level(logging.WARNING), pytest.raises(MetaUnavailableError):
+            door.list()  # no stale answer: the copy cannot prove it is current, etcd is down
+        proxy.start()
+        wait_until(lambda: cache.loads == 2, 60, "the cache loaded again", describe=lambda: cache.loads)
+        assert "fell behind etcd's compaction" in caplog.text
+        assert listing(door.list()) == listing(etcd.list())
+        assert len(cache) == 9
+    finally:
+        cache.stop()
+        proxy.kill()
+        store.close()
+        writer.close()
+
+
+def test_the_datacoords_reload_seal_and_lifecycle_scans_read_no_segment_value_from_etcd(
+    settings: Settings, store: MetaStore, cached: MetaStore, producer: Producer
+) -> None:
+    """Milvus' DataCoord answers from `meta.go`: with the cache, a meta reload after other
+    clients changed segments, the seal of orphans, the sort scan and a GC pass read keys
+    and the channels' state, not the collection's segment values (here 200 of ~1.9 KB)."""
+    info = new_collection(producer)
+    meta_bytes = write_segments(store, info, info.vchannels[0], 200, first=1_000)
+    coordinator = DataCoordinator(settings, cached, reload_interval=0.0)
+    assert coordinator.election.campaign(timeout=5.0)
+    try:
+        coordinator.tick()
+        read = cached.bytes_read
+        write_segments(store, info, info.vchannels[1], 5, first=2_000)  # another client's
+        assert coordinator.tick().reloaded
+        system = System(settings, cached, Storage.from_settings(settings))
+        lifecycle_step(system, engine="local", compact=False)
+        assert cached.bytes_read - read < meta_bytes / 10, "segment values were read from etcd"
+    finally:
+        coordinator.election.resign()
