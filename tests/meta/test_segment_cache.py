@@ -108,17 +108,22 @@ def test_a_malformed_value_raises_naming_its_key_or_is_skipped_as_without_the_ca
 def test_a_cache_whose_stream_fell_behind_etcds_compaction_loads_again_in_pages_and_says_so(
     private_etcd: EmbeddedEtcd, settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The cache's client reaches etcd through a proxy; the proxy goes down, another client
-    changes segments and compacts etcd's history past them, the proxy comes back."""
+    """The cache's client reaches etcd through a proxy, down when the cache starts (it loads
+    once the proxy is up); then the proxy goes down again, another client changes segments
+    and compacts etcd's history past them, the proxy comes back."""
     settings = replace(settings, etcd_endpoints=(private_etcd.endpoint,))
     writer = MetaStore.connect(settings)
     proxy = Endpoint(private_etcd.endpoint, tmp_path / "proxy.log")
-    proxy.start()
     store = MetaStore.connect(settings, [proxy.url])
     cache = SegmentCache(store, fresh_timeout=1.0).start()
+    store.segment_cache = cache
     try:
-        assert cache.wait_loaded(30)
-        store.segment_cache = cache
+        # etcd unreachable at start: no load, and a listing fails as it does without a cache
+        assert not cache.wait_loaded(1.0)
+        with pytest.raises(MetaUnavailableError):
+            SegmentMeta(store).list()
+        proxy.start()
+        assert cache.wait_loaded(60), "the cache did not load once etcd was back"
         info = CollectionInfo(1, "c", SCHEMA, (2,), ("dml_0_1v0",))
         write_segments(writer, info, "dml_0_1v0", 5, first=1_000)
         door, etcd = SegmentMeta(store), SegmentMeta(writer)
