@@ -24,7 +24,13 @@ from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.steps import SCHEMA, flushed_segment, new_collection, write_segments
+from vchan_assets.testing.steps import (
+    SCHEMA,
+    assert_channel_index_complete,
+    flushed_segment,
+    new_collection,
+    write_segments,
+)
 from vchan_assets.testing.tcp_proxy import Endpoint
 from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
@@ -165,5 +171,45 @@ def test_the_datacoords_reload_seal_and_lifecycle_scans_read_no_segment_value_fr
         system = System(settings, cached, Storage.from_settings(settings))
         lifecycle_step(system, engine="local", compact=False)
         assert cached.bytes_read - read < meta_bytes / 10, "segment values were read from etcd"
+    finally:
+        coordinator.election.resign()
+
+
+def test_a_cached_reload_repairs_the_index_entries_of_what_changed_without_listing_the_index(
+    settings: Settings, store: MetaStore, cached: MetaStore, producer: Producer
+) -> None:
+    """A process of the version before the per-vchannel index (a rolling upgrade) creates
+    and deletes segment keys without their entries after the mark: the next reload of a
+    DataCoord with the cache adds and removes those entries, reading only theirs."""
+    info = new_collection(producer)
+    vchannel = info.vchannels[0]
+    write_segments(store, info, info.vchannels[1], 300, first=5_000)
+    coordinator = DataCoordinator(settings, cached, reload_interval=0.0)
+    assert coordinator.election.campaign(timeout=5.0)
+    try:
+        coordinator.tick()  # the term's first reload: a full repair
+        writer = coordinator.writer
+        assert writer is not None
+        write_segments(store, info, vchannel, 5, first=700, indexed=False)
+        read = writer.keys_read
+        assert coordinator.tick().reloaded
+        assert [d.model.id for d in SegmentMeta(store).list(info.id, vchannel=vchannel)] == [
+            700,
+            701,
+            702,
+            703,
+            704,
+        ]
+        assert writer.keys_read - read < 60, "the reload listed the index"
+
+        store.delete(store.keys.segment(info.id, info.partitions[0], 701))  # its entry left behind
+        assert coordinator.tick().reloaded
+        assert_channel_index_complete(store)
+        assert [d.model.id for d in SegmentMeta(store).list(info.id, vchannel=vchannel)] == [
+            700,
+            702,
+            703,
+            704,
+        ]
     finally:
         coordinator.election.resign()

@@ -56,12 +56,18 @@ class MetaReloader:
     remaining key's revision. (Channel checkpoints are read where they are used: by the
     recovery info of an assignment.) Each reload also repairs the per-vchannel segment
     index (`SegmentMeta.repair_channel_index`, keys only): during a rolling upgrade a
-    process of a version before the index creates segments without their entries."""
+    process of a version before the index creates segments without their entries. With a
+    segment cache the listing comes from memory and the repair reads the entries of the
+    segments created or deleted since the last reload only."""
 
     store: MetaStore
     segments: SegmentManager
     seen: tuple[int, int] = (0, 0)  # (highest mod revision, count) of segment keys
     reloads: int = 0  # metric
+    # With a segment cache (`vchan datacoord`): the index entry of each segment key at the
+    # last reload, so the next repairs only what was created or deleted since (a full
+    # repair at the first reload of a term and every FULL_REPAIR_EVERY reloads).
+    entries: dict[str, str] | None = None
 
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded."""
@@ -70,12 +76,33 @@ class MetaReloader:
         seen = door.changes_seen(listing)
         if seen == self.seen:
             return False
-        door.repair_channel_index(listing)
+        if self.store.segment_cache is None:
+            door.repair_channel_index(listing)
+        else:
+            self._repair_from_cache(door, listing)
         self.segments.seal_orphans()
         self.seen = seen
         self.reloads += 1
         return True
 
+    def _repair_from_cache(self, door: SegmentMeta, listing: Snapshot) -> None:
+        if self.entries is None or self.reloads % FULL_REPAIR_EVERY == 0:
+            door.repair_channel_index(listing)
+            self.entries = door.index_entries(listing.items)
+            return
+        keys = {kv.key for kv in listing.items}
+        created = keys - self.entries.keys()
+        deleted = self.entries.keys() - keys
+        door.repair_channel_index_of(listing, self.entries, created, deleted)
+        for key in deleted:
+            del self.entries[key]
+        self.entries.update(door.index_entries([kv for kv in listing.items if kv.key in created]))
+
+
+# Reloads between two full repairs of the per-vchannel index where the reload repairs only
+# what changed (a segment created and deleted between two reloads by a process of a version
+# before the index leaves an entry only a full repair finds).
+FULL_REPAIR_EVERY = 120
 
 # Defaults of `vchan datacoord --interval/--reload-interval`, and of the Dagster-hosted
 # coordinator (which ticks at its sensor's pace and reloads this often).

@@ -33,7 +33,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from vchan_assets.failpoints import failpoint
@@ -255,6 +255,43 @@ class SegmentMeta:
             )
         return added, removed
 
+    def repair_channel_index_of(
+        self,
+        listing: Snapshot,
+        entries: Mapping[str, str],
+        created: Collection[str],
+        deleted: Collection[str],
+    ) -> tuple[int, int]:
+        """`repair_channel_index` for the segment keys `created` and `deleted` since an
+        earlier listing only (the DataCoord's reload, from its segment cache: O(changes)
+        instead of every key of both families). `listing` holds the values of `created`;
+        `entries`: the index entry of each segment key of the earlier listing. The entries
+        of both are read at the listing's revision."""
+        made = {kv.key: kv for kv in listing.items if kv.key in created}
+        decoded = self._models(list(made.values()), skip_malformed=True)
+        want = {d.kv.key: self.index_key(d.model) for d in decoded}
+        gone = {key: entries[key] for key in deleted if key in entries}
+        check = [*want.values(), *gone.values()]
+        found: dict[str, bool] = {}
+        for i in range(0, len(check), BACKFILL_BATCH):
+            batch = check[i : i + BACKFILL_BATCH]
+            found.update(
+                zip(batch, (kv is not None for kv in self.store.get_at(batch, listing.revision)), strict=True)
+            )
+        added = self._index_batches([d for d in decoded if not found[want[d.kv.key]]])
+        removed = self._unindex([(segment, entry) for segment, entry in gone.items() if found[entry]])
+        if added or removed:
+            log.warning(
+                "the per-vchannel segment index lacked %d entries and held %d of segments gone",
+                added,
+                removed,
+            )
+        return added, removed
+
+    def index_entries(self, items: Sequence[KeyValue]) -> dict[str, str]:
+        """The index entry each segment of `items` (with values) has, by segment key."""
+        return {d.kv.key: self.index_key(d.model) for d in self._models(items, skip_malformed=True)}
+
     def _keys_and_entries(
         self, listing: Snapshot | None
     ) -> tuple[builtins.list[KeyValue], builtins.list[KeyValue]]:
@@ -301,6 +338,12 @@ class SegmentMeta:
                 removed += 1
         return removed
 
+    def _models(self, items: Sequence[KeyValue], skip_malformed: bool) -> builtins.list[Decoded[SegmentInfo]]:
+        cache = self.store.segment_cache
+        if cache is not None:
+            return cache.models(items, skip_malformed)  # each version decoded once
+        return self.store.decode_models(items, SegmentInfo, skip_malformed)
+
     def _select(
         self,
         items: Sequence[KeyValue],
@@ -308,11 +351,7 @@ class SegmentMeta:
         states: Collection[SegmentState] | None,
         skip_malformed: bool,
     ) -> builtins.list[Decoded[SegmentInfo]]:
-        cache = self.store.segment_cache
-        if cache is not None:
-            found = cache.models(items, skip_malformed)  # each version decoded once
-        else:
-            found = self.store.decode_models(items, SegmentInfo, skip_malformed)
+        found = self._models(items, skip_malformed)
         return [
             d
             for d in found
