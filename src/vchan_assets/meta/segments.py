@@ -247,13 +247,7 @@ class SegmentMeta:
             values = [kv for kv in found if kv is not None]
             added += self._index_batches(self.store.decode_models(values, SegmentInfo, skip_malformed=True))
         removed = self._unindex(stale)
-        if added or removed:
-            log.warning(
-                "the per-vchannel segment index lacked %d entries and held %d of segments gone",
-                added,
-                removed,
-            )
-        return added, removed
+        return _repaired(added, removed)
 
     def repair_channel_index_of(
         self,
@@ -280,13 +274,7 @@ class SegmentMeta:
             )
         added = self._index_batches([d for d in decoded if not found[want[d.kv.key]]])
         removed = self._unindex([(segment, entry) for segment, entry in gone.items() if found[entry]])
-        if added or removed:
-            log.warning(
-                "the per-vchannel segment index lacked %d entries and held %d of segments gone",
-                added,
-                removed,
-            )
-        return added, removed
+        return _repaired(added, removed)
 
     def index_entries(self, items: Sequence[KeyValue]) -> dict[str, str]:
         """The index entry each segment of `items` (with values) has, by segment key."""
@@ -358,3 +346,12 @@ class SegmentMeta:
             if (vchannel is None or d.model.vchannel == vchannel)
             and (states is None or d.model.state in states)
         ]
+
+
+def _repaired(added: int, removed: int) -> tuple[int, int]:
+    """A repair's (added, removed), logged when it changed the index."""
+    if added or removed:
+        log.warning(
+            "the per-vchannel segment index lacked %d entries and held %d of segments gone", added, removed
+        )
+    return added, removed
