@@ -92,7 +92,7 @@ def test_kill_9_of_a_node_under_load_moves_its_channels_and_loses_or_duplicates_
                 return False
         return True
 
-    wait_until(resumed, 20, "syncing resumed from the checkpoint on the new owners")
+    wait_until(resumed, 120, "syncing resumed from the checkpoint on the new owners")
     finish_and_check(cluster, store, (producer, infos), load)
     assert took <= cluster.settings.session_ttl + 6
 
@@ -116,13 +116,13 @@ def test_a_node_paused_mid_sync_past_its_ttl_is_fenced_by_the_lease_when_it_resu
         return now is not None and set(now.values()) == {other.id}
 
     wait_until(moved, cluster.settings.session_ttl + 10, "the paused node's channels moved")
-    wait_until(lambda: all(checkpoint_of(store, v) for v in channels), 20, "the new owner synced")
+    wait_until(lambda: all(checkpoint_of(store, v) for v in channels), 120, "the new owner synced")
     # Resume it (again, should another of its channels reach the failpoint before it exits).
     deadline = time.monotonic() + 40
     while paused.process.poll() is None and time.monotonic() < deadline:
         paused.signal(signal.SIGCONT)
         time.sleep(0.2)
-    assert paused.process.wait(5) == 4, "the node exits with 'session lost'"
+    assert paused.process.wait(60) == 4, "the node exits with 'session lost'"
     log = paused.log()
     assert "lost its session" in log
     # Its in-flight work failed instead of committing: rejected by the lease (LeaseLostError),

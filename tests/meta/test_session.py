@@ -202,7 +202,7 @@ def test_sigstopped_node_loses_its_session_and_notices_when_continued(
     child.signal(signal.SIGCONT)
 
     assert gone_after <= TTL + 3
-    assert child.read_line(timeout=5) == "expired"
-    assert child.process.wait(timeout=5) == 0
+    assert child.read_line(timeout=60) == "expired"
+    assert child.process.wait(timeout=60) == 0
     reason = marker.read_text()
     assert "keep-alive" in reason or "etcd reports" in reason
