@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from vchan_assets.testing.harness import SyncLag
+from vchan_assets.testing.waiting import WaitTimeout, wait_until
+
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,3 +63,12 @@ def test_a_test_not_marked_integration_cannot_start_the_cli() -> None:
         subprocess.run([sys.executable, "-m", "vchan_assets.cli", "--help"], capture_output=True, timeout=60)
     # other children are allowed
     assert subprocess.run(["true"], timeout=60).returncode == 0
+
+
+def test_a_wait_on_all_synced_that_times_out_names_the_channels_behind() -> None:
+    """`all_synced` is false while a channel lags, and a wait on it that times out says which
+    channel, how far behind and who watches it, not just "last saw: False"."""
+    behind = SyncLag((("c-dml_0v0", "checkpoint 3 < head 9"),), store=None)
+    assert not behind and SyncLag()
+    with pytest.raises(WaitTimeout, match=r"c-dml_0v0: checkpoint 3 < head 9, watched by \[\]"):
+        wait_until(lambda: behind, 0.05, "every channel caught up", interval=0.01)

@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.codec import decode
-from vchan_assets.meta.errors import MalformedValueError
+from vchan_assets.meta.errors import MalformedValueError, MetaError
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
@@ -195,15 +195,47 @@ def checkpoint_of(store: MetaStore, vchannel: str) -> MsgPosition | None:
     return None if found is None else found.model
 
 
-def all_synced(store: MetaStore, storage: Storage, infos: list[CollectionInfo]) -> bool:
-    """Every channel's checkpoint is at its log's head."""
+@dataclass(frozen=True)
+class SyncLag:
+    """The channels whose checkpoint is behind their log's head: true when there are none.
+    Its repr names each with its watch infos, read then (what a wait on `all_synced` says
+    when it times out)."""
+
+    behind: tuple[tuple[str, str], ...] = ()  # (vchannel, "checkpoint C < head H")
+    store: MetaStore | None = field(default=None, compare=False)
+
+    def __bool__(self) -> bool:
+        return not self.behind
+
+    def __repr__(self) -> str:
+        if not self.behind:
+            return "every channel at its head"
+        try:
+            found = watches(self.store)[0] if self.store is not None else {}
+        except MetaError as exc:
+            found, self_error = {}, f" (watch infos unreadable: {exc})"
+        else:
+            self_error = ""
+        return (
+            "; ".join(
+                f"{v}: {lag}, watched by {[(w.node_id, w.state.value) for w in found.get(v, [])]}"
+                for v, lag in self.behind
+            )
+            + self_error
+        )
+
+
+def all_synced(store: MetaStore, storage: Storage, infos: list[CollectionInfo]) -> SyncLag:
+    """Every channel's checkpoint is at its log's head (true), or the ones that are not."""
+    behind = []
     for info in infos:
         for vchannel in info.vchannels:
             head = WalReader(storage, vchannel, info).head()
             cp = checkpoint_of(store, vchannel)
             if head is not None and (cp is None or cp.offset < head.offset):
-                return False
-    return True
+                at = "no checkpoint" if cp is None else f"checkpoint {cp.offset}"
+                behind.append((vchannel, f"{at} < head {head.offset}"))
+    return SyncLag(tuple(behind), store)
 
 
 @dataclass(frozen=True)
