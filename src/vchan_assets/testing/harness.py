@@ -603,13 +603,17 @@ class OneWriterChecker(threading.Thread):
 
 
 class Load(threading.Thread):
-    """A producer writing batches into the collections until stopped (the "load")."""
+    """A producer writing batches into the collections until stopped (the "load"), a pause
+    of `period` seconds after each round."""
 
-    def __init__(self, producer: Producer, infos: list[CollectionInfo], rows: int = 40) -> None:
+    def __init__(
+        self, producer: Producer, infos: list[CollectionInfo], rows: int = 40, period: float = 0.05
+    ) -> None:
         super().__init__(daemon=True)
         self.producer = producer
         self.infos = infos
         self.rows = rows
+        self.period = period
         self.produced = {info.name: Produced() for info in infos}
         self.batches = 0
         self.error: BaseException | None = None
@@ -623,7 +627,7 @@ class Load(threading.Thread):
                     produce(self.producer, info.name, self.produced[info.name], self.rows, pk, deletes=2)
                     pk += self.rows
                 self.batches += 1
-                time.sleep(0.05)
+                time.sleep(self.period)
         except BaseException as exc:
             self.error = exc
 
