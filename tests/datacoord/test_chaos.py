@@ -29,6 +29,7 @@ def test_a_seeded_chaos_schedule_under_a_producer_loses_and_duplicates_nothing(
     private_cluster: Cluster, private_store: MetaStore, private_etcd: EmbeddedEtcd
 ) -> None:
     cluster, store = private_cluster, private_store
+    cluster.coordinator_engine = "local"  # sorts in the coordinators' processes: no Spark JVM per coordinator
     producer, infos = create_collections(store, cluster.settings, count=1, shards=4)
     channels = list(infos[0].vchannels)
     load = PausableLoad(producer, infos[0])

@@ -46,11 +46,17 @@ def test_a_datanode_whose_spark_jvm_dies_goes_abnormal_its_channels_move_and_it_
     cluster: Cluster, store: MetaStore
 ) -> None:
     cluster.env_extra["VCHAN_SESSION_TTL"] = "6"  # a JVM starting on a loaded machine starves keep-alives
+    # The node's JVM is the one under test: the coordinator sorts in its own process, so no
+    # second JVM competes with the node's two starts.
+    cluster.coordinator_engine = "local"
     producer, infos = create_collections(store, cluster.settings, count=1, shards=4)
     channels = list(infos[0].vchannels)
-    cluster.coordinator()
-    other = cluster.node()
-    spark = cluster.node(engine="spark", VCHAN_HEALTH_INTERVAL="1")
+    # Spawned together (the Spark node's JVM starts while the others do), then waited for.
+    spark = cluster.node(engine="spark", wait=False, VCHAN_HEALTH_INTERVAL="1")
+    other = cluster.node(wait=False)
+    cluster.coordinator(wait=False)
+    for role in cluster.roles:
+        role.started()
     load = Load(producer, infos)
     load.start()
 

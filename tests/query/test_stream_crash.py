@@ -77,7 +77,10 @@ def test_a_stream_killed_mid_batch_while_the_lifecycle_runs_sinks_every_change_o
     cluster = Cluster(replace(race_settings(settings), stream_idle_timeout=600.0), tmp_path)
     storage = Storage.from_settings(cluster.settings)
     producer, [info] = create_collections(store, cluster.settings, count=1, shards=2)
-    load = Load(producer, [info], rows=20)
+    # A round every 0.5 s: the stream's first batch (a cold JVM and Python workers, tens of
+    # seconds on a loaded machine) does not pile up thousands of log files for the restart
+    # to read; the node still syncs, the coordinator still seals, sorts and collects.
+    load = Load(producer, [info], rows=20, period=0.5)
     sink, checkpoint = tmp_path / "sink", tmp_path / "checkpoint"
     options = stream_options(cluster.settings, store, info.name)
     child: subprocess.Popen[bytes] | None = None

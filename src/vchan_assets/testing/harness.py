@@ -94,15 +94,30 @@ def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 class Role:
-    """A `vchan datanode` or `vchan datacoord` OS process; stderr goes to `log_path`."""
+    """A `vchan datanode` or `vchan datacoord` OS process; stderr goes to `log_path`.
+    Constructed, it has started (printed its id); with `wait=False` it is only spawned, and
+    `started()` waits for it (roles spawned together start side by side)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, wait: bool = True) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in cleanup
         self.process = subprocess.Popen(
             [str(VCHAN), *args], env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
         )
-        self.id = self._started_id()
+        self._id = self._started_id() if wait else None
+
+    @property
+    def id(self) -> int:
+        """The node or server id the process printed at start (waited for, if not yet)."""
+        if self._id is None:
+            self._id = self._started_id()
+        return self._id
+
+    def started(self) -> Role:
+        """This role once its process printed its id."""
+        if self._id is None:
+            self._id = self._started_id()
+        return self
 
     def _started_id(self, timeout: float = 60) -> int:
         assert self.process.stdout is not None
@@ -149,30 +164,39 @@ class Role:
 
 @dataclass
 class Cluster:
-    """Processes on one `Settings`; `cleanup` kills every one still running."""
+    """Processes on one `Settings`; `cleanup` kills every one still running.
+    `coordinator_engine`: where the coordinators run their sorts, compactions and builds
+    (`local`: in the process, no Spark JVM beside a test that is not about Spark)."""
 
     settings: Settings
     tmp: Path
     env_extra: dict[str, str] = field(default_factory=dict)
     roles: list[Role] = field(default_factory=list)
+    coordinator_engine: str = "spark"
 
     def env(self, **extra: str) -> dict[str, str]:
         return cli_env(self.settings, **{**FAST, **self.env_extra, **extra})
 
-    def node(self, engine: str = "local", poll: float = 0.2, **extra: str) -> Role:
+    def node(self, engine: str = "local", poll: float = 0.2, wait: bool = True, **extra: str) -> Role:
+        """A `vchan datanode`; `wait=False`: only spawned (`Role.started` waits for it)."""
         n = len(self.roles)
         role = Role(
             ["datanode", "--engine", engine, "--poll", str(poll)],
             self.env(**extra),
             self.tmp / f"role{n}-datanode.log",
+            wait,
         )
         self.roles.append(role)
         return role
 
-    def coordinator(self, **extra: str) -> Role:
+    def coordinator(self, wait: bool = True, **extra: str) -> Role:
+        """A `vchan datacoord` on `coordinator_engine`; `wait=False` as for `node`."""
         n = len(self.roles)
         role = Role(
-            ["datacoord", "--interval", "0.2"], self.env(**extra), self.tmp / f"role{n}-datacoord.log"
+            ["datacoord", "--interval", "0.2", "--engine", self.coordinator_engine],
+            self.env(**extra),
+            self.tmp / f"role{n}-datacoord.log",
+            wait,
         )
         self.roles.append(role)
         return role
@@ -246,13 +270,14 @@ class Watch:
 
 
 def watches(store: MetaStore) -> tuple[dict[str, list[Watch]], dict[str, ChannelLease]]:
-    """Every channel's watch infos and its lease, read in ONE etcd snapshot of the root."""
-    snap = store.list_prefix(store.keys.root + "/")
+    """Every channel's watch infos and its lease, read in ONE etcd snapshot (both prefixes at
+    one revision; not the whole root, whose segment meta grows under a load)."""
     watch_root = store.keys.channel_watch.prefix
     lease_root = store.keys.channel_lease.prefix
+    watch_kvs, lease_kvs = store.list_prefixes([watch_root, lease_root])
     out: dict[str, list[Watch]] = {}
     leases: dict[str, ChannelLease] = {}
-    for kv in snap.items:
+    for kv in [*watch_kvs, *lease_kvs]:
         if kv.key.startswith(watch_root):
             node, _, vchannel = kv.key[len(watch_root) :].partition("/")
             if not node.isdigit():
@@ -526,10 +551,13 @@ class ChaosSchedule:
                 role.cleanup()
         self.nodes = live(self.nodes)
         self.coordinators = live(self.coordinators)
-        self.nodes += [self.cluster.node() for _ in range(nodes - len(self.nodes))]
-        self.coordinators += [
-            self.cluster.coordinator() for _ in range(coordinators - len(self.coordinators))
+        # Spawned together, then waited for: their starts (imports, etcd sessions) overlap.
+        new = [self.cluster.node(wait=False) for _ in range(nodes - len(self.nodes))]
+        new_coordinators = [
+            self.cluster.coordinator(wait=False) for _ in range(coordinators - len(self.coordinators))
         ]
+        self.nodes += [role.started() for role in new]
+        self.coordinators += [role.started() for role in new_coordinators]
 
     def fault(self) -> str:
         """Replace dead roles, then inflict one fault; its name."""
@@ -607,13 +635,17 @@ class OneWriterChecker(threading.Thread):
 
 
 class Load(threading.Thread):
-    """A producer writing batches into the collections until stopped (the "load")."""
+    """A producer writing batches into the collections until stopped (the "load"), a pause
+    of `period` seconds after each round."""
 
-    def __init__(self, producer: Producer, infos: list[CollectionInfo], rows: int = 40) -> None:
+    def __init__(
+        self, producer: Producer, infos: list[CollectionInfo], rows: int = 40, period: float = 0.05
+    ) -> None:
         super().__init__(daemon=True)
         self.producer = producer
         self.infos = infos
         self.rows = rows
+        self.period = period
         self.produced = {info.name: Produced() for info in infos}
         self.batches = 0
         self.error: BaseException | None = None
@@ -627,7 +659,7 @@ class Load(threading.Thread):
                     produce(self.producer, info.name, self.produced[info.name], self.rows, pk, deletes=2)
                     pk += self.rows
                 self.batches += 1
-                time.sleep(0.05)
+                time.sleep(self.period)
         except BaseException as exc:
             self.error = exc
 
