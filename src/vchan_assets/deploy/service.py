@@ -116,9 +116,35 @@ class DaemonHeartbeats:
         return max(stale, key=lambda ta: ta[1]) if stale else None
 
 
+def postgres_unanswered(dagster_home: Path) -> str:
+    """Why the PostgreSQL of the instance at `dagster_home` does not answer ("" when it does,
+    or when the instance is not on a `postgres_url`). Dagster, opening that instance, would
+    retry its connection with backoff for seconds before it fails: a health check (the
+    supervisor's `missing()`, `vchan status`) asks the server once, with a short timeout."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((dagster_home / "dagster.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ""
+    url = ((config.get("storage") or {}).get("postgres") or {}).get("postgres_url")
+    if not isinstance(url, str):
+        return ""
+    import psycopg2
+
+    scheme, _, rest = url.partition("://")
+    try:
+        psycopg2.connect(f"{scheme.split('+')[0]}://{rest}", connect_timeout=2).close()
+    except psycopg2.OperationalError as exc:
+        return f"its PostgreSQL does not answer ({' '.join(str(exc).split())})"
+    return ""
+
+
 def daemon_heartbeats(dagster_home: Path, now: float) -> DaemonHeartbeats:
     import dagster as dg
 
+    if why := postgres_unanswered(dagster_home):
+        return DaemonHeartbeats({}, unreadable=why)
     try:
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             beats = instance.get_daemon_heartbeats()
