@@ -39,6 +39,7 @@ from vchan_assets.deploy.service import (
     daemon_state,
     graphql,
 )
+from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionInfo, MsgPosition, NodeSession, WatchState
@@ -80,6 +81,15 @@ def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory
     shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
     service = DagsterService(settings, dagster_home=home)
     with running(service) as (url, store, producer):
+        # Created once both node sensors registered their nodes, as on a running deployment:
+        # created before, both channels could go to the first node, and the coordinator's
+        # balance then moved one (a release run and a watch run more, before any test).
+        wait_until(
+            lambda: len(_dagster_sessions(store)) == settings.dagster_datanodes,
+            180,
+            "the Dagster-hosted DataNodes registered",
+            describe=lambda: _dagster_sessions(store),
+        )
         collection = producer.create_collection("e2e", SCHEMA, [], num_channels=2)
         producer.insert(collection.name, generate_rows(SCHEMA, ROWS, start_pk=1, seed=1))
         heads = {
@@ -331,11 +341,41 @@ def test_vchan_status_tells_a_hung_daemon_from_its_heartbeats(deployment: Deploy
     assert "run `vchan up`: it replaces a hung daemon" in warning["message"], warning
 
 
-def test_vchan_up_restarts_a_hung_daemon_and_the_supervisor_sees_it(deployment: Deployment) -> None:
+def _register_a_node_nobody_keeps(store: MetaStore) -> int:
+    """A Dagster-hosted node's session with nobody behind it, as the one a node sensor tick
+    registers when the code server evaluates it while its daemon is being stopped (STOPPING
+    here, so the coordinator gives it no channel meanwhile). Its node id."""
+    from vchan_assets.model import SessionState
+
+    node_id = IdAllocator(store, batch=1).alloc()
+    now = time.time()
+    record = NodeSession(node_id, f"{DAGSTER_ADDRESS}9", "0", now, SessionState.STOPPING, now)
+    store.cas(store.keys.datanode_session(node_id), 0, record, lease=store.grant(60))
+    return node_id
+
+
+def _storage_creations(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The homes whose storage DagsterService creates from now on (it still creates them)."""
+    created: list[Path] = []
+    create = DagsterService._create_storage
+
+    def recorded(service: DagsterService, env: dict[str, str]) -> None:
+        created.append(service.home)
+        create(service, env)
+
+    monkeypatch.setattr(DagsterService, "_create_storage", recorded)
+    return created
+
+
+def test_vchan_up_restarts_a_hung_daemon_and_the_supervisor_sees_it(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A daemon whose process is alive but whose heartbeats stopped is hung: `missing()` (what
     `vchan up --supervise` checks) lists it, and `start()` (what `vchan up` and the supervisor
     run) replaces it and leaves the webserver alone. Judged from HEARTBEAT_STALE_AFTER + 60 s
-    later: the clock moved, the heartbeats not."""
+    later: the clock moved, the heartbeats not. No Dagster-hosted node's session outlives the
+    replaced daemon (one left would hold for its TTL, and be given channels), and the heal
+    starts the daemon without creating the storage the running webserver has opened."""
     service = deployment.service
     later = time.time() + HEARTBEAT_STALE_AFTER + 60
     healer = DagsterService(deployment.settings, dagster_home=service.dagster_home)
@@ -345,12 +385,16 @@ def test_vchan_up_restarts_a_hung_daemon_and_the_supervisor_sees_it(deployment: 
     )
     assert healer.missing() == []
     assert healer.missing(now=later) == ["dagster-daemon (hung)"]
+    left_behind = _register_a_node_nobody_keeps(deployment.store)
+    created = _storage_creations(monkeypatch)
 
     healer.start(now=later)
 
     new_daemon, new_web = json.loads(service.state_file.read_text())["pids"]
     assert new_daemon != daemon and not pid_alive(daemon) and pid_alive(new_daemon)
     assert new_web == web and pid_alive(web)
+    assert left_behind not in _dagster_sessions(deployment.store)
+    assert created == []
     wait_until(
         lambda: daemon_state(new_daemon, service.dagster_home, time.time()).startswith("up"),
         90,
@@ -567,11 +611,6 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
         return ""
 
     wait_until(lambda: freshness() == "HEALTHY", 120, "segment_table fresh under its freshness policy")
-    for asset, checks in LIVE_CHECKS.items():
-        for check in sorted(checks):
-            wait_until(
-                lambda a=asset, c=check: _check_passed(url, a, c), 240, f"{asset}:{check} evaluated, passed"
-            )
     blocking = {
         check["name"]: check["blocking"]
         for node in graphql(url, CHECKS)["assetNodes"]
@@ -613,6 +652,13 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
     for check in ("checkpoints_fresh", "checkpoint_monotonic"):
         assert check in checks_text, checks_text[:2000]
     assert (ARTIFACTS / "asset-graph-health.png").stat().st_size > 10_000
+    # Last: the sort of the segments flushed above (its sensor's tick, then a run) went on
+    # while the browser looked at the pages, which show none of these evaluations.
+    for asset, checks in LIVE_CHECKS.items():
+        for check in sorted(checks):
+            wait_until(
+                lambda a=asset, c=check: _check_passed(url, a, c), 240, f"{asset}:{check} evaluated, passed"
+            )
 
 
 def _kill_daemon(pid: int) -> None:
@@ -714,11 +760,12 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
 
 
 def test_a_webserver_killed_9_is_started_again_by_vchan_up_and_serves_the_same_history(
-    deployment: Deployment,
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kill -9 of the webserver's process group (its code server too): the service reports it
     missing, and `vchan up`'s heal (DagsterService.start()) starts a new webserver, and only
-    it (the daemon keeps its pid), whose UI serves the runs recorded before the kill."""
+    it (the daemon keeps its pid; the storage it opened is not created again), whose UI
+    serves the runs recorded before the kill."""
     service = deployment.service
     daemon, web = json.loads(service.state_file.read_text())["pids"]
     runs_before = graphql(deployment.url, RUN_COUNT)["runsOrError"]["count"]
@@ -726,7 +773,10 @@ def test_a_webserver_killed_9_is_started_again_by_vchan_up_and_serves_the_same_h
     wait_until(lambda: not pid_alive(web), 30, "the webserver to die")
     assert service.missing() == ["dagster-webserver"]
 
+    created = _storage_creations(monkeypatch)
+
     url = DagsterService(deployment.settings, dagster_home=service.dagster_home).start()
+    assert created == []
 
     new_daemon, new_web = json.loads(service.state_file.read_text())["pids"]
     assert new_daemon == daemon and pid_alive(daemon)

@@ -22,6 +22,7 @@ from vchan_assets.deploy.postgres import PostgresServer
 from vchan_assets.deploy.service import DagsterService, daemon_state, graphql
 from vchan_assets.deploy.supervisor import Supervisor
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import DAGSTER_ADDRESS, NodeSession
 from vchan_assets.storage import Storage
 from vchan_assets.testing import waiting
 from vchan_assets.testing.harness import SCHEMA, PausableLoad, all_synced, exactly_once, owners
@@ -48,6 +49,12 @@ def _sql(postgres: PostgresServer, query: str) -> list[tuple[object, ...]]:
     with psycopg2.connect(postgres.url) as conn, conn.cursor() as cursor:
         cursor.execute(query)
         return list(cursor.fetchall())
+
+
+def _dagster_nodes(store: MetaStore) -> list[int]:
+    """The Dagster-hosted nodes with a session in etcd."""
+    found, _ = store.list_models(store.keys.datanode_session.prefix, NodeSession, skip_malformed=True)
+    return sorted(d.model.node_id for d in found if d.model.address.startswith(DAGSTER_ADDRESS))
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,14 @@ def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed
     the same runs."""
     d = pg_deployment
     storage = Storage.from_settings(d.settings)
+    # Created once both node sensors registered their nodes: created before, both channels
+    # could go to the first node, and the balance then moved one (two runs more).
+    wait_until(
+        lambda: len(_dagster_nodes(d.store)) == d.settings.dagster_datanodes,
+        180,
+        "the Dagster-hosted DataNodes registered",
+        describe=lambda: _dagster_nodes(d.store),
+    )
     info = d.producer.create_collection(f"pgk{uuid.uuid4().hex[:6]}", SCHEMA, [], num_channels=2)
     supervisor = Supervisor(
         missing=lambda: d.postgres.missing() + d.service.missing(),
@@ -95,6 +110,11 @@ def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed
             )
         port = d.postgres.port
         d.postgres.kill()
+        # The daemon's health is read from the instance: with its server down, asked once
+        # (Dagster would retry its connection for seconds at every look of the supervisor).
+        daemon = d.service.recorded()
+        assert daemon is not None
+        assert "PostgreSQL does not answer" in daemon_state(daemon["pids"][0], d.home, time.time())
         assert "postgres" in supervisor.missing()
         supervisor.step()
         assert d.postgres.running() and d.postgres.port == port and supervisor.restarts

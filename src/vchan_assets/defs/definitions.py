@@ -4,6 +4,12 @@ Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/clus
 `defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`), the freshness check and its
 sensor (`defs/health`), the declarative automation sensor (`defs/automation`) and the two resources. The
 settings are read once per load.
+
+Every job runs its steps in the run's own process (`in_process_executor`), also the jobs
+Dagster makes itself: the implicit asset job of the automation sensor's `segment_table` runs
+and of a materialization launched from the UI. Dagster's default executor starts a second
+Python process per step, which imports Dagster and these definitions again: for a step of a
+second or two, tens of seconds on a loaded machine.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def build_definitions(settings: Settings) -> dg.Definitions:
             automation_sensor,
             checkpoint_freshness_sensor,
         ],
+        executor=dg.in_process_executor,
         resources={
             "vchan": VchanResource.from_env(),
             "pyspark": pyspark_resource(settings),

@@ -116,9 +116,35 @@ class DaemonHeartbeats:
         return max(stale, key=lambda ta: ta[1]) if stale else None
 
 
+def postgres_unanswered(dagster_home: Path) -> str:
+    """Why the PostgreSQL of the instance at `dagster_home` does not answer ("" when it does,
+    or when the instance is not on a `postgres_url`). Dagster, opening that instance, would
+    retry its connection with backoff for seconds before it fails: a health check (the
+    supervisor's `missing()`, `vchan status`) asks the server once, with a short timeout."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((dagster_home / "dagster.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ""
+    url = ((config.get("storage") or {}).get("postgres") or {}).get("postgres_url")
+    if not isinstance(url, str):
+        return ""
+    import psycopg2
+
+    scheme, _, rest = url.partition("://")
+    try:
+        psycopg2.connect(f"{scheme.split('+')[0]}://{rest}", connect_timeout=2).close()
+    except psycopg2.OperationalError as exc:
+        return f"its PostgreSQL does not answer ({' '.join(str(exc).split())})"
+    return ""
+
+
 def daemon_heartbeats(dagster_home: Path, now: float) -> DaemonHeartbeats:
     import dagster as dg
 
+    if why := postgres_unanswered(dagster_home):
+        return DaemonHeartbeats({}, unreadable=why)
     try:
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             beats = instance.get_daemon_heartbeats()
@@ -200,7 +226,12 @@ class DagsterService:
     def _create_storage(self, env: dict[str, str]) -> None:
         """Create (or migrate) the instance's storage before the daemon and the webserver
         start: both did it at once on a new SQLite storage and could race on its migration
-        table ("alembic_version has more than one head"), failing whoever opened it next."""
+        table ("alembic_version has more than one head"), failing whoever opened it next.
+        Only when neither runs: one that runs has opened the storage already, and the heal
+        of the other (a daemon killed or hung, a webserver killed) would otherwise wait for
+        one more Python process importing Dagster (seconds of CPU, tens of seconds on a
+        loaded machine) before it starts what is missing."""
+        log.info("creating the Dagster instance's storage in %s", self.home)
         subprocess.run(
             [sys.executable, "-c", "import dagster; dagster.DagsterInstance.get().dispose()"],
             env=env,
@@ -225,6 +256,11 @@ class DagsterService:
         if self._hung(daemon_pid, now):
             log.warning("dagster daemon pid %s is hung (no heartbeat): restarting it", daemon_pid)
             self._stop_pids([daemon_pid], timeout=10.0)
+            # As after `stop()`: no Dagster-hosted node outlives its daemon. Its loops left on
+            # the SIGTERM, but a node sensor tick the code server was still evaluating
+            # registered a new node, whose session would hold for its TTL (60 s) with nobody
+            # behind it: the new daemon's coordinator gave it channels, and they waited.
+            end_dagster_hosted_sessions(self.settings)
         port = int(state.get("port") or 0)
         self.home.mkdir(parents=True, exist_ok=True)
         if self.storage is not None:
@@ -240,7 +276,8 @@ class DagsterService:
             "DAGSTER_HOME": str(self.home.absolute()),
             "PYSPARK_PYTHON": sys.executable,
         }
-        self._create_storage(env)
+        if not (pid_alive(daemon_pid) or pid_alive(web_pid)):
+            self._create_storage(env)
         bin_dir = Path(sys.executable).parent
         spawned: dict[str, subprocess.Popen[bytes]] = {}
         if not pid_alive(daemon_pid):
