@@ -37,9 +37,7 @@ import grpc
 from etcd3.etcdrpc import kv_pb2, rpc_pb2_grpc
 from etcd3.etcdrpc import rpc_pb2 as pb
 
-from vchan_assets.meta.codec import decode
-from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason
+from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason, kv_of
 from vchan_assets.model import SegmentInfo
 
 log = logging.getLogger(__name__)
@@ -128,25 +126,17 @@ class SegmentCache:
             return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision)
 
     def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
-        """`items` (from `snapshot`) decoded, each version once; a malformed value raises
-        MalformedValueError naming its key, or is logged, counted and skipped."""
-        out = []
-        for kv in items:
-            known = self._models.get(kv.key)
-            if known is not None and known.kv is kv:
-                out.append(known)
-                continue
-            try:
-                decoded = Decoded(decode(kv.key, kv.value, SegmentInfo), kv)
-            except MalformedValueError as exc:
-                if not skip_malformed:
-                    raise
-                self.store.malformed_skipped += 1
-                log.error("skipping %s", exc)
-                continue
-            self._models[kv.key] = decoded
-            out.append(decoded)
-        return out
+        """`items` (from `snapshot`) decoded, each version once; the values not decoded yet
+        go through `MetaStore.decode_models` (its policy for a malformed value: raise naming
+        the key, or log, count and skip)."""
+        known = {kv.key: d for kv in items if (d := self._models.get(kv.key)) is not None and d.kv is kv}
+        fresh = self.store.decode_models(
+            [kv for kv in items if kv.key not in known], SegmentInfo, skip_malformed
+        )
+        for d in fresh:
+            self._models[d.kv.key] = d
+        decoded = {**known, **{d.kv.key: d for d in fresh}}
+        return [decoded[kv.key] for kv in items if kv.key in decoded]
 
     def _fresh(self) -> bool:
         """Ask etcd for the stream's progress and wait for the answer (see the module)."""
@@ -285,14 +275,7 @@ class SegmentCache:
         else:
             if key not in self._kvs:
                 self._sorted = None
-            self._kvs[key] = KeyValue(
-                key=key,
-                value=bytes(kv.value),
-                version=kv.version,
-                mod_revision=kv.mod_revision,
-                create_revision=kv.create_revision,
-                lease=kv.lease,
-            )
+            self._kvs[key] = kv_of(kv)
         self._revision = max(self._revision, int(kv.mod_revision))
         self.events_applied += 1
 

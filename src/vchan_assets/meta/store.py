@@ -102,7 +102,8 @@ class Decoded(Generic[M]):
     kv: KeyValue
 
 
-def _kv(meta: Any) -> KeyValue:
+def kv_of(meta: Any) -> KeyValue:
+    """A KeyValue of etcd's `mvccpb.KeyValue` (a range's, or a watch event's `kv`)."""
     return KeyValue(
         key=meta.key.decode(),
         value=bytes(meta.value),
@@ -347,7 +348,7 @@ class MetaStore:
         with self._call(f"get {key}"):
             resp = self.client.get_response(key)
         self._count(resp.kvs)
-        return _kv(resp.kvs[0]) if resp.kvs else None
+        return kv_of(resp.kvs[0]) if resp.kvs else None
 
     def _count(self, kvs: Sequence[Any]) -> None:
         self.keys_read += len(kvs)
@@ -377,7 +378,7 @@ class MetaStore:
             for r in resp.responses:
                 kvs = r.response_range.kvs
                 self._count(kvs)
-                out.append(_kv(kvs[0]) if kvs else None)
+                out.append(kv_of(kvs[0]) if kvs else None)
         return out
 
     def _range_txn(self, keys: Sequence[str], revision: int) -> Any:
@@ -452,7 +453,7 @@ class MetaStore:
             if revision is None:
                 revision = int(resp.header.revision)
             self._count(resp.kvs)
-            items.extend(_kv(kv) for kv in resp.kvs)
+            items.extend(kv_of(kv) for kv in resp.kvs)
             if not resp.more or not resp.kvs:
                 return items, revision
             start = bytes(resp.kvs[-1].key) + b"\x00"
