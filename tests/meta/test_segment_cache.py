@@ -7,7 +7,6 @@ gone, a listing fails as it does without the cache instead of answering from a s
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,18 +33,6 @@ from vchan_assets.testing.steps import (
 from vchan_assets.testing.tcp_proxy import Endpoint
 from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def cached(settings: Settings) -> Iterator[MetaStore]:
-    """A second client of the test's root, holding the segment cache (as `vchan datacoord`)."""
-    store = MetaStore.connect(settings)
-    cache = SegmentCache(store).start()
-    assert cache.wait_loaded(30), "the segment cache never loaded"
-    store.segment_cache = cache
-    yield store
-    cache.stop()
-    store.close()
 
 
 def listing(found: list[Decoded[SegmentInfo]]) -> list[tuple[str, int, int, SegmentInfo]]:

@@ -78,6 +78,9 @@ class Keys:
     # meta
     collection = _Family("meta/collection/{collection}")
     segment = _Family("meta/segment/{collection}/{partition}/{segment}")
+    # a Dropped segment's record, moved out of `segment` in the transaction that drops it
+    # (meta/segments.py): live listings never read it; GC deletes it after the tolerance
+    dropped_segment = _Family("meta/dropped/{collection}/{partition}/{segment}")
     # the segments of each vchannel: one entry per segment key, created and deleted with it
     # (meta/segments.py), so a vchannel's segments are read without its collection's
     channel_segment = _Family("meta/channel-segment/{vchannel}/{collection}/{partition}/{segment}")

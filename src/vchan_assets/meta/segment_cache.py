@@ -19,7 +19,9 @@ etcd instead of owning it; a read of it is still as fresh as a listing of etcd w
   as it does without a cache: a stale copy is never acted on.
 
 Values are decoded once per version and kept (`models`); the key order is kept sorted,
-so the segments of one collection or partition are a slice, not a scan.
+so the segments of one collection or partition are a slice, not a scan. It holds the live
+segments only: a drop moves a segment's record out of the prefix (a delete event here,
+see meta/segments.py), so its size follows the live segments, not the drop tolerance.
 """
 
 from __future__ import annotations

@@ -25,7 +25,21 @@ policy for malformed values live in one place:
   value is then logged and counted in `MetaStore.malformed_skipped`. Garbage collection,
   which deletes the files no listed segment names, lists strictly;
 - `swap` is a compare-version-and-swap that returns the record as written, or raises
-  `CasConflictError` naming the key, the version expected and the version found.
+  `CasConflictError` naming the key, the version expected and the version found;
+- a segment that becomes Dropped leaves the live family: in the transaction that drops it,
+  its record moves to `meta/dropped/{collection}/{partition}/{segment}` and its live key and
+  index entry are deleted, guarded on the live key's version (`swap`, and `writes` for a
+  caller's own transaction). Milvus keeps dropped segments among the live ones until GC;
+  here live listings (`list`, the per-vchannel index, the segment cache) hold live
+  segments only, and readers that need the dropped ones (GC, the catalog's table, reads
+  at a past timestamp, a sync's insert floors) ask `include_dropped`: both families are
+  then read at one revision, so a segment being moved is seen exactly once. A dropped
+  record is deleted by GC; the only write after the move is a sync's that wrote files for
+  the segment before it learned of the drop (they go to GC with it);
+- a Dropped segment written by a version before the dropped family still sits in the live
+  family: live listings leave it out, `include_dropped` listings return it, and
+  `move_dropped` (garbage collection, each pass) moves such records over in bounded
+  transactions.
 """
 
 from __future__ import annotations
@@ -38,7 +52,14 @@ from typing import Any
 
 from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.codec import decode_dict
-from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, RevisionCompactedError
+from vchan_assets.meta.errors import (
+    CasConflictError,
+    MalformedValueError,
+    MetaError,
+    RevisionCompactedError,
+    TransactionTooLargeError,
+)
+from vchan_assets.meta.keys import KeyFamily
 from vchan_assets.meta.store import WALK_RESTARTS, Decoded, KeyValue, MetaStore, Snapshot, Value, too_many_ops
 from vchan_assets.model import SegmentInfo, SegmentState
 
@@ -53,6 +74,9 @@ INDEX_ENTRY: dict[str, Any] = {}
 # exist): 60 puts and 61 compares with the writer's fence, under etcd's 128 operations a
 # branch; fewer when an etcd with a lower --max-txn-ops refuses.
 BACKFILL_BATCH = 60
+# Dropped segments of the live family a migrating transaction moves: 4 operations each (a
+# compare of its version; a put in the dropped family, 2 deletes), under etcd's 128.
+MOVE_BATCH = 40
 
 
 class SegmentMeta:
@@ -63,6 +87,13 @@ class SegmentMeta:
 
     def key(self, segment: SegmentInfo) -> str:
         return self.store.keys.segment(segment.collection_id, segment.partition_id, segment.id)
+
+    def dropped_key(self, segment: SegmentInfo) -> str:
+        """Where the segment's record is once it is Dropped."""
+        return self.store.keys.dropped_segment(segment.collection_id, segment.partition_id, segment.id)
+
+    def is_dropped_key(self, key: str) -> bool:
+        return key.startswith(self.store.keys.dropped_segment.prefix)
 
     def index_key(self, segment: SegmentInfo) -> str:
         """The segment's entry in its vchannel's index."""
@@ -78,30 +109,52 @@ class SegmentMeta:
         it may exist)."""
         return {self.key(segment): segment, self.index_key(segment): INDEX_ENTRY}
 
+    def create_expect(self, segment: SegmentInfo) -> dict[str, int]:
+        """The compares of a caller's transaction that creates `segment` where it may
+        exist or have been dropped (a sync recreating a segment it finds no meta of): both
+        its live key and its dropped record absent."""
+        return {self.key(segment): 0, self.dropped_key(segment): 0}
+
     def create(self, segment: SegmentInfo) -> Decoded[SegmentInfo]:
-        """`segment` created (its key must be absent) with its index entry, as written;
-        CasConflictError if the key exists."""
+        """`segment` created (its key must be absent, and it must never have been dropped)
+        with its index entry, as written; CasConflictError naming the key that exists
+        otherwise. A Dropped `segment` is created in the dropped family."""
+        key, dropped = self.key(segment), self.dropped_key(segment)
+        if segment.state is SegmentState.DROPPED:
+            return Decoded(segment, self.store.swap(dropped, 0, segment, absent=[key]))
         puts = self.create_puts(segment)
-        key = self.key(segment)
-        written = self.store.swap(key, 0, segment, also={k: v for k, v in puts.items() if k != key})
+        try:
+            written = self.store.swap(key, 0, segment, {k: v for k, v in puts.items() if k != key}, [dropped])
+        except CasConflictError as exc:
+            found = self.store.get(dropped) if exc.found_version == 0 else None
+            raise exc if found is None else CasConflictError(dropped, 0, found.version) from None
         return Decoded(segment, written)
 
+    def writes(self, segment: SegmentInfo) -> tuple[dict[str, Value], builtins.list[str]]:
+        """The puts and deletes that write `segment` over its live record in a caller's
+        transaction (which compares the live key's version): a live one at its key (1
+        operation); a Dropped one moved to the dropped family, its live key and index entry
+        deleted (3 operations)."""
+        if segment.state is not SegmentState.DROPPED:
+            return {self.key(segment): segment}, []
+        return {self.dropped_key(segment): segment}, [self.key(segment), self.index_key(segment)]
+
     def delete(self, found: Decoded[SegmentInfo]) -> None:
-        """The segment's key and its index entry deleted in one transaction, if the key is
-        still at the version read; CasConflictError otherwise."""
+        """The segment's record deleted (a live one with its index entry) in one
+        transaction, if its key is still at the version read; CasConflictError otherwise."""
         key = found.kv.key
-        if self.store.txn({key: found.kv.version}, {}, [key, self.index_key(found.model)]) is None:
+        deletes = [key] if self.is_dropped_key(key) else [key, self.index_key(found.model)]
+        if self.store.txn({key: found.kv.version}, {}, deletes) is None:
             now = self.store.get(key)
             raise CasConflictError(key, found.kv.version, now.version if now else 0)
 
     def prefix(self, collection: int | None = None, partition: int | None = None) -> str:
         """The range of a partition, a collection, or every segment (no collection)."""
-        family = self.store.keys.segment
-        if partition is not None:
-            if collection is None:
-                raise TypeError("a partition's segments are listed with its collection")
-            return family.under(collection, partition)
-        return family.prefix if collection is None else family.under(collection)
+        return _range(self.store.keys.segment, collection, partition)
+
+    def dropped_prefix(self, collection: int | None = None, partition: int | None = None) -> str:
+        """The range of the dropped records of a partition, a collection, or all."""
+        return _range(self.store.keys.dropped_segment, collection, partition)
 
     def list(
         self,
@@ -111,21 +164,46 @@ class SegmentMeta:
         partition: int | None = None,
         states: Collection[SegmentState] | None = None,
         skip_malformed: bool = False,
+        include_dropped: bool = False,
     ) -> list[Decoded[SegmentInfo]]:
-        """The segments of a collection (every collection's without one), with their etcd
-        versions, in key order, at one revision; only those of `vchannel`, `partition`
+        """The live segments of a collection (every collection's without one), with their
+        etcd versions, in key order, at one revision; only those of `vchannel`, `partition`
         and `states` when given. From the process's segment cache when it has one (as
         fresh as etcd, see meta/segment_cache.py); else with a `vchannel`, read through
         its index (its segments only) once the index is complete, else filtered from the
-        collection's listing."""
+        collection's listing. `include_dropped`: the Dropped ones too, read from the
+        dropped family at the revision of the live listing (a segment being moved is
+        listed once), in the order of their live keys."""
+        live = self._live(collection, vchannel, partition)
+        if not include_dropped:
+            found = self._select(live.items, vchannel, states, skip_malformed)
+            return [d for d in found if d.model.state is not SegmentState.DROPPED]
+        prefix = self.dropped_prefix(collection, partition)
+        try:
+            dropped = self.store.list_prefix(prefix, revision=live.revision).items
+            items = [*live.items, *dropped]
+        except RevisionCompactedError:  # compacted since the live listing: both again, at once
+            both = self.store.list_prefixes([self.prefix(collection, partition), prefix])
+            items = [*both[0], *both[1]]
+        found = self._select(items, vchannel, states, skip_malformed)
+        return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
+
+    def _live(self, collection: int | None, vchannel: str | None, partition: int | None) -> Snapshot:
         cached = self._cached(self.prefix(collection, partition))
         if cached is not None:
-            return self._select(cached.items, vchannel, states, skip_malformed)
+            return cached
         if vchannel is not None and self.channel_index_ready():
-            items = self._channel_items(vchannel, collection, partition)
-        else:
-            items = self.store.list_prefix(self.prefix(collection, partition)).items
-        return self._select(items, vchannel, states, skip_malformed)
+            return self._channel_items(vchannel, collection, partition)
+        return self.store.list_prefix(self.prefix(collection, partition))
+
+    def dropped_key_of(self, key: str) -> str:
+        """The dropped-family key of a live segment key."""
+        return self.store.keys.dropped_segment.prefix + key[len(self.store.keys.segment.prefix) :]
+
+    def _live_key_of(self, key: str) -> str:
+        """The live key of a segment key of either family."""
+        dropped = self.store.keys.dropped_segment.prefix
+        return self.store.keys.segment.prefix + key[len(dropped) :] if key.startswith(dropped) else key
 
     def _cached(self, prefix: str) -> Snapshot | None:
         """The keys under `prefix` from the process's segment cache, None without one or
@@ -133,9 +211,7 @@ class SegmentMeta:
         cache = self.store.segment_cache
         return None if cache is None else cache.snapshot(prefix)
 
-    def _channel_items(
-        self, vchannel: str, collection: int | None, partition: int | None
-    ) -> builtins.list[KeyValue]:
+    def _channel_items(self, vchannel: str, collection: int | None, partition: int | None) -> Snapshot:
         """The segment keys a vchannel's index names, read at the revision of the index's
         listing (again at a fresh one if etcd compacted it meanwhile, as a paged walk)."""
         ids = [i for i in (collection, partition) if i is not None]
@@ -152,7 +228,7 @@ class SegmentMeta:
                     raise
                 log.warning("%s: listing %s again at a fresh revision", exc, prefix)
                 continue
-            return [kv for kv in found if kv is not None]
+            return Snapshot([kv for kv in found if kv is not None], entries.revision)
         raise AssertionError("unreachable: the last restart raises")
 
     def _segment_key_of(self, entry: str) -> str:
@@ -162,10 +238,14 @@ class SegmentMeta:
     def list_with(
         self, collection: int, prefixes: Sequence[str], skip_malformed: bool = False
     ) -> tuple[builtins.list[Decoded[SegmentInfo]], builtins.list[builtins.list[KeyValue]]]:
-        """The collection's segments and the keys under each of `prefixes`, all read at one
-        revision (a read's segments and the indexes of those very segments)."""
-        segments, *others = self.store.list_prefixes([self.prefix(collection), *prefixes])
-        return self._select(segments, None, None, skip_malformed), others
+        """The collection's segments, the Dropped ones included (a read at a past timestamp
+        serves a segment dropped after it), and the keys under each of `prefixes`, all read
+        at one revision (a read's segments and the indexes of those very segments)."""
+        live, dropped, *others = self.store.list_prefixes(
+            [self.prefix(collection), self.dropped_prefix(collection), *prefixes]
+        )
+        found = self._select([*live, *dropped], None, None, skip_malformed)
+        return sorted(found, key=lambda d: self._live_key_of(d.kv.key)), others
 
     def segment_keys(self) -> Snapshot:
         """Every segment key (keys only, paged at one revision; from the segment cache,
@@ -180,17 +260,80 @@ class SegmentMeta:
         items = (listing or self.segment_keys()).items
         return max((kv.mod_revision for kv in items), default=0), len(items)
 
-    def get(self, collection: int, partition: int, segment: int) -> Decoded[SegmentInfo] | None:
-        return self.store.get_model(self.store.keys.segment(collection, partition, segment), SegmentInfo)
+    def get(
+        self, collection: int, partition: int, segment: int, include_dropped: bool = False
+    ) -> Decoded[SegmentInfo] | None:
+        """The segment's live record (a Dropped one left in the live family by an older
+        version counts as dropped); with `include_dropped`, its dropped record when it has
+        no live one."""
+        found = self.store.get_model(self.store.keys.segment(collection, partition, segment), SegmentInfo)
+        if found is not None and (include_dropped or found.model.state is not SegmentState.DROPPED):
+            return found
+        if not include_dropped:
+            return None
+        return self.store.get_model(
+            self.store.keys.dropped_segment(collection, partition, segment), SegmentInfo
+        )
 
     def swap(self, expected_version: int, new: SegmentInfo) -> Decoded[SegmentInfo]:
-        """Write `new` if its key still has `expected_version` (0: absent, then created with
-        its index entry), and return it as written; CasConflictError naming the key and both
-        versions otherwise."""
+        """Write `new` if its live key still has `expected_version` (0: absent, then
+        created with its index entry), and return it as written; CasConflictError naming
+        the key and both versions otherwise. A Dropped `new` is moved to the dropped family
+        in the same transaction (its live key and index entry deleted)."""
         if expected_version == 0:
             return self.create(new)
+        if new.state is SegmentState.DROPPED:
+            written = self.store.move(
+                self.key(new), expected_version, self.dropped_key(new), new, [self.index_key(new)]
+            )
+            return Decoded(new, written)
         written = self.store.swap(self.key(new), expected_version, new)
         return Decoded(new, written)
+
+    # --- Dropped segments an older version left in the live family ----------------------
+
+    def move_dropped(self, found: Sequence[Decoded[SegmentInfo]]) -> int:
+        """The Dropped records of `found` (a listing) still in the live family moved to the
+        dropped family, MOVE_BATCH a transaction (fewer when etcd refuses a batch as too
+        large), each guarded on the version listed; returns how many were moved. A record
+        changed or gone since the listing is left for the next pass. Killed anywhere, it is
+        run again: what was moved is not in the live family any more."""
+        rest = [
+            d for d in found if d.model.state is SegmentState.DROPPED and not self.is_dropped_key(d.kv.key)
+        ]
+        moved, size = 0, MOVE_BATCH
+        while rest:
+            batch = rest[:size]
+            puts: dict[str, Value] = {}
+            deletes: builtins.list[str] = []
+            for d in batch:
+                puts[self.dropped_key(d.model)] = d.model
+                deletes += [d.kv.key, self.index_key(d.model)]
+            try:
+                done = self.store.txn({d.kv.key: d.kv.version for d in batch}, puts, deletes)
+            except MetaError as exc:
+                if not (too_many_ops(exc) or isinstance(exc, TransactionTooLargeError)) or size == 1:
+                    raise
+                size = max(1, size // 2)
+                continue
+            if done is None:  # one changed meanwhile: the batch one by one, the changed left
+                moved += sum(self._move_one(d) for d in batch)
+            else:
+                moved += len(batch)
+            rest = rest[len(batch) :]
+            failpoint("move_dropped")
+        if moved:
+            log.info("moved %d Dropped segments an older version left in %s", moved, self.prefix())
+        return moved
+
+    def _move_one(self, d: Decoded[SegmentInfo]) -> bool:
+        try:
+            self.store.move(
+                d.kv.key, d.kv.version, self.dropped_key(d.model), d.model, [self.index_key(d.model)]
+            )
+        except CasConflictError:
+            return False
+        return True
 
     # --- the per-vchannel index: its mark and its backfill ------------------------------
 
@@ -346,6 +489,14 @@ class SegmentMeta:
             if (vchannel is None or d.model.vchannel == vchannel)
             and (states is None or d.model.state in states)
         ]
+
+
+def _range(family: KeyFamily, collection: int | None, partition: int | None) -> str:
+    if partition is not None:
+        if collection is None:
+            raise TypeError("a partition's segments are listed with its collection")
+        return family.under(collection, partition)
+    return family.prefix if collection is None else family.under(collection)
 
 
 def _repaired(added: int, removed: int) -> tuple[int, int]:

@@ -559,15 +559,55 @@ class MetaStore:
         return _txn_revision(responses)
 
     def swap(
-        self, key: str, expected_version: int, value: Value, also: Mapping[str, Value] | None = None
+        self,
+        key: str,
+        expected_version: int,
+        value: Value,
+        also: Mapping[str, Value] | None = None,
+        absent: Sequence[str] = (),
     ) -> KeyValue:
         """`cas` of a put that returns the key as written (its version, revisions and
-        value), read in the same transaction; `also` is put with it."""
+        value), read in the same transaction; `also` is put with it. Each key of `absent`
+        must not exist either (CasConflictError naming `key` and its version otherwise)."""
+        tx = self.client.transactions
+        compare = [tx.version(k) == 0 for k in absent]
+        return self._swap_and_read(
+            f"compare-and-swap {key}",
+            key,
+            expected_version,
+            compare,
+            tx.get(key),
+            {key: value, **(also or {})},
+        )
+
+    def move(
+        self, key: str, expected_version: int, to: str, value: Value, deletes: Sequence[str] = ()
+    ) -> KeyValue:
+        """`key` deleted (with `deletes`) and `value` put at `to` in one transaction, only
+        if `key` still has `expected_version`; returns `to` as written, read in the same
+        transaction. CasConflictError naming `key` and the version found otherwise."""
+        tx = self.client.transactions
+        return self._swap_and_read(
+            f"move {key} to {to}", key, expected_version, [], tx.get(to), {to: value}, [key, *deletes]
+        )
+
+    def _swap_and_read(
+        self,
+        what: str,
+        key: str,
+        expected_version: int,
+        compare: list[Any],
+        read: Any,
+        puts: Mapping[str, Value],
+        deletes: Sequence[str] = (),
+    ) -> KeyValue:
+        """`puts` and `deletes` if `key` has `expected_version` (and `compare` holds), and
+        `read` in the same transaction: the key it reads as written."""
         tx = self.client.transactions
         ok, responses = self._transaction(
-            f"compare-and-swap {key}",
-            [tx.version(key) == expected_version],
-            [*_write_ops(tx, {key: value, **(also or {})}, ()), tx.get(key)],
+            what,
+            [tx.version(key) == expected_version, *compare],
+            [*_write_ops(tx, puts, deletes), read],
             [tx.get(key)],
         )
         found = [_range_kv(r) for r in responses if isinstance(r, list)]
@@ -575,7 +615,7 @@ class MetaStore:
             raise CasConflictError(key, expected_version, found[0].version if found[0] else 0)
         written = found[0]
         if written is None:
-            raise MetaError(f"compare-and-swap {key} committed, but its read found no key")
+            raise MetaError(f"{what} committed, but its read found no key")
         return written
 
     def try_swap(self, key: str, expected_version: int, value: Value) -> tuple[bool, KeyValue | None]:

@@ -235,9 +235,9 @@ def _earliest_position(segments: Sequence[SegmentInfo]) -> MsgPosition | None:
 
 
 def collection_segments(store: MetaStore, collection_id: int) -> list[SegmentInfo]:
-    """Every segment of a collection, in any state, in key order (a malformed value is
-    logged and skipped: a reader goes on past it)."""
-    found = SegmentMeta(store).list(collection_id, skip_malformed=True)
+    """Every segment of a collection, in any state (Dropped ones included), in key order (a
+    malformed value is logged and skipped: a reader goes on past it)."""
+    found = SegmentMeta(store).list(collection_id, skip_malformed=True, include_dropped=True)
     return [d.model for d in found]
 
 
