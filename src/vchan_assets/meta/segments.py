@@ -118,9 +118,10 @@ class SegmentMeta:
         fresh as etcd, see meta/segment_cache.py); else with a `vchannel`, read through
         its index (its segments only) once the index is complete, else filtered from the
         collection's listing."""
-        cached = self._cached(self.prefix(collection, partition))
-        if cached is not None:
-            return self._select(cached.items, vchannel, states, skip_malformed)
+        cache = self.store.segment_cache
+        decoded = None if cache is None else cache.decoded(self.prefix(collection, partition), skip_malformed)
+        if decoded is not None:
+            return self._filter(decoded, vchannel, states)
         if vchannel is not None and self.channel_index_ready():
             items = self._channel_items(vchannel, collection, partition)
         else:
@@ -339,7 +340,14 @@ class SegmentMeta:
         states: Collection[SegmentState] | None,
         skip_malformed: bool,
     ) -> builtins.list[Decoded[SegmentInfo]]:
-        found = self._models(items, skip_malformed)
+        return self._filter(self._models(items, skip_malformed), vchannel, states)
+
+    @staticmethod
+    def _filter(
+        found: Sequence[Decoded[SegmentInfo]], vchannel: str | None, states: Collection[SegmentState] | None
+    ) -> builtins.list[Decoded[SegmentInfo]]:
+        if vchannel is None and states is None:
+            return builtins.list(found)
         return [
             d
             for d in found
