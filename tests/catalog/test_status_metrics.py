@@ -276,6 +276,10 @@ def test_status_json_with_real_node_processes_shows_a_killed_nodes_channels_move
         assert all(c["owner_alive"] and str(c["lease_node"]) == survivor for c in mine(moved))
         assert moved["nodes"][0]["channels"] == 2
         assert not [w for w in moved["warnings"] if w["kind"] == "dead_owner"]
+        # The segment counts come from the summaries the `vchan datacoord` process wrote.
+        assert moved["segments_source"] == "summary"
+        assert known.info.name in {s["collection"] for s in moved["segments"]}
+        assert not [w for w in moved["warnings"] if "summary" in w["kind"]]
     finally:
         for proc in procs.values():
             if proc.poll() is None:
