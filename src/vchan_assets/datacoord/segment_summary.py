@@ -88,24 +88,24 @@ def summarize(
     segments: Iterable[SegmentInfo], collections: Iterable[int], revision: int, now: float
 ) -> dict[int, SegmentSummary]:
     """The summary of each collection of `collections` and of each the segments belong to."""
-    groups: dict[int, dict[tuple[str, SegmentState, SegmentLevel], Counter[str]]] = {
-        c: {} for c in collections
-    }
+    # per collection, per (vchannel, state, level): the COUNTS in their order, in plain lists
+    # (this runs over every segment at each reload that saw a change)
+    groups: dict[int, dict[tuple[str, SegmentState, SegmentLevel], list[int]]] = {c: {} for c in collections}
     waiting: dict[int, list[InvisibleSegment]] = {}
     latency: dict[int, Counter[int]] = {}
     for seg in segments:
         invisible = seg.is_invisible and seg.state is not SegmentState.DROPPED
-        counts = groups.setdefault(seg.collection_id, {}).setdefault(
-            (seg.vchannel, seg.state, seg.level), Counter()
-        )
-        counts.update(
-            segments=1,
-            rows=seg.num_rows,
-            binlog_bytes=sum(b.size_bytes for b in seg.binlog_files),
-            sorted=int(seg.is_sorted),
-            invisible=int(invisible),
-            compacted=int(bool(seg.compaction_from)),
-        )
+        key = (seg.vchannel, seg.state, seg.level)
+        by = groups.setdefault(seg.collection_id, {})
+        counts = by.get(key)
+        if counts is None:
+            counts = by[key] = [0] * len(COUNTS)
+        counts[0] += 1
+        counts[1] += seg.num_rows
+        counts[2] += sum(b.size_bytes for g in seg.binlogs for b in g.logs)
+        counts[3] += seg.is_sorted
+        counts[4] += invisible
+        counts[5] += bool(seg.compaction_from)
         if invisible and seg.flushed_at is not None:
             waiting.setdefault(seg.collection_id, []).append(
                 InvisibleSegment(seg.id, seg.vchannel, seg.flushed_at)
@@ -116,10 +116,7 @@ def summarize(
     return {
         cid: SegmentSummary(
             cid,
-            tuple(
-                SegmentGroup(v, state, level, *(c[k] for k in COUNTS))
-                for (v, state, level), c in sorted(by.items())
-            ),
+            tuple(SegmentGroup(v, state, level, *c) for (v, state, level), c in sorted(by.items())),
             tuple(sorted(waiting.get(cid, ()), key=lambda s: (s.flushed_at, s.segment_id))[:OLDEST_KEPT]),
             tuple(LatencyBucket(b, n) for b, n in sorted(latency.get(cid, Counter()).items())),
             revision,
