@@ -16,10 +16,15 @@ each N:
   compaction planning over every segment, which finds none small enough to run, and
   garbage collection); seconds, and keys and bytes read from etcd;
 - the same step with the cache taken away, for N up to `--etcd-up-to` (at 100,000
-  segments each pass would read ~200 MB).
+  segments each pass would read ~200 MB);
+- `vchan status` as the CLI runs it (its own store, no cache), after the steps wrote the
+  segment summaries: the default report (from the summaries; median of 3) against
+  `--segments` (every segment listed in pages: the whole-table report the default was
+  before, which read the segments once more for the vchannel rows), seconds and keys and
+  bytes read from etcd, and their ratio.
 
 The targets: the step with the cache under 1 s at 100,000 segments, and its ratio to the
-same at 1,000. Results: bench/results/datacoord_meta.json (or `--out`).
+same at 1,000; the default `vchan status` well under 1 s at 100,000 segments. Results: bench/results/datacoord_meta.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import bench_system, write_report
+from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.datacoord.tasks import TaskScheduler
 from vchan_assets.indexes.tasks import IndexTasks
@@ -41,6 +47,7 @@ from vchan_assets.lifecycle.sort_tasks import SortTasks
 from vchan_assets.lifecycle.step import lifecycle_step
 from vchan_assets.meta.segment_cache import SegmentCache
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.status import SegmentDetail, collect_status
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA
 from vchan_assets.testing.steps import write_segments
@@ -82,6 +89,43 @@ def step(
     assert tick.reloaded, "the reload saw no change"
     after = reads()
     return {"seconds": seconds, "keys": after[0] - keys, "bytes": after[1] - read}
+
+
+def status_timing(catalog: Catalog, detail: SegmentDetail | None) -> dict[str, Any]:
+    """One `collect_status` (the CLI's, no orphans): seconds, keys and bytes read from etcd."""
+    store = catalog.store
+    keys, read, started = store.keys_read, store.bytes_read, time.perf_counter()
+    collect_status(catalog, segments=detail)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "keys": store.keys_read - keys, "bytes": store.bytes_read - read}
+
+
+def status_row(system: System, n: int) -> dict[str, Any]:
+    """The default `vchan status` (summaries) against `--segments` (every segment), as the
+    CLI runs them: a store of its own, without the DataCoord's cache."""
+    store = MetaStore.connect(system.settings)
+    try:
+        catalog = Catalog(replace(system, store=store))
+        default = [status_timing(catalog, None) for _ in range(STEPS)]
+        whole = status_timing(catalog, SegmentDetail())
+    finally:
+        store.close()
+    median = statistics.median(s["seconds"] for s in default)
+    row = {
+        "segments": n,
+        "path": "status",
+        "status_s_median": round(median, 3),
+        "status_keys": default[-1]["keys"],
+        "status_bytes": default[-1]["bytes"],
+        "segments_flag_s": round(whole["seconds"], 3),
+        "segments_flag_keys": whole["keys"],
+        "segments_flag_bytes": whole["bytes"],
+        "seconds_ratio": round(whole["seconds"] / median, 1),
+        "bytes_ratio": round(whole["bytes"] / max(1, default[-1]["bytes"]), 1),
+        "load_1m": round(os.getloadavg()[0], 1),
+    }
+    print(f"    {row}", flush=True)
+    return row
 
 
 def one_size(system: System, writer: MetaStore, n: int, with_etcd: bool) -> list[dict[str, Any]]:
@@ -135,6 +179,7 @@ def one_size(system: System, writer: MetaStore, n: int, with_etcd: bool) -> list
         }
         print(f"    {row}", flush=True)
         rows.append(row)
+    rows.append(status_row(system, n))  # the steps' reloads wrote the summaries
     return rows
 
 

@@ -168,9 +168,10 @@ class Catalog:
         found, _ = self.store.list_models(root, MsgPosition, True)
         return {d.kv.key[len(root) :]: (d.model, d.kv.version) for d in found}
 
-    def channel_state(self, info: CollectionInfo, vchannel: str) -> ChannelState:
-        """The vchannel's read model: checkpoint, log, backlog, segments (datanode.channel_state)."""
-        return read_channel_state(self.store, self.reader(info, vchannel))
+    def channel_state(self, info: CollectionInfo, vchannel: str, segments: bool = True) -> ChannelState:
+        """The vchannel's read model: checkpoint, log, backlog, segments unless not asked
+        for (datanode.channel_state)."""
+        return read_channel_state(self.store, self.reader(info, vchannel), segments)
 
     def reader(self, info: CollectionInfo, vchannel: str) -> WalReader:
         key = f"{info.id}/{vchannel}"
@@ -232,7 +233,7 @@ class Catalog:
         error, damaged = "", []
         end_offset: int | None = None  # unknown while the log after the checkpoint is unreadable
         try:
-            channel = self.channel_state(info, vchannel)
+            channel = self.channel_state(info, vchannel, segments=False)  # a row needs no segment
             committed, files, head = channel.committed, list(channel.unsynced_files), channel.head
             self.reader(info, vchannel).check_end(channel.end_offset)  # a hole stops the sync there
             end_offset = channel.end_offset

@@ -43,7 +43,6 @@ from vchan_assets.model import (
     SegmentState,
     physical_ms,
 )
-from vchan_assets.query.checks import flush_to_sorted
 
 INT = pa.int64()
 STR = pa.string()
@@ -271,7 +270,7 @@ def segment_row(seg: SegmentInfo, collection: str | None) -> dict[str, Any]:
         "created_at": utc(seg.created_at),
         "last_flush_time": utc(ts_seconds(seg.last_flush_ts)) if seg.last_flush_ts else None,
         "flushed_at": utc(seg.flushed_at),
-        "flush_to_sorted_s": flush_to_sorted(seg),
+        "flush_to_sorted_s": seg.flush_to_sorted,
     }
 
 

@@ -310,6 +310,7 @@ class Settings:
     read_pin_reuse: float = FROM_TABLE
     stream_idle_timeout: float = FROM_TABLE
     sort_scan_interval: float = FROM_TABLE
+    sort_leftover_after: float = FROM_TABLE
     compaction_enabled: bool = FROM_TABLE
     compaction_check_interval: float = FROM_TABLE
     l0_compaction_trigger_count: int = FROM_TABLE

@@ -82,7 +82,7 @@ def render(metrics: Iterable[Metric]) -> str:
 
 
 def collect(catalog: Catalog) -> list[Metric]:
-    report = collect_status(catalog)
+    report = collect_status(catalog, orphans=True)
     return [
         *_node_metrics(catalog, report),
         *_channel_metrics(report),

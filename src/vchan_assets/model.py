@@ -420,6 +420,74 @@ class SegmentInfo(Record):
     def binlog_files(self) -> list[Binlog]:
         return [b for g in self.binlogs for b in g.logs]
 
+    @property
+    def flush_to_sorted(self) -> float | None:
+        """Seconds from the flush that left it invisible to the commit of the sort that
+        replaced it (None unless its sort replaced it)."""
+        replaced = self.state is SegmentState.DROPPED and self.is_invisible
+        if not replaced or self.flushed_at is None or self.dropped_at is None:
+            return None
+        return max(0.0, self.dropped_at - self.flushed_at)
+
+
+@dataclass(frozen=True)
+class SegmentGroup(Record):
+    """The segments of one vchannel in one state and level, counted (a segment summary's row)."""
+
+    vchannel: str
+    state: SegmentState
+    level: SegmentLevel
+    segments: int
+    rows: int  # L0: deletes
+    binlog_bytes: int  # insert binlogs
+    sorted: int  # sorted by primary key
+    invisible: int  # flushed, served as growing until its sort replaces it (never a Dropped one)
+    compacted: int  # written by a compaction (its `compaction_from` names what it replaced)
+
+
+@dataclass(frozen=True)
+class InvisibleSegment(Record):
+    """A flushed segment still waiting for its sort, and since when."""
+
+    segment_id: int
+    vchannel: str
+    flushed_at: float
+
+
+@dataclass(frozen=True)
+class LatencyBucket(Record):
+    """How many sorts took a flush -> sorted time in bucket `bucket` of a log scale
+    (datacoord/segment_summary.py, LATENCY_RATIO)."""
+
+    bucket: int
+    count: int
+
+
+@dataclass(frozen=True)
+class SegmentSummary(Record):
+    """`meta/summary/{collection}`: a collection's segment meta counted, what the default
+    `vchan status` shows without reading a segment key. Written by the active DataCoord at
+    its meta reload from the listing it holds (datacoord/segment_summary.py)."""
+
+    collection_id: int
+    groups: tuple[SegmentGroup, ...]  # by (vchannel, state, level), in that order
+    # The oldest invisible segments (those with a `flushed_at`), oldest first, at most
+    # OLDEST_KEPT: the hand-off's oldest wait and the late ones status names.
+    oldest_invisible: tuple[InvisibleSegment, ...]
+    # The flush -> sorted times of the sorted parents still in meta, as a histogram.
+    sort_latency: tuple[LatencyBucket, ...]
+    revision: int  # the etcd revision of the segment listing it was computed from
+    computed_at: float  # seconds since the epoch
+
+    def same_counts(self, other: SegmentSummary) -> bool:
+        """Whether both say the same of the segments (whenever and from whichever listing)."""
+        return (self.collection_id, self.groups, self.oldest_invisible, self.sort_latency) == (
+            other.collection_id,
+            other.groups,
+            other.oldest_invisible,
+            other.sort_latency,
+        )
+
 
 def _omit_derived(logs: Sequence[Binlog], stored: list[dict[str, Any]], derive: Callable[[int], str]) -> None:
     for binlog, out in zip(logs, stored, strict=True):

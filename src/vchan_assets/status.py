@@ -1,7 +1,14 @@
 """`vchan status`: what is running and what needs attention, for operators.
 
 `collect_status(catalog)` builds one JSON-ready report: DataNode sessions, channels
-(owner, watch state, checkpoint, lag), segments by state and level, and warnings:
+(owner, watch state, checkpoint, lag), segments by state and level, and warnings. The
+segments come from the summaries the active DataCoord writes at its meta reload
+(`meta/summary/{collection}`, datacoord/segment_summary.py), so the report reads no segment
+key whatever their number; `SegmentDetail` (`vchan status --segments [--collection C]
+[--vchannel V]`) reads segment meta itself, in pages and narrowed as asked, with a row per
+segment. The warnings:
+  - segment summaries: a collection without one, a malformed one, and summaries older than
+    SUMMARY_STALE_AFTER while no DataCoord is active to keep them current;
   - time-tick lag: a channel with unsynced messages whose checkpoint is older than
     `timetick_lag_warn` seconds (DataCoord's time-tick lag warning);
   - write back-pressure: a channel whose unsynced log is past half VCHAN_WRITE_LAG_LIMIT_MB
@@ -12,7 +19,8 @@
     channels waiting as "remaining" (no live node);
   - services: the active DataCoord (who holds the election), and the Dagster daemon and
     webserver `vchan up` started (a dead one: "run `vchan up`");
-  - orphan binlogs: files no segment meta points to (left by a crash; GC removes them);
+  - orphan binlogs, on request (`vchan status --orphans`: it lists storage and every
+    segment's binlogs): files no segment meta points to (left by a crash; GC removes them);
   - failed tasks: sort or index tasks of the DataCoord's scheduler out of attempts, with
     their reason (`vchan index --retry` re-queues failed index builds);
   - log errors: a damaged log file a sync needs (the channel stops; its lag shows "?"),
@@ -32,6 +40,7 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +49,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from vchan_assets import catalog_tables as tables
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
-from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.datacoord.coordinator import RELOAD_INTERVAL
+from vchan_assets.datacoord.segment_summary import latency_quantile, summarize
 from vchan_assets.datacoord.streams import is_idle, list_streams
 from vchan_assets.datacoord.tasks import list_tasks
 from vchan_assets.deploy.service import daemon_state, instance_home
@@ -50,7 +61,15 @@ from vchan_assets.lifecycle.plans import ACTIVE, CompactionPlan, list_plans
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.model import NodeSession, SegmentState, SessionState, TaskRecord, TaskState
+from vchan_assets.meta.segments import SegmentMeta
+from vchan_assets.model import (
+    CollectionInfo,
+    NodeSession,
+    SegmentSummary,
+    SessionState,
+    TaskRecord,
+    TaskState,
+)
 from vchan_assets.wal.backpressure import SLOW_FROM
 
 # The election key's address of a coordinator hosted by the Dagster DataCoord sensor.
@@ -124,33 +143,37 @@ def _nodes(sessions: list[NodeSession], channels: pd.DataFrame, now: float) -> l
     ]
 
 
-def _handoff(segments: pd.DataFrame, settings: Settings, now: float, holds: dict[int, str]) -> dict[str, Any]:
+def _handoff(
+    summaries: list[SegmentSummary],
+    names: dict[int, str],
+    settings: Settings,
+    now: float,
+    holds: dict[int, str],
+) -> dict[str, Any]:
     """The hand-off after flush: segments invisible now (served as growing until sorted),
     the oldest of them, what each late one waits on (`holds`: by segment, see
-    `_what_holds`), and the flush -> sorted latency of the sorts still in meta."""
-    live = segments[segments["state"] != SegmentState.DROPPED.value]
-    waiting = live[live["invisible"].astype(bool)]
-    ages = [now - ts.timestamp() for ts in waiting["flushed_at"] if ts is not None and not pd.isna(ts)]
-    latency = segments["flush_to_sorted_s"].dropna()
+    `_what_holds`), and the flush -> sorted latency of the sorts still in meta (quantiles
+    of the summaries' histograms, to within about 2 %)."""
+    waiting = [(w, s.collection_id) for s in summaries for w in s.oldest_invisible]
+    latency = [b for s in summaries for b in s.sort_latency]
     late_after = max(120.0, 2 * settings.sort_scan_interval)
-    stuck = [
+    stuck: list[dict[str, Any]] = [
         {
-            "segment": int(row.segment_id),
-            "collection": row.collection,
-            "invisible_s": round(now - row.flushed_at.timestamp(), 1),
-            "waits_on": holds.get(int(row.segment_id), NO_SORT_TASK),
+            "segment": w.segment_id,
+            "collection": names.get(cid, str(cid)),
+            "invisible_s": round(now - w.flushed_at, 1),
+            "waits_on": holds.get(w.segment_id, NO_SORT_TASK),
         }
-        for row in waiting.itertuples()
-        if row.flushed_at is not None
-        and not pd.isna(row.flushed_at)
-        and now - row.flushed_at.timestamp() > late_after
+        for w, cid in waiting
+        if now - w.flushed_at > late_after
     ]
+    p50, p95 = (latency_quantile(latency, q) for q in (0.5, 0.95))
     return {
-        "invisible": len(waiting),
-        "oldest_invisible_s": round(max(ages), 1) if ages else None,
-        "sorted": len(latency),
-        "flush_to_sorted_p50_s": round(float(latency.quantile(0.5)), 2) if len(latency) else None,
-        "flush_to_sorted_p95_s": round(float(latency.quantile(0.95)), 2) if len(latency) else None,
+        "invisible": sum(g.invisible for s in summaries for g in s.groups),
+        "oldest_invisible_s": round(max(now - w.flushed_at for w, _ in waiting), 1) if waiting else None,
+        "sorted": sum(b.count for b in latency),
+        "flush_to_sorted_p50_s": None if p50 is None else round(p50, 2),
+        "flush_to_sorted_p95_s": None if p95 is None else round(p95, 2),
         # Past this an invisible segment means the sort is not running or not keeping up.
         "late_after_s": late_after,
         "stuck": sorted(stuck, key=lambda r: -r["invisible_s"])[:STUCK_SHOWN],
@@ -199,27 +222,23 @@ def _handoff_warnings(handoff: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _segment_rows(segments: pd.DataFrame) -> list[dict[str, Any]]:
-    """Per (collection, state, level): segments, rows, how many are sorted by pk, how many
-    are invisible (flushed, waiting for their sort) and how many a compaction wrote (their
-    `compaction_from` names the segments they replaced)."""
+def _segment_rows(summaries: list[SegmentSummary], names: dict[int, str]) -> list[dict[str, Any]]:
+    """Per (collection, state, level), over its vchannels: segments, rows, insert binlog
+    bytes, how many are sorted by pk, how many are invisible (flushed, waiting for their
+    sort) and how many a compaction wrote (their `compaction_from` names the segments they
+    replaced)."""
     counts: dict[tuple[str, str, str], Counter[str]] = defaultdict(Counter)
-    for _, seg in segments.iterrows():
-        key = (str(seg["collection"]), str(seg["state"]), str(seg["level"]))
-        counts[key].update(
-            segments=1,
-            rows=int(seg["num_rows"]),
-            sorted=int(bool(seg["is_sorted"])),
-            invisible=int(bool(seg["invisible"]) and seg["state"] != SegmentState.DROPPED.value),
-            compacted=int(len(seg["compaction_from"]) > 0),
-        )
+    for summary in summaries:
+        name = names.get(summary.collection_id, str(summary.collection_id))
+        for g in summary.groups:
+            counts[(name, g.state.value, g.level.value)].update({k: getattr(g, k) for k in SEGMENT_COUNTS})
     return [
         {"collection": c, "state": s, "level": lvl, **{k: n[k] for k in SEGMENT_COUNTS}}
         for (c, s, lvl), n in sorted(counts.items())
     ]
 
 
-SEGMENT_COUNTS = ("segments", "rows", "sorted", "invisible", "compacted")
+SEGMENT_COUNTS = ("segments", "rows", "binlog_bytes", "sorted", "invisible", "compacted")
 
 
 def _channel_warnings(
@@ -405,8 +424,105 @@ def _stream_warnings(streams: list[dict[str, Any]], settings: Settings) -> list[
     ]
 
 
-def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = True) -> dict[str, Any]:
-    """The whole report as plain JSON values."""
+@dataclass(frozen=True)
+class SegmentDetail:
+    """`vchan status --segments`: segment meta read itself (in pages, through the meta
+    door), narrowed to a collection and/or a vchannel (then read through its index), with a
+    row per segment, instead of the DataCoord's summaries."""
+
+    collection: str | None = None
+    vchannel: str | None = None
+
+
+# A summary older than this while no DataCoord is active may be behind segment meta (the
+# active one rewrites it at its reload, every RELOAD_INTERVAL, whenever segment meta changed).
+SUMMARY_STALE_AFTER = 3 * RELOAD_INTERVAL
+SEGMENTS_HINT = "`vchan status --segments` reads segment meta itself"
+
+SEGMENT_DETAIL_COLUMNS = [
+    "segment_id", "collection", "partition_id", "vchannel", "state", "level", "num_rows", "size_bytes",
+    "is_sorted", "invisible", "compaction_from", "flushed_at", "flush_to_sorted_s",
+]  # fmt: skip
+
+
+@dataclass
+class SegmentView:
+    """What the report says of segments, and where it came from."""
+
+    summaries: list[SegmentSummary]
+    source: str  # "summary" or "segment meta"
+    detail: list[dict[str, Any]] | None = None  # a row per segment (`--segments`)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _from_summaries(
+    catalog: Catalog, collections: list[CollectionInfo], coordinator: str | None, now: float
+) -> SegmentView:
+    """The DataCoord's summaries (one key per collection); a collection without one, a
+    malformed one, and old ones while no DataCoord is active are warned of."""
+    store = catalog.store
+    prefix = store.keys.segment_summary.prefix
+    view = SegmentView([], "summary")
+    held = set()
+    for kv in store.list_prefix(prefix).items:
+        held.add(kv.key[len(prefix) :])
+        try:
+            view.summaries += [d.model for d in store.decode_models([kv], SegmentSummary)]
+        except MalformedValueError as exc:
+            view.warnings.append({"kind": "malformed_summary", "message": f"{exc}: {SEGMENTS_HINT}"})
+    for info in collections:
+        if str(info.id) not in held and not info.dropped_at:
+            view.warnings.append(
+                {
+                    "kind": "no_segment_summary",
+                    "collection": info.name,
+                    "message": f"collection {info.name} has no segment summary (the active DataCoord "
+                    f"writes it at its meta reload): its segments are not counted here; "
+                    f"`vchan status --segments --collection {info.name}` reads them",
+                }
+            )
+    old = [s for s in view.summaries if now - s.computed_at > SUMMARY_STALE_AFTER]
+    if coordinator is None and old:
+        oldest = max(now - s.computed_at for s in old)
+        view.warnings.append(
+            {
+                "kind": "stale_segment_summary",
+                "count": len(old),
+                "message": f"no DataCoord is active to keep the segment summaries current: {len(old)} "
+                f"are older than {SUMMARY_STALE_AFTER:.0f}s (the oldest {oldest:.0f}s) and may be behind "
+                f"segment meta; {SEGMENTS_HINT}",
+            }
+        )
+    return view
+
+
+def _from_segment_meta(
+    catalog: Catalog, detail: SegmentDetail, names: dict[int, str], now: float
+) -> SegmentView:
+    """Segment meta (the Dropped segments GC keeps included, as the summaries count them)
+    listed in pages, narrowed as asked; its summaries computed here."""
+    collection = catalog.collection(detail.collection).id if detail.collection else None
+    door = SegmentMeta(catalog.store)
+    found = [
+        d.model
+        for d in door.list(collection, vchannel=detail.vchannel, skip_malformed=True, include_dropped=True)
+    ]
+    summaries = summarize(found, [] if collection is None else [collection], 0, now)
+    rows = [tables.segment_row(seg, names.get(seg.collection_id)) for seg in found]
+    return SegmentView(
+        list(summaries.values()),
+        "segment meta",
+        [{c: _plain(row[c]) for c in SEGMENT_DETAIL_COLUMNS} for row in rows],
+    )
+
+
+def collect_status(
+    catalog: Catalog, now: float | None = None, orphans: bool = False, segments: SegmentDetail | None = None
+) -> dict[str, Any]:
+    """The whole report as plain JSON values. Segments come from the DataCoord's summaries
+    (no segment key is read), or with `segments` from segment meta itself, narrowed as
+    asked, with a row per segment (`segment_detail`). `orphans`: list storage and every
+    segment's binlogs for the files no segment names (`vchan status --orphans`)."""
     now = time.time() if now is None else now
     settings = catalog.settings
     sessions = catalog.sessions()
@@ -414,22 +530,28 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
     channel_rows = _records(channels, JSON_CHANNEL_COLUMNS)
     live = {str(s.node_id) for s in sessions}
     nodes = _nodes(sessions, channels, now)
-    segment_table = catalog.segments(include_dropped=True)
-    segment_rows = _segment_rows(segment_table)
+    collections = catalog.collection_infos(include_dropped=True)
+    names = {c.id: c.name for c in collections}
+    coordinator = active_coordinator(catalog)
+    view = (
+        _from_summaries(catalog, collections, coordinator, now)
+        if segments is None
+        else _from_segment_meta(catalog, segments, names, now)
+    )
     task_records = [d.model for d in list_tasks(catalog.store)]
     plans = [d.model for d in list_plans(catalog.store)]
-    handoff = _handoff(segment_table, settings, now, _what_holds(task_records, plans, now))
-    coordinator = active_coordinator(catalog)
+    handoff = _handoff(view.summaries, names, settings, now, _what_holds(task_records, plans, now))
     services = dagster_services(settings, now)
     streams = _streams(catalog, channel_rows, now)
     warnings = [
         *_service_warnings(services),
         *_channel_warnings(channel_rows, live, settings, coordinator),
         *_watch_warnings(catalog.watches(), now),
+        *view.warnings,
         *_handoff_warnings(handoff),
         *_stream_warnings(streams, settings),
     ]
-    tasks = _tasks(catalog, task_records)
+    tasks = _tasks(names, task_records)
     warnings += _task_warnings(tasks)
     losses = _records(catalog.data_losses(), LOSS_COLUMNS)
     warnings += _loss_warnings(losses)
@@ -456,7 +578,10 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
         "services": services,
         "nodes": nodes,
         "channels": channel_rows,
-        "segments": segment_rows,
+        "segments": _segment_rows(view.summaries, names),
+        "segments_source": view.source,
+        "segment_summaries": _summary_times(view, names, now),
+        "segment_detail": view.detail,
         "handoff": handoff,
         "orphan_binlogs": orphan_count,
         "compactions": _records(catalog.compactions(), COMPACTION_COLUMNS),
@@ -471,9 +596,23 @@ def collect_status(catalog: Catalog, now: float | None = None, orphans: bool = T
 TASK_COLUMNS = ["kind", "collection", "segment", "state", "attempts", "worker", "reason"]
 
 
-def _tasks(catalog: Catalog, records: list[TaskRecord]) -> list[dict[str, Any]]:
+def _summary_times(view: SegmentView, names: dict[int, str], now: float) -> list[dict[str, Any]]:
+    """When each summary the report counted was computed, and from which revision."""
+    if view.source != "summary":
+        return []
+    return [
+        {
+            "collection": names.get(s.collection_id, str(s.collection_id)),
+            "revision": s.revision,
+            "computed_at": pd.Timestamp(s.computed_at, unit="s", tz="UTC").isoformat(),
+            "age_seconds": round(now - s.computed_at, 1),
+        }
+        for s in view.summaries
+    ]
+
+
+def _tasks(names: dict[int, str], records: list[TaskRecord]) -> list[dict[str, Any]]:
     """The DataCoord scheduler's tasks (queued, in progress, failed), sorts first."""
-    names = {c.id: c.name for c in CollectionRegistry(catalog.store).list(include_dropped=True)}
     rows = [
         {
             "kind": t.kind,
@@ -616,13 +755,19 @@ def render_status(report: dict[str, Any]) -> Group:
         else "no sort in meta yet"
     )
     oldest = f", oldest {h['oldest_invisible_s']}s" if h["invisible"] else ""
-    title = f"segments by state (hand-off: {h['invisible']} invisible{oldest}; {latency})"
+    source = (
+        "from the DataCoord's summaries"
+        if report["segments_source"] == "summary"
+        else "read from segment meta"
+    )
+    title = f"segments by state, {source} (hand-off: {h['invisible']} invisible{oldest}; {latency})"
     segments = Table(title=title, title_justify="left")
     for column in ("collection", "state", "level", *SEGMENT_COUNTS):
         segments.add_column(column, justify="right" if column in SEGMENT_COUNTS else "left")
     for s in report["segments"]:
         segments.add_row(s["collection"], s["state"], s["level"], *(_cell(s[k]) for k in SEGMENT_COUNTS))
 
+    detail = _segment_detail(report.get("segment_detail"))
     plans = _recent(
         "compaction plans", report.get("compactions", []), COMPACTION_COLUMNS, "no compaction plan"
     )
@@ -650,7 +795,21 @@ def render_status(report: dict[str, Any]) -> Group:
         warnings.add_row(Text(w["kind"], style="yellow"), w["message"])
     if not report["warnings"]:
         warnings.add_row(Text("none", style="green"), "nothing needs attention")
-    return Group(header, nodes, channels, segments, plans, jobs, tasks, streams, warnings)
+    return Group(header, nodes, channels, segments, *detail, plans, jobs, tasks, streams, warnings)
+
+
+def _segment_detail(rows: list[dict[str, Any]] | None) -> list[Table]:
+    """A row per segment (`vchan status --segments`), none by default."""
+    if rows is None:
+        return []
+    table = Table(title=f"segments ({len(rows):,})", title_justify="left")
+    for column in SEGMENT_DETAIL_COLUMNS:
+        table.add_column(column.replace("_", " "))
+    for r in rows:
+        table.add_row(
+            *(_cell(r[c]) if not isinstance(r[c], list) else str(r[c]) for c in SEGMENT_DETAIL_COLUMNS)
+        )
+    return [table]
 
 
 def _recent(title: str, records: list[dict[str, Any]], columns: list[str], empty: str) -> Table:

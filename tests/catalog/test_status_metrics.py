@@ -57,9 +57,13 @@ def watch(store: MetaStore, node: int, info: Known, vchannel: str, lease_id: int
     store.put(store.keys.channel_watch(node, vchannel), value)
 
 
-def status_json(settings: Settings) -> dict:
+def status_json(settings: Settings, *flags: str) -> dict:
     done = subprocess.run(
-        [str(VCHAN), "status", "--json"], env=cli_env(settings), capture_output=True, text=True, timeout=120
+        [str(VCHAN), "status", "--json", *flags],
+        env=cli_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
@@ -115,7 +119,7 @@ def test_status_json_flags_a_killed_nodes_channels_until_they_are_moved(
             lease = grant_channel_lease(store, ids, vchannel, node_id=12)
             watch(store, 12, known, vchannel, lease.lease_id, WatchState.WATCH_SUCCESS)
 
-        moved = status_json(settings)
+        moved = status_json(settings, "--segments")  # no DataCoord here: no summary
         assert {n["node_id"]: n["channels"] for n in moved["nodes"]} == {12: 2}
         mine = [c for c in moved["channels"] if c["collection"] == known.info.name]
         assert {(c["owner_node"], c["lease_node"], c["owner_alive"]) for c in mine} == {("12", 12, True)}
@@ -147,7 +151,7 @@ def test_status_warns_of_stuck_watches_timetick_lag_and_orphan_binlogs(
     Producer(System(settings, store, storage)).insert(
         known.info.name, generate_rows(SCHEMA, 10, start_pk=9000)
     )
-    report = status_json(settings)
+    report = status_json(settings, "--orphans")
     kinds = {w["kind"] for w in report["warnings"]}
     assert {"stuck_watch", "orphan_binlogs"} <= kinds
     lagged = subprocess.run(
@@ -272,6 +276,10 @@ def test_status_json_with_real_node_processes_shows_a_killed_nodes_channels_move
         assert all(c["owner_alive"] and str(c["lease_node"]) == survivor for c in mine(moved))
         assert moved["nodes"][0]["channels"] == 2
         assert not [w for w in moved["warnings"] if w["kind"] == "dead_owner"]
+        # The segment counts come from the summaries the `vchan datacoord` process wrote.
+        assert moved["segments_source"] == "summary"
+        assert known.info.name in {s["collection"] for s in moved["segments"]}
+        assert not [w for w in moved["warnings"] if "summary" in w["kind"]]
     finally:
         for proc in procs.values():
             if proc.poll() is None:

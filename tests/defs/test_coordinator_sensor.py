@@ -1,5 +1,6 @@
 """The DataCoord sensor is the coordinator: it campaigns in the election `vchan datacoord`
-uses and runs the same tick (recovery of Flushing segments, seal policies, reconcile)."""
+uses and runs the same tick (recovery of Flushing segments, seal policies, reconcile, the
+meta reload and its segment summaries)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import dagster as dg
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.datacoord.segment_manager import SegmentManager
+from vchan_assets.datacoord.segment_summary import summarize
 from vchan_assets.defs.resources import VchanResource
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState, SegmentSummary
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import NODE1, SCHEMA, CoordinatorTicks, evaluate, skip_message
@@ -86,3 +89,21 @@ def test_the_sensor_stands_by_while_a_datacoord_process_leads_and_takes_over_aft
         assert "standby" in skip_message(sensor.tick())
     finally:
         process.election.resign()
+
+
+def test_the_sensors_reload_writes_the_segment_summary_vchan_status_reads(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    store: MetaStore,
+    producer: Producer,
+    collection: CollectionInfo,
+) -> None:
+    producer.insert(collection.name, generate_rows(SCHEMA, 40, start_pk=1, seed=1))
+
+    CoordinatorTicks(instance, vchan).tick()
+
+    found, _ = store.list_models(store.keys.segment_summary.prefix, SegmentSummary)
+    [summary] = [d.model for d in found if d.model.collection_id == collection.id]
+    listed = [d.model for d in SegmentMeta(store).list(collection.id)]
+    assert summary.same_counts(summarize(listed, [collection.id], 0, 0.0)[collection.id])
+    assert sum(g.segments for g in summary.groups) == len(listed) > 0

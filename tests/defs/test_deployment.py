@@ -15,12 +15,13 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.scheduler.instigation import InstigatorType
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
@@ -39,6 +40,7 @@ from vchan_assets.deploy.service import (
     daemon_state,
     graphql,
 )
+from vchan_assets.lifecycle.sort_tasks import unsorted_segments
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
@@ -75,7 +77,12 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(etcd, spark_remote: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("deployment")
-    settings = live_settings(tmp, "e2e", etcd.endpoint, spark_remote, session_ttl=5.0)
+    # The lifecycle step leaves fresh flushes to the sort sensor for the whole module: on a
+    # loaded machine a sort run can take longer than the default 120 s to start, and a
+    # segment the step sorted as a leftover is never a `sorted_segments` check (the UI test's).
+    settings = replace(
+        live_settings(tmp, "e2e", etcd.endpoint, spark_remote, session_ttl=5.0), sort_leftover_after=3600.0
+    )
     home = tmp / "dagster_home"
     home.mkdir()
     shutil.copy(INSTANCE_CONFIG, home / "dagster.yaml")
@@ -557,6 +564,33 @@ def _check_passed(url: str, asset: str, check: str) -> bool:
     return bool(found) and found[0]["status"] == "SUCCEEDED"
 
 
+def _check_trace(deployment: Deployment, asset: str, check: str) -> str:
+    """What a check that never passed last looked like, and for the sort's check what would
+    have run it: the sort runs, the sort sensor's last ticks and the segments not yet sorted."""
+    url, instance = deployment.url, deployment.instance
+    found = graphql(url, CHECK_EXECUTIONS, {"asset": {"path": [asset]}, "check": check})[
+        "assetCheckExecutions"
+    ]
+    lines = [f"last executions of {asset}:{check}: {found[:3]}"]
+    if asset != "sorted_segments":
+        return "\n".join(lines)
+    for record in instance.get_run_records(dg.RunsFilter(job_name="sort"), limit=5):
+        run = record.dagster_run
+        lines.append(f"- sort run {run.run_id[:8]} {run.status.value} created {record.create_timestamp}")
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        if state.name == "sort_sensor":
+            for tick in instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=8):
+                reason = tick.skip_reason or tick.run_ids or tick.error
+                lines.append(f"- sort_sensor tick at {tick.timestamp:.0f}: {tick.status.value} {reason}")
+    for record in instance.get_run_records(dg.RunsFilter(job_name=LOOP_JOB, statuses=IN_FLIGHT), limit=5):
+        lines.append(f"- sync loop run {record.dagster_run.run_id[:8]} {record.dagster_run.status.value}")
+    with VchanResource.from_settings(deployment.settings).open() as runtime:
+        unsorted = [(s.id, s.vchannel, s.last_flush_ts) for s in unsorted_segments(runtime.store)]
+        sealed = [s.id for s in runtime.segments() if s.state.value == "Sealed"]
+    lines.append(f"at {time.time():.0f}: unsorted flushed segments {unsorted}, sealed ones {sealed}")
+    return "\n".join(lines)
+
+
 def _automation_trace(instance: dg.DagsterInstance, asset: str, ticks: int = 5) -> str:
     """The last `ticks` evaluations of `asset`'s automation condition, each as its tree of
     labels with what each node held true for (a bool, or the partitions of an upstream
@@ -657,7 +691,10 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
     for asset, checks in LIVE_CHECKS.items():
         for check in sorted(checks):
             wait_until(
-                lambda a=asset, c=check: _check_passed(url, a, c), 240, f"{asset}:{check} evaluated, passed"
+                lambda a=asset, c=check: _check_passed(url, a, c),
+                420,
+                f"{asset}:{check} evaluated, passed",
+                describe=lambda a=asset, c=check: _check_trace(deployment, a, c),
             )
 
 

@@ -20,7 +20,6 @@ from vchan_assets.defs.indexes.assets import index_sensor
 from vchan_assets.defs.lifecycle.assets import (
     COMPACTED_SEGMENTS,
     GARBAGE_COLLECTION,
-    SORT_LEFTOVER_AFTER,
     SORTED_SEGMENTS,
     lifecycle_sensor,
     segment_lifecycle,
@@ -70,7 +69,7 @@ def test_a_fresh_flush_is_the_sort_sensors_and_the_lifecycle_step_sorts_only_lef
     """A lifecycle run that lands right after a flush neither sorts nor merges the new segments:
     they are the sort sensor's, so their sort shows as `sorted_segments` with its check (it did
     not: a deployment whose lifecycle step came first never evaluated `sorted_rows_conserved`);
-    segments still unsorted SORT_LEFTOVER_AFTER seconds after their flush are the step's."""
+    segments still unsorted VCHAN_SORT_LEFTOVER_AFTER seconds after their flush are the step's."""
     info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
     instance.add_dynamic_partitions("vchannels", list(info.vchannels))
     produced = flushed_batches(system, producer, info, batches=2)
@@ -80,8 +79,8 @@ def test_a_fresh_flush_is_the_sort_sensors_and_the_lifecycle_step_sorts_only_lef
     [request] = evaluate(sort_sensor, instance, vchan).run_requests or []
     assert _sorts(request, info) == list(info.vchannels)
 
-    later = time.time() + SORT_LEFTOVER_AFTER + 1
-    report = lifecycle_step(system, now=later, sort_grace=SORT_LEFTOVER_AFTER, collect=False)
+    later = time.time() + system.settings.sort_leftover_after + 1
+    report = lifecycle_step(system, now=later, sort_grace=system.settings.sort_leftover_after, collect=False)
     assert [o.state for o in report.outcomes] == [PlanState.COMPLETED]
     [leftover] = live_l1(store, info)  # merged by mix compaction, which sorts
     assert leftover.is_sorted and sorted(leftover.compaction_from) == sorted(s.id for s in fresh)
@@ -237,8 +236,8 @@ def test_a_sort_that_fails_every_time_ends_failed_through_the_asset_and_is_not_a
     assert not evaluate(sort_sensor, instance, vchan).run_requests, "a Failed task waits for its next try"
     assert materialize()["task_attempts"] == 0
     assert _sort_task(store, poison.id) == task
-    later = time.time() + SORT_LEFTOVER_AFTER + 1
-    step = lifecycle_step(system, now=later, sort_grace=SORT_LEFTOVER_AFTER, collect=False)
+    later = time.time() + system.settings.sort_leftover_after + 1
+    step = lifecycle_step(system, now=later, sort_grace=system.settings.sort_leftover_after, collect=False)
     planned = [store.get_model(store.keys.compaction_plan(i), CompactionPlan) for i in step.planned]
     assert not [
         d.model

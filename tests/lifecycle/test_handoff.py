@@ -22,7 +22,7 @@ from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentLevel, SegmentState
 from vchan_assets.query.view import read_query_view
-from vchan_assets.status import collect_status, render_status
+from vchan_assets.status import SegmentDetail, collect_status, render_status
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, VCHAN, cli_env, segments
 from vchan_assets.testing.steps import assert_lifecycle_invariants, flushed_batches, live_l1
@@ -235,7 +235,7 @@ def test_status_says_what_each_late_invisible_segment_waits_on(
 
     later = time.time() + 600
     with Catalog(system) as catalog:
-        report = collect_status(catalog, now=later, orphans=False)
+        report = collect_status(catalog, now=later, segments=SegmentDetail())
     waits = {r["segment"]: r["waits_on"] for r in report["handoff"]["stuck"]}
     assert waits[held] == f"compaction plan {plan.plan_id} (sort, Executing on elsewhere:1@7)"
     assert free and all("no sort task or plan holds it" in waits[f] for f in free)
@@ -275,17 +275,17 @@ def test_status_and_the_catalog_show_invisible_segments_the_flush_to_sorted_late
 ) -> None:
     flushed_batches(system, producer, collection, batches=2)
     catalog = Catalog(system)
-    report = collect_status(catalog, orphans=False)
+    report = collect_status(catalog, segments=SegmentDetail())  # no DataCoord here: no summary
     assert report["handoff"]["invisible"] == 2 and report["handoff"]["sorted"] == 0
     [row] = [s for s in report["segments"] if s["collection"] == collection.name and s["level"] == "L1"]
     assert row["state"] == "Flushed" and row["invisible"] == 2
     assert not [w for w in report["warnings"] if w["kind"] == "sort_behind"]
-    late = collect_status(catalog, now=time.time() + 3600, orphans=False)
+    late = collect_status(catalog, now=time.time() + 3600, segments=SegmentDetail())
     [warning] = [w for w in late["warnings"] if w["kind"] == "sort_behind"]
     assert "2 flushed segments still invisible" in warning["message"]
 
     sort_step(system, engine="local")
-    report = collect_status(catalog, orphans=False)
+    report = collect_status(catalog, segments=SegmentDetail())
     handoff = report["handoff"]
     assert handoff["invisible"] == 0 and handoff["sorted"] == 2
     assert 0 <= handoff["flush_to_sorted_p50_s"] <= handoff["flush_to_sorted_p95_s"] < 600

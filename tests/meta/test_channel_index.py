@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from vchan_assets.testing.steps import (
     compact_all,
     flushed_batches,
     new_collection,
+    reads,
     sync_all,
     write_segments,
 )
@@ -46,13 +46,6 @@ from vchan_assets.meta.store import MetaStore
 segments.BACKFILL_BATCH = 10
 segments.SegmentMeta(MetaStore.connect(Settings.from_env())).backfill_channel_index()
 """
-
-
-def reads(store: MetaStore, action: Callable[[], object]) -> tuple[int, int]:
-    """(keys, bytes) etcd returned to `store` while `action` ran."""
-    keys, size = store.keys_read, store.bytes_read
-    action()
-    return store.keys_read - keys, store.bytes_read - size
 
 
 def as_before_the_index(store: MetaStore) -> None:

@@ -16,7 +16,7 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState
-from vchan_assets.status import collect_status
+from vchan_assets.status import SegmentDetail, collect_status
 from vchan_assets.system import System
 from vchan_assets.testing.harness import Produced, produce
 from vchan_assets.testing.steps import flushed_segment, write_segments
@@ -57,7 +57,7 @@ def test_door_filters_by_vchannel_partition_and_state(store: MetaStore, crowded:
 def test_status_of_a_collection_over_the_receive_limit_counts_every_segment(
     system: System, crowded: CollectionInfo
 ) -> None:
-    report = collect_status(Catalog(system), orphans=False)
+    report = collect_status(Catalog(system), segments=SegmentDetail())
     flushed = [r for r in report["segments"] if r["state"] == SegmentState.FLUSHED.value]
     assert sum(r["segments"] for r in flushed) == SEGMENTS
 

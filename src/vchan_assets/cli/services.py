@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from vchan_assets.cli.base import _positive, command, stop_on_signals
+from vchan_assets.cli.base import UsageError, _positive, command, stop_on_signals
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
 from vchan_assets.stack import Stack
@@ -110,7 +110,17 @@ def _status_args(parser: argparse.ArgumentParser) -> None:
         "--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
         help="refresh every SECONDS (default 2) until interrupted",
     )  # fmt: skip
-    parser.add_argument("--no-orphans", action="store_true", help="skip listing storage for orphan binlogs")
+    parser.add_argument(
+        "--orphans", action="store_true",
+        help="list storage and every segment's binlogs for orphan binlogs (files no segment names)",
+    )  # fmt: skip
+    parser.add_argument("--no-orphans", action="store_true", help="the default (kept for scripts)")
+    parser.add_argument(
+        "--segments", action="store_true",
+        help="read segment meta itself (in pages) and list every segment, instead of the DataCoord's summaries",
+    )  # fmt: skip
+    parser.add_argument("--collection", metavar="NAME", help="with --segments: only this collection's")
+    parser.add_argument("--vchannel", metavar="NAME", help="with --segments: only this vchannel's")
 
 
 @command("status", "show nodes, channels, checkpoints and lag, segments and warnings", _status_args)
@@ -121,25 +131,32 @@ def status(args: argparse.Namespace, settings: Settings) -> int:
     from rich.live import Live
 
     from vchan_assets.catalog import Catalog
-    from vchan_assets.status import collect_status, render_status
+    from vchan_assets.status import SegmentDetail, collect_status, render_status
 
+    if (args.collection or args.vchannel) and not args.segments:
+        raise UsageError("--collection and --vchannel narrow --segments: add --segments")
+    detail = SegmentDetail(args.collection, args.vchannel) if args.segments else None
     with Catalog.open(settings) as catalog:
+
+        def report() -> dict[str, object]:
+            return collect_status(catalog, orphans=args.orphans, segments=detail)
+
         if args.json and args.watch is None:
-            print(json.dumps(collect_status(catalog, orphans=not args.no_orphans), indent=2))
+            print(json.dumps(report(), indent=2))
             return 0
         console = Console()
         if not console.is_terminal:
             console = Console(width=160)  # piped: do not squeeze the tables into 80 columns
         if args.watch is None:
-            console.print(render_status(collect_status(catalog, orphans=not args.no_orphans)))
+            console.print(render_status(report()))
             return 0
         if args.json:  # one JSON document per line, for `| jq` or a log shipper (`| head`: see main)
             while True:
-                print(json.dumps(collect_status(catalog, orphans=not args.no_orphans)), flush=True)
+                print(json.dumps(report()), flush=True)
                 time.sleep(args.watch)
         with Live(console=console, auto_refresh=False) as live:
             while True:
-                live.update(render_status(collect_status(catalog, orphans=not args.no_orphans)), refresh=True)
+                live.update(render_status(report()), refresh=True)
                 time.sleep(args.watch)
 
 

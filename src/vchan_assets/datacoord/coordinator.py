@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from vchan_assets import __version__
 from vchan_assets.config import Settings
+from vchan_assets.datacoord import segment_summary
 from vchan_assets.datacoord.channel_manager import ChannelManager, ReconcileReport
 from vchan_assets.datacoord.segment_manager import FlushRecovery, SealedSegment, SegmentManager
 from vchan_assets.meta.allocator import IdAllocator
@@ -58,7 +59,9 @@ class MetaReloader:
     index (`SegmentMeta.repair_channel_index`, keys only): during a rolling upgrade a
     process of a version before the index creates segments without their entries. With a
     segment cache the listing comes from memory and the repair reads the entries of the
-    segments created or deleted since the last reload only."""
+    segments created or deleted since the last reload only. Each reload counts the segments
+    it listed into the per-collection segment summaries `vchan status` reads, put where they
+    changed (datacoord/segment_summary.py)."""
 
     store: MetaStore
     segments: SegmentManager
@@ -70,17 +73,22 @@ class MetaReloader:
     entries: dict[str, str] | None = None
 
     def reload(self) -> bool:
-        """Returns whether segment meta was reloaded."""
+        """Returns whether segment meta was reloaded (also when only a collection lacked
+        its segment summary)."""
         door = SegmentMeta(self.store)
         listing = door.segment_keys()  # read once: for the change, then for the repair
         seen = door.changes_seen(listing)
-        if seen == self.seen:
+        if seen == self.seen and not segment_summary.missing(self.store):
             return False
         if self.store.segment_cache is None:
             door.repair_channel_index(listing)
         else:
             self._repair_from_cache(door, listing)
-        self.segments.seal_orphans()
+        # from the cache where it is, and the dropped family (the summaries count the
+        # Dropped segments GC keeps and time flush -> sorted from the sorts' dropped inputs)
+        found = [d.model for d in door.list(skip_malformed=True, include_dropped=True)]
+        self.segments.seal_orphans(found)  # (Growing ones only)
+        segment_summary.write_summaries(self.store, found, listing.revision)
         self.seen = seen
         self.reloads += 1
         return True

@@ -426,15 +426,16 @@ class SegmentManager:
             held.commit(replace(head, open_segments=kept, last_ts=seal_ts))
             return self.seal_left(chosen, seal_ts, state)
 
-    def seal_orphans(self) -> list[SealedSegment]:
+    def seal_orphans(self, listed: Sequence[SegmentInfo] | None = None) -> list[SealedSegment]:
         """Seal Growing L1 segments that no channel head lists (their sealer died between
         taking them off the head and sealing them): they can receive no more rows, and
-        the head's last timestamp is above all of theirs."""
+        the head's last timestamp is above all of theirs. `listed`: every segment, as the
+        caller just listed them (else listed here)."""
         open_ids = {s.segment_id for h in self.heads.all() for s in h.open_segments}
-        found = SegmentMeta(self.store).list(skip_malformed=True)
+        if listed is None:
+            listed = [d.model for d in SegmentMeta(self.store).list(skip_malformed=True)]
         sealed = []
-        for decoded in found:
-            seg = decoded.model
+        for seg in listed:
             if seg.state is not SegmentState.GROWING or seg.level is SegmentLevel.L0 or seg.id in open_ids:
                 continue
             head = self.heads.read(seg.vchannel)

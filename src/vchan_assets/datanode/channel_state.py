@@ -37,7 +37,7 @@ class ChannelState:
     committed: Decoded[MsgPosition] | None  # the checkpoint key as read; None: never synced
     unsynced_files: tuple[WalFile, ...]  # the log files holding offsets after the checkpoint
     backlog: Backlog  # the log after the checkpoint (its head: the latest time tick there)
-    segments: tuple[Decoded[SegmentInfo], ...]  # this vchannel's, with their etcd versions
+    segments: tuple[Decoded[SegmentInfo], ...]  # this vchannel's, with their etcd versions (if read)
 
     @property
     def head(self) -> MsgPosition | None:
@@ -83,8 +83,10 @@ class ChannelState:
         return min(pending) if pending else None
 
 
-def read_channel_state(store: MetaStore, reader: WalReader) -> ChannelState:
-    """The state of `reader`'s vchannel (LogError/StorageError if its log is unreadable)."""
+def read_channel_state(store: MetaStore, reader: WalReader, segments: bool = True) -> ChannelState:
+    """The state of `reader`'s vchannel (LogError/StorageError if its log is unreadable);
+    without `segments`, its segments are not read (empty): where the log and the
+    checkpoint are all a caller needs (`vchan status`)."""
     collection, vchannel = reader.collection, reader.vchannel
     committed = channel_checkpoint(store, vchannel)
     checkpoint = committed.model if committed else start_position(collection, vchannel)
@@ -96,5 +98,5 @@ def read_channel_state(store: MetaStore, reader: WalReader) -> ChannelState:
         committed,
         tuple(files),
         reader.backlog(checkpoint.offset, files),
-        tuple(channel_segments(store, collection.id, vchannel)),
+        tuple(channel_segments(store, collection.id, vchannel)) if segments else (),
     )

@@ -212,6 +212,10 @@ class VchanResource(dg.ConfigurableResource):
         default=None,
         description="VCHAN_SORT_SCAN_INTERVAL: seconds between the active DataCoord's full scans for unsorted flushed segments (a safety net: each flush pushes its segments to the sort at once, through an etcd watch) [default: `60`]",
     )
+    sort_leftover_after: str | None = Field(
+        default=None,
+        description="VCHAN_SORT_LEFTOVER_AFTER: seconds a flushed segment is left to Dagster's sort sensor (its sort shows as a materialization of `sorted_segments` with its check) before the Dagster-hosted DataCoord's lifecycle step sorts it as a leftover (the sensor stopped, or its runs cannot start) [default: `120`]",
+    )
     compaction_enabled: str | None = Field(
         default=None,
         description="VCHAN_COMPACTION_ENABLED: the DataCoord plans L0 and mix compactions (`off`: none is planned; the sort after flush, which makes segments visible, still runs; `vchan compact` still works) [default: `on`]",

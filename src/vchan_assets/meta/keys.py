@@ -90,6 +90,9 @@ class Keys:
         the backfill of a stack older than the index finished)."""
         return self._k("meta", "channel-segment-index")
 
+    # a collection's segment meta counted (by vchannel, state and level), for `vchan status`
+    segment_summary = _Family("meta/summary/{collection}")
+
     channel_checkpoint = _Family("meta/channel-cp/{vchannel}")
     channel_lease = _Family("meta/channel-lease/{vchannel}")
     channel_sync = _Family("meta/channel-sync/{vchannel}")

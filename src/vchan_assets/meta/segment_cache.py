@@ -19,9 +19,11 @@ etcd instead of owning it; a read of it is still as fresh as a listing of etcd w
   as it does without a cache: a stale copy is never acted on.
 
 Values are decoded once per version and kept (`models`); the key order is kept sorted,
-so the segments of one collection or partition are a slice, not a scan. It holds the live
-segments only: a drop moves a segment's record out of the prefix (a delete event here,
-see meta/segments.py), so its size follows the live segments, not the drop tolerance.
+so the segments of one collection or partition are a slice, not a scan; a prefix listed
+again while no segment changed is the list decoded before (`decoded`: a DataCoord step
+lists its collection several times over). It holds the live segments only: a drop moves a
+segment's record out of the prefix (a delete event here, see meta/segments.py), so its
+size follows the live segments, not the drop tolerance.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class SegmentCache:
         self._sorted: list[str] | None = []  # the keys in order; None: rebuilt at the next read
         self._models: dict[str, Decoded[SegmentInfo]] = {}  # by key, for the KeyValue cached
         self._revision = 0  # every event up to it applied (the resume cursor)
+        self._generation = 0  # moves at every change of the copy
+        # (prefix, skip_malformed) -> (generation, the prefix's listing decoded)
+        self._listings: dict[tuple[str, bool], tuple[int, list[Decoded[SegmentInfo]]]] = {}
         self._following = False  # the stream is open and the copy current up to it
         self._progress = 0  # progress answers seen
         self._cond = threading.Condition()
@@ -115,6 +120,26 @@ class SegmentCache:
         """The keys under `prefix` (within the segment prefix) in key order, with every
         change committed before this call: None when that cannot be proven in
         `fresh_timeout` (the stream is down, etcd slow), and the caller reads etcd."""
+        found = self._fresh_slice(prefix)
+        return None if found is None else found[0]
+
+    def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
+        """`snapshot(prefix)` decoded (`models`), or None as `snapshot`. While no segment
+        changed, the list returned before for the prefix (callers do not change it)."""
+        found = self._fresh_slice(prefix)
+        if found is None:
+            return None
+        snapshot, generation = found
+        memo = self._listings.get((prefix, skip_malformed))
+        if memo is not None and memo[0] == generation:
+            return memo[1]
+        listing = self.models(snapshot.items, skip_malformed)
+        with self._cond:
+            self._listings[(prefix, skip_malformed)] = (generation, listing)
+        return listing
+
+    def _fresh_slice(self, prefix: str) -> tuple[Snapshot, int] | None:
+        """`snapshot(prefix)` with the copy's generation at it."""
         if not prefix.startswith(self.prefix):
             raise ValueError(f"{prefix} is not under the cached prefix {self.prefix}")
         if not self._fresh():
@@ -125,20 +150,30 @@ class SegmentCache:
             keys = self._sorted
             first = bisect.bisect_left(keys, prefix)
             last = bisect.bisect_left(keys, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else len(keys)
-            return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision)
+            return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision), self._generation
 
     def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
         """`items` (from `snapshot`) decoded, each version once; the values not decoded yet
         go through `MetaStore.decode_models` (its policy for a malformed value: raise naming
         the key, or log, count and skip)."""
-        known = {kv.key: d for kv in items if (d := self._models.get(kv.key)) is not None and d.kv is kv}
-        fresh = self.store.decode_models(
-            [kv for kv in items if kv.key not in known], SegmentInfo, skip_malformed
-        )
-        for d in fresh:
-            self._models[d.kv.key] = d
-        decoded = {**known, **{d.kv.key: d for d in fresh}}
-        return [decoded[kv.key] for kv in items if kv.key in decoded]
+        memo = self._models
+        found: list[Decoded[SegmentInfo] | None] = []
+        missing: list[KeyValue] = []
+        for kv in items:
+            d = memo.get(kv.key)
+            if d is None or d.kv is not kv:
+                missing.append(kv)
+                d = None
+            found.append(d)
+        if not missing:
+            return found  # type: ignore[return-value]  # (no None left)
+        fresh = {d.kv.key: d for d in self.store.decode_models(missing, SegmentInfo, skip_malformed)}
+        memo.update(fresh)
+        return [
+            d if d is not None else fresh[kv.key]
+            for kv, d in zip(items, found, strict=True)
+            if d is not None or kv.key in fresh
+        ]
 
     def _fresh(self) -> bool:
         """Ask etcd for the stream's progress and wait for the answer (see the module)."""
@@ -209,6 +244,8 @@ class SegmentCache:
         with self._cond:
             self._kvs = {kv.key: kv for kv in snapshot.items}
             self._sorted = None
+            self._generation += 1
+            self._listings.clear()
             self._models = {k: d for k, d in self._models.items() if self._kvs.get(k) is d.kv}
             self._revision = snapshot.revision
         self.loads += 1
@@ -279,6 +316,7 @@ class SegmentCache:
                 self._sorted = None
             self._kvs[key] = kv_of(kv)
         self._revision = max(self._revision, int(kv.mod_revision))
+        self._generation += 1
         self.events_applied += 1
 
     def _end_stream(self) -> None:

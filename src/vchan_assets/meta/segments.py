@@ -174,21 +174,44 @@ class SegmentMeta:
         collection's listing. `include_dropped`: the Dropped ones too, read from the
         dropped family at the revision of the live listing (a segment being moved is
         listed once), in the order of their live keys."""
-        live = self._live(collection, vchannel, partition)
         if not include_dropped:
-            found = self._select(live.items, vchannel, states, skip_malformed)
+            found = self._live_models(collection, vchannel, partition, states, skip_malformed)
             return [d for d in found if d.model.state is not SegmentState.DROPPED]
+        live = self._live(collection, vchannel, partition)
         prefix = self.dropped_prefix(collection, partition)
         try:
             dropped = self.store.list_prefix(prefix, revision=live.revision).items
-            items = [*live.items, *dropped]
         except RevisionCompactedError:  # compacted since the live listing: both again, at once
-            both = self.store.list_prefixes([self.prefix(collection, partition), prefix])
-            items = [*both[0], *both[1]]
-        found = self._select(items, vchannel, states, skip_malformed)
+            live_items, dropped = self.store.list_prefixes([self.prefix(collection, partition), prefix])
+            live = Snapshot(live_items, 0)
+        # (the dropped records are decoded here, not by the segment cache: it holds live ones)
+        gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)
+        found = [
+            *self._select(live.items, vchannel, states, skip_malformed),
+            *self._filter(gone, vchannel, states),
+        ]
         return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
 
+    def _live_models(
+        self,
+        collection: int | None,
+        vchannel: str | None,
+        partition: int | None,
+        states: Collection[SegmentState] | None,
+        skip_malformed: bool,
+    ) -> builtins.list[Decoded[SegmentInfo]]:
+        """The segments of the live family, decoded (by the segment cache where the process
+        has one: a prefix listed again while nothing changed is not decoded again)."""
+        cache = self.store.segment_cache
+        decoded = None if cache is None else cache.decoded(self.prefix(collection, partition), skip_malformed)
+        if decoded is not None:
+            return self._filter(decoded, vchannel, states)
+        return self._select(
+            self._live(collection, vchannel, partition).items, vchannel, states, skip_malformed
+        )
+
     def _live(self, collection: int | None, vchannel: str | None, partition: int | None) -> Snapshot:
+        """The keys of the live family (from the segment cache where the process has one)."""
         cached = self._cached(self.prefix(collection, partition))
         if cached is not None:
             return cached
@@ -244,7 +267,8 @@ class SegmentMeta:
         live, dropped, *others = self.store.list_prefixes(
             [self.prefix(collection), self.dropped_prefix(collection), *prefixes]
         )
-        found = self._select([*live, *dropped], None, None, skip_malformed)
+        gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)  # (not the cache's)
+        found = [*self._select(live, None, None, skip_malformed), *gone]
         return sorted(found, key=lambda d: self._live_key_of(d.kv.key)), others
 
     def segment_keys(self) -> Snapshot:
@@ -482,7 +506,14 @@ class SegmentMeta:
         states: Collection[SegmentState] | None,
         skip_malformed: bool,
     ) -> builtins.list[Decoded[SegmentInfo]]:
-        found = self._models(items, skip_malformed)
+        return self._filter(self._models(items, skip_malformed), vchannel, states)
+
+    @staticmethod
+    def _filter(
+        found: Sequence[Decoded[SegmentInfo]], vchannel: str | None, states: Collection[SegmentState] | None
+    ) -> builtins.list[Decoded[SegmentInfo]]:
+        if vchannel is None and states is None:
+            return builtins.list(found)
         return [
             d
             for d in found

@@ -212,6 +212,9 @@ class SegmentCopy(Protocol):
     def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
         """`items` decoded (each version once)."""
 
+    def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
+        """`snapshot(prefix)` decoded, or None as `snapshot` (the list must not be changed)."""
+
 
 class MetaStore:
     """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions.

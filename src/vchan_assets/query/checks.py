@@ -50,15 +50,6 @@ from vchan_assets.wal.format import MsgType
 # --- figures ---------------------------------------------------------------------------------
 
 
-def flush_to_sorted(seg: SegmentInfo) -> float | None:
-    """Seconds from the flush that left `seg` invisible to the commit of the sort that
-    replaced it (None unless its sort replaced it)."""
-    replaced = seg.state is SegmentState.DROPPED and seg.is_invisible
-    if not replaced or seg.flushed_at is None or seg.dropped_at is None:
-        return None
-    return max(0.0, seg.dropped_at - seg.flushed_at)
-
-
 def awaiting_sort(view: QueryView) -> list[SegmentInfo]:
     """The flushed segments the view serves as growing: their sort has not replaced them yet."""
     return [s for s in view.growing if s.state is SegmentState.FLUSHED and s.is_invisible]
@@ -71,7 +62,7 @@ def _oldest_wait(waiting: list[SegmentInfo], now: float) -> float:
 def view_figures(view: QueryView, now: float) -> dict[str, int | float]:
     """The view of one vchannel in numbers (module docstring)."""
     waiting = awaiting_sort(view)
-    waits = [w for s in view.dropped if (w := flush_to_sorted(s)) is not None]
+    waits = [w for s in view.dropped if (w := s.flush_to_sorted) is not None]
     return {
         "flushed": len(view.flushed),
         "growing": len(view.growing) - len(waiting),

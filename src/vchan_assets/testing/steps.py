@@ -2,7 +2,8 @@
 of every vchannel (the DataNode's sync task), a manual mix compaction of a collection (the
 DataCoord's compaction trigger and executor), a GC pass past the log retention, flushed
 rounds of known rows, the lifecycle's invariants read back through the catalog, the
-per-vchannel segment index against segment meta, `vchan` processes.
+per-vchannel segment index against segment meta, what an action read of etcd, `vchan`
+processes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
@@ -164,6 +166,13 @@ def write_segments(
         assert store.txn({}, puts) is not None
         written += sum(len(encode(seg)) for seg in made)
     return written
+
+
+def reads(store: MetaStore, action: Callable[[], object]) -> tuple[int, int]:
+    """(keys, bytes) etcd returned to `store` while `action` ran (`MetaStore.keys_read`)."""
+    keys, size = store.keys_read, store.bytes_read
+    action()
+    return store.keys_read - keys, store.bytes_read - size
 
 
 def live(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:

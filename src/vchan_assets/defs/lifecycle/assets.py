@@ -10,7 +10,7 @@
   not with the flush rate or the number of vchannels. Materializing a partition from the UI
   runs the asset;
 - `compacted_segments` (L0, mix and leftover sort plans of the DataCoord lifecycle step:
-  sorts of segments flushed more than SORT_LEFTOVER_AFTER seconds ago)
+  sorts of segments flushed more than VCHAN_SORT_LEFTOVER_AFTER seconds ago)
   and `garbage_collection` (orphans, dropped segments, old log files), materialized
   together by one step every VCHAN_LIFECYCLE_INTERVAL (`lifecycle_sensor`);
 
@@ -61,10 +61,6 @@ LIFECYCLE_GROUP = "segment_lifecycle"
 # seconds between sort runs at most: a flushed segment waits for its sort (served as growing)
 # up to this long plus the run's launch, and the runs stay under 5,760 a day
 SORT_SENSOR_INTERVAL = 15
-# seconds a flushed segment is the sort sensor's before the lifecycle step sorts it (a
-# leftover: the sensor stopped, or its run failed); a fresh flush sorted by the lifecycle
-# step would never show as a materialization of `sorted_segments` with its check
-SORT_LEFTOVER_AFTER = 8 * SORT_SENSOR_INTERVAL
 
 (CHECK_SORTED_ROWS,) = asset_checks(
     SORTED_SEGMENTS,
@@ -250,7 +246,9 @@ def segment_lifecycle(context: dg.AssetExecutionContext, vchan: VchanResource) -
     segments that are gone."""
     with vchan.open() as runtime:
         store, storage = runtime.store, runtime.storage
-        report = lifecycle_step(runtime, gc_passes=[collect_indexes], sort_grace=SORT_LEFTOVER_AFTER)
+        report = lifecycle_step(
+            runtime, gc_passes=[collect_indexes], sort_grace=runtime.settings.sort_leftover_after
+        )
         pruned = prune_tasks(store)  # as the DataCoord's full scan: tasks of segments gone
         completed = [o.plan_id for o in report.outcomes if o.state is PlanState.COMPLETED]
         plans = _plans(store, completed)
