@@ -284,6 +284,10 @@ class SegmentMeta:
         items = (listing or self.segment_keys()).items
         return max((kv.mod_revision for kv in items), default=0), len(items)
 
+    def dropped_changes_seen(self) -> tuple[int, int]:
+        """`changes_seen` of the dropped family, from one request whatever its size."""
+        return self.store.newest_and_count(self.dropped_prefix())
+
     def get(
         self, collection: int, partition: int, segment: int, include_dropped: bool = False
     ) -> Decoded[SegmentInfo] | None:

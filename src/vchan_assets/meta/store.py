@@ -486,6 +486,22 @@ class MetaStore:
                 limit //= 2
                 log.warning("a page of %s over the receive limit: reading %s keys a page", prefix, limit)
 
+    def newest_and_count(self, prefix: str) -> tuple[int, int]:
+        """(the highest mod revision, how many keys) under `prefix`, from one range
+        request of one key, keys only (etcd counts the whole range): it moves whenever a key
+        under it is put or deleted, whatever their number."""
+        start = etcd3.utils.to_bytes(prefix)
+        with self._call(f"count {prefix}"):
+            resp = self.client.get_range_response(
+                start,
+                etcd3.utils.prefix_range_end(start),
+                sort_order="descend",
+                sort_target="mod",
+                limit=1,
+                keys_only=True,
+            )
+        return (int(resp.kvs[0].mod_revision) if resp.kvs else 0), int(resp.count)
+
     def list_models(
         self, prefix: str, model: type[M], skip_malformed: bool = False
     ) -> tuple[list[Decoded[M]], int]:
