@@ -109,6 +109,10 @@ def test_a_malformed_value_raises_naming_its_key_or_is_skipped_as_without_the_ca
     skipped = cached.malformed_skipped
     assert [d.model.id for d in SegmentMeta(cached).list(info.id, skip_malformed=True)] == [1_000, 1_002]
     assert cached.malformed_skipped == skipped + 1
+    # Written again, well formed: listed again, nothing skipped or raised.
+    store.put(bad, flushed_segment(info, info.vchannels[0], 1_001))
+    assert [d.model.id for d in SegmentMeta(cached).list(info.id)] == [1_000, 1_001, 1_002]
+    assert cached.malformed_skipped == skipped + 1
 
 
 def test_a_cache_whose_stream_fell_behind_etcds_compaction_loads_again_in_pages_and_says_so(
