@@ -39,6 +39,7 @@ import grpc
 from etcd3.etcdrpc import kv_pb2, rpc_pb2_grpc
 from etcd3.etcdrpc import rpc_pb2 as pb
 
+from vchan_assets.config import Settings
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason, kv_of
@@ -89,10 +90,12 @@ class SegmentCache:
         self.reconnects = 0
         self.events_applied = 0
         self.progress_timeouts = 0
+        self.started_at = 0.0  # time.monotonic() at `start`
 
     # --- lifecycle ----------------------------------------------------------------
 
     def start(self) -> SegmentCache:
+        self.started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="segment cache", daemon=True)
         self._thread.start()
         return self
@@ -371,3 +374,36 @@ class SegmentCache:
 def _drain(requests: queue.Queue[Any]) -> Iterator[Any]:
     while (request := requests.get()) is not None:
         yield request
+
+
+_shared_lock = threading.Lock()
+_shared: tuple[tuple[tuple[str, ...], str], SegmentCache] | None = None
+
+
+def shared_segment_cache(settings: Settings, endpoints: Sequence[str]) -> SegmentCache:
+    """The process's segment cache of `endpoints` and `settings.root`, started (on a
+    connection of its own) at the first call: for a long-lived process whose DataCoord runs
+    as a series of short calls, Dagster's code server evaluating the DataCoord sensor each
+    second. Until its first load is in, listings through it read etcd. One per process: a
+    call for another etcd or root stops the one before (tests open many roots in one
+    process)."""
+    global _shared
+    key = (tuple(endpoints), settings.root)
+    with _shared_lock:
+        if _shared is not None and _shared[0] != key:
+            _shared[1].stop()
+            _shared[1].store.close()
+            _shared = None
+        if _shared is None:
+            _shared = (key, SegmentCache(MetaStore.connect(settings, endpoints)).start())
+        return _shared[1]
+
+
+def stop_shared_segment_cache() -> None:
+    """Stop the process's shared segment cache, if one was started (before its etcd goes)."""
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared[1].stop()
+            _shared[1].store.close()
+            _shared = None
