@@ -25,7 +25,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, ClassVar, Self
 
 # --- the codec -------------------------------------------------------------------------
@@ -420,7 +420,13 @@ class SegmentInfo(Record):
     def binlog_files(self) -> list[Binlog]:
         return [b for g in self.binlogs for b in g.logs]
 
-    @property
+    @cached_property
+    def binlog_bytes(self) -> int:
+        """The bytes of its insert binlogs (computed once per decoded record: the
+        DataCoord's summary adds them up over every segment at each reload)."""
+        return sum(b.size_bytes for g in self.binlogs for b in g.logs)
+
+    @cached_property
     def flush_to_sorted(self) -> float | None:
         """Seconds from the flush that left it invisible to the commit of the sort that
         replaced it (None unless its sort replaced it)."""

@@ -4,6 +4,7 @@ meta reload and its segment summaries)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import dagster as dg
@@ -13,9 +14,12 @@ from vchan_assets.datacoord.coordinator import DataCoordinator
 from vchan_assets.datacoord.segment_manager import SegmentManager
 from vchan_assets.datacoord.segment_summary import summarize
 from vchan_assets.defs.resources import VchanResource
+from vchan_assets.meta.segment_cache import shared_segment_cache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState, SegmentSummary
+from vchan_assets.testing.steps import reads, write_segments
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import NODE1, SCHEMA, CoordinatorTicks, evaluate, skip_message
@@ -107,3 +111,43 @@ def test_the_sensors_reload_writes_the_segment_summary_vchan_status_reads(
     listed = [d.model for d in SegmentMeta(store).list(collection.id)]
     assert summary.same_counts(summarize(listed, [collection.id], 0, 0.0)[collection.id])
     assert sum(g.segments for g in summary.groups) == len(listed) > 0
+
+
+def test_the_sensors_ticks_share_the_processs_segment_cache_and_list_no_segment_of_etcd(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    store: MetaStore,
+    dsettings: Settings,
+    collection: CollectionInfo,
+) -> None:
+    """Each tick of the DataCoord sensor opens its own connection; the segment meta it
+    reloads comes from one segment cache of the process (the code server's), loaded at the
+    first tick and kept by its watch: a tick after another client created segments counts
+    them all in the summary, and a listing through a tick's store reads no segment key."""
+    vchannel = collection.vchannels[0]
+    write_segments(store, collection, vchannel, 300, first=10_000)
+    ticks = CoordinatorTicks(instance, vchan)
+    ticks.tick()
+    first_tick = time.monotonic()
+    with vchan.open() as runtime:
+        cache = shared_segment_cache(dsettings, runtime.store.endpoints)
+    assert cache.started_at < first_tick, "the first tick did not start the process's segment cache"
+    assert cache.wait_loaded(30), "the shared segment cache never loaded"
+    write_segments(store, collection, vchannel, 5, first=20_000)
+    loads = cache.loads
+
+    def counted() -> int:
+        found = store.get_model(store.keys.segment_summary(collection.id), SegmentSummary)
+        return sum(g.segments for g in found.model.groups) if found is not None else 0
+
+    wait_until(
+        lambda: ticks.tick() and counted() == 305,
+        30,
+        "a reload counting the 5 new segments",
+        describe=counted,
+    )
+    assert cache.loads == loads, "loaded again instead of following its watch"
+    with vchan.open() as runtime:
+        runtime.store.segment_cache = shared_segment_cache(dsettings, runtime.store.endpoints)
+        keys, _ = reads(runtime.store, lambda: SegmentMeta(runtime.store).list(collection.id))
+    assert keys == 0

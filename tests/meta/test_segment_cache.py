@@ -7,6 +7,9 @@ gone, a listing fails as it does without the cache instead of answering from a s
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,9 +23,10 @@ from vchan_assets.meta.errors import MalformedValueError, MetaUnavailableError
 from vchan_assets.meta.segment_cache import SegmentCache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
+from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState, SegmentSummary
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
+from vchan_assets.testing.harness import VCHAN, cli_env
 from vchan_assets.testing.steps import (
     SCHEMA,
     assert_channel_index_complete,
@@ -95,6 +99,10 @@ def test_a_malformed_value_raises_naming_its_key_or_is_skipped_as_without_the_ca
         SegmentMeta(cached).list(info.id)
     skipped = cached.malformed_skipped
     assert [d.model.id for d in SegmentMeta(cached).list(info.id, skip_malformed=True)] == [1_000, 1_002]
+    assert cached.malformed_skipped == skipped + 1
+    # Written again, well formed: listed again, nothing skipped or raised.
+    store.put(bad, flushed_segment(info, info.vchannels[0], 1_001))
+    assert [d.model.id for d in SegmentMeta(cached).list(info.id)] == [1_000, 1_001, 1_002]
     assert cached.malformed_skipped == skipped + 1
 
 
@@ -200,3 +208,41 @@ def test_a_cached_reload_repairs_the_index_entries_of_what_changed_without_listi
         ]
     finally:
         coordinator.election.resign()
+
+
+def test_a_datacoord_killed_mid_load_never_led_and_the_next_one_loads_every_segment(
+    store: MetaStore, producer: Producer, system: System, tmp_path: Path
+) -> None:
+    """Kill -9 of `vchan datacoord` in the middle of its segment cache's first load (one
+    page of 1,000 segment keys read, more to come): the process had not campaigned yet (it
+    loads before it campaigns; a copy still loading is never read: listings go to etcd until
+    it is in), and the next one loads every segment, leads, and counts them all in its
+    summary."""
+    info = new_collection(producer)
+    write_segments(store, info, info.vchannels[0], 1_500, first=10_000)  # two pages
+    marker = tmp_path / "failpoint"
+    env = cli_env(system.settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
+    first = subprocess.Popen(
+        [str(VCHAN), "datacoord", "--engine", "local"],
+        env={**env, "VCHAN_FAILPOINT": "meta_mid_walk=stop", "VCHAN_FAILPOINT_MARKER": str(marker)},
+    )
+    try:
+        wait_until(lambda: marker.exists() and marker.read_text().startswith("meta_mid_walk"), 60, "the load")
+        assert store.get(store.keys.datacoord_session()) is None, "campaigned with half its meta"
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(30)
+    second = subprocess.Popen([str(VCHAN), "datacoord", "--engine", "local"], env=env)
+
+    def counted() -> int:
+        found = store.get_model(store.keys.segment_summary(info.id), SegmentSummary)
+        return sum(g.segments for g in found.model.groups) if found is not None else 0
+
+    try:
+        wait_until(
+            lambda: counted() == 1_500, 90, "the next DataCoord's summary of every segment", describe=counted
+        )
+        assert store.get(store.keys.datacoord_session()) is not None
+    finally:
+        second.terminate()
+        second.wait(30)

@@ -102,7 +102,7 @@ def summarize(
             counts = by[key] = [0] * len(COUNTS)
         counts[0] += 1
         counts[1] += seg.num_rows
-        counts[2] += sum(b.size_bytes for g in seg.binlogs for b in g.logs)
+        counts[2] += seg.binlog_bytes
         counts[3] += seg.is_sorted
         counts[4] += invisible
         counts[5] += bool(seg.compaction_from)

@@ -283,9 +283,12 @@ def prune_tasks(store: MetaStore) -> list[TaskRecord]:
     """Delete the tasks whose segment is Dropped or gone from meta (a Failed task of a
     segment compacted or collected since): the full scan's, and Dagster's lifecycle step's.
     Returns them."""
-    found = SegmentMeta(store).list(skip_malformed=True)
-    segments = {d.model.id for d in found if d.model.state is not SegmentState.DROPPED}
-    gone = [d for d in list_tasks(store) if d.model.segment_id not in segments]
+    tasks = list_tasks(store)
+    live: set[tuple[int, int]] = set()
+    for collection in {d.model.collection_id for d in tasks}:  # none: no segment read
+        found = SegmentMeta(store).list(collection, skip_malformed=True)
+        live.update((collection, d.model.id) for d in found if d.model.state is not SegmentState.DROPPED)
+    gone = [d for d in tasks if (d.model.collection_id, d.model.segment_id) not in live]
     return [d.model for d in gone if swap_task(store, d, None) is not None]
 
 

@@ -102,7 +102,7 @@ def sort_candidates(segments: Sequence[Decoded[SegmentInfo]]) -> list[Candidate]
     return [
         Candidate(CompactionType.SORT, (d,), "flushed segment not sorted by pk")
         for d in segments
-        if compactable(d.model) and not d.model.is_sorted
+        if not d.model.is_sorted and compactable(d.model)  # (most are sorted: checked first)
     ]
 
 
@@ -144,9 +144,15 @@ def mix_candidates(
                 Candidate(CompactionType.MIX, tuple(b), "manual") for b in _pack(_by_id(members), max_rows)
             ]
             continue
-        heavy = [d for d in members if delete_ratio.get(d.model.id, 0.0) > delete_threshold]
+        heavy = (
+            [d for d in members if delete_ratio.get(d.model.id, 0.0) > delete_threshold]
+            if delete_ratio
+            else []
+        )
         out += [Candidate(CompactionType.MIX, (d,), "delete ratio") for d in heavy]
-        small = [d for d in members if d.model.num_rows < small_proportion * max_rows and d not in heavy]
+        rewritten = {d.model.id for d in heavy}
+        below = small_proportion * max_rows
+        small = [d for d in members if d.model.num_rows < below and d.model.id not in rewritten]
         for tier in size_tiers(small, tier_factor):
             for batch in _pack(_by_id(tier), max_rows) if len(tier) > 1 else []:
                 if len(batch) > 1:
@@ -215,8 +221,10 @@ def l0_candidates(
     groups: dict[int, list[Decoded[SegmentInfo]]] = defaultdict(list)
     for d in segments:
         s = d.model
+        if s.level is not SegmentLevel.L0:  # (most are not: checked first)
+            continue
         cp = checkpoints.get(s.vchannel)
-        ready = s.level is SegmentLevel.L0 and s.state is SegmentState.FLUSHED and s.deltalogs
+        ready = s.state is SegmentState.FLUSHED and s.deltalogs
         if ready and s.id not in busy and s.dml_position and cp is not None and s.dml_position.offset <= cp:
             groups[s.partition_id].append(d)
     out = []
@@ -291,9 +299,9 @@ class CompactionTrigger:
         if segments is not None:
             found = [d for d in found if d.model.id in segments]
         busy = busy_segments(list_plans(self.store))
+        if kind is not CompactionType.L0:  # what their sort failed on would fail these plans too
+            busy = busy | set(held)
         free = [d for d in found if d.model.id not in busy]
-        if held and kind is not CompactionType.L0:  # what their sort failed on would fail these plans too
-            free = [d for d in free if d.model.id not in held]
         if flushed_before is not None and kind is not CompactionType.L0:  # fresh flushes: the stats task's
             free = [
                 d

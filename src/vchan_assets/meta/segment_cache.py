@@ -18,12 +18,12 @@ etcd instead of owning it; a read of it is still as fresh as a listing of etcd w
   request in time, `snapshot` returns None and `SegmentMeta` lists etcd itself, in pages,
   as it does without a cache: a stale copy is never acted on.
 
-Values are decoded once per version and kept (`models`); the key order is kept sorted,
-so the segments of one collection or partition are a slice, not a scan; a prefix listed
-again while no segment changed is the list decoded before (`decoded`: a DataCoord step
-lists its collection several times over). It holds the live segments only: a drop moves a
-segment's record out of the prefix (a delete event here, see meta/segments.py), so its
-size follows the live segments, not the drop tolerance.
+Values are decoded once per version. The keys are kept sorted with their records decoded
+beside them (`decoded`): the segments of one collection or partition are a slice of that
+list, not a scan; a changed value is decoded again in its place, and only a segment created
+or deleted sorts the keys again. It holds the live segments only: a drop moves a segment's
+record out of the prefix (a delete event here, see meta/segments.py), so its size follows
+the live segments, not the drop tolerance.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ import grpc
 from etcd3.etcdrpc import kv_pb2, rpc_pb2_grpc
 from etcd3.etcdrpc import rpc_pb2 as pb
 
+from vchan_assets.config import Settings
+from vchan_assets.meta.codec import decode
+from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason, kv_of
 from vchan_assets.model import SegmentInfo
 
@@ -69,12 +72,14 @@ class SegmentCache:
         self.prefix = store.keys.segment.prefix
         self.fresh_timeout = store.client.timeout if fresh_timeout is None else fresh_timeout
         self._kvs: dict[str, KeyValue] = {}
-        self._sorted: list[str] | None = []  # the keys in order; None: rebuilt at the next read
+        self._sorted: list[str] | None = None  # the keys in order; None: rebuilt at the next read
         self._models: dict[str, Decoded[SegmentInfo]] = {}  # by key, for the KeyValue cached
         self._revision = 0  # every event up to it applied (the resume cursor)
-        self._generation = 0  # moves at every change of the copy
-        # (prefix, skip_malformed) -> (generation, the prefix's listing decoded)
-        self._listings: dict[tuple[str, bool], tuple[int, list[Decoded[SegmentInfo]]]] = {}
+        # `_sorted`'s records, decoded (None: malformed); `_changed`: keys put or deleted
+        # since (moved into both at the next read)
+        self._aligned: list[Decoded[SegmentInfo] | None] = []
+        self._malformed: set[str] = set()  # keys whose record in `_aligned` is None
+        self._changed: set[str] = set()
         self._following = False  # the stream is open and the copy current up to it
         self._progress = 0  # progress answers seen
         self._cond = threading.Condition()
@@ -87,10 +92,12 @@ class SegmentCache:
         self.reconnects = 0
         self.events_applied = 0
         self.progress_timeouts = 0
+        self.started_at = 0.0  # time.monotonic() at `start`
 
     # --- lifecycle ----------------------------------------------------------------
 
     def start(self) -> SegmentCache:
+        self.started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="segment cache", daemon=True)
         self._thread.start()
         return self
@@ -120,37 +127,81 @@ class SegmentCache:
         """The keys under `prefix` (within the segment prefix) in key order, with every
         change committed before this call: None when that cannot be proven in
         `fresh_timeout` (the stream is down, etcd slow), and the caller reads etcd."""
-        found = self._fresh_slice(prefix)
-        return None if found is None else found[0]
-
-    def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
-        """`snapshot(prefix)` decoded (`models`), or None as `snapshot`. While no segment
-        changed, the list returned before for the prefix (callers do not change it)."""
-        found = self._fresh_slice(prefix)
-        if found is None:
-            return None
-        snapshot, generation = found
-        memo = self._listings.get((prefix, skip_malformed))
-        if memo is not None and memo[0] == generation:
-            return memo[1]
-        listing = self.models(snapshot.items, skip_malformed)
-        with self._cond:
-            self._listings[(prefix, skip_malformed)] = (generation, listing)
-        return listing
-
-    def _fresh_slice(self, prefix: str) -> tuple[Snapshot, int] | None:
-        """`snapshot(prefix)` with the copy's generation at it."""
-        if not prefix.startswith(self.prefix):
-            raise ValueError(f"{prefix} is not under the cached prefix {self.prefix}")
         if not self._fresh():
             return None
         with self._cond:
-            if self._sorted is None:
-                self._sorted = sorted(self._kvs)
-            keys = self._sorted
-            first = bisect.bisect_left(keys, prefix)
-            last = bisect.bisect_left(keys, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else len(keys)
-            return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision), self._generation
+            keys, _ = self._aligned_records()
+            first, last = self._bounds(keys, prefix)
+            return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision)
+
+    def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
+        """The records under `prefix` in key order, as fresh as `snapshot` (None as it); a
+        malformed value raises naming its key, or is logged, counted and left out
+        (`MetaStore.decode_models`' policy)."""
+        if not self._fresh():
+            return None
+        with self._cond:
+            keys, aligned = self._aligned_records()
+            first, last = self._bounds(keys, prefix)
+            found = aligned[first:last]
+            if not self._malformed:
+                return found  # type: ignore[return-value]  # (no None in it)
+            malformed = [self._kvs[keys[i]] for i in range(first, last) if aligned[i] is None]
+        self.store.decode_models(malformed, SegmentInfo, skip_malformed)  # raises, or logs and counts
+        return [d for d in found if d is not None]
+
+    def _bounds(self, keys: list[str], prefix: str) -> tuple[int, int]:
+        """Where the keys under `prefix` are in `keys` (sorted)."""
+        if not prefix.startswith(self.prefix):
+            raise ValueError(f"{prefix} is not under the cached prefix {self.prefix}")
+        first = bisect.bisect_left(keys, prefix)
+        last = bisect.bisect_left(keys, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else len(keys)
+        return first, last
+
+    def _aligned_records(self) -> tuple[list[str], list[Decoded[SegmentInfo] | None]]:
+        """The sorted keys and their records (under `_cond`): built after a load, then each
+        key put or deleted since the last read moved into place (a bisection, and a C-level
+        insert or delete: no pass over the other segments)."""
+        if self._sorted is None or len(self._changed) > len(self._kvs) // 8:
+            keys = self._sorted = sorted(self._kvs)
+            self._aligned = [self._record(self._kvs[k]) for k in keys]
+            self._malformed = {k for k, d in zip(keys, self._aligned, strict=True) if d is None}
+            self._changed.clear()
+            return keys, self._aligned
+        keys, aligned = self._sorted, self._aligned
+        for key in self._changed:
+            i = bisect.bisect_left(keys, key)
+            held = i < len(keys) and keys[i] == key
+            kv = self._kvs.get(key)
+            if kv is None:
+                if held:
+                    del keys[i], aligned[i]
+                self._malformed.discard(key)
+                continue
+            record = self._record(kv)
+            if held:
+                aligned[i] = record
+            else:
+                keys.insert(i, key)
+                aligned.insert(i, record)
+            if record is None:
+                self._malformed.add(key)
+            else:
+                self._malformed.discard(key)
+        self._changed.clear()
+        return keys, aligned
+
+    def _record(self, kv: KeyValue) -> Decoded[SegmentInfo] | None:
+        """`kv` decoded (once per version), None if malformed."""
+        found = self._models.get(kv.key)
+        if found is not None and found.kv is kv:
+            return found
+        try:
+            found = Decoded(decode(kv.key, kv.value, SegmentInfo), kv)
+        except MalformedValueError:
+            return None
+        self._models[kv.key] = found
+        return found
 
     def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
         """`items` (from `snapshot`) decoded, each version once; the values not decoded yet
@@ -244,8 +295,6 @@ class SegmentCache:
         with self._cond:
             self._kvs = {kv.key: kv for kv in snapshot.items}
             self._sorted = None
-            self._generation += 1
-            self._listings.clear()
             self._models = {k: d for k, d in self._models.items() if self._kvs.get(k) is d.kv}
             self._revision = snapshot.revision
         self.loads += 1
@@ -308,15 +357,12 @@ class SegmentCache:
         kv = event.kv
         key = kv.key.decode()
         if event.type == kv_pb2.Event.DELETE:
-            if self._kvs.pop(key, None) is not None:
-                self._sorted = None
+            self._kvs.pop(key, None)
             self._models.pop(key, None)
         else:
-            if key not in self._kvs:
-                self._sorted = None
             self._kvs[key] = kv_of(kv)
+        self._changed.add(key)
         self._revision = max(self._revision, int(kv.mod_revision))
-        self._generation += 1
         self.events_applied += 1
 
     def _end_stream(self) -> None:
@@ -330,3 +376,36 @@ class SegmentCache:
 def _drain(requests: queue.Queue[Any]) -> Iterator[Any]:
     while (request := requests.get()) is not None:
         yield request
+
+
+_shared_lock = threading.Lock()
+_shared: tuple[tuple[tuple[str, ...], str], SegmentCache] | None = None
+
+
+def shared_segment_cache(settings: Settings, endpoints: Sequence[str]) -> SegmentCache:
+    """The process's segment cache of `endpoints` and `settings.root`, started (on a
+    connection of its own) at the first call: for a long-lived process whose DataCoord runs
+    as a series of short calls, Dagster's code server evaluating the DataCoord sensor each
+    second. Until its first load is in, listings through it read etcd. One per process: a
+    call for another etcd or root stops the one before (tests open many roots in one
+    process)."""
+    global _shared
+    key = (tuple(endpoints), settings.root)
+    with _shared_lock:
+        if _shared is not None and _shared[0] != key:
+            _shared[1].stop()
+            _shared[1].store.close()
+            _shared = None
+        if _shared is None:
+            _shared = (key, SegmentCache(MetaStore.connect(settings, endpoints)).start())
+        return _shared[1]
+
+
+def stop_shared_segment_cache() -> None:
+    """Stop the process's shared segment cache, if one was started (before its etcd goes)."""
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared[1].stop()
+            _shared[1].store.close()
+            _shared = None

@@ -31,6 +31,7 @@ import grpc
 from etcd3 import etcdrpc
 
 from vchan_assets.config import Settings
+from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.codec import Model, decode, encode
 from vchan_assets.meta.errors import (
     CasConflictError,
@@ -459,6 +460,7 @@ class MetaStore:
             items.extend(kv_of(kv) for kv in resp.kvs)
             if not resp.more or not resp.kvs:
                 return items, revision
+            failpoint("meta_mid_walk")  # a page read, more to come
             start = bytes(resp.kvs[-1].key) + b"\x00"
 
     def _page(self, prefix: str, start: bytes, end: bytes, revision: int | None, keys_only: bool) -> Any:

@@ -40,8 +40,11 @@ os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSeri
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
     """One etcd server for the whole run; tests isolate themselves by key root."""
+    from vchan_assets.meta.segment_cache import stop_shared_segment_cache
+
     server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd-shared")).start()
     yield server
+    stop_shared_segment_cache()  # the DataCoord sensor's, when a test evaluated it here
     server.stop()
 
 

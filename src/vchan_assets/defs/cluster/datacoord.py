@@ -8,6 +8,9 @@
 - **One tick.** A term's first tick activates (`recover_flushing`, the meta reload); every
   tick then runs `DataCoordinator.tick`: channel reconcile (assign, reassign, balance),
   the seal policies and the periodic meta reload. Every write is fenced by the term.
+- **Segment meta in memory.** The ticks share the code server process's segment cache
+  (`shared_segment_cache`): loaded once, kept by its etcd watch, as fresh as a listing;
+  the reloads, seals and summaries read it instead of listing every segment of etcd.
 - **The cursor** (JSON) carries what a process keeps in memory: the contender's id, the
   term (lease and election key create revision), when meta was last reloaded and what it
   saw. A tick re-evaluated after a crash starts from what etcd says, like a standby.
@@ -26,6 +29,7 @@ from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, SESSION_TTL_FLO
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.errors import NotLeaderError
+from vchan_assets.meta.segment_cache import shared_segment_cache
 from vchan_assets.meta.session import Term, hold_term
 from vchan_assets.meta.store import Fence
 
@@ -64,6 +68,9 @@ def coordinate(
 ) -> CoordinatorStep:
     """One sensor tick of the coordinator: hold (or win) the term, then the coordinator's tick."""
     settings = runtime.settings
+    # Segment meta in memory, as `vchan datacoord` holds it: one copy for the code server's
+    # process, kept by its own etcd watch between the ticks (meta/segment_cache.py).
+    runtime.store.segment_cache = shared_segment_cache(settings, runtime.store.endpoints)
     coord = DataCoordinator(
         settings,
         runtime.store,
