@@ -58,6 +58,31 @@ def test_a_drop_moves_the_record_out_of_every_live_listing_in_one_transaction(st
     assert door.get(1, 2, 7) == kept
 
 
+def test_a_vchannels_listing_with_the_dropped_reads_only_that_vchannels_dropped_records(
+    store: MetaStore,
+) -> None:
+    """What a sync lists (its vchannel's segments, the Dropped ones included) reads no
+    dropped record of another vchannel of its collection: the dropped family is keyed by
+    vchannel. Under steady load a collection keeps thousands of dropped records for the GC
+    tolerance; a sync of one vchannel must not read the others'."""
+    door = SegmentMeta(store)
+    mine = door.create(_segment(7, vchannel="c_0"))
+    door.swap(mine.kv.version, _dropped(mine.model))
+    for i in range(100, 150):  # another vchannel's drops
+        other = door.create(_segment(i, vchannel="c_1"))
+        door.swap(other.kv.version, _dropped(other.model))
+    keys, size = store.keys_read, store.bytes_read
+
+    found = door.list(1, vchannel="c_0", include_dropped=True)
+
+    assert _ids(found) == [7]
+    read = store.keys_read - keys
+    assert read < 10, f"read {read} keys ({store.bytes_read - size} bytes) for one dropped record"
+    assert len(door.list(1, include_dropped=True)) == 51
+    assert door.get(1, 2, 120, include_dropped=True) is not None  # without its vchannel: found
+    assert door.get(1, 2, 120, include_dropped=True, vchannel="c_1") is not None
+
+
 def test_a_drop_against_a_stale_version_moves_nothing(store: MetaStore) -> None:
     door = SegmentMeta(store)
     first = door.create(_segment(7))

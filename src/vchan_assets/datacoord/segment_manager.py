@@ -585,7 +585,7 @@ class SegmentManager:
         def attempt() -> SegmentInfo:
             found = self.store.get_model(key, SegmentInfo)
             if found is None:  # dropped meanwhile (moved to the dropped family), or never there
-                gone = self.store.get_model(door.dropped_key_of(key), SegmentInfo)
+                gone = door.dropped_of(key)
                 if gone is None:
                     raise SegmentNotFoundError(key)
                 return gone.model  # no operation changes a Dropped segment

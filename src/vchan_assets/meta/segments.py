@@ -27,7 +27,8 @@ policy for malformed values live in one place:
 - `swap` is a compare-version-and-swap that returns the record as written, or raises
   `CasConflictError` naming the key, the version expected and the version found;
 - a segment that becomes Dropped leaves the live family: in the transaction that drops it,
-  its record moves to `meta/dropped/{collection}/{partition}/{segment}` and its live key and
+  its record moves to `meta/dropped/{collection}/{vchannel}/{partition}/{segment}` (a
+  vchannel's dropped records are one range: a sync reads its own) and its live key and
   index entry are deleted, guarded on the live key's version (`swap`, and `writes` for a
   caller's own transaction). Milvus keeps dropped segments among the live ones until GC;
   here live listings (`list`, the per-vchannel index, the segment cache) hold live
@@ -90,7 +91,9 @@ class SegmentMeta:
 
     def dropped_key(self, segment: SegmentInfo) -> str:
         """Where the segment's record is once it is Dropped."""
-        return self.store.keys.dropped_segment(segment.collection_id, segment.partition_id, segment.id)
+        return self.store.keys.dropped_segment(
+            segment.collection_id, segment.vchannel, segment.partition_id, segment.id
+        )
 
     def is_dropped_key(self, key: str) -> bool:
         return key.startswith(self.store.keys.dropped_segment.prefix)
@@ -152,9 +155,14 @@ class SegmentMeta:
         """The range of a partition, a collection, or every segment (no collection)."""
         return _range(self.store.keys.segment, collection, partition)
 
-    def dropped_prefix(self, collection: int | None = None, partition: int | None = None) -> str:
-        """The range of the dropped records of a partition, a collection, or all."""
-        return _range(self.store.keys.dropped_segment, collection, partition)
+    def dropped_prefix(self, collection: int | None = None, vchannel: str | None = None) -> str:
+        """The range of the dropped records of a collection's vchannel, a collection, or all."""
+        family = self.store.keys.dropped_segment
+        if vchannel is not None:
+            if collection is None:
+                raise TypeError("a vchannel's dropped segments are listed with its collection")
+            return family.under(collection, vchannel)
+        return family.prefix if collection is None else family.under(collection)
 
     def list(
         self,
@@ -178,7 +186,7 @@ class SegmentMeta:
             found = self._live_models(collection, vchannel, partition, states, skip_malformed)
             return [d for d in found if d.model.state is not SegmentState.DROPPED]
         live = self._live(collection, vchannel, partition)
-        prefix = self.dropped_prefix(collection, partition)
+        prefix = self.dropped_prefix(collection, vchannel if collection is not None else None)
         try:
             dropped = self.store.list_prefix(prefix, revision=live.revision).items
         except RevisionCompactedError:  # compacted since the live listing: both again, at once
@@ -186,6 +194,8 @@ class SegmentMeta:
             live = Snapshot(live_items, 0)
         # (the dropped records are decoded here, not by the segment cache: it holds live ones)
         gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)
+        if partition is not None:
+            gone = [d for d in gone if d.model.partition_id == partition]
         found = [
             *self._select(live.items, vchannel, states, skip_malformed),
             *self._filter(gone, vchannel, states),
@@ -219,14 +229,19 @@ class SegmentMeta:
             return self._channel_items(vchannel, collection, partition)
         return self.store.list_prefix(self.prefix(collection, partition))
 
-    def dropped_key_of(self, key: str) -> str:
-        """The dropped-family key of a live segment key."""
-        return self.store.keys.dropped_segment.prefix + key[len(self.store.keys.segment.prefix) :]
+    def dropped_of(self, key: str) -> Decoded[SegmentInfo] | None:
+        """The dropped record of the segment whose live key is `key`, or None."""
+        collection, partition, segment = key[len(self.store.keys.segment.prefix) :].split("/")
+        return self.get(int(collection), int(partition), int(segment), include_dropped=True)
 
     def _live_key_of(self, key: str) -> str:
-        """The live key of a segment key of either family."""
+        """The live key of a segment key of either family (a dropped key names its vchannel
+        between the collection and the partition)."""
         dropped = self.store.keys.dropped_segment.prefix
-        return self.store.keys.segment.prefix + key[len(dropped) :] if key.startswith(dropped) else key
+        if not key.startswith(dropped):
+            return key
+        collection, _vchannel, partition, segment = key[len(dropped) :].split("/")
+        return self.store.keys.segment(collection, partition, segment)
 
     def _cached(self, prefix: str) -> Snapshot | None:
         """The keys under `prefix` from the process's segment cache, None without one or
@@ -289,19 +304,29 @@ class SegmentMeta:
         return self.store.newest_and_count(self.dropped_prefix())
 
     def get(
-        self, collection: int, partition: int, segment: int, include_dropped: bool = False
+        self,
+        collection: int,
+        partition: int,
+        segment: int,
+        include_dropped: bool = False,
+        vchannel: str | None = None,
     ) -> Decoded[SegmentInfo] | None:
         """The segment's live record (a Dropped one left in the live family by an older
         version counts as dropped); with `include_dropped`, its dropped record when it has
-        no live one."""
+        no live one: one read with its `vchannel`, else found among the keys of the
+        collection's dropped records (keys only)."""
         found = self.store.get_model(self.store.keys.segment(collection, partition, segment), SegmentInfo)
         if found is not None and (include_dropped or found.model.state is not SegmentState.DROPPED):
             return found
         if not include_dropped:
             return None
-        return self.store.get_model(
-            self.store.keys.dropped_segment(collection, partition, segment), SegmentInfo
-        )
+        family = self.store.keys.dropped_segment
+        if vchannel is not None:
+            return self.store.get_model(family(collection, vchannel, partition, segment), SegmentInfo)
+        tail = f"/{partition}/{segment}"
+        keys = self.store.list_prefix(family.under(collection), keys_only=True).items
+        key = next((kv.key for kv in keys if kv.key.endswith(tail)), None)
+        return None if key is None else self.store.get_model(key, SegmentInfo)
 
     def swap(self, expected_version: int, new: SegmentInfo) -> Decoded[SegmentInfo]:
         """Write `new` if its live key still has `expected_version` (0: absent, then
