@@ -93,6 +93,29 @@ def _sorts(request: dg.RunRequest, info: CollectionInfo) -> list[str]:
     return [v for v in asked if v in info.vchannels]
 
 
+def test_a_sort_run_failed_before_it_started_is_asked_for_again_up_to_twice(
+    system: System, instance: dg.DagsterInstance, vchan: VchanResource, producer: Producer
+) -> None:
+    """A sort run that run monitoring failed because its process had not started within its
+    start timeout (a loaded machine) changed no task: what waits is the same, and it is
+    asked for again (it was not: the run key of the same state was never repeated, and the
+    flushed segments waited for the lifecycle's leftover sort); after two such retries, no
+    more until what waits changes."""
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    flushed_batches(system, producer, info, batches=1)
+    keys = []
+    for _ in range(3):
+        [request] = evaluate(sort_sensor, instance, vchan).run_requests or []
+        assert _sorts(request, info) == list(info.vchannels)
+        keys.append(request.run_key)
+        run = instance.create_run_for_job(
+            sort_job, run_config=request.run_config, tags={"dagster/run_key": request.run_key}
+        )
+        instance.report_run_failed(run, "the run's process did not start within 60 s")
+    assert len(set(keys[:2])) == 2 and keys[2] in keys[1:]  # asked again once, twice, then no new key
+
+
 def test_sort_sensor_requests_one_sort_run_for_every_vchannel_with_newly_flushed_segments(
     system: System, instance: dg.DagsterInstance, vchan: VchanResource, store: MetaStore, producer: Producer
 ) -> None:

@@ -133,6 +133,18 @@ def test_a_stream_killed_mid_batch_while_the_lifecycle_runs_sinks_every_change_o
         sink_changes(spark, options, str(sink), str(checkpoint))
         got = sink_rows(spark, str(sink)).select([*KEY, "op", "pk"]).sort_by([(k, "ascending") for k in KEY])
         segments = collection_segments(store, info.id)
+        # The race the test is about includes retention removing log files the stream had
+        # committed: the DataCoord's GC does it on its own schedule, so wait for it (a run
+        # that looked before it came failed `kept < got` with every change sunk right).
+        wait_until(
+            lambda: log_changes(storage, info).num_rows < got.num_rows,
+            120,
+            "retention to remove log files the stream committed",
+            0.5,
+            describe=lambda: (
+                f"{log_changes(storage, info).num_rows} changes still in the log of {got.num_rows}"
+            ),
+        )
     finally:
         if child is not None:
             os.killpg(child.pid, signal.SIGKILL)

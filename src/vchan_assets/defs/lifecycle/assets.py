@@ -192,8 +192,10 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
     segments whose sort task may run now (`sorts_due`: one backing off after a failed
     attempt, or Failed, waits for its time), none while a sort run is queued or running;
     once per state of what waits (the run key: each vchannel's newest such segment and their
-    tasks' etcd revisions), so a failed run is not repeated until what waits changes, and a
-    task whose backoff passed is asked for again."""
+    tasks' etcd revisions), and a task whose backoff passed is asked for again. A run that
+    failed leaving the tasks as they were (its process never started in time on a loaded
+    machine, or died) is asked for again up to twice; one whose sort failed recorded the
+    attempt, so what waits changed (or backs off)."""
     if context.instance.get_runs_count(dg.RunsFilter(job_name=sort_job.name, statuses=IN_FLIGHT)):
         return dg.SensorResult(skip_reason="a sort run is queued or running")
     with vchan.open() as runtime:
@@ -211,7 +213,9 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
         return dg.SensorResult(
             skip_reason="no newly flushed segment waits for its sort (or their tasks wait for their next try)"
         )
-    return dg.SensorResult(run_requests=[vchannels_run_request(sort_segments.name, stamps)])
+    return dg.SensorResult(
+        run_requests=[vchannels_run_request(sort_segments.name, stamps, instance=context.instance)]
+    )
 
 
 @dg.multi_asset(

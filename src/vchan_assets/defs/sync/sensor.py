@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import dagster as dg
 
-from vchan_assets.defs.partitions import VCHANNELS, vchannels
+from vchan_assets.defs.partitions import VCHANNELS, retry_key, vchannels
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
@@ -99,21 +99,6 @@ def plan_syncs(
         key = f"sync:{vchannel}:{lease.lease_id}:{b.checkpoint.offset}:{head}:{b.sealed_segments}"
         plans.append(SyncPlan(vchannel, lease, tuple(reasons), key))
     return plans
-
-
-def retry_key(instance: dg.DagsterInstance, run_key: str) -> str:
-    """The run key, suffixed after failed runs that had it: a failed sync (say a
-    cancelled Spark job) is asked for again, up to twice; a successful one never."""
-    failed = instance.get_runs_count(
-        dg.RunsFilter(tags={"dagster/run_key": run_key}, statuses=[dg.DagsterRunStatus.FAILURE])
-    )
-    if not failed:
-        return run_key
-    attempt = f"{run_key}:retry{failed}"
-    again = instance.get_runs_count(
-        dg.RunsFilter(tags={"dagster/run_key": attempt}, statuses=[dg.DagsterRunStatus.FAILURE])
-    )
-    return f"{run_key}:retry{failed + again}" if again else attempt
 
 
 def busy_channels(instance: dg.DagsterInstance) -> set[str]:
