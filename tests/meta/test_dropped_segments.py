@@ -175,14 +175,21 @@ def test_a_record_changed_since_the_listing_is_left_for_the_next_move(store: Met
     assert door.move_dropped(door.list(1, include_dropped=True)) == 1
 
 
-def test_the_segment_cache_holds_live_segments_and_a_listing_through_it_adds_the_dropped(
+def test_the_segment_cache_follows_both_families_and_lists_the_dropped_without_reading_etcd(
     store: MetaStore, cached: MetaStore
 ) -> None:
+    """The segment cache follows the dropped family too (it did not: every listing with the
+    Dropped segments, the DataCoord's reload each time segments changed, read the whole
+    dropped family from etcd): a live listing through it leaves the Dropped segment out,
+    one with them adds it, and neither reads a segment value from etcd."""
     door = SegmentMeta(store)
     created = [door.create(_segment(i)) for i in (7, 8, 9)]
     door.swap(created[1].kv.version, _dropped(created[1].model))
 
     through_cache = SegmentMeta(cached)
+    read = cached.bytes_read
     assert _ids(through_cache.list(1)) == [7, 9]
     assert _ids(through_cache.list(1, include_dropped=True)) == [7, 8, 9]
-    assert cached.segment_cache is not None and len(cached.segment_cache) == 2
+    assert through_cache.dropped_changes_seen()[1] == 1
+    assert cached.bytes_read - read < 200, "segment values were read from etcd"
+    assert cached.segment_cache is not None and len(cached.segment_cache) == 3

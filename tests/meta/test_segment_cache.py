@@ -67,6 +67,9 @@ def test_a_cached_listing_is_what_etcd_lists_after_every_change_another_client_c
         assert listing(door.list(info.id, partition=info.partitions[0])) == listing(
             etcd.list(info.id, partition=info.partitions[0])
         )
+        for collection, vchannel in [(None, None), (info.id, None), (info.id, two)]:  # the dropped family too
+            got = door.list(collection, vchannel=vchannel, include_dropped=True)
+            assert listing(got) == listing(etcd.list(collection, vchannel=vchannel, include_dropped=True))
 
     same()
     for i, found in enumerate(etcd.list(info.id)[:25]):
@@ -83,6 +86,7 @@ def test_a_cached_listing_is_what_etcd_lists_after_every_change_another_client_c
     for _ in range(5):
         door.list()
         door.list(info.id, vchannel=one)
+        door.list(info.id, include_dropped=True)
     assert cached.keys_read == reads, "a cached listing read segment keys from etcd"
     assert cached.segment_cache is not None and cached.segment_cache.progress_timeouts == 0
 

@@ -31,10 +31,11 @@ policy for malformed values live in one place:
   vchannel's dropped records are one range: a sync reads its own) and its live key and
   index entry are deleted, guarded on the live key's version (`swap`, and `writes` for a
   caller's own transaction). Milvus keeps dropped segments among the live ones until GC;
-  here live listings (`list`, the per-vchannel index, the segment cache) hold live
-  segments only, and readers that need the dropped ones (GC, the catalog's table, reads
-  at a past timestamp, a sync's insert floors) ask `include_dropped`: both families are
-  then read at one revision, so a segment being moved is seen exactly once. A dropped
+  here live listings (`list`, the per-vchannel index) read live segments only, and
+  readers that need the dropped ones (GC, the catalog's table, reads at a past timestamp,
+  a sync's insert floors, the DataCoord's summaries) ask `include_dropped`: both families
+  are then read at one revision (or from one state of the segment cache, which follows
+  both), so a segment being moved is seen exactly once. A dropped
   record is deleted by GC; the only write after the move is a sync's that wrote files for
   the segment before it learned of the drop (they go to GC with it);
 - a Dropped segment written by a version before the dropped family still sits in the live
@@ -185,14 +186,25 @@ class SegmentMeta:
         if not include_dropped:
             found = self._live_models(collection, vchannel, partition, states, skip_malformed)
             return [d for d in found if d.model.state is not SegmentState.DROPPED]
-        live = self._live(collection, vchannel, partition)
         prefix = self.dropped_prefix(collection, vchannel if collection is not None else None)
+        cache = self.store.segment_cache
+        both = (
+            None
+            if cache is None
+            else cache.decoded_many([self.prefix(collection, partition), prefix], skip_malformed)
+        )
+        if both is not None:  # both families from one state of the copy
+            held, gone = both
+            if partition is not None:
+                gone = [d for d in gone if d.model.partition_id == partition]
+            found = [*self._filter(held, vchannel, states), *self._filter(gone, vchannel, states)]
+            return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
+        live = self._live(collection, vchannel, partition)
         try:
             dropped = self.store.list_prefix(prefix, revision=live.revision).items
         except RevisionCompactedError:  # compacted since the live listing: both again, at once
             live_items, dropped = self.store.list_prefixes([self.prefix(collection, partition), prefix])
             live = Snapshot(live_items, 0)
-        # (the dropped records are decoded here, not by the segment cache: it holds live ones)
         gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)
         if partition is not None:
             gone = [d for d in gone if d.model.partition_id == partition]
@@ -300,7 +312,13 @@ class SegmentMeta:
         return max((kv.mod_revision for kv in items), default=0), len(items)
 
     def dropped_changes_seen(self) -> tuple[int, int]:
-        """`changes_seen` of the dropped family, from one request whatever its size."""
+        """`changes_seen` of the dropped family: from the segment cache where the process
+        has one, else from one request whatever the family's size (etcd still reads every
+        value of the range to sort it: 0.25 s at 100,000 keys)."""
+        cache = self.store.segment_cache
+        held = None if cache is None else cache.snapshot(self.dropped_prefix())
+        if held is not None:
+            return self.changes_seen(held)
         return self.store.newest_and_count(self.dropped_prefix())
 
     def get(

@@ -426,6 +426,10 @@ class MetaStore:
         found, _ = self._walk(prefixes, keys_only=keys_only)
         return found
 
+    def list_prefixes_at(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
+        """`list_prefixes`, and the revision they were read at (to watch from the next)."""
+        return self._walk(prefixes)
+
     def _walk(
         self, prefixes: Sequence[str], revision: int | None = None, keys_only: bool = False
     ) -> tuple[list[list[KeyValue]], int]:
