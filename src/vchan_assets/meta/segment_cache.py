@@ -9,10 +9,14 @@ etcd instead of owning it; a read of it is still as fresh as a listing of etcd w
   one, `meta/dropped/`, see meta/segments.py) in pages at one revision
   (`MetaStore.list_prefixes_at`, Milvus' `WalkWithPrefix`), then watches both from the next
   revision, two watches on one gRPC stream of its own, and applies every put and delete;
-- a read first asks etcd for the stream's progress (etcd's `RequestProgress`): etcd
-  answers with its current revision once every event up to it was sent on the stream.
-  Responses arrive in order, so when the answer is seen every change committed before
-  the read began has been applied. One round trip, no value read;
+- a read first asks etcd for the stream's progress (etcd's `RequestProgress`) and waits
+  for the answer, PROGRESS_ROUNDS times in turn: etcd answers with its current revision,
+  and the events committed before the request are queued on the stream by then; responses
+  arrive in order, so when the answers are seen every change committed before the read
+  began has been applied. No value read. Twice: etcd 3.5.1 sends the answer from a second
+  queue that can overtake events already queued (fixed upstream in 3.5.8); a second
+  answer, asked after the first arrived, comes after them (bench/cache_freshness.py
+  counts reads that missed a write just before them);
 - a stream that fell behind etcd's compaction (an outage longer than the history etcd
   keeps) loads the prefix again in pages and says so in the log;
 - while the stream is down (etcd restarting), or when etcd does not answer the progress
