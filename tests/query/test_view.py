@@ -12,10 +12,10 @@ from collections import Counter
 from vchan_assets import model
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.query.reads import read_collection
-from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.query.view import QueryView, collection_segments, query_view, read_query_view
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
