@@ -250,3 +250,50 @@ def test_a_datacoord_killed_mid_load_never_led_and_the_next_one_loads_every_segm
     finally:
         second.terminate()
         second.wait(30)
+
+
+def test_etcd_killed_9_mid_the_datacoords_paged_load_then_back_it_loads_every_segment_and_leads(
+    private_settings: Settings, private_store: MetaStore, private_etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """kill -9 of etcd while `vchan datacoord` reads its segment cache's first load in pages
+    (one page of 1,000 read, more to come): the process neither leads nor acts on the page it
+    has; it says why and tries again, and once etcd is back it loads every segment, leads
+    and counts them all in its summary."""
+    system = System(private_settings, private_store, Storage.from_settings(private_settings))
+    info = new_collection(Producer(system))
+    write_segments(private_store, info, info.vchannels[0], 1_500, first=10_000)  # two pages
+    marker = tmp_path / "failpoint"
+    env = cli_env(private_settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
+    log_path = tmp_path / "datacoord.log"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [str(VCHAN), "datacoord", "--engine", "local"],
+            env={**env, "VCHAN_FAILPOINT": "meta_mid_walk=stop-once", "VCHAN_FAILPOINT_MARKER": str(marker)},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(lambda: marker.exists() and marker.read_text().startswith("meta_mid_walk"), 60, "the load")
+        private_etcd.kill()
+        os.kill(process.pid, signal.SIGCONT)  # its next page finds etcd gone
+        said = "segment cache: watch of"  # "... interrupted (etcd ... unavailable ...); again in 0.1s"
+        wait_until(lambda: said in log_path.read_text(), 60, "the cache to say its load failed")
+        assert "interrupted" in log_path.read_text().split(said, 1)[1].splitlines()[0]
+        assert process.poll() is None, log_path.read_text()[-2000:]
+        private_etcd.restart()
+        store = MetaStore.connect(private_settings)
+        try:
+
+            def counted() -> int:
+                found = store.get_model(store.keys.segment_summary(info.id), SegmentSummary)
+                return sum(g.segments for g in found.model.groups) if found is not None else 0
+
+            wait_until(
+                lambda: counted() == 1_500, 90, "the DataCoord's summary of every segment", describe=counted
+            )
+            assert store.get(store.keys.datacoord_session()) is not None
+        finally:
+            store.close()
+    finally:
+        process.kill()
+        process.wait(30)
