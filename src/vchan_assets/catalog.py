@@ -137,8 +137,15 @@ class Catalog:
     def collection(self, name: str) -> CollectionInfo:
         return CollectionRegistry(self.store).get_by_name(name)
 
-    def segment_infos(self, collection_id: int | None = None) -> list[SegmentInfo]:
-        return [d.model for d in SegmentMeta(self.store).list(collection_id, skip_malformed=True)]
+    def segment_infos(
+        self, collection_id: int | None = None, include_dropped: bool = True
+    ) -> list[SegmentInfo]:
+        """The segments of a collection (of every one without), the Dropped ones GC has not
+        deleted yet included unless `include_dropped` is False."""
+        door = SegmentMeta(self.store)
+        return [
+            d.model for d in door.list(collection_id, skip_malformed=True, include_dropped=include_dropped)
+        ]
 
     def sessions(self) -> list[NodeSession]:
         """Live DataNode sessions (a session key disappears with its etcd lease)."""
@@ -177,7 +184,7 @@ class Catalog:
     def collections(self, include_dropped: bool = False) -> pd.DataFrame:
         """One row per collection: id, name, fields, partitions, vchannels, segment and row
         counts (`catalog_tables.COLLECTIONS`)."""
-        segments = self.segment_infos()
+        segments = self.segment_infos(include_dropped=False)  # the counts are of live segments
         return tables.COLLECTIONS.frame(
             tables.collection_row(info, [s for s in segments if s.collection_id == info.id])
             for info in self.collection_infos(include_dropped)

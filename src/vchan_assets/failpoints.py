@@ -28,8 +28,10 @@ segments chosen, no file opened yet), read_tail_listed (query/asof.py: a log tai
 listed, none opened yet), stream_read (a change stream's task handed one log file's
 changes to Spark, more to come); by the per-vchannel segment index (meta/segments.py):
 channel_index_backfill (a transaction of missing entries committed, maybe not all, the mark
-not written); by paged reads (meta/store.py): meta_mid_walk (a page of a prefix read, more
-to come: a DataCoord's first load of its segment cache, for one).
+not written), move_dropped (a transaction of the Dropped records an older version left in
+the live family moved to the dropped family, maybe not all); by paged reads
+(meta/store.py): meta_mid_walk (a page of a prefix read, more to come: a DataCoord's first
+load of its segment cache, for one).
 
 Names used by the producer's append (wal.appender); the first before the append lock,
 the others holding it:

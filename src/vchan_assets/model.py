@@ -23,9 +23,9 @@ import re
 import time
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, ClassVar, Self
 
 # --- the codec -------------------------------------------------------------------------
@@ -299,6 +299,25 @@ class CollectionInfo(Record):
 
 # --- segments and binlogs ---------------------------------------------------------------
 
+# The binlog layout (docs/architecture.md, "Binlogs"): keys relative to the storage root.
+# Declared here, below `storage.layout` which re-exports it, because a segment's record
+# derives the paths of its binlogs from it (`SegmentInfo.to_dict`).
+INSERT_LOG = "insert_log"
+DELTA_LOG = "delta_log"
+STATS_LOG = "stats_log"
+
+
+def insert_log_key(collection_id: int, partition_id: int, segment_id: int, group: int, log_id: int) -> str:
+    return f"{INSERT_LOG}/{collection_id}/{partition_id}/{segment_id}/{group}/{log_id}.parquet"
+
+
+def delta_log_key(collection_id: int, partition_id: int, segment_id: int, log_id: int) -> str:
+    return f"{DELTA_LOG}/{collection_id}/{partition_id}/{segment_id}/{log_id}.parquet"
+
+
+def stats_log_key(collection_id: int, partition_id: int, segment_id: int, log_id: int) -> str:
+    return f"{STATS_LOG}/{collection_id}/{partition_id}/{segment_id}/{log_id}"
+
 
 class SegmentState(enum.StrEnum):
     GROWING = "Growing"
@@ -375,6 +394,24 @@ class SegmentInfo(Record):
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dropped_at", "import_job", "flushed_at"})
     # Left out when False (0): as written before they existed.
     OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"is_invisible", "dropped_ts", "ready_ts"})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record, each binlog without the `path` the layout derives from its segment,
+        column group and log ID (most of a segment's bytes otherwise); a path the layout
+        does not derive (an older layout, a file written elsewhere) is kept as is."""
+        out = super().to_dict()
+        ids = (self.collection_id, self.partition_id, self.id)
+        for group, stored in zip(self.binlogs, out["binlogs"], strict=True):
+            _omit_derived(group.logs, stored["logs"], partial(insert_log_key, *ids, group.group))
+        _omit_derived(self.deltalogs, out["deltalogs"], partial(delta_log_key, *ids))
+        _omit_derived(self.statslogs, out["statslogs"], partial(stats_log_key, *ids))
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        """The record `to_dict` wrote, the paths it left out derived again; a value written
+        with every path (before they were derived) decodes unchanged."""
+        return super().from_dict(_with_paths(d))
 
     def with_changes(self, **changes: Any) -> SegmentInfo:
         return replace(self, **changes)
@@ -456,6 +493,45 @@ class SegmentSummary(Record):
             other.oldest_invisible,
             other.sort_latency,
         )
+
+
+def _omit_derived(logs: Sequence[Binlog], stored: list[dict[str, Any]], derive: Callable[[int], str]) -> None:
+    for binlog, out in zip(logs, stored, strict=True):
+        if binlog.path == derive(binlog.log_id):
+            del out["path"]
+
+
+def _with_paths(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`d` with the binlog paths it left out derived (`d` as it is when its ids are not
+    ints: the generic decoding then names what is wrong)."""
+    collection, partition, segment = (d.get(name) for name in ("collection_id", "partition_id", "id"))
+    if not (type(collection) is int and type(partition) is int and type(segment) is int):
+        return d
+    ids = (collection, partition, segment)
+    out = dict(d)
+    binlogs = d.get("binlogs")
+    if isinstance(binlogs, list):
+        out["binlogs"] = [
+            {**g, "logs": _paths(g.get("logs"), partial(insert_log_key, *ids, g["group"]))}
+            if isinstance(g, dict) and type(g.get("group")) is int
+            else g
+            for g in binlogs
+        ]
+    out["deltalogs"] = _paths(d.get("deltalogs"), partial(delta_log_key, *ids))
+    out["statslogs"] = _paths(d.get("statslogs"), partial(stats_log_key, *ids))
+    return out
+
+
+def _paths(logs: Any, derive: Callable[[int], str]) -> Any:
+    """Binlog dicts, each with its path (derived from its log ID where it has none)."""
+    if not isinstance(logs, list):
+        return logs
+    return [
+        {**b, "path": derive(b["log_id"])}
+        if isinstance(b, dict) and "path" not in b and type(b.get("log_id")) is int
+        else b
+        for b in logs
+    ]
 
 
 @dataclass(frozen=True)

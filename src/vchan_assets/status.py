@@ -499,11 +499,13 @@ def _from_summaries(
 def _from_segment_meta(
     catalog: Catalog, detail: SegmentDetail, names: dict[int, str], now: float
 ) -> SegmentView:
-    """Segment meta listed in pages, narrowed as asked; its summaries computed here."""
+    """Segment meta (the Dropped segments GC keeps included, as the summaries count them)
+    listed in pages, narrowed as asked; its summaries computed here."""
     collection = catalog.collection(detail.collection).id if detail.collection else None
+    door = SegmentMeta(catalog.store)
     found = [
         d.model
-        for d in SegmentMeta(catalog.store).list(collection, vchannel=detail.vchannel, skip_malformed=True)
+        for d in door.list(collection, vchannel=detail.vchannel, skip_malformed=True, include_dropped=True)
     ]
     summaries = summarize(found, [] if collection is None else [collection], 0, now)
     rows = [tables.segment_row(seg, names.get(seg.collection_id)) for seg in found]

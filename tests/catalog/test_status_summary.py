@@ -21,7 +21,7 @@ from vchan_assets.datacoord.segment_summary import collection_ids, summarize
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentSummary
+from vchan_assets.model import CollectionInfo, SegmentState, SegmentSummary
 from vchan_assets.status import SUMMARY_STALE_AFTER, SegmentDetail, collect_status
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, Produced, cli_env, produce
@@ -74,7 +74,8 @@ def whole_table_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
 def assert_the_summary_is_the_whole_table(system: System, coordinator: DataCoordinator) -> None:
     reload(coordinator)
     store = system.store
-    counted = summarize([d.model for d in SegmentMeta(store).list()], collection_ids(store), 0, 0.0)
+    every = SegmentMeta(store).list(include_dropped=True)
+    counted = summarize([d.model for d in every], collection_ids(store), 0, 0.0)
     held = summaries_in_etcd(store)
     assert held.keys() == counted.keys()
     assert all(held[c].same_counts(counted[c]) for c in counted)
@@ -124,6 +125,24 @@ def test_a_reload_writes_a_summary_only_when_it_changed(
     assert reload(coordinator)
     assert summaries_in_etcd(store)[other.id].groups == ()
     assert store.get(key) == changed
+
+
+def test_a_drop_and_gc_deleting_the_dropped_record_are_changes_the_reload_counts(
+    store: MetaStore, collection: CollectionInfo, coordinator: DataCoordinator
+) -> None:
+    write_segments(store, collection, collection.vchannels[0], 2)
+    reload(coordinator)
+    door = SegmentMeta(store)
+    first = door.list(collection.id)[0]
+    moved = door.swap(first.kv.version, first.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))
+
+    assert reload(coordinator)
+    states = {g.state: g.segments for g in summaries_in_etcd(store)[collection.id].groups}
+    assert states == {SegmentState.FLUSHED: 1, SegmentState.DROPPED: 1}
+    door.delete(moved)  # GC, after the tolerance: only the dropped family changed
+    assert reload(coordinator)
+    states = {g.state: g.segments for g in summaries_in_etcd(store)[collection.id].groups}
+    assert states == {SegmentState.FLUSHED: 1}
 
 
 def test_the_default_status_reads_no_segment_key(

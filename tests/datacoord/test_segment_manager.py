@@ -9,6 +9,7 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.segment_manager import MiB, SegmentManager, max_rows_of, seal_by_lifetime
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     Binlog,
@@ -46,7 +47,8 @@ def manager(store: MetaStore, dc_settings: Settings, collection: CollectionInfo)
 
 
 def segments(store: MetaStore, collection: CollectionInfo) -> dict[int, SegmentInfo]:
-    found, _ = store.list_models(store.keys.segment.under(collection.id), SegmentInfo)
+    """Every segment of `collection`, the Dropped ones (in their own family) included."""
+    found = SegmentMeta(store).list(collection.id, include_dropped=True)
     return {d.model.id: d.model for d in found}
 
 

@@ -17,7 +17,7 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.meta.segment_cache import shared_segment_cache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentState, SegmentSummary
+from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState, SegmentSummary
 from vchan_assets.testing.steps import reads, write_segments
 from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer, generate_rows
@@ -26,7 +26,7 @@ from .helpers import NODE1, SCHEMA, CoordinatorTicks, evaluate, skip_message
 
 
 def segment_states(store: MetaStore, collection: CollectionInfo) -> dict[int, SegmentState]:
-    found, _ = store.list_models(store.keys.segment.under(collection.id), SegmentInfo)
+    found = SegmentMeta(store).list(collection.id, include_dropped=True)
     return {d.model.id: d.model.state for d in found}
 
 
@@ -52,7 +52,7 @@ def test_the_sensor_recovers_flushing_segments_and_seals_by_policy(
     result = CoordinatorTicks(instance, short_life).tick()
 
     states = segment_states(store, collection)
-    found, _ = store.list_models(store.keys.segment.under(collection.id), SegmentInfo)
+    found = SegmentMeta(store).list(collection.id, include_dropped=True)
     channel_of = {d.model.id: d.model.vchannel for d in found}
     done = {SegmentState.FLUSHED, SegmentState.DROPPED}  # Dropped: a segment with no rows
     for seg in flushing:

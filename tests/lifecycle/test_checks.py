@@ -18,8 +18,9 @@ from vchan_assets.lifecycle.checks import (
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType, PlanState
 from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentState
+from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced
@@ -67,10 +68,11 @@ def test_unique_pk_check_fails_naming_the_count_when_a_pk_is_in_two_live_segment
     _, plan = merged(system, producer, collection)
     assert check_unique_live_pks(store, storage).passed
     # A commit that forgot to drop an input: its rows are live twice.
-    key = store.keys.segment(collection.id, plan.partition_id, plan.input_ids[0])
-    found = store.get_model(key, SegmentInfo)
+    door = SegmentMeta(store)
+    found = door.get(collection.id, plan.partition_id, plan.input_ids[0], include_dropped=True)
     assert found is not None and found.model.state is SegmentState.DROPPED
-    store.cas(key, found.kv.version, found.model.with_changes(state=SegmentState.FLUSHED))
+    flushed = found.model.with_changes(state=SegmentState.FLUSHED)
+    assert store.txn({found.kv.key: found.kv.version}, door.create_puts(flushed), [found.kv.key]) is not None
     outcome = check_unique_live_pks(store, storage)
     kept = found.model.num_rows - 10  # the merge removed the round's 10 deleted rows
     assert not outcome.passed and outcome.metadata["duplicates"] == kept

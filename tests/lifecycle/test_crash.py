@@ -15,6 +15,7 @@ from vchan_assets.datacoord.recovery import list_orphans
 from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import PlanState, list_plans
 from vchan_assets.lifecycle.step import lifecycle_step
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState
 from vchan_assets.storage import Storage
@@ -60,6 +61,16 @@ def test_compaction_killed_at_a_commit_step_leaves_inputs_or_outputs_live_never_
     assert len(plans) == (2 if kind == "sort" else 1)  # a sort plan per segment, one merge
     for p in plans:  # each plan's inputs or its outputs are live, never both, never neither
         assert bool(after & set(p.input_ids)) != bool(after & set(p.output_ids)), (p, after)
+    door = SegmentMeta(store)
+    for p in plans:  # each input in exactly one family: the commit moved it, or nothing did
+        for i in p.input_ids:
+            seg = door.get(collection.id, p.partition_id, i, include_dropped=True)
+            assert seg is not None
+            where = (
+                store.get(door.key(seg.model)) is not None,
+                store.get(door.dropped_key(seg.model)) is not None,
+            )
+            assert where == ((True, False) if i in after else (False, True)), (i, where)
     assert after == before if step == "compaction_after_files" else after != before
     assert_lifecycle_invariants(system, collection, produced)
     recover(store, system.storage, system.settings)

@@ -207,7 +207,11 @@ def test_allocation_sync_compaction_and_gc_keep_the_index_complete(
     assert_channel_index_complete(store)  # allocation (Growing), sync (L0, flush)
     compact_all(system, collection)
     assert_lifecycle_invariants(system, collection, produced)  # compaction outputs
-    dropped = [d for d in SegmentMeta(store).list(collection.id) if d.model.state is SegmentState.DROPPED]
+    dropped = [
+        d
+        for d in SegmentMeta(store).list(collection.id, include_dropped=True)
+        if d.model.state is SegmentState.DROPPED
+    ]
     assert dropped
     later = replace(system, settings=replace(system.settings, gc_drop_tolerance=0.0))
     report = GarbageCollector(later, clock=lambda: time.time() + 60).run()

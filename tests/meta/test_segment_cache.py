@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,18 +37,6 @@ from vchan_assets.testing.steps import (
 from vchan_assets.testing.tcp_proxy import Endpoint
 from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
-
-
-@pytest.fixture
-def cached(settings: Settings) -> Iterator[MetaStore]:
-    """A second client of the test's root, holding the segment cache (as `vchan datacoord`)."""
-    store = MetaStore.connect(settings)
-    cache = SegmentCache(store).start()
-    assert cache.wait_loaded(30), "the segment cache never loaded"
-    store.segment_cache = cache
-    yield store
-    cache.stop()
-    store.close()
 
 
 def listing(found: list[Decoded[SegmentInfo]]) -> list[tuple[str, int, int, SegmentInfo]]:
@@ -80,6 +67,9 @@ def test_a_cached_listing_is_what_etcd_lists_after_every_change_another_client_c
         assert listing(door.list(info.id, partition=info.partitions[0])) == listing(
             etcd.list(info.id, partition=info.partitions[0])
         )
+        for collection, vchannel in [(None, None), (info.id, None), (info.id, two)]:  # the dropped family too
+            got = door.list(collection, vchannel=vchannel, include_dropped=True)
+            assert listing(got) == listing(etcd.list(collection, vchannel=vchannel, include_dropped=True))
 
     same()
     for i, found in enumerate(etcd.list(info.id)[:25]):
@@ -96,6 +86,7 @@ def test_a_cached_listing_is_what_etcd_lists_after_every_change_another_client_c
     for _ in range(5):
         door.list()
         door.list(info.id, vchannel=one)
+        door.list(info.id, include_dropped=True)
     assert cached.keys_read == reads, "a cached listing read segment keys from etcd"
     assert cached.segment_cache is not None and cached.segment_cache.progress_timeouts == 0
 
@@ -259,3 +250,50 @@ def test_a_datacoord_killed_mid_load_never_led_and_the_next_one_loads_every_segm
     finally:
         second.terminate()
         second.wait(30)
+
+
+def test_etcd_killed_9_mid_the_datacoords_paged_load_then_back_it_loads_every_segment_and_leads(
+    private_settings: Settings, private_store: MetaStore, private_etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """kill -9 of etcd while `vchan datacoord` reads its segment cache's first load in pages
+    (one page of 1,000 read, more to come): the process neither leads nor acts on the page it
+    has; it says why and tries again, and once etcd is back it loads every segment, leads
+    and counts them all in its summary."""
+    system = System(private_settings, private_store, Storage.from_settings(private_settings))
+    info = new_collection(Producer(system))
+    write_segments(private_store, info, info.vchannels[0], 1_500, first=10_000)  # two pages
+    marker = tmp_path / "failpoint"
+    env = cli_env(private_settings, VCHAN_LIFECYCLE_INTERVAL="3600", VCHAN_SORT_SCAN_INTERVAL="3600")
+    log_path = tmp_path / "datacoord.log"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [str(VCHAN), "datacoord", "--engine", "local"],
+            env={**env, "VCHAN_FAILPOINT": "meta_mid_walk=stop-once", "VCHAN_FAILPOINT_MARKER": str(marker)},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(lambda: marker.exists() and marker.read_text().startswith("meta_mid_walk"), 60, "the load")
+        private_etcd.kill()
+        os.kill(process.pid, signal.SIGCONT)  # its next page finds etcd gone
+        said = "segment cache: watch of"  # "... interrupted (etcd ... unavailable ...); again in 0.1s"
+        wait_until(lambda: said in log_path.read_text(), 60, "the cache to say its load failed")
+        assert "interrupted" in log_path.read_text().split(said, 1)[1].splitlines()[0]
+        assert process.poll() is None, log_path.read_text()[-2000:]
+        private_etcd.restart()
+        store = MetaStore.connect(private_settings)
+        try:
+
+            def counted() -> int:
+                found = store.get_model(store.keys.segment_summary(info.id), SegmentSummary)
+                return sum(g.segments for g in found.model.groups) if found is not None else 0
+
+            wait_until(
+                lambda: counted() == 1_500, 90, "the DataCoord's summary of every segment", describe=counted
+            )
+            assert store.get(store.keys.datacoord_session()) is not None
+        finally:
+            store.close()
+    finally:
+        process.kill()
+        process.wait(30)

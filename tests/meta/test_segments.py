@@ -49,11 +49,11 @@ def test_delete_takes_the_vchannel_index_entry_with_the_segment_and_refuses_a_st
     door = SegmentMeta(store)
     created = door.swap(0, _segment(7))
     assert store.get(door.index_key(created.model)) is not None
-    moved = door.swap(created.kv.version, created.model.with_changes(state=SegmentState.DROPPED))
+    sealed = door.swap(created.kv.version, created.model.with_changes(state=SegmentState.SEALED))
     with pytest.raises(CasConflictError) as stale:
         door.delete(created)
     assert (stale.value.expected_version, stale.value.found_version) == (1, 2)
-    door.delete(moved)
+    door.delete(sealed)
     assert door.get(1, 2, 7) is None and store.get(door.index_key(created.model)) is None
 
 

@@ -12,13 +12,14 @@ from collections import Counter
 from vchan_assets import model
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.query.reads import read_collection
-from vchan_assets.query.view import QueryView, query_view, read_query_view
+from vchan_assets.query.view import QueryView, collection_segments, query_view, read_query_view
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
-from vchan_assets.testing.steps import sync_all
+from vchan_assets.testing.steps import new_collection, reads, sync_all, write_segments
 from vchan_assets.wal.producer import Producer
 
 V = "v0"
@@ -226,3 +227,27 @@ def test_the_view_of_synced_and_sorted_segments_and_the_rows_read_through_it(
     assert after.growing_ids == before.growing_ids - flushed_invisible and after.l0_ids == before.l0_ids
     counts = read_pks(system, info)
     assert set(counts) == expected and set(counts.values()) == {1}
+
+
+def test_the_view_of_one_vchannel_reads_that_vchannels_segments_only(
+    store: MetaStore, producer: Producer
+) -> None:
+    """A view of one vchannel reads its own segments and dropped records (through its
+    index), not its collection's: here 3 of 303 segments (it listed all of them, each time,
+    whatever the collection's size); and it is the view the collection's listing gives."""
+    info = new_collection(producer)
+    busy, quiet = info.vchannels
+    write_segments(store, info, busy, 300, first=1_000)
+    write_segments(store, info, quiet, 3, first=5_000)
+    door = SegmentMeta(store)
+    for first in (1_000, 5_000):  # a dropped one on each: in the dropped family
+        found = door.get(info.id, info.partitions[0], first)
+        assert found is not None
+        door.swap(found.kv.version, found.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))
+
+    keys, _ = reads(store, lambda: read_query_view(store, info, quiet))
+    assert keys < 20, f"{keys} keys read for a view of 3 segments"
+    view = read_query_view(store, info, quiet)
+    whole = read_query_view(store, info, quiet, collection_segments(store, info.id))
+    assert view == whole
+    assert len(view.flushed) + len(view.growing) == 2 and [s.id for s in view.dropped] == [5_000]

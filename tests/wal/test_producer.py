@@ -12,6 +12,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry, PartitionNotFoundError
+from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition, SegmentInfo, SegmentState
 from vchan_assets.storage import Storage
@@ -189,7 +190,8 @@ def test_drop_collection_writes_its_message_and_drops_its_segments(
     for vchannel in docs.vchannels:
         log = channel_log(storage, docs, vchannel)
         assert log["msg_type"].to_pylist()[-2:] == ["drop_collection", "timetick"]
-    segments, _ = store.list_models(store.keys.segment.under(docs.id), SegmentInfo)
+    assert SegmentMeta(store).list(docs.id) == []  # every one left the live family
+    segments = SegmentMeta(store).list(docs.id, include_dropped=True)
     assert segments and all(d.model.state is SegmentState.DROPPED for d in segments)
     assert producer.catalog.find("docs") is None
 

@@ -53,8 +53,8 @@ class MetaReloader:
     """The lease design's "DataCoord reloads from metastore periodically": segment meta, only if it
     changed since it was seen last (the open segments live in the channel heads in etcd;
     what is reloaded here are Growing segments on no head, which get sealed). A change is
-    a higher mod revision or a different count of segment keys: a deletion moves no
-    remaining key's revision. (Channel checkpoints are read where they are used: by the
+    a higher mod revision or a different count of segment keys, live or dropped: a deletion
+    moves no remaining key's revision. (Channel checkpoints are read where they are used: by the
     recovery info of an assignment.) Each reload also repairs the per-vchannel segment
     index (`SegmentMeta.repair_channel_index`, keys only): during a rolling upgrade a
     process of a version before the index creates segments without their entries. With a
@@ -65,7 +65,8 @@ class MetaReloader:
 
     store: MetaStore
     segments: SegmentManager
-    seen: tuple[int, int] = (0, 0)  # (highest mod revision, count) of segment keys
+    # (highest mod revision, count) of the live segment keys, then of the dropped family's
+    seen: tuple[int, ...] = ()
     reloads: int = 0  # metric
     # With a segment cache (`vchan datacoord`): the index entry of each segment key at the
     # last reload, so the next repairs only what was created or deleted since (a full
@@ -77,15 +78,17 @@ class MetaReloader:
         its segment summary)."""
         door = SegmentMeta(self.store)
         listing = door.segment_keys()  # read once: for the change, then for the repair
-        seen = door.changes_seen(listing)
+        seen = (*door.changes_seen(listing), *door.dropped_changes_seen())  # (GC deletes there)
         if seen == self.seen and not segment_summary.missing(self.store):
             return False
         if self.store.segment_cache is None:
             door.repair_channel_index(listing)
         else:
             self._repair_from_cache(door, listing)
-        found = [d.model for d in door.list(skip_malformed=True)]  # from the cache where it is
-        self.segments.seal_orphans(found)
+        # from the cache where it is, and the dropped family (the summaries count the
+        # Dropped segments GC keeps and time flush -> sorted from the sorts' dropped inputs)
+        found = [d.model for d in door.list(skip_malformed=True, include_dropped=True)]
+        self.segments.seal_orphans(found)  # (Growing ones only)
         segment_summary.write_summaries(self.store, found, listing.revision)
         self.seen = seen
         self.reloads += 1

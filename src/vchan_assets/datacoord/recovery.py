@@ -30,8 +30,10 @@ def channel_checkpoint(store: MetaStore, vchannel: str) -> Decoded[MsgPosition] 
 
 
 def channel_segments(store: MetaStore, collection_id: int, vchannel: str) -> list[Decoded[SegmentInfo]]:
-    """Every segment of the collection on this vchannel, with its etcd version."""
-    return SegmentMeta(store).list(collection_id, vchannel=vchannel)
+    """Every segment of the collection on this vchannel, with its etcd version, the Dropped
+    ones included: a sync leaves out the rows of a dropped segment still in its log, and
+    recovery reports their ids, as Milvus' DataNode gets them."""
+    return SegmentMeta(store).list(collection_id, vchannel=vchannel, include_dropped=True)
 
 
 def start_position(collection: CollectionInfo, vchannel: str) -> MsgPosition:
@@ -94,7 +96,7 @@ class RecoverySnapshot:
         raw = self._checkpoints.get(key)
         checkpoint = None if raw is None else decode(key, raw, MsgPosition)  # only this channel's
         if collection.id not in self._segments:
-            found = SegmentMeta(self.store).list(collection.id)
+            found = SegmentMeta(self.store).list(collection.id, include_dropped=True)  # as channel_segments
             self._segments[collection.id] = [d.model for d in found]
         segments = [s for s in self._segments[collection.id] if s.vchannel == vchannel]
         return _recovery(collection, vchannel, checkpoint, segments)
@@ -148,8 +150,9 @@ def _stage_name(stage: int) -> str:
 
 
 def referenced_paths(store: MetaStore) -> set[str]:
-    """Every binlog, delta log and stats log key that segment meta points to."""
-    segments = SegmentMeta(store).list()
+    """Every binlog, delta log and stats log key that segment meta (live or Dropped: GC
+    deletes a dropped segment's files after its tolerance) points to."""
+    segments = SegmentMeta(store).list(include_dropped=True)
     paths: set[str] = set()
     for decoded in segments:
         seg = decoded.model

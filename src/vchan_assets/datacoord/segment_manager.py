@@ -580,14 +580,19 @@ class SegmentManager:
         retry when the DataNode (or anyone) changed it meanwhile. `change` returns None
         when nothing needs to be written."""
 
+        door = SegmentMeta(self.store)
+
         def attempt() -> SegmentInfo:
             found = self.store.get_model(key, SegmentInfo)
-            if found is None:
-                raise SegmentNotFoundError(key)
+            if found is None:  # dropped meanwhile (moved to the dropped family), or never there
+                gone = door.dropped_of(key)
+                if gone is None:
+                    raise SegmentNotFoundError(key)
+                return gone.model  # no operation changes a Dropped segment
             new = change(found.model)
             if new is None or new == found.model:
                 return found.model
-            return SegmentMeta(self.store).swap(found.kv.version, new).model
+            return door.swap(found.kv.version, new).model
 
         return retry_on_conflict(f"segment {key}", attempt, on_conflict=self._count_conflict)
 

@@ -72,8 +72,9 @@ from vchan_assets.wal.reader import WalFile, WalReader
 log = logging.getLogger(__name__)
 
 # etcd allows 128 operations per transaction by default: a segment is 1 put, 2 when the
-# sync creates it (its meta and its vchannel's index entry, `SegmentMeta.create_puts`).
-SEGMENTS_PER_TXN = 64
+# sync creates it (its meta and its vchannel's index entry, `SegmentMeta.create_puts`), 3
+# when the flush finds it empty and drops it (moved to the dropped family, `SegmentMeta.writes`).
+SEGMENTS_PER_TXN = 40
 COMMIT_ATTEMPTS = 20
 IDS_PER_TASK = 100_000
 
@@ -267,11 +268,11 @@ class SyncTask:
 
         self._claimed = {key: retry_on_conflict(f"sync claim of {self.vchannel}", attempt)}
 
-    def _guarded(self, puts: dict[str, Any], expect: dict[str, int]) -> None:
+    def _guarded(self, puts: dict[str, Any], expect: dict[str, int], deletes: Sequence[str] = ()) -> None:
         """One transaction under the lease and this sync's claim, expecting `expect`."""
         try:
             self.store.guarded_txn(
-                self.vchannel, self.lease, puts, expect_versions={**self._claimed, **expect}
+                self.vchannel, self.lease, puts, deletes, expect_versions={**self._claimed, **expect}
             )
         except CasConflictError as exc:
             if exc.key in self._claimed:
@@ -386,29 +387,34 @@ class SyncTask:
 
         def attempt() -> list[int]:
             puts: dict[str, Value] = {}
+            deletes: list[str] = []
             expect: dict[str, int] = {}
             flushed = []
             for sid in chunk:
                 current = segments.get(sid)
                 upd = updates.get(sid)
-                if current is None:
+                if current is None:  # created, unless it was dropped meanwhile (then retried)
                     assert upd is not None
                     seg = self._new_segment(upd)
-                    key = door.key(seg)
-                    expect[key] = 0
-                    puts.update(door.create_puts(seg))  # its vchannel's index entry with it
+                    expect.update(door.create_expect(seg))
                 else:
                     seg = current.model
-                    key = current.kv.key
-                    expect[key] = current.kv.version
+                    expect[current.kv.key] = current.kv.version
                 if upd is not None:
                     seg = upd.apply(seg, end, group_fields)
                 done = segment_ops.complete_flush(seg, end)
                 if done is not None:
                     seg = done
                     flushed.append(sid)
-                puts[key] = seg
-            self._guarded(puts, expect)
+                if current is None and seg.state is not SegmentState.DROPPED:
+                    puts.update(door.create_puts(seg))  # its vchannel's index entry with it
+                elif current is not None and door.is_dropped_key(current.kv.key):
+                    puts[current.kv.key] = seg  # dropped after its rows were logged: files go with it
+                else:
+                    written, gone = door.writes(seg)  # an emptied one leaves the live family
+                    puts.update(written)
+                    deletes += gone
+            self._guarded(puts, expect, deletes)
             return flushed
 
         def reread(exc: CasConflictError) -> None:  # the coordinator sealed a segment meanwhile

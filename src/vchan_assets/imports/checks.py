@@ -25,7 +25,7 @@ from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_delet
 
 
 def _job_segments(store: MetaStore, job: ImportJob) -> list[SegmentInfo]:
-    found = SegmentMeta(store).list(job.collection_id)
+    found = SegmentMeta(store).list(job.collection_id, include_dropped=True)  # compacted ones too
     return [d.model for d in found if d.model.id in job.segment_ids]
 
 
@@ -61,7 +61,7 @@ def check_rows_match_files(
 def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) -> CheckOutcome:
     info = CollectionRegistry(store).get(job.collection_id, include_dropped=True)
     pk = info.schema.primary.name
-    found = SegmentMeta(store).list(job.collection_id)
+    found = SegmentMeta(store).list(job.collection_id, include_dropped=True)
     every = [d.model for d in found]
     mine = {s.id for s in every if s.id in job.segment_ids}
     others = [s for s in every if s.id not in mine and s.partition_id == job.partition_id and readable(s)]

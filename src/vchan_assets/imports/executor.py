@@ -73,12 +73,19 @@ from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
 
+# What one of a job's transactions changes: the versions it expects, the records it puts
+# and the keys it deletes.
+_Changes = tuple[dict[str, int], dict[str, Any], list[str]]
+
 # etcd's default limit is 128 operations per transaction (meta.store.MAX_TXN_OPS): one
 # transaction of the register or the commit holds this many segments at most, with the job
 # and the collection, and at most CHUNK_BYTES of their meta (MAX_REQUEST_BYTES is 1.5 MiB).
 # A registration puts 2 keys per segment (its meta and its vchannel's index entry,
 # `SegmentMeta.create_puts`) and the job: 121 operations.
 CHUNK_SEGMENTS = 60
+# A failing job's segments dropped per transaction: each moves to the dropped family (a put
+# and 2 deletes, `SegmentMeta.writes`), with the job: 121 operations.
+DROP_CHUNK_SEGMENTS = 40
 CHUNK_BYTES = 1 << 20
 # A sanity bound: the job's value lists every segment id, its manifest every segment's meta.
 MAX_SEGMENTS_PER_JOB = 10_000
@@ -381,13 +388,13 @@ class ImportExecutor:
         )
         return job
 
-    def _flushed(self, j: ImportJob, chunk: Sequence[int]) -> tuple[dict[str, int], dict[str, Any]]:
+    def _flushed(self, j: ImportJob, chunk: Sequence[int]) -> _Changes:
         """The versions a commit transaction expects (the chunk's segments, the collection)
         and its puts (the chunk Flushed)."""
         collection = self._collection(j).kv
         segments = self._segments(j, chunk)
         expect = {k: d.kv.version for k, d in segments} | {collection.key: collection.version}
-        return expect, {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}
+        return expect, {k: d.model.with_changes(state=SegmentState.FLUSHED) for k, d in segments}, []
 
     def _segments(self, j: ImportJob, ids: Sequence[int]) -> list[tuple[str, Decoded[SegmentInfo]]]:
         out = []
@@ -411,7 +418,7 @@ class ImportExecutor:
         importing = [d.model for _, d in self._importing(j, j.segment_ids)]
         chunks: list[tuple[int, ...]] = []
         while importing or not chunks:
-            n = _chunk_len(importing)
+            n = _chunk_len(importing, DROP_CHUNK_SEGMENTS)
             chunks.append(tuple(s.id for s in importing[:n]))
             importing = importing[n:]
 
@@ -431,9 +438,17 @@ class ImportExecutor:
         log.warning("import job %d failed: %s", j.job_id, reason)
         return job
 
-    def _drops(self, j: ImportJob, ids: Sequence[int]) -> tuple[dict[str, int], dict[str, Any]]:
+    def _drops(self, j: ImportJob, ids: Sequence[int]) -> _Changes:
+        """Each Importing segment of `ids` Dropped: moved to the dropped family."""
         found = self._importing(j, ids)
-        return {k: d.kv.version for k, d in found}, {k: segment_ops.drop(d.model) for k, d in found}
+        door = SegmentMeta(self.store)
+        puts: dict[str, Any] = {}
+        deletes: list[str] = []
+        for _, d in found:
+            written, gone = door.writes(segment_ops.drop(d.model) or d.model)  # (Importing: dropped)
+            puts.update(written)
+            deletes += gone
+        return {k: d.kv.version for k, d in found}, puts, deletes
 
     def _importing(self, j: ImportJob, ids: Sequence[int]) -> list[tuple[str, Decoded[SegmentInfo]]]:
         """Those of `ids` whose segment is Importing, with their keys."""
@@ -449,16 +464,19 @@ class ImportExecutor:
         self,
         job: Decoded[ImportJob],
         done: ImportJob,
-        changes: Callable[[], tuple[dict[str, int], dict[str, Any]]],
+        changes: Callable[[], _Changes],
         gave_up: Exception,
     ) -> Decoded[ImportJob]:
-        """The job as `done` and `changes()` (versions to expect, records to put) in one
-        transaction that also expects the job as this executor read it. When something
-        else moved, `changes` is read again; when the job itself moved, another executor
-        owns it (ImportJobTakenError); `gave_up` after 20 rounds."""
+        """The job as `done` and `changes()` (versions to expect, records to put, keys to
+        delete) in one transaction that also expects the job as this executor read it. When
+        something else moved, `changes` is read again; when the job itself moved, another
+        executor owns it (ImportJobTakenError); `gave_up` after 20 rounds."""
         for _ in range(20):
-            expect, puts = changes()
-            if self.store.txn({**expect, job.kv.key: job.kv.version}, {**puts, job.kv.key: done}) is not None:
+            expect, puts, deletes = changes()
+            if (
+                self.store.txn({**expect, job.kv.key: job.kv.version}, {**puts, job.kv.key: done}, deletes)
+                is not None
+            ):
                 return get_job(self.store, done.job_id)
             if get_job(self.store, done.job_id).kv.version != job.kv.version:
                 raise ImportJobTakenError(done.job_id)
@@ -477,15 +495,15 @@ class ImportExecutor:
         return found
 
 
-def _chunk_len(segments: Sequence[SegmentInfo]) -> int:
-    """How many of `segments`, from the first, one transaction holds: at most CHUNK_SEGMENTS
-    and CHUNK_BYTES of meta, at least one."""
+def _chunk_len(segments: Sequence[SegmentInfo], most: int = CHUNK_SEGMENTS) -> int:
+    """How many of `segments`, from the first, one transaction holds: at most `most` and
+    CHUNK_BYTES of meta, at least one."""
     size = 0
-    for n, seg in enumerate(segments[:CHUNK_SEGMENTS]):
+    for n, seg in enumerate(segments[:most]):
         size += len(encode(seg))
         if n and size > CHUNK_BYTES:
             return n
-    return min(len(segments), CHUNK_SEGMENTS)
+    return min(len(segments), most)
 
 
 def _run_on_spark(

@@ -34,7 +34,9 @@ from vchan_assets.storage.layout import INDEX_FILES
 def collect_indexes(gc: GarbageCollector, report: GcReport) -> None:
     store, storage = gc.store, gc.storage
     indexes = {d.model.index_id: d for d in list_indexes(store, include_deleted=True)}
-    found = SegmentMeta(store).list()
+    # Dropped segments included: their builds stay while GC keeps them (a read at a past
+    # timestamp, or the query view serving compaction inputs, searches them).
+    found = SegmentMeta(store).list(include_dropped=True)
     segments = {d.model.id: d.model for d in found}
     builds = list_builds(store)
     finished = {

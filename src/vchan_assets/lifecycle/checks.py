@@ -29,7 +29,8 @@ from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_delet
 
 
 def _segments(store: MetaStore) -> list[SegmentInfo]:
-    found = SegmentMeta(store).list()
+    """Every segment, the Dropped ones GC has not deleted yet included (they are counted)."""
+    found = SegmentMeta(store).list(include_dropped=True)
     return [d.model for d in found]
 
 

@@ -73,10 +73,11 @@ log = logging.getLogger(__name__)
 
 # --- triggers ------------------------------------------------------------------------------
 
-# Inputs of one plan at most: its commit writes every input, every output (2 puts each: its
-# meta and its vchannel's index entry), the plan and a chained link in one etcd transaction,
-# and etcd refuses more than 128 operations in one (--max-txn-ops).
-MAX_PLAN_SEGMENTS = 60
+# Inputs of one plan at most: its commit writes every input (a dropped one moves to the
+# dropped family: 3 operations), every output (2 puts each: its meta and its vchannel's
+# index entry), the plan and a chained link in one etcd transaction, and etcd refuses more
+# than 128 operations in one (--max-txn-ops): 36 inputs are 108, with room for the outputs.
+MAX_PLAN_SEGMENTS = 36
 # What a compaction or sort holds in memory, over its input's binlog bytes (read, merged or
 # sorted, written): its estimate against VCHAN_TASK_MEMORY_MB.
 COMPACTION_MEMORY_FACTOR = 3.0

@@ -143,7 +143,7 @@ class GarbageCollector:
             return report
         # Meta is read before files are listed: a file written after this read is younger
         # than the tolerance, so it is never taken for an orphan.
-        found = SegmentMeta(self.store).list()
+        found = self._segments(dry_run)
         busy = busy_segments(list_plans(self.store)) | import_reserved(self.store)
         self._orphans(found, busy, report)
         self._dropped(found, report)
@@ -164,6 +164,16 @@ class GarbageCollector:
             report.bytes / 1e6,
         )
         return report
+
+    def _segments(self, dry_run: bool) -> list[Decoded[SegmentInfo]]:
+        """Every segment, the Dropped ones of both families included (GC deletes their
+        files, then their records, after the tolerance). The Dropped ones an older version
+        left in the live family are first moved to the dropped family (not in a dry run)."""
+        door = SegmentMeta(self.store)
+        found = door.list(include_dropped=True)
+        if not dry_run and door.move_dropped(found):
+            found = door.list(include_dropped=True)
+        return found
 
     def _orphans(self, found: list[Decoded[SegmentInfo]], busy: set[int], report: GcReport) -> None:
         named = {p for d in found for p in segment_paths(d.model)}
@@ -200,7 +210,7 @@ class GarbageCollector:
             failpoint("gc_after_files")
             if not report.dry_run:
                 try:
-                    SegmentMeta(self.store).delete(d)  # with its vchannel's index entry
+                    SegmentMeta(self.store).delete(d)  # (a live key with its vchannel's index entry)
                 except CasConflictError:
                     continue  # changed meanwhile: the next pass looks again
             report.dropped_segments.append(seg.id)

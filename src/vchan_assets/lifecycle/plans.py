@@ -194,15 +194,20 @@ def commit_compaction(
     # serve the outputs: they hold the same rows).
     stamp = max(applied_ts, 1) if applied_ts is not None else timestamp_ceiling(store)
     puts: dict[str, Any] = {}
-    for seg in inputs.values():
-        if seg.id in kept:
-            continue  # a chained link's L0 inputs: compared, left as they are
-        dropped = segment_ops.drop(seg)
-        puts[segment_key(store, p, seg.id)] = replace(dropped, dropped_ts=stamp) if dropped else seg
-    for seg in changed_inputs:
-        puts[segment_key(store, p, seg.id)] = seg
-    expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}
+    deletes: list[str] = []
     door = SegmentMeta(store)
+    changed = {seg.id for seg in changed_inputs}
+    writes = [*changed_inputs]
+    for seg in inputs.values():
+        if seg.id in kept or seg.id in changed:
+            continue  # kept: a chained link's L0 inputs, compared and left as they are
+        dropped = segment_ops.drop(seg)
+        writes.append(replace(dropped, dropped_ts=stamp) if dropped else seg)
+    for seg in writes:
+        written, gone = door.writes(seg)  # a Dropped input leaves the live family
+        puts.update(written)
+        deletes += gone
+    expect = {segment_key(store, p, i.segment_id): i.version for i in p.inputs}
     for seg in outputs:
         puts.update(door.create_puts(seg))  # its meta and its vchannel's index entry
         expect[door.key(seg)] = 0
@@ -211,7 +216,7 @@ def commit_compaction(
         expect[store.keys.compaction_plan(then.plan_id)] = 0
     expect[plan.kv.key] = plan.kv.version
     puts[plan.kv.key] = replace(p, state=PlanState.COMPLETED, finished_at=now, **plan_changes)
-    revision = store.txn(expect, puts)
+    revision = store.txn(expect, puts, deletes)
     if revision is None:
         raise _conflict(store, plan, expect)
     return revision

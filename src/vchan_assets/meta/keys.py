@@ -78,6 +78,10 @@ class Keys:
     # meta
     collection = _Family("meta/collection/{collection}")
     segment = _Family("meta/segment/{collection}/{partition}/{segment}")
+    # a Dropped segment's record, moved out of `segment` in the transaction that drops it
+    # (meta/segments.py): live listings never read it; GC deletes it after the tolerance.
+    # By vchannel: a sync reads its own vchannel's dropped records, one prefix
+    dropped_segment = _Family("meta/dropped/{collection}/{vchannel}/{partition}/{segment}")
     # the segments of each vchannel: one entry per segment key, created and deleted with it
     # (meta/segments.py), so a vchannel's segments are read without its collection's
     channel_segment = _Family("meta/channel-segment/{vchannel}/{collection}/{partition}/{segment}")

@@ -5,13 +5,18 @@ In Milvus the DataCoord is the only writer of segment meta, so its memory is the
 Here DataNodes commit their own segments under their channel lease, so the copy follows
 etcd instead of owning it; a read of it is still as fresh as a listing of etcd would be:
 
-- at start it reads the segment prefix in pages at one revision (`MetaStore.list_prefix`,
-  Milvus' `WalkWithPrefix`), then watches the prefix from the next revision on a gRPC
-  stream of its own and applies every put and delete;
-- a read first asks etcd for the stream's progress (etcd's `RequestProgress`): etcd
-  answers with its current revision once every event up to it was sent on the stream.
-  Responses arrive in order, so when the answer is seen every change committed before
-  the read began has been applied. One round trip, no value read;
+- at start it reads both segment families (the live one, `meta/segment/`, and the dropped
+  one, `meta/dropped/`, see meta/segments.py) in pages at one revision
+  (`MetaStore.list_prefixes_at`, Milvus' `WalkWithPrefix`), then watches both from the next
+  revision, two watches on one gRPC stream of its own, and applies every put and delete;
+- a read first asks etcd for the stream's progress (etcd's `RequestProgress`) and waits
+  for the answer, PROGRESS_ROUNDS times in turn: etcd answers with its current revision,
+  and the events committed before the request are queued on the stream by then; responses
+  arrive in order, so when the answers are seen every change committed before the read
+  began has been applied. No value read. Twice: etcd 3.5.1 sends the answer from a second
+  queue that can overtake events already queued (fixed upstream in 3.5.8); a second
+  answer, asked after the first arrived, comes after them (bench/cache_freshness.py
+  counts reads that missed a write just before them);
 - a stream that fell behind etcd's compaction (an outage longer than the history etcd
   keeps) loads the prefix again in pages and says so in the log;
 - while the stream is down (etcd restarting), or when etcd does not answer the progress
@@ -21,7 +26,10 @@ etcd instead of owning it; a read of it is still as fresh as a listing of etcd w
 Values are decoded once per version. The keys are kept sorted with their records decoded
 beside them (`decoded`): the segments of one collection or partition are a slice of that
 list, not a scan; a changed value is decoded again in its place, and only a segment created
-or deleted sorts the keys again.
+or deleted sorts the keys again. Both families are held (as Milvus' `meta.go` holds Dropped
+segments until its GC removes them), so a listing with the Dropped segments is two slices
+of one consistent copy (`decoded_many`), not a read of the dropped family from etcd: the
+DataCoord's reload, which summarizes them, reads nothing from etcd but the progress answer.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ log = logging.getLogger(__name__)
 # etcd answers a progress request only while every watcher of the server is in sync
 # (none catching up): a request that got no answer is sent again after this long.
 PROGRESS_RESEND = 0.2
+PROGRESS_ROUNDS = 2
 MAX_BACKOFF = 2.0
 
 
@@ -58,7 +67,8 @@ class _Compacted(Exception):
 
 
 class SegmentCache:
-    """Every segment key and value under `store`'s root, in memory, following etcd.
+    """Every segment key and value under `store`'s root (both families), in memory,
+    following etcd.
 
     `start()` loads and follows in a thread; `wait_loaded(timeout)` blocks until the first
     load is in; `snapshot(prefix)` is a fresh, consistent listing or None (read etcd).
@@ -67,7 +77,9 @@ class SegmentCache:
 
     def __init__(self, store: MetaStore, fresh_timeout: float | None = None) -> None:
         self.store = store
-        self.prefix = store.keys.segment.prefix
+        self.prefix = store.keys.segment.prefix  # the live family
+        # the families held, in key order (the dropped one sorts first)
+        self.prefixes = (store.keys.dropped_segment.prefix, self.prefix)
         self.fresh_timeout = store.client.timeout if fresh_timeout is None else fresh_timeout
         self._kvs: dict[str, KeyValue] = {}
         self._sorted: list[str] | None = None  # the keys in order; None: rebuilt at the next read
@@ -79,6 +91,7 @@ class SegmentCache:
         self._malformed: set[str] = set()  # keys whose record in `_aligned` is None
         self._changed: set[str] = set()
         self._following = False  # the stream is open and the copy current up to it
+        self._created = 0  # watches of the stream etcd confirmed
         self._progress = 0  # progress answers seen
         self._cond = threading.Condition()
         self._asking = threading.Lock()  # one progress request at a time
@@ -136,22 +149,35 @@ class SegmentCache:
         """The records under `prefix` in key order, as fresh as `snapshot` (None as it); a
         malformed value raises naming its key, or is logged, counted and left out
         (`MetaStore.decode_models`' policy)."""
+        found = self.decoded_many([prefix], skip_malformed)
+        return None if found is None else found[0]
+
+    def decoded_many(
+        self, prefixes: Sequence[str], skip_malformed: bool
+    ) -> list[list[Decoded[SegmentInfo]]] | None:
+        """The records under each of `prefixes` (each list in key order), all of one state
+        of the copy (a segment being moved from the live family to the dropped one is in
+        exactly one of them), as fresh as `snapshot` (None as it)."""
         if not self._fresh():
             return None
+        malformed: list[KeyValue] = []
         with self._cond:
             keys, aligned = self._aligned_records()
-            first, last = self._bounds(keys, prefix)
-            found = aligned[first:last]
-            if not self._malformed:
-                return found  # type: ignore[return-value]  # (no None in it)
-            malformed = [self._kvs[keys[i]] for i in range(first, last) if aligned[i] is None]
+            found = []
+            for prefix in prefixes:
+                first, last = self._bounds(keys, prefix)
+                found.append(aligned[first:last])
+                if self._malformed:
+                    malformed += [self._kvs[keys[i]] for i in range(first, last) if aligned[i] is None]
+        if not malformed:
+            return found  # type: ignore[return-value]  # (no None in them)
         self.store.decode_models(malformed, SegmentInfo, skip_malformed)  # raises, or logs and counts
-        return [d for d in found if d is not None]
+        return [[d for d in part if d is not None] for part in found]
 
     def _bounds(self, keys: list[str], prefix: str) -> tuple[int, int]:
         """Where the keys under `prefix` are in `keys` (sorted)."""
-        if not prefix.startswith(self.prefix):
-            raise ValueError(f"{prefix} is not under the cached prefix {self.prefix}")
+        if not prefix.startswith(self.prefixes):
+            raise ValueError(f"{prefix} is under none of the cached prefixes {self.prefixes}")
         first = bisect.bisect_left(keys, prefix)
         last = bisect.bisect_left(keys, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else len(keys)
         return first, last
@@ -225,26 +251,33 @@ class SegmentCache:
         ]
 
     def _fresh(self) -> bool:
-        """Ask etcd for the stream's progress and wait for the answer (see the module)."""
+        """Ask etcd for the stream's progress and wait for the answer, PROGRESS_ROUNDS times
+        in turn (see the module)."""
         deadline = time.monotonic() + self.fresh_timeout
         with self._asking:
+            for _ in range(PROGRESS_ROUNDS):
+                if not self._progress_answered(deadline):
+                    return False
+        return True
+
+    def _progress_answered(self, deadline: float) -> bool:
+        with self._cond:
+            if not self._following:
+                return False
+            seen = self._progress
+        while (left := deadline - time.monotonic()) > 0:
+            requests = self._requests
+            if requests is None:
+                return False
+            requests.put(pb.WatchRequest(progress_request=pb.WatchProgressRequest()))
             with self._cond:
+                self._cond.wait_for(
+                    lambda: self._progress > seen or not self._following, min(PROGRESS_RESEND, left)
+                )
+                if self._progress > seen:
+                    return True
                 if not self._following:
                     return False
-                seen = self._progress
-            while (left := deadline - time.monotonic()) > 0:
-                requests = self._requests
-                if requests is None:
-                    return False
-                requests.put(pb.WatchRequest(progress_request=pb.WatchProgressRequest()))
-                with self._cond:
-                    self._cond.wait_for(
-                        lambda: self._progress > seen or not self._following, min(PROGRESS_RESEND, left)
-                    )
-                    if self._progress > seen:
-                        return True
-                    if not self._following:
-                        return False
         self.progress_timeouts += 1
         log.warning(
             "segment cache: etcd did not answer a progress request in %.1fs: reading etcd", self.fresh_timeout
@@ -267,7 +300,7 @@ class SegmentCache:
                 log.warning(
                     "segment cache fell behind etcd's compaction (revision %d is gone): loading %s again in pages",
                     self._revision + 1,
-                    self.prefix,
+                    " and ".join(self.prefixes),
                 )
                 load = True
             except Exception as exc:  # etcd down or restarting: reads go to etcd meanwhile
@@ -276,7 +309,7 @@ class SegmentCache:
                 self.reconnects += 1
                 log.warning(
                     "segment cache: watch of %s interrupted (%s); again in %.1fs",
-                    self.prefix,
+                    " and ".join(self.prefixes),
                     error_reason(exc),
                     backoff,
                 )
@@ -289,29 +322,33 @@ class SegmentCache:
 
     def _load(self) -> None:
         started = time.monotonic()
-        snapshot = self.store.list_prefix(self.prefix)  # in pages, at one revision
+        families, revision = self.store.list_prefixes_at(self.prefixes)  # in pages, at one revision
         with self._cond:
-            self._kvs = {kv.key: kv for kv in snapshot.items}
+            self._kvs = {kv.key: kv for items in families for kv in items}
             self._sorted = None
             self._models = {k: d for k, d in self._models.items() if self._kvs.get(k) is d.kv}
-            self._revision = snapshot.revision
+            self._revision = revision
         self.loads += 1
+        dropped, live = map(len, families)
         log.info(
-            "segment cache: %d segment keys loaded at revision %d in %.2fs",
-            len(snapshot.items),
-            snapshot.revision,
+            "segment cache: %d segment keys and %d dropped ones loaded at revision %d in %.2fs",
+            live,
+            dropped,
+            revision,
             time.monotonic() - started,
         )
 
     def _follow(self) -> None:
         """Watch from the cursor until stopped or the stream breaks."""
         requests: queue.Queue[Any] = queue.Queue()
-        create = pb.WatchCreateRequest(
-            key=etcd3.utils.to_bytes(self.prefix),
-            range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(self.prefix)),
-            start_revision=self._revision + 1,
-        )
-        requests.put(pb.WatchRequest(create_request=create))
+        for prefix in self.prefixes:  # one watch per family on the stream, from one revision
+            create = pb.WatchCreateRequest(
+                key=etcd3.utils.to_bytes(prefix),
+                range_end=etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix)),
+                start_revision=self._revision + 1,
+            )
+            requests.put(pb.WatchRequest(create_request=create))
+        self._created = 0
         client = self.store.client
         stub = rpc_pb2_grpc.WatchStub(client.channel)
         call = stub.Watch(_drain(requests), credentials=client.call_credentials, metadata=client.metadata)
@@ -333,9 +370,11 @@ class SegmentCache:
     def _receive(self, response: Any) -> None:
         if response.compact_revision:
             raise _Compacted()
-        if response.created:
+        if response.created:  # following once every family's watch is in (a progress
+            # answer then covers both: etcd sends it when every watch of the stream is synced)
             with self._cond:
-                self._following = True
+                self._created += 1
+                self._following = self._created == len(self.prefixes)
                 self._cond.notify_all()
             return
         if response.canceled:

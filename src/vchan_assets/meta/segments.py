@@ -25,7 +25,23 @@ policy for malformed values live in one place:
   value is then logged and counted in `MetaStore.malformed_skipped`. Garbage collection,
   which deletes the files no listed segment names, lists strictly;
 - `swap` is a compare-version-and-swap that returns the record as written, or raises
-  `CasConflictError` naming the key, the version expected and the version found.
+  `CasConflictError` naming the key, the version expected and the version found;
+- a segment that becomes Dropped leaves the live family: in the transaction that drops it,
+  its record moves to `meta/dropped/{collection}/{vchannel}/{partition}/{segment}` (a
+  vchannel's dropped records are one range: a sync reads its own) and its live key and
+  index entry are deleted, guarded on the live key's version (`swap`, and `writes` for a
+  caller's own transaction). Milvus keeps dropped segments among the live ones until GC;
+  here live listings (`list`, the per-vchannel index) read live segments only, and
+  readers that need the dropped ones (GC, the catalog's table, reads at a past timestamp,
+  a sync's insert floors, the DataCoord's summaries) ask `include_dropped`: both families
+  are then read at one revision (or from one state of the segment cache, which follows
+  both), so a segment being moved is seen exactly once. A dropped
+  record is deleted by GC; the only write after the move is a sync's that wrote files for
+  the segment before it learned of the drop (they go to GC with it);
+- a Dropped segment written by a version before the dropped family still sits in the live
+  family: live listings leave it out, `include_dropped` listings return it, and
+  `move_dropped` (garbage collection, each pass) moves such records over in bounded
+  transactions.
 """
 
 from __future__ import annotations
@@ -38,7 +54,14 @@ from typing import Any
 
 from vchan_assets.failpoints import failpoint
 from vchan_assets.meta.codec import decode_dict
-from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError, RevisionCompactedError
+from vchan_assets.meta.errors import (
+    CasConflictError,
+    MalformedValueError,
+    MetaError,
+    RevisionCompactedError,
+    TransactionTooLargeError,
+)
+from vchan_assets.meta.keys import KeyFamily
 from vchan_assets.meta.store import WALK_RESTARTS, Decoded, KeyValue, MetaStore, Snapshot, Value, too_many_ops
 from vchan_assets.model import SegmentInfo, SegmentState
 
@@ -53,6 +76,9 @@ INDEX_ENTRY: dict[str, Any] = {}
 # exist): 60 puts and 61 compares with the writer's fence, under etcd's 128 operations a
 # branch; fewer when an etcd with a lower --max-txn-ops refuses.
 BACKFILL_BATCH = 60
+# Dropped segments of the live family a migrating transaction moves: 4 operations each (a
+# compare of its version; a put in the dropped family, 2 deletes), under etcd's 128.
+MOVE_BATCH = 40
 
 
 class SegmentMeta:
@@ -63,6 +89,15 @@ class SegmentMeta:
 
     def key(self, segment: SegmentInfo) -> str:
         return self.store.keys.segment(segment.collection_id, segment.partition_id, segment.id)
+
+    def dropped_key(self, segment: SegmentInfo) -> str:
+        """Where the segment's record is once it is Dropped."""
+        return self.store.keys.dropped_segment(
+            segment.collection_id, segment.vchannel, segment.partition_id, segment.id
+        )
+
+    def is_dropped_key(self, key: str) -> bool:
+        return key.startswith(self.store.keys.dropped_segment.prefix)
 
     def index_key(self, segment: SegmentInfo) -> str:
         """The segment's entry in its vchannel's index."""
@@ -78,29 +113,56 @@ class SegmentMeta:
         it may exist)."""
         return {self.key(segment): segment, self.index_key(segment): INDEX_ENTRY}
 
+    def create_expect(self, segment: SegmentInfo) -> dict[str, int]:
+        """The compares of a caller's transaction that creates `segment` where it may
+        exist or have been dropped (a sync recreating a segment it finds no meta of): both
+        its live key and its dropped record absent."""
+        return {self.key(segment): 0, self.dropped_key(segment): 0}
+
     def create(self, segment: SegmentInfo) -> Decoded[SegmentInfo]:
-        """`segment` created (its key must be absent) with its index entry, as written;
-        CasConflictError if the key exists."""
+        """`segment` created (its key must be absent, and it must never have been dropped)
+        with its index entry, as written; CasConflictError naming the key that exists
+        otherwise. A Dropped `segment` is created in the dropped family."""
+        key, dropped = self.key(segment), self.dropped_key(segment)
+        if segment.state is SegmentState.DROPPED:
+            return Decoded(segment, self.store.swap(dropped, 0, segment, absent=[key]))
         puts = self.create_puts(segment)
-        key = self.key(segment)
-        written = self.store.swap(key, 0, segment, also={k: v for k, v in puts.items() if k != key})
+        try:
+            written = self.store.swap(key, 0, segment, {k: v for k, v in puts.items() if k != key}, [dropped])
+        except CasConflictError as exc:
+            found = self.store.get(dropped) if exc.found_version == 0 else None
+            raise exc if found is None else CasConflictError(dropped, 0, found.version) from None
         return Decoded(segment, written)
 
+    def writes(self, segment: SegmentInfo) -> tuple[dict[str, Value], builtins.list[str]]:
+        """The puts and deletes that write `segment` over its live record in a caller's
+        transaction (which compares the live key's version): a live one at its key (1
+        operation); a Dropped one moved to the dropped family, its live key and index entry
+        deleted (3 operations)."""
+        if segment.state is not SegmentState.DROPPED:
+            return {self.key(segment): segment}, []
+        return {self.dropped_key(segment): segment}, [self.key(segment), self.index_key(segment)]
+
     def delete(self, found: Decoded[SegmentInfo]) -> None:
-        """The segment's key and its index entry deleted in one transaction, if the key is
-        still at the version read; CasConflictError otherwise."""
+        """The segment's record deleted (a live one with its index entry) in one
+        transaction, if its key is still at the version read; CasConflictError otherwise."""
         key = found.kv.key
-        if self.store.txn({key: found.kv.version}, {}, [key, self.index_key(found.model)]) is None:
+        deletes = [key] if self.is_dropped_key(key) else [key, self.index_key(found.model)]
+        if self.store.txn({key: found.kv.version}, {}, deletes) is None:
             now = self.store.get(key)
             raise CasConflictError(key, found.kv.version, now.version if now else 0)
 
     def prefix(self, collection: int | None = None, partition: int | None = None) -> str:
         """The range of a partition, a collection, or every segment (no collection)."""
-        family = self.store.keys.segment
-        if partition is not None:
+        return _range(self.store.keys.segment, collection, partition)
+
+    def dropped_prefix(self, collection: int | None = None, vchannel: str | None = None) -> str:
+        """The range of the dropped records of a collection's vchannel, a collection, or all."""
+        family = self.store.keys.dropped_segment
+        if vchannel is not None:
             if collection is None:
-                raise TypeError("a partition's segments are listed with its collection")
-            return family.under(collection, partition)
+                raise TypeError("a vchannel's dropped segments are listed with its collection")
+            return family.under(collection, vchannel)
         return family.prefix if collection is None else family.under(collection)
 
     def list(
@@ -111,22 +173,87 @@ class SegmentMeta:
         partition: int | None = None,
         states: Collection[SegmentState] | None = None,
         skip_malformed: bool = False,
+        include_dropped: bool = False,
     ) -> list[Decoded[SegmentInfo]]:
-        """The segments of a collection (every collection's without one), with their etcd
-        versions, in key order, at one revision; only those of `vchannel`, `partition`
+        """The live segments of a collection (every collection's without one), with their
+        etcd versions, in key order, at one revision; only those of `vchannel`, `partition`
         and `states` when given. From the process's segment cache when it has one (as
         fresh as etcd, see meta/segment_cache.py); else with a `vchannel`, read through
         its index (its segments only) once the index is complete, else filtered from the
-        collection's listing."""
+        collection's listing. `include_dropped`: the Dropped ones too, read from the
+        dropped family at the revision of the live listing (a segment being moved is
+        listed once), in the order of their live keys."""
+        if not include_dropped:
+            found = self._live_models(collection, vchannel, partition, states, skip_malformed)
+            return [d for d in found if d.model.state is not SegmentState.DROPPED]
+        prefix = self.dropped_prefix(collection, vchannel if collection is not None else None)
+        cache = self.store.segment_cache
+        both = (
+            None
+            if cache is None
+            else cache.decoded_many([self.prefix(collection, partition), prefix], skip_malformed)
+        )
+        if both is not None:  # both families from one state of the copy
+            held, gone = both
+            if partition is not None:
+                gone = [d for d in gone if d.model.partition_id == partition]
+            found = [*self._filter(held, vchannel, states), *self._filter(gone, vchannel, states)]
+            return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
+        live = self._live(collection, vchannel, partition)
+        try:
+            dropped = self.store.list_prefix(prefix, revision=live.revision).items
+        except RevisionCompactedError:  # compacted since the live listing: both again, at once
+            live_items, dropped = self.store.list_prefixes([self.prefix(collection, partition), prefix])
+            live = Snapshot(live_items, 0)
+        gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)
+        if partition is not None:
+            gone = [d for d in gone if d.model.partition_id == partition]
+        found = [
+            *self._select(live.items, vchannel, states, skip_malformed),
+            *self._filter(gone, vchannel, states),
+        ]
+        return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
+
+    def _live_models(
+        self,
+        collection: int | None,
+        vchannel: str | None,
+        partition: int | None,
+        states: Collection[SegmentState] | None,
+        skip_malformed: bool,
+    ) -> builtins.list[Decoded[SegmentInfo]]:
+        """The segments of the live family, decoded (by the segment cache where the process
+        has one: a prefix listed again while nothing changed is not decoded again)."""
         cache = self.store.segment_cache
         decoded = None if cache is None else cache.decoded(self.prefix(collection, partition), skip_malformed)
         if decoded is not None:
             return self._filter(decoded, vchannel, states)
+        return self._select(
+            self._live(collection, vchannel, partition).items, vchannel, states, skip_malformed
+        )
+
+    def _live(self, collection: int | None, vchannel: str | None, partition: int | None) -> Snapshot:
+        """The keys of the live family (from the segment cache where the process has one)."""
+        cached = self._cached(self.prefix(collection, partition))
+        if cached is not None:
+            return cached
         if vchannel is not None and self.channel_index_ready():
-            items = self._channel_items(vchannel, collection, partition)
-        else:
-            items = self.store.list_prefix(self.prefix(collection, partition)).items
-        return self._select(items, vchannel, states, skip_malformed)
+            return self._channel_items(vchannel, collection, partition)
+        return self.store.list_prefix(self.prefix(collection, partition))
+
+    def dropped_of(self, key: str) -> Decoded[SegmentInfo] | None:
+        """The dropped record of the segment whose live key is `key`, or None."""
+        collection, partition, segment = key[len(self.store.keys.segment.prefix) :].split("/")
+        return self.get(int(collection), int(partition), int(segment), include_dropped=True)
+
+    def _live_key_of(self, key: str) -> str:
+        """The live key of a segment key of either family (a dropped key names its vchannel
+        between the collection and the partition)."""
+        dropped = self.store.keys.dropped_segment.prefix
+        if not key.startswith(dropped):
+            return key
+        collection, _vchannel, partition, segment = key[len(dropped) :].split("/")
+        return self.store.keys.segment(collection, partition, segment)
 
     def _cached(self, prefix: str) -> Snapshot | None:
         """The keys under `prefix` from the process's segment cache, None without one or
@@ -134,9 +261,7 @@ class SegmentMeta:
         cache = self.store.segment_cache
         return None if cache is None else cache.snapshot(prefix)
 
-    def _channel_items(
-        self, vchannel: str, collection: int | None, partition: int | None
-    ) -> builtins.list[KeyValue]:
+    def _channel_items(self, vchannel: str, collection: int | None, partition: int | None) -> Snapshot:
         """The segment keys a vchannel's index names, read at the revision of the index's
         listing (again at a fresh one if etcd compacted it meanwhile, as a paged walk)."""
         ids = [i for i in (collection, partition) if i is not None]
@@ -153,7 +278,7 @@ class SegmentMeta:
                     raise
                 log.warning("%s: listing %s again at a fresh revision", exc, prefix)
                 continue
-            return [kv for kv in found if kv is not None]
+            return Snapshot([kv for kv in found if kv is not None], entries.revision)
         raise AssertionError("unreachable: the last restart raises")
 
     def _segment_key_of(self, entry: str) -> str:
@@ -163,10 +288,15 @@ class SegmentMeta:
     def list_with(
         self, collection: int, prefixes: Sequence[str], skip_malformed: bool = False
     ) -> tuple[builtins.list[Decoded[SegmentInfo]], builtins.list[builtins.list[KeyValue]]]:
-        """The collection's segments and the keys under each of `prefixes`, all read at one
-        revision (a read's segments and the indexes of those very segments)."""
-        segments, *others = self.store.list_prefixes([self.prefix(collection), *prefixes])
-        return self._select(segments, None, None, skip_malformed), others
+        """The collection's segments, the Dropped ones included (a read at a past timestamp
+        serves a segment dropped after it), and the keys under each of `prefixes`, all read
+        at one revision (a read's segments and the indexes of those very segments)."""
+        live, dropped, *others = self.store.list_prefixes(
+            [self.prefix(collection), self.dropped_prefix(collection), *prefixes]
+        )
+        gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)  # (not the cache's)
+        found = [*self._select(live, None, None, skip_malformed), *gone]
+        return sorted(found, key=lambda d: self._live_key_of(d.kv.key)), others
 
     def segment_keys(self) -> Snapshot:
         """Every segment key (keys only, paged at one revision; from the segment cache,
@@ -181,17 +311,100 @@ class SegmentMeta:
         items = (listing or self.segment_keys()).items
         return max((kv.mod_revision for kv in items), default=0), len(items)
 
-    def get(self, collection: int, partition: int, segment: int) -> Decoded[SegmentInfo] | None:
-        return self.store.get_model(self.store.keys.segment(collection, partition, segment), SegmentInfo)
+    def dropped_changes_seen(self) -> tuple[int, int]:
+        """`changes_seen` of the dropped family: from the segment cache where the process
+        has one, else from one request whatever the family's size (etcd still reads every
+        value of the range to sort it: 0.25 s at 100,000 keys)."""
+        cache = self.store.segment_cache
+        held = None if cache is None else cache.snapshot(self.dropped_prefix())
+        if held is not None:
+            return self.changes_seen(held)
+        return self.store.newest_and_count(self.dropped_prefix())
+
+    def get(
+        self,
+        collection: int,
+        partition: int,
+        segment: int,
+        include_dropped: bool = False,
+        vchannel: str | None = None,
+    ) -> Decoded[SegmentInfo] | None:
+        """The segment's live record (a Dropped one left in the live family by an older
+        version counts as dropped); with `include_dropped`, its dropped record when it has
+        no live one: one read with its `vchannel`, else found among the keys of the
+        collection's dropped records (keys only)."""
+        found = self.store.get_model(self.store.keys.segment(collection, partition, segment), SegmentInfo)
+        if found is not None and (include_dropped or found.model.state is not SegmentState.DROPPED):
+            return found
+        if not include_dropped:
+            return None
+        family = self.store.keys.dropped_segment
+        if vchannel is not None:
+            return self.store.get_model(family(collection, vchannel, partition, segment), SegmentInfo)
+        tail = f"/{partition}/{segment}"
+        keys = self.store.list_prefix(family.under(collection), keys_only=True).items
+        key = next((kv.key for kv in keys if kv.key.endswith(tail)), None)
+        return None if key is None else self.store.get_model(key, SegmentInfo)
 
     def swap(self, expected_version: int, new: SegmentInfo) -> Decoded[SegmentInfo]:
-        """Write `new` if its key still has `expected_version` (0: absent, then created with
-        its index entry), and return it as written; CasConflictError naming the key and both
-        versions otherwise."""
+        """Write `new` if its live key still has `expected_version` (0: absent, then
+        created with its index entry), and return it as written; CasConflictError naming
+        the key and both versions otherwise. A Dropped `new` is moved to the dropped family
+        in the same transaction (its live key and index entry deleted)."""
         if expected_version == 0:
             return self.create(new)
+        if new.state is SegmentState.DROPPED:
+            written = self.store.move(
+                self.key(new), expected_version, self.dropped_key(new), new, [self.index_key(new)]
+            )
+            return Decoded(new, written)
         written = self.store.swap(self.key(new), expected_version, new)
         return Decoded(new, written)
+
+    # --- Dropped segments an older version left in the live family ----------------------
+
+    def move_dropped(self, found: Sequence[Decoded[SegmentInfo]]) -> int:
+        """The Dropped records of `found` (a listing) still in the live family moved to the
+        dropped family, MOVE_BATCH a transaction (fewer when etcd refuses a batch as too
+        large), each guarded on the version listed; returns how many were moved. A record
+        changed or gone since the listing is left for the next pass. Killed anywhere, it is
+        run again: what was moved is not in the live family any more."""
+        rest = [
+            d for d in found if d.model.state is SegmentState.DROPPED and not self.is_dropped_key(d.kv.key)
+        ]
+        moved, size = 0, MOVE_BATCH
+        while rest:
+            batch = rest[:size]
+            puts: dict[str, Value] = {}
+            deletes: builtins.list[str] = []
+            for d in batch:
+                puts[self.dropped_key(d.model)] = d.model
+                deletes += [d.kv.key, self.index_key(d.model)]
+            try:
+                done = self.store.txn({d.kv.key: d.kv.version for d in batch}, puts, deletes)
+            except MetaError as exc:
+                if not (too_many_ops(exc) or isinstance(exc, TransactionTooLargeError)) or size == 1:
+                    raise
+                size = max(1, size // 2)
+                continue
+            if done is None:  # one changed meanwhile: the batch one by one, the changed left
+                moved += sum(self._move_one(d) for d in batch)
+            else:
+                moved += len(batch)
+            rest = rest[len(batch) :]
+            failpoint("move_dropped")
+        if moved:
+            log.info("moved %d Dropped segments an older version left in %s", moved, self.prefix())
+        return moved
+
+    def _move_one(self, d: Decoded[SegmentInfo]) -> bool:
+        try:
+            self.store.move(
+                d.kv.key, d.kv.version, self.dropped_key(d.model), d.model, [self.index_key(d.model)]
+            )
+        except CasConflictError:
+            return False
+        return True
 
     # --- the per-vchannel index: its mark and its backfill ------------------------------
 
@@ -354,6 +567,14 @@ class SegmentMeta:
             if (vchannel is None or d.model.vchannel == vchannel)
             and (states is None or d.model.state in states)
         ]
+
+
+def _range(family: KeyFamily, collection: int | None, partition: int | None) -> str:
+    if partition is not None:
+        if collection is None:
+            raise TypeError("a partition's segments are listed with its collection")
+        return family.under(collection, partition)
+    return family.prefix if collection is None else family.under(collection)
 
 
 def _repaired(added: int, removed: int) -> tuple[int, int]:

@@ -426,6 +426,10 @@ class MetaStore:
         found, _ = self._walk(prefixes, keys_only=keys_only)
         return found
 
+    def list_prefixes_at(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
+        """`list_prefixes`, and the revision they were read at (to watch from the next)."""
+        return self._walk(prefixes)
+
     def _walk(
         self, prefixes: Sequence[str], revision: int | None = None, keys_only: bool = False
     ) -> tuple[list[list[KeyValue]], int]:
@@ -487,6 +491,22 @@ class MetaStore:
                     raise
                 limit //= 2
                 log.warning("a page of %s over the receive limit: reading %s keys a page", prefix, limit)
+
+    def newest_and_count(self, prefix: str) -> tuple[int, int]:
+        """(the highest mod revision, how many keys) under `prefix`, from one range
+        request of one key, keys only (etcd counts the whole range): it moves whenever a key
+        under it is put or deleted, whatever their number."""
+        start = etcd3.utils.to_bytes(prefix)
+        with self._call(f"count {prefix}"):
+            resp = self.client.get_range_response(
+                start,
+                etcd3.utils.prefix_range_end(start),
+                sort_order="descend",
+                sort_target="mod",
+                limit=1,
+                keys_only=True,
+            )
+        return (int(resp.kvs[0].mod_revision) if resp.kvs else 0), int(resp.count)
 
     def list_models(
         self, prefix: str, model: type[M], skip_malformed: bool = False
@@ -564,15 +584,55 @@ class MetaStore:
         return _txn_revision(responses)
 
     def swap(
-        self, key: str, expected_version: int, value: Value, also: Mapping[str, Value] | None = None
+        self,
+        key: str,
+        expected_version: int,
+        value: Value,
+        also: Mapping[str, Value] | None = None,
+        absent: Sequence[str] = (),
     ) -> KeyValue:
         """`cas` of a put that returns the key as written (its version, revisions and
-        value), read in the same transaction; `also` is put with it."""
+        value), read in the same transaction; `also` is put with it. Each key of `absent`
+        must not exist either (CasConflictError naming `key` and its version otherwise)."""
+        tx = self.client.transactions
+        compare = [tx.version(k) == 0 for k in absent]
+        return self._swap_and_read(
+            f"compare-and-swap {key}",
+            key,
+            expected_version,
+            compare,
+            tx.get(key),
+            {key: value, **(also or {})},
+        )
+
+    def move(
+        self, key: str, expected_version: int, to: str, value: Value, deletes: Sequence[str] = ()
+    ) -> KeyValue:
+        """`key` deleted (with `deletes`) and `value` put at `to` in one transaction, only
+        if `key` still has `expected_version`; returns `to` as written, read in the same
+        transaction. CasConflictError naming `key` and the version found otherwise."""
+        tx = self.client.transactions
+        return self._swap_and_read(
+            f"move {key} to {to}", key, expected_version, [], tx.get(to), {to: value}, [key, *deletes]
+        )
+
+    def _swap_and_read(
+        self,
+        what: str,
+        key: str,
+        expected_version: int,
+        compare: list[Any],
+        read: Any,
+        puts: Mapping[str, Value],
+        deletes: Sequence[str] = (),
+    ) -> KeyValue:
+        """`puts` and `deletes` if `key` has `expected_version` (and `compare` holds), and
+        `read` in the same transaction: the key it reads as written."""
         tx = self.client.transactions
         ok, responses = self._transaction(
-            f"compare-and-swap {key}",
-            [tx.version(key) == expected_version],
-            [*_write_ops(tx, {key: value, **(also or {})}, ()), tx.get(key)],
+            what,
+            [tx.version(key) == expected_version, *compare],
+            [*_write_ops(tx, puts, deletes), read],
             [tx.get(key)],
         )
         found = [_range_kv(r) for r in responses if isinstance(r, list)]
@@ -580,7 +640,7 @@ class MetaStore:
             raise CasConflictError(key, expected_version, found[0].version if found[0] else 0)
         written = found[0]
         if written is None:
-            raise MetaError(f"compare-and-swap {key} committed, but its read found no key")
+            raise MetaError(f"{what} committed, but its read found no key")
         return written
 
     def try_swap(self, key: str, expected_version: int, value: Value) -> tuple[bool, KeyValue | None]:

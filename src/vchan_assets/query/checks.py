@@ -82,8 +82,9 @@ def view_figures(view: QueryView, now: float) -> dict[str, int | float]:
 
 def view_revisions(store: MetaStore) -> dict[str, tuple[int, int]]:
     """Vchannel -> (newest etcd revision, count) of its segment meta, one listing for every
-    collection: any change of a vchannel's view changes its pair."""
-    found = SegmentMeta(store).list(skip_malformed=True)
+    collection: any change of a vchannel's view changes its pair (Dropped segments included:
+    a view serves some of them)."""
+    found = SegmentMeta(store).list(skip_malformed=True, include_dropped=True)
     out: dict[str, tuple[int, int]] = defaultdict(lambda: (0, 0))
     for d in found:
         newest, count = out[d.model.vchannel]

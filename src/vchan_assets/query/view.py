@@ -234,10 +234,16 @@ def _earliest_position(segments: Sequence[SegmentInfo]) -> MsgPosition | None:
 # --- reading the view from etcd ----------------------------------------------------------------
 
 
-def collection_segments(store: MetaStore, collection_id: int) -> list[SegmentInfo]:
-    """Every segment of a collection, in any state, in key order (a malformed value is
-    logged and skipped: a reader goes on past it)."""
-    found = SegmentMeta(store).list(collection_id, skip_malformed=True)
+def collection_segments(
+    store: MetaStore, collection_id: int, vchannel: str | None = None
+) -> list[SegmentInfo]:
+    """Every segment of a collection, or of one of its vchannels (read through that
+    vchannel's index and dropped records: none of the other vchannels' values), in any
+    state (Dropped ones included), in key order (a malformed value is logged and skipped: a
+    reader goes on past it)."""
+    found = SegmentMeta(store).list(
+        collection_id, vchannel=vchannel, skip_malformed=True, include_dropped=True
+    )
     return [d.model for d in found]
 
 
@@ -264,13 +270,14 @@ def read_query_view(
     ready: Ready | None = None,
 ) -> QueryView:
     """The query view of one vchannel of the collection, from etcd: its checkpoint, and
-    the collection's segments (`segments` when the caller has listed them already, then
-    with `checkpoints` it read before: `read_checkpoints`). `ready`: `index_ready` of the
-    read's time (default: now)."""
+    its segments (the vchannel's only: a view of one vchannel of a collection of 100,000
+    segments reads its own), or `segments` when the caller has listed the collection's
+    already, then with `checkpoints` it read before: `read_checkpoints`. `ready`:
+    `index_ready` of the read's time (default: now)."""
     if checkpoints is None or vchannel not in checkpoints:
         checkpoints = read_checkpoints(store, [vchannel])
     if segments is None:
-        segments = collection_segments(store, info.id)
+        segments = collection_segments(store, info.id, vchannel)
     if ready is None:
         ready = index_ready(store, info.id)
     return query_view(segments, vchannel, checkpoints[vchannel], start_position(info, vchannel), ready)

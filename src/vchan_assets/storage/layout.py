@@ -1,25 +1,26 @@
 """Binlog and index file layout (docs/architecture.md, "Binlogs"); keys are relative to the
-storage root."""
+storage root. The binlog keys are declared in `model`, whose segment records derive their
+paths from them."""
 
 from __future__ import annotations
 
-INSERT_LOG = "insert_log"
-DELTA_LOG = "delta_log"
-STATS_LOG = "stats_log"
+from vchan_assets.model import DELTA_LOG, INSERT_LOG, STATS_LOG, delta_log_key, insert_log_key, stats_log_key
+
+__all__ = [
+    "BINLOG_ROOTS",
+    "DELTA_LOG",
+    "INDEX_FILES",
+    "INSERT_LOG",
+    "STATS_LOG",
+    "delta_log_key",
+    "index_file_key",
+    "insert_log_key",
+    "segment_of",
+    "stats_log_key",
+]
+
 BINLOG_ROOTS = (INSERT_LOG, DELTA_LOG, STATS_LOG)
 INDEX_FILES = "index_files"
-
-
-def insert_log_key(collection_id: int, partition_id: int, segment_id: int, group: int, log_id: int) -> str:
-    return f"{INSERT_LOG}/{collection_id}/{partition_id}/{segment_id}/{group}/{log_id}.parquet"
-
-
-def delta_log_key(collection_id: int, partition_id: int, segment_id: int, log_id: int) -> str:
-    return f"{DELTA_LOG}/{collection_id}/{partition_id}/{segment_id}/{log_id}.parquet"
-
-
-def stats_log_key(collection_id: int, partition_id: int, segment_id: int, log_id: int) -> str:
-    return f"{STATS_LOG}/{collection_id}/{partition_id}/{segment_id}/{log_id}"
 
 
 def index_file_key(build_id: int, version: int, name: str) -> str:

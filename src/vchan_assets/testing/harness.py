@@ -342,7 +342,8 @@ def produce(
 
 
 def segments(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
-    found = SegmentMeta(store).list(info.id)
+    """Every segment of `info`, the Dropped ones GC has not deleted yet included."""
+    found = SegmentMeta(store).list(info.id, include_dropped=True)
     return [d.model for d in found]
 
 

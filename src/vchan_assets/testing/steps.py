@@ -237,10 +237,10 @@ def write_twice(store: MetaStore, seg: SegmentInfo) -> SegmentInfo:
 
 def drop_without_copy(store: MetaStore, seg: SegmentInfo) -> None:
     """`seg` Dropped with nothing compacted from it: its rows (or deletes) are gone."""
-    key = store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
-    found = store.get_model(key, SegmentInfo)
+    door = SegmentMeta(store)
+    found = door.get(seg.collection_id, seg.partition_id, seg.id)
     assert found is not None
-    store.cas(key, found.kv.version, found.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))
+    door.swap(found.kv.version, found.model.with_changes(state=SegmentState.DROPPED, dropped_at=1.0))
 
 
 def run_vchan(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -45,7 +45,7 @@ class CoordinatorCursor(SensorCursor, afresh="campaigning afresh"):
     lease_id: int = 0
     create_revision: int = 0
     last_reload: float = 0.0
-    seen: tuple[int, int] = (0, 0)
+    seen: tuple[int, ...] = ()  # DataCoordinator.seen
 
     def term(self, key: str) -> Term | None:
         if not (self.lease_id and self.create_revision):
