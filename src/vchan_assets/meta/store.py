@@ -216,6 +216,11 @@ class SegmentCopy(Protocol):
     def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
         """`snapshot(prefix)` decoded, or None as `snapshot` (the list must not be changed)."""
 
+    def decoded_many(
+        self, prefixes: Sequence[str], skip_malformed: bool
+    ) -> list[list[Decoded[SegmentInfo]]] | None:
+        """`decoded` of each of `prefixes`, all from one state of the copy, or None."""
+
 
 class MetaStore:
     """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions.
