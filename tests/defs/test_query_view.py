@@ -146,6 +146,33 @@ def test_the_sensor_requests_one_view_run_for_the_vchannels_whose_segment_meta_c
     assert changed.run_key != request.run_key
 
 
+def test_the_vchannels_of_a_failed_view_run_are_asked_for_again_up_to_twice(
+    system: System, instance: dg.DagsterInstance, vchan: VchanResource, producer: Producer
+) -> None:
+    """A view run that failed without a change of its vchannels (run monitoring failed it:
+    its process had not started in time) is asked for again (it was not: the cursor had
+    moved past them, so a quiet vchannel's view stayed unmaterialized until it changed);
+    after two retries of the same state, no more."""
+    info = producer.create_collection(f"c{uuid.uuid4().hex[:8]}", SCHEMA, num_channels=1)
+    instance.add_dynamic_partitions("vchannels", list(info.vchannels))
+    produce(producer, info.name, Produced(), 10, start_pk=0)
+    sync_all(system, info)
+    cursor, keys = None, []
+    for _ in range(3):
+        result = evaluate(query_view_sensor, instance, vchan, cursor=cursor)
+        [request] = result.run_requests or []
+        assert _views(request) == list(info.vchannels)
+        keys.append(request.run_key)
+        cursor = result.cursor
+        run = instance.create_run_for_job(
+            query_view_job,
+            run_config=request.run_config,
+            tags={**request.tags, "dagster/run_key": request.run_key},
+        )
+        instance.report_run_failed(run, "the run's process did not start within 60 s")
+    assert len(set(keys[:2])) == 2 and keys[2] in keys[1:]  # asked again once, twice, then no new key
+
+
 def test_a_view_run_reports_the_view_of_each_vchannel_as_its_partition_with_its_checks(
     instance: dg.DagsterInstance, vchan: VchanResource, flushed_once: CollectionInfo
 ) -> None:

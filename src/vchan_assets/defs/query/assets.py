@@ -149,17 +149,31 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
     """One view run for the vchannels whose segment meta changed since the sensor last asked
     for their view (the cursor: each vchannel's newest revision and count of segment meta),
     none while a view run is queued or running: the view runs grow with time (one per
-    VIEW_SENSOR_INTERVAL at most), not with the sync rate or the number of vchannels."""
-    if context.instance.get_runs_count(dg.RunsFilter(job_name=query_view_job.name, statuses=IN_FLIGHT)):
+    VIEW_SENSOR_INTERVAL at most), not with the sync rate or the number of vchannels. The
+    vchannels of a view run that failed (its process never started in time on a loaded
+    machine, or a view could not be read) are asked for again, up to twice for one state."""
+    instance = context.instance
+    if instance.get_runs_count(dg.RunsFilter(job_name=query_view_job.name, statuses=IN_FLIGHT)):
         return dg.SensorResult(skip_reason="a view run is queued or running")
     seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
+    for v in _last_failed_views(instance):
+        seen.pop(v, None)
     with vchan.open() as runtime:
         changed = view_revisions(runtime.store)
         live = set(runtime.vchannels())
-    known = set(context.instance.get_dynamic_partitions(VCHANNELS)) & live
+    known = set(instance.get_dynamic_partitions(VCHANNELS)) & live
     now = {v: f"{revision}-{count}" for v, (revision, count) in changed.items() if v in known}
     due = {v: stamp for v, stamp in now.items() if seen.get(v) != stamp}
     if not due:
         return dg.SensorResult(skip_reason="no vchannel whose segments changed", cursor=json.dumps(now))
-    request = vchannels_run_request(query_views.name, due, VIEW_RUN_TAGS)
+    request = vchannels_run_request(query_views.name, due, VIEW_RUN_TAGS, instance=instance)
     return dg.SensorResult(run_requests=[request], cursor=json.dumps(now))
+
+
+def _last_failed_views(instance: dg.DagsterInstance) -> list[str]:
+    """The vchannels of the newest view run, if it failed."""
+    last = instance.get_run_records(dg.RunsFilter(job_name=query_view_job.name), limit=1)
+    if not last or last[0].dagster_run.status is not dg.DagsterRunStatus.FAILURE:
+        return []
+    config = (last[0].dagster_run.run_config or {}).get("ops", {}).get(query_views.name, {})
+    return list(config.get("config", {}).get("vchannels", []))
