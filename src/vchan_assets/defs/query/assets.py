@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
 
@@ -175,5 +176,5 @@ def _last_failed_views(instance: dg.DagsterInstance) -> list[str]:
     last = instance.get_run_records(dg.RunsFilter(job_name=query_view_job.name), limit=1)
     if not last or last[0].dagster_run.status is not dg.DagsterRunStatus.FAILURE:
         return []
-    config = (last[0].dagster_run.run_config or {}).get("ops", {}).get(query_views.name, {})
-    return list(config.get("config", {}).get("vchannels", []))
+    config: Any = last[0].dagster_run.run_config or {}  # (as vchannels_run_request wrote it)
+    return list(config.get("ops", {}).get(query_views.name, {}).get("config", {}).get("vchannels", []))
