@@ -81,6 +81,11 @@ def test_a_cached_listing_is_what_etcd_lists_after_every_change_another_client_c
         same()
     etcd.create(flushed_segment(info, one, 9_999))
     same()
+    # a Dropped record in the live family, as a version before the dropped family left it
+    legacy = flushed_segment(info, one, 9_998).with_changes(state=SegmentState.DROPPED, dropped_at=1.0)
+    store.put(store.keys.segment(info.id, legacy.partition_id, legacy.id), legacy)
+    same()
+    assert 9_998 in {d.model.id for d in door.list(info.id, include_dropped=True)}
 
     reads = cached.keys_read
     for _ in range(5):

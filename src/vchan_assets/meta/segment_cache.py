@@ -51,7 +51,7 @@ from vchan_assets.config import Settings
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
 from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason, kv_of
-from vchan_assets.model import SegmentInfo
+from vchan_assets.model import SegmentInfo, SegmentState
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class SegmentCache:
         # since (moved into both at the next read)
         self._aligned: list[Decoded[SegmentInfo] | None] = []
         self._malformed: set[str] = set()  # keys whose record in `_aligned` is None
+        # live-family keys whose record is Dropped (an older version left it there)
+        self._unmoved: set[str] = set()
         self._changed: set[str] = set()
         self._following = False  # the stream is open and the copy current up to it
         self._created = 0  # watches of the stream etcd confirmed
@@ -145,19 +147,22 @@ class SegmentCache:
             first, last = self._bounds(keys, prefix)
             return Snapshot([self._kvs[k] for k in keys[first:last]], self._revision)
 
-    def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
+    def decoded(
+        self, prefix: str, skip_malformed: bool, live_only: bool = False
+    ) -> list[Decoded[SegmentInfo]] | None:
         """The records under `prefix` in key order, as fresh as `snapshot` (None as it); a
         malformed value raises naming its key, or is logged, counted and left out
-        (`MetaStore.decode_models`' policy)."""
-        found = self.decoded_many([prefix], skip_malformed)
+        (`MetaStore.decode_models`' policy). `live_only`: a Dropped record an older version
+        left in the live family is left out (no pass over the others when there is none)."""
+        found = self.decoded_many([prefix], skip_malformed, live_only)
         return None if found is None else found[0]
 
     def decoded_many(
-        self, prefixes: Sequence[str], skip_malformed: bool
+        self, prefixes: Sequence[str], skip_malformed: bool, live_only: bool = False
     ) -> list[list[Decoded[SegmentInfo]]] | None:
         """The records under each of `prefixes` (each list in key order), all of one state
         of the copy (a segment being moved from the live family to the dropped one is in
-        exactly one of them), as fresh as `snapshot` (None as it)."""
+        exactly one of them), as fresh as `snapshot` (None as it); `live_only` as `decoded`."""
         if not self._fresh():
             return None
         malformed: list[KeyValue] = []
@@ -166,7 +171,10 @@ class SegmentCache:
             found = []
             for prefix in prefixes:
                 first, last = self._bounds(keys, prefix)
-                found.append(aligned[first:last])
+                part = aligned[first:last]
+                if live_only and self._unmoved:
+                    part = [d for d in part if d is None or d.kv.key not in self._unmoved]
+                found.append(part)
                 if self._malformed:
                     malformed += [self._kvs[keys[i]] for i in range(first, last) if aligned[i] is None]
         if not malformed:
@@ -190,6 +198,7 @@ class SegmentCache:
             keys = self._sorted = sorted(self._kvs)
             self._aligned = [self._record(self._kvs[k]) for k in keys]
             self._malformed = {k for k, d in zip(keys, self._aligned, strict=True) if d is None}
+            self._unmoved = {k for k, d in zip(keys, self._aligned, strict=True) if self._is_unmoved(k, d)}
             self._changed.clear()
             return keys, self._aligned
         keys, aligned = self._sorted, self._aligned
@@ -201,6 +210,7 @@ class SegmentCache:
                 if held:
                     del keys[i], aligned[i]
                 self._malformed.discard(key)
+                self._unmoved.discard(key)
                 continue
             record = self._record(kv)
             if held:
@@ -212,8 +222,18 @@ class SegmentCache:
                 self._malformed.add(key)
             else:
                 self._malformed.discard(key)
+            if self._is_unmoved(key, record):
+                self._unmoved.add(key)
+            else:
+                self._unmoved.discard(key)
         self._changed.clear()
         return keys, aligned
+
+    def _is_unmoved(self, key: str, record: Decoded[SegmentInfo] | None) -> bool:
+        """A Dropped record in the live family (left there by an older version)."""
+        return (
+            record is not None and record.model.state is SegmentState.DROPPED and key.startswith(self.prefix)
+        )
 
     def _record(self, kv: KeyValue) -> Decoded[SegmentInfo] | None:
         """`kv` decoded (once per version), None if malformed."""

@@ -46,6 +46,7 @@ policy for malformed values live in one place:
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import logging
 import time
@@ -184,8 +185,7 @@ class SegmentMeta:
         dropped family at the revision of the live listing (a segment being moved is
         listed once), in the order of their live keys."""
         if not include_dropped:
-            found = self._live_models(collection, vchannel, partition, states, skip_malformed)
-            return [d for d in found if d.model.state is not SegmentState.DROPPED]
+            return self._live_models(collection, vchannel, partition, states, skip_malformed)
         prefix = self.dropped_prefix(collection, vchannel if collection is not None else None)
         cache = self.store.segment_cache
         both = (
@@ -197,8 +197,7 @@ class SegmentMeta:
             held, gone = both
             if partition is not None:
                 gone = [d for d in gone if d.model.partition_id == partition]
-            found = [*self._filter(held, vchannel, states), *self._filter(gone, vchannel, states)]
-            return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
+            return self._merged(self._filter(held, vchannel, states), self._filter(gone, vchannel, states))
         live = self._live(collection, vchannel, partition)
         try:
             dropped = self.store.list_prefix(prefix, revision=live.revision).items
@@ -208,11 +207,29 @@ class SegmentMeta:
         gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)
         if partition is not None:
             gone = [d for d in gone if d.model.partition_id == partition]
-        found = [
-            *self._select(live.items, vchannel, states, skip_malformed),
-            *self._filter(gone, vchannel, states),
-        ]
-        return sorted(found, key=lambda d: self._live_key_of(d.kv.key))
+        return self._merged(
+            self._select(live.items, vchannel, states, skip_malformed), self._filter(gone, vchannel, states)
+        )
+
+    def _merged(
+        self, live: builtins.list[Decoded[SegmentInfo]], gone: builtins.list[Decoded[SegmentInfo]]
+    ) -> builtins.list[Decoded[SegmentInfo]]:
+        """`live` (in key order) with the dropped records `gone` put in the order of their
+        live keys: a bisection each, not a sort of the whole listing (at 100,000 live
+        segments a sort by live key cost the DataCoord's reload 0.1 s of its step)."""
+        if not gone:
+            return live
+        keyed = sorted(((self._live_key_of(d.kv.key), d) for d in gone), key=lambda pair: pair[0])
+        keys = [d.kv.key for d in live]
+        merged: builtins.list[Decoded[SegmentInfo]] = []
+        done = 0
+        for key, d in keyed:
+            at = bisect.bisect_left(keys, key, done)
+            merged += live[done:at]
+            merged.append(d)
+            done = at
+        merged += live[done:]
+        return merged
 
     def _live_models(
         self,
@@ -223,14 +240,17 @@ class SegmentMeta:
         skip_malformed: bool,
     ) -> builtins.list[Decoded[SegmentInfo]]:
         """The segments of the live family, decoded (by the segment cache where the process
-        has one: a prefix listed again while nothing changed is not decoded again)."""
+        has one: a prefix listed again while nothing changed is not decoded again), without
+        the Dropped records an older version left there."""
         cache = self.store.segment_cache
-        decoded = None if cache is None else cache.decoded(self.prefix(collection, partition), skip_malformed)
+        prefix = self.prefix(collection, partition)
+        decoded = None if cache is None else cache.decoded(prefix, skip_malformed, live_only=True)
         if decoded is not None:
             return self._filter(decoded, vchannel, states)
-        return self._select(
+        found = self._select(
             self._live(collection, vchannel, partition).items, vchannel, states, skip_malformed
         )
+        return [d for d in found if d.model.state is not SegmentState.DROPPED]
 
     def _live(self, collection: int | None, vchannel: str | None, partition: int | None) -> Snapshot:
         """The keys of the live family (from the segment cache where the process has one)."""

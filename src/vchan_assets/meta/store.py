@@ -213,11 +213,14 @@ class SegmentCopy(Protocol):
     def models(self, items: Sequence[KeyValue], skip_malformed: bool) -> list[Decoded[SegmentInfo]]:
         """`items` decoded (each version once)."""
 
-    def decoded(self, prefix: str, skip_malformed: bool) -> list[Decoded[SegmentInfo]] | None:
-        """`snapshot(prefix)` decoded, or None as `snapshot` (the list must not be changed)."""
+    def decoded(
+        self, prefix: str, skip_malformed: bool, live_only: bool = False
+    ) -> list[Decoded[SegmentInfo]] | None:
+        """`snapshot(prefix)` decoded, or None as `snapshot` (the list must not be changed);
+        `live_only`: without the Dropped records an older version left in the live family."""
 
     def decoded_many(
-        self, prefixes: Sequence[str], skip_malformed: bool
+        self, prefixes: Sequence[str], skip_malformed: bool, live_only: bool = False
     ) -> list[list[Decoded[SegmentInfo]]] | None:
         """`decoded` of each of `prefixes`, all from one state of the copy, or None."""
 
