@@ -182,14 +182,22 @@ def test_the_standby_finishes_the_builds_of_a_datacoord_that_froze_with_them_in_
 ) -> None:
     data = indexed_collection(system, producer)
     with frozen_at_commit(system, tmp_path) as first:
+        # What the frozen one had started (its first round took both builds, or one when
+        # the task budget left on a loaded machine admitted one: then the other is not
+        # in flight, and the standby builds it first, at version 1)
+        frozen = {
+            b.build_id: b.version for b in builds(system, data) if b.state is SegmentIndexState.IN_PROGRESS
+        }
+        assert frozen, "no build in flight at the frozen commit"
         with datacoord(system) as standby:
             # The frozen one's session lease lapses; the standby wins the election, takes its
             # tasks (their worker's term ended) and builds them again under a new version.
             wait_for(standby, all_done(system, data), "finished by the standby")
         first.kill()  # never resumed: its commit never happens
         first.wait()
-    done = builds(system, data)
-    assert {b.version for b in done} == {2} and all(system.storage.exists(b.files[0]) for b in done)
+    done = {b.build_id: b for b in builds(system, data)}
+    assert all(done[i].version == v + 1 for i, v in frozen.items()), "built again under a new version"
+    assert len(done) == 2 and all(system.storage.exists(b.files[0]) for b in done.values())
 
 
 def test_drop_index_during_a_build_is_not_undone_by_its_commit_and_gc_removes_its_files(
