@@ -20,22 +20,18 @@ class VchannelsConfig(dg.Config):
 
 
 def vchannels_run_request(
-    op: str,
-    stamps: Mapping[str, object],
-    tags: Mapping[str, str] | None = None,
-    instance: dg.DagsterInstance | None = None,
+    instance: dg.DagsterInstance, op: str, stamps: Mapping[str, object], tags: Mapping[str, str] | None = None
 ) -> dg.RunRequest:
     """A request for a run of the one-op job `op` over the vchannels of `stamps` (each with
     what the sensor saw of it: a revision, a newest segment). The run key is derived from the
-    stamps: the same vchannels in the same state are asked for once. A run that failed is not
-    repeated until one of them changes, unless `instance` is given: then it is asked for
-    again up to twice (`retry_key`), for failures that changed nothing a sensor sees (a run
-    whose process never started in time, or died)."""
+    stamps: the same vchannels in the same state are asked for once; a run that failed is
+    asked for again up to twice (`retry_key`), for failures that changed nothing a sensor
+    sees (a run whose process never started in time, or died)."""
     due = sorted(stamps)
     digest = hashlib.sha1(json.dumps({v: stamps[v] for v in due}).encode()).hexdigest()[:16]
     key = f"{op}-{digest}"
     return dg.RunRequest(
-        run_key=retry_key(instance, key) if instance is not None else key,
+        run_key=retry_key(instance, key),
         run_config=dg.RunConfig(ops={op: VchannelsConfig(vchannels=due)}),
         tags=dict(tags or {}),
     )

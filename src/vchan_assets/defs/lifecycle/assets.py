@@ -213,9 +213,7 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
         return dg.SensorResult(
             skip_reason="no newly flushed segment waits for its sort (or their tasks wait for their next try)"
         )
-    return dg.SensorResult(
-        run_requests=[vchannels_run_request(sort_segments.name, stamps, instance=context.instance)]
-    )
+    return dg.SensorResult(run_requests=[vchannels_run_request(context.instance, sort_segments.name, stamps)])
 
 
 @dg.multi_asset(

@@ -167,7 +167,7 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
     due = {v: stamp for v, stamp in now.items() if seen.get(v) != stamp}
     if not due:
         return dg.SensorResult(skip_reason="no vchannel whose segments changed", cursor=json.dumps(now))
-    request = vchannels_run_request(query_views.name, due, VIEW_RUN_TAGS, instance=instance)
+    request = vchannels_run_request(instance, query_views.name, due, VIEW_RUN_TAGS)
     return dg.SensorResult(run_requests=[request], cursor=json.dumps(now))
 
 
