@@ -149,11 +149,13 @@ def test_a_datanode_on_a_standalone_master_runs_its_tasks_in_both_workers_python
     spark_cluster.kill_worker(victim.index)  # the worker, its executor and Python workers
 
     wait_until(lambda: all_synced(store, storage, [info2]), PATIENCE, "the retried sync committed")
+    (vchannel,) = info2.vchannels
+    # The node logs a sync just after its commit: on a loaded machine the commit can be seen first.
+    wait_until(lambda: f"synced {vchannel} " in node.log(), PATIENCE, "the node logged the retried sync")
     log = node.log()
     assert "Lost executor" in log, log[-3000:]  # the driver saw the worker's executor die
     # Spark re-ran the lost task on the other worker (a lost worker is not the task's
     # failure), or the job failed and the node's next sync retried it: one commit either way.
-    (vchannel,) = info2.vchannels
     assert log.count(f"synced {vchannel} ") == 1, log[-3000:]
     assert_exactly_once(store, storage, info2, produced2)
     checkpoint = store.get(store.keys.channel_checkpoint(vchannel))
