@@ -306,7 +306,14 @@ def test_sigterm_releases_a_nodes_channels_and_hands_over_the_coordinator_at_onc
         "the stopped node's channels moved without waiting for its TTL",
     )
     assert first_coord.terminate() == 0
-    wait_until(lambda: "won the election" in second_coord.log(), 10, "the standby took over at once")
+    wait_until(
+        lambda: "won the election" in second_coord.log(),
+        10,
+        "the standby took over at once",
+        describe=lambda: (
+            f"the leader's log ends: {first_coord.log()[-1500:]}; the standby's: {second_coord.log()[-1500:]}"
+        ),
+    )
     storage = Storage.from_settings(cluster.settings)
     wait_until(lambda: all_synced(store, storage, infos), 30, "every channel synced")
     assert_exactly_once(store, storage, infos[0], produced)

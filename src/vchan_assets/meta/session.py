@@ -302,6 +302,7 @@ class Election:
         self._session: Session | None = None
         self._resigned = threading.Event()
         self._changed = threading.Event()  # the key changed (watch), or resign()
+        self._resigning = threading.Lock()  # a resign returns once the seat is free
 
     @property
     def is_leader(self) -> bool:
@@ -371,12 +372,14 @@ class Election:
 
     def resign(self) -> None:
         """Give up leadership (revoke the session: a standby takes over at once), or stop
-        campaigning."""
+        campaigning. A resign called while another is revoking returns when that one has:
+        a process that exits after its resign never leaves its key to the TTL."""
         self._resigned.set()
         self._changed.set()
-        session, self._session = self._session, None
-        if session is not None:
-            session.close()
+        with self._resigning:
+            session, self._session = self._session, None
+            if session is not None:
+                session.close()
 
     def _lost(self) -> None:
         log.error("%s: leadership lost", self.key)
