@@ -65,6 +65,9 @@ with dg.DagsterInstance.ephemeral() as instance:
         raise_on_error=False,
     )
 print("loop run", result.dagster_run.status.value, flush=True)
+# What the interpreter's exit waits for, should it take long (in the test's log on a failure).
+import faulthandler
+faulthandler.dump_traceback_later(15, repeat=True)
 """
 
 
@@ -137,7 +140,11 @@ def test_a_node_whose_loop_run_gets_sigterm_says_stopping_and_leaves_at_once(
             key = store.keys.datanode_session(first.node_id)
             wait_until(lambda: store.get(key) is None, 20, "the node's session is gone")
             gone = time.monotonic() - sent
-            assert proc.wait(timeout=60) == 0
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # the log ends with the stacks its exit waits in
+                raise AssertionError(f"still running 60 s after SIGTERM: {log.read_text()[-8000:]}") from None
+            assert code == 0, log.read_text()[-3000:]
             exited = time.monotonic() - sent
     finally:
         proc.kill()
