@@ -2,6 +2,7 @@
 segment index against the collection's listing filtered (what every sync did before it).
 
     .venv/bin/python -m bench.channel_index [--sizes 1000 20000 100000] [--old-up-to 20000]
+        [--plan-up-to 100000]
 
 A collection of 2 vchannels on a real etcd: vchannel A holds 1 flushed segment of 200 rows
 (synced), vchannel B holds N synthetic flushed segments (realistic values, ~1.9 KB each,
@@ -9,7 +10,13 @@ written straight to etcd with their index entries). For each N, on A:
 
 - its listing, `SegmentMeta(store).list(collection, vchannel=A)`: the keys and bytes etcd
   returned (`MetaStore.keys_read`, `bytes_read`) and the seconds;
-- a sync of 100 new rows (`SyncTask`, engine local): the same figures for the whole sync.
+- a sync of 100 new rows (`SyncTask`, engine local): the same figures for the whole sync;
+- its query view (`read_query_view(store, info, A)`, what the view sensor and a read of one
+  vchannel build): the same figures;
+- through the index only, for N up to `--plan-up-to`: a search's plan of the collection
+  (`meta_at` at a new timestamp: every live segment of both vchannels, the Dropped ones and
+  the index builds, at one revision): the same figures. A search covers every segment of the
+  collection, so this one grows with N.
 
 Both through the index, and for N up to `--old-up-to` through the collection's listing
 (the index's mark removed: how a stack without the index reads). The target:
@@ -31,6 +38,8 @@ from bench import bench_system, write_report
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.query.asof import meta_at, resolve_as_of
+from vchan_assets.query.view import read_query_view
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
 from vchan_assets.testing.steps import sync_all, write_segments
@@ -44,7 +53,7 @@ def measured(store: MetaStore, work: Any) -> tuple[int, int, float]:
     return store.keys_read - keys, store.bytes_read - read, time.perf_counter() - started
 
 
-def one_size(system: System, n: int, old: bool) -> list[dict[str, Any]]:
+def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, Any]]:
     store = system.store
     producer = Producer(system)
     info = producer.create_collection(f"c{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
@@ -72,6 +81,14 @@ def one_size(system: System, n: int, old: bool) -> list[dict[str, Any]]:
         assert lease is not None
         task = SyncTask(system, info, a, lease, engine="local")
         sync = measured(store, task.run)
+        view = measured(store, lambda: read_query_view(store, info, a))
+        planned = (
+            measured(
+                store, lambda: meta_at(store, info, resolve_as_of(store, system.settings, None), builds=True)
+            )
+            if plan and path == "index"
+            else None
+        )
         row = {
             "segments_on_b": n,
             "segment_meta_mib": round(meta_bytes / 2**20, 1),
@@ -82,6 +99,14 @@ def one_size(system: System, n: int, old: bool) -> list[dict[str, Any]]:
             "sync_keys": sync[0],
             "sync_bytes": sync[1],
             "sync_ms": round(sync[2] * 1000, 1),
+            "view_keys": view[0],
+            "view_bytes": view[1],
+            "view_ms": round(view[2] * 1000, 1),
+            **(
+                {"plan_keys": planned[0], "plan_bytes": planned[1], "plan_ms": round(planned[2] * 1000, 1)}
+                if planned
+                else {}
+            ),
             "load_1m": round(os.getloadavg()[0], 1),
         }
         print(f"    {row}", flush=True)
@@ -96,19 +121,26 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 20_000, 100_000])
     parser.add_argument("--old-up-to", type=int, default=20_000, help="the largest N read the old way too")
+    parser.add_argument("--plan-up-to", type=int, default=100_000, help="the largest N a search plans")
     parser.add_argument("--out", default="bench/results/channel_index.json")
     args = parser.parse_args()
     with bench_system("vchan-channel-index-") as (_, opened):
         system = replace(opened, settings=replace(opened.settings, sync_in_process_mb=32.0))
         SegmentMeta(system.store).backfill_channel_index()  # the mark, as a DataCoord's first tick writes it
-        rows = [r for n in args.sizes for r in one_size(system, n, old=n <= args.old_up_to)]
-    index = {r["segments_on_b"]: r["sync_ms"] for r in rows if r["path"] == "index"}
-    smallest, largest = min(index), max(index)
-    ratio = round(index[largest] / index[smallest], 3)
-    print(f"sync of A at {largest:,} / at {smallest:,} segments on B: {ratio}")
-    write_report(
-        args.out, {"rows": rows, "sync_ratio_largest_over_smallest": ratio, "sizes": [smallest, largest]}
-    )
+        rows = [
+            r
+            for n in args.sizes
+            for r in one_size(system, n, old=n <= args.old_up_to, plan=n <= args.plan_up_to)
+        ]
+    by_size = {r["segments_on_b"]: r for r in rows if r["path"] == "index"}
+    smallest, largest = min(by_size), max(by_size)
+    ratios = {
+        f"{what}_ratio_largest_over_smallest": round(by_size[largest][key] / by_size[smallest][key], 3)
+        for what, key in (("sync", "sync_ms"), ("view", "view_ms"), ("plan", "plan_ms"))
+        if key in by_size[largest] and key in by_size[smallest]
+    }
+    print(f"A at {largest:,} / at {smallest:,} segments on B: {ratios}")
+    write_report(args.out, {"rows": rows, **ratios, "sizes": [smallest, largest]})
 
 
 if __name__ == "__main__":
