@@ -13,6 +13,7 @@ from vchan_assets.config import Settings
 from vchan_assets.meta.session import Election
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import NodeSession
+from vchan_assets.testing.waiting import wait_until
 
 from .helpers import ChildNode
 
@@ -140,23 +141,21 @@ def test_standby_takes_over_when_the_leader_process_is_killed(
 
 
 def test_a_resign_that_finds_another_resign_under_way_returns_once_the_seat_is_free(
-    settings: Settings, contenders: Callable[..., Election]
+    store: MetaStore, contenders: Callable[..., Election]
 ) -> None:
     """A stopping DataCoord resigns twice, from its stop thread and from its loop's exit, and
     exits once the loop's resign returns: that resign must not return while the other is still
     revoking the lease, or the process exits first and the standby waits out the TTL (a CI run
     saw the standby wait past 10 s)."""
-    store = MetaStore.connect(settings)
-    try:
-        for _ in range(20):
-            leader = contenders(1)
-            assert leader.try_acquire()
-            first = threading.Thread(target=leader.resign)
-            first.start()
-            while leader.session is not None:  # the first resign took the session: it is closing it
-                time.sleep(0)
-            leader.resign()
-            assert store.get(leader.key) is None, "resign returned with the leader's key still in etcd"
-            first.join()
-    finally:
-        store.close()
+    for _ in range(20):
+        leader = contenders(1)
+        assert leader.try_acquire()
+        first = threading.Thread(target=leader.resign)
+        first.start()
+        # Polled without sleeping: the first resign's revoke takes milliseconds.
+        wait_until(
+            lambda leader=leader: leader.session is None, 5, "the first resign took the session", interval=0
+        )
+        leader.resign()
+        assert store.get(leader.key) is None, "resign returned with the leader's key still in etcd"
+        first.join()
