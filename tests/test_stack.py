@@ -16,6 +16,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
+from vchan_assets.deploy.processes import command_line
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
@@ -50,6 +51,36 @@ def test_embedded_etcd_starts_healthy_and_a_second_start_reuses_it(tmp_path: Pat
         first.stop()
     assert _wait_dead(pid)
     assert not (tmp_path / "etcd" / "server.json").exists()
+
+
+@pytest.mark.integration
+def test_only_the_tests_etcd_skips_fsync_and_a_kill_9_of_it_loses_nothing(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """The tests' etcd servers run with --unsafe-no-fsync; an EmbeddedEtcd as `vchan up`
+    starts it (the default) fsyncs. A kill -9 of a server that skips fsync keeps every
+    acknowledged write (the page cache holds it): what the tests that kill etcd rely on."""
+    assert etcd.pid is not None and "--unsafe-no-fsync" in command_line(etcd.pid).split(" ")
+    fsyncing = EmbeddedEtcd(tmp_path / "fsyncing").start()
+    try:
+        assert fsyncing.pid is not None and "--unsafe-no-fsync" not in command_line(fsyncing.pid)
+    finally:
+        fsyncing.stop()
+    server = EmbeddedEtcd(tmp_path / "etcd", unsafe_no_fsync=True).start()
+    try:
+        store = MetaStore.connect(Settings(), [server.endpoint])
+        for i in range(50):
+            store.put(f"vchan/kept/{i}", str(i).encode())
+        store.close()
+        server.kill()
+        server.restart()
+        store = MetaStore.connect(Settings(), [server.endpoint])
+        assert [kv.value for kv in store.list_prefix("vchan/kept/").items] == sorted(
+            str(i).encode() for i in range(50)
+        )
+        store.close()
+    finally:
+        server.stop()
 
 
 @pytest.mark.integration

@@ -176,6 +176,10 @@ class EmbeddedEtcd:
     max_request_bytes: int | None = None  # etcd's --max-request-bytes (None: its 1.5 MiB default)
     max_txn_ops: int | None = None  # etcd's --max-txn-ops (None: its default, 128)
     snapshot_count: int | None = None  # etcd's --snapshot-count (None: its default, 100,000)
+    # etcd's --unsafe-no-fsync: its WAL and backend are written but never fsynced. For test
+    # stacks only, whose data must survive a kill -9 of etcd (the page cache keeps it) but
+    # not a crash of the machine; a `vchan up` stack never sets it.
+    unsafe_no_fsync: bool = False
     _process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -251,6 +255,8 @@ class EmbeddedEtcd:
             args.append(f"--max-txn-ops={self.max_txn_ops}")
         if self.snapshot_count is not None:
             args.append(f"--snapshot-count={self.snapshot_count}")
+        if self.unsafe_no_fsync:
+            args.append("--unsafe-no-fsync")
         args, preexec = (args, None) if detach else dying_with_parent(args)
         logfile = open(self.directory / "etcd.log", "ab")  # noqa: SIM115 - handed to the child
         self._process = subprocess.Popen(
