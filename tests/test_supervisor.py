@@ -4,6 +4,7 @@ which recorded services died (real processes, killed with SIGKILL)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
@@ -13,8 +14,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from vchan_assets.config import Settings
-from vchan_assets.deploy.service import DagsterService
+from vchan_assets.deploy.service import DagsterService, DagsterServiceError, graphql
 from vchan_assets.deploy.supervisor import Supervisor
 from vchan_assets.meta.embedded import pid_alive
 
@@ -118,3 +121,31 @@ def test_stopping_a_service_kills_the_rest_of_its_process_group_after_the_leader
     while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(child)
+
+
+def test_a_webserver_error_status_is_an_error_with_what_the_webserver_said() -> None:
+    """`graphql` against a server that answers 500: DagsterServiceError carrying the status
+    and the answer's body (a bare "HTTP Error 500" told a failed test nothing)."""
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"errors": [{"message": "connection to the storage was lost"}]}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Failing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(DagsterServiceError, match="HTTP 500: .*connection to the storage was lost"):
+            graphql(url, "{ version }")
+    finally:
+        server.shutdown()
+        server.server_close()

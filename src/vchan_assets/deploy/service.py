@@ -83,13 +83,20 @@ class DagsterServiceError(ServiceError):
 def graphql(
     url: str, query: str, variables: dict[str, Any] | None = None, timeout: float = 30
 ) -> dict[str, Any]:
-    """POST a GraphQL query to the webserver; the `data` of the answer."""
+    """POST a GraphQL query to the webserver; the `data` of the answer. DagsterServiceError
+    with the webserver's own words when it answers with an error status or GraphQL errors."""
     body = json.dumps({"query": query, "variables": variables or {}}).encode()
     request = urllib.request.Request(
         f"{url}/graphql", data=body, headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        answer = json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        said = exc.read().decode(errors="replace")
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # the errors' messages, if JSON
+            said = "; ".join(str(e["message"]) for e in json.loads(said)["errors"])
+        raise DagsterServiceError(f"the webserver at {url} answered HTTP {exc.code}: {said[:2000]}") from exc
     if answer.get("errors"):
         raise DagsterServiceError(f"GraphQL errors: {answer['errors']}")
     return dict(answer["data"])
