@@ -122,24 +122,6 @@ def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None
 
 
 @pytest.mark.integration
-def test_vchan_up_leaves_etcd_running_and_vchan_down_stops_it(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    env["VCHAN_HOME"] = str(tmp_path / "home")
-    try:
-        up = subprocess.run([str(VCHAN), "up"], env=env, capture_output=True, text=True, timeout=120)
-        assert up.returncode == 0, up.stderr
-        assert "etcd_version" in up.stdout and "3.5" in up.stdout
-        server = EmbeddedEtcd(tmp_path / "home" / "etcd")
-        state = server._read_state()
-        assert state is not None and pid_alive(state["pid"]), "etcd did not outlive `vchan up`"
-    finally:
-        # Also after a failed or timed-out `up`: what it started must not outlive the test.
-        down = subprocess.run([str(VCHAN), "down"], env=env, capture_output=True, text=True, timeout=120)
-    assert down.returncode == 0, down.stderr
-    assert _wait_dead(state["pid"])
-
-
-@pytest.mark.integration
 def test_dagster_sensors_after_vchan_down_fail_instead_of_starting_etcd_again(tmp_path: Path) -> None:
     """A Dagster daemon left running after `vchan down` (or started before `vchan up`)
     opens the system through `open_runtime` at every sensor tick: it must not bring the
@@ -216,6 +198,7 @@ EXIT_AFTER_STOP = """
 import sys
 from pathlib import Path
 from vchan_assets.config import Settings
+from vchan_assets.deploy.processes import command_line
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.spark.session import get_spark
 

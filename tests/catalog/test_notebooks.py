@@ -23,6 +23,8 @@ from vchan_assets.defs.history import open_instance
 from vchan_assets.defs.partitions import VCHANNELS
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, sync_job
 from vchan_assets.deploy.service import INSTANCE_CONFIG
+from vchan_assets.meta.embedded import EmbeddedEtcd, pid_alive
+from vchan_assets.testing.waiting import wait_until
 
 # Each notebook runs in a Jupyter kernel (a child process) on an embedded stack or a `vchan up` one.
 pytestmark = pytest.mark.integration
@@ -168,12 +170,17 @@ def live_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         return done.stdout
 
     try:
-        run("up")
+        up = run("up")
+        # `vchan up` returns with its stack running: etcd outlives it (`vchan down` stops it:
+        # the last test of this module).
+        assert "etcd_version" in up and "3.5" in up, up
+        etcd = EmbeddedEtcd(home / "etcd")._read_state()
+        assert etcd is not None and pid_alive(etcd["pid"]), "etcd did not outlive `vchan up`"
         run("create-collection", "--collection", "live_ops", "--dim", "8", "--shards", "2")
         run("produce", "--collection", "live_ops", "--rows", "2000", "--deletes", "100", "--flush")
         yield home
     finally:
-        run("down")
+        run("down")  # (again, if the last test stopped it: `vchan down` of nothing is a no-op)
 
 
 @pytest.mark.parametrize("name", LIVE_NAMES)
@@ -213,3 +220,21 @@ def test_vchan_up_keeps_its_dagster_history_under_vchan_home(live_home: Path) ->
             assert time.monotonic() < deadline, f"no sync run in the instance at {home}"
             time.sleep(1)
         assert {r.tags[CHANNEL_TAG] for r in runs} <= set(instance.get_dynamic_partitions(VCHANNELS))
+
+
+def test_vchan_down_stops_what_vchan_up_left_running(live_home: Path) -> None:
+    """Last in this module: `vchan down` stops the stack of VCHAN_HOME, etcd included."""
+    etcd = EmbeddedEtcd(live_home / "etcd")._read_state()
+    assert etcd is not None and pid_alive(etcd["pid"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    vchan = str(Path(sys.executable).parent / "vchan")
+    down = subprocess.run(
+        [vchan, "down"],
+        env={**env, "VCHAN_HOME": str(live_home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 0, down.stderr
+    assert "embedded etcd stopped" in down.stdout, down.stdout
+    wait_until(lambda: not pid_alive(etcd["pid"]), 10, "etcd gone after `vchan down`")
