@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.deploy.processes import command_line
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
+from vchan_assets.meta import embedded
 from vchan_assets.meta.embedded import EmbeddedEtcd, EmbeddedEtcdError, healthy, pid_alive, server_version
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
@@ -51,6 +53,30 @@ def test_embedded_etcd_starts_healthy_and_a_second_start_reuses_it(tmp_path: Pat
         first.stop()
     assert _wait_dead(pid)
     assert not (tmp_path / "etcd" / "server.json").exists()
+
+
+@pytest.mark.integration
+def test_a_port_taken_between_its_choice_and_etcds_bind_is_replaced_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process binds the port chosen for etcd before etcd does (CI: 15 tests of a
+    module failed at setup on "bind: address already in use"): the start is tried again on
+    other ports, and only that error is."""
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    first, free_port = [port], embedded.free_port
+    monkeypatch.setattr(embedded, "free_port", lambda: first.pop() if first else free_port())
+    try:
+        server = EmbeddedEtcd(tmp_path / "etcd", unsafe_no_fsync=True).start()
+        try:
+            assert server.client_port != port and healthy(server.endpoint)
+            assert "address already in use" in (tmp_path / "etcd" / "etcd.log").read_text()
+        finally:
+            server.stop()
+    finally:
+        taken.close()
 
 
 @pytest.mark.integration

@@ -76,6 +76,11 @@ def member_args(
     ]
 
 
+# Starts of the embedded etcd tried when a port chosen free was bound by another process
+# before etcd bound it.
+PORT_ATTEMPTS = 5
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -219,7 +224,11 @@ class EmbeddedEtcd:
         return True
 
     def start(self, detach: bool = False, timeout: float = 30.0) -> EmbeddedEtcd:
-        """Start (or reuse) the server and wait until it answers /health."""
+        """Start (or reuse) the server and wait until it answers /health.
+
+        Its ports are chosen free, but another process can bind one before etcd does (a
+        test run starts many servers and clients at once): etcd then exits with "address
+        already in use", and the start is tried again on other ports, PORT_ATTEMPTS times."""
         self.directory.mkdir(parents=True, exist_ok=True)
         if self._reuse():
             return self
@@ -229,20 +238,50 @@ class EmbeddedEtcd:
             self.client_port, self.peer_port = state["client_port"], state["peer_port"]
         else:
             self.client_port, self.peer_port = free_port(), free_port()
-        self._spawn(detach)
-        deadline = time.monotonic() + timeout
-        while not healthy(self.endpoint, timeout=0.5):
-            if self._process is not None and self._process.poll() is not None:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            log_size = self._log_size()
+            self._spawn(detach)
+            if self._healthy_or_exited(timeout):
+                log.info("embedded etcd pid=%s healthy at %s", self.pid, self.endpoint)
+                return self
+            assert self._process is not None
+            said = self._log_since(log_size)
+            if "address already in use" not in said or attempt == PORT_ATTEMPTS:
                 raise EmbeddedEtcdError(
                     f"etcd exited with code {self._process.returncode} at start; "
                     f"see {self.directory / 'etcd.log'}"
                 )
+            log.warning(
+                "etcd could not bind port %s or %s (taken since they were chosen): starting it on others",
+                self.client_port,
+                self.peer_port,
+            )
+            self.client_port, self.peer_port = free_port(), free_port()
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _healthy_or_exited(self, timeout: float) -> bool:
+        """True once the server answers /health; False if its process exited first."""
+        deadline = time.monotonic() + timeout
+        while not healthy(self.endpoint, timeout=0.5):
+            if self._process is not None and self._process.poll() is not None:
+                return False
             if time.monotonic() > deadline:
                 self.stop()
                 raise EmbeddedEtcdError(f"etcd did not become healthy within {timeout}s at {self.endpoint}")
             time.sleep(0.05)
-        log.info("embedded etcd pid=%s healthy at %s", self.pid, self.endpoint)
-        return self
+        return True
+
+    def _log_size(self) -> int:
+        try:
+            return (self.directory / "etcd.log").stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _log_since(self, offset: int) -> str:
+        """What etcd wrote to its log after `offset`."""
+        with open(self.directory / "etcd.log", "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def _spawn(self, detach: bool) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
