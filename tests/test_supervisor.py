@@ -123,6 +123,35 @@ def test_stopping_a_service_kills_the_rest_of_its_process_group_after_the_leader
     assert not pid_alive(child)
 
 
+# A leader that refuses SIGTERM and holds 1.5 GB: once SIGKILLed, the kernel frees its memory
+# before the process is gone (a Dagster daemon's exit under load took long enough to matter).
+STUBBORN = (
+    "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "b = bytearray(1536 << 20); [b.__setitem__(i, 1) for i in range(0, len(b), 4096)]; "
+    "print('ready', flush=True); time.sleep(600)"
+)
+
+
+@pytest.mark.integration  # a child process holding 1.5 GB
+def test_a_leader_that_outlives_sigterm_is_gone_when_stopping_it_returns() -> None:
+    """`_stop_pids` kills what SIGTERM did not stop and returns once it is gone: the heal of
+    a hung daemon starts a new one only when the old one is not alive, and found the killed
+    one still there (CI: the hung-daemon test's heal left the deployment without a daemon,
+    and the five tests after it failed)."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert leader.stdout is not None and leader.stdout.readline().strip() == "ready"
+
+        DagsterService._stop_pids([leader.pid], timeout=0.5)
+
+        assert not pid_alive(leader.pid), "the killed leader was still alive when the stop returned"
+    finally:
+        leader.kill()
+        leader.wait(10)
+
+
 def test_a_webserver_error_status_is_an_error_with_what_the_webserver_said() -> None:
     """`graphql` against a server that answers 500: DagsterServiceError carrying the status
     and the answer's body (a bare "HTTP Error 500" told a failed test nothing)."""

@@ -185,6 +185,7 @@ def _pids(state: dict[str, Any]) -> list[int]:
 
 
 STRAGGLER_GRACE = 3.0  # seconds the rest of a process group gets after its leader exited
+KILLED_EXIT_WAIT = 10.0  # seconds a SIGKILLed leader gets to be gone before `_stop_pids` returns
 
 
 def _group_alive(pgid: int) -> bool:
@@ -388,6 +389,13 @@ class DagsterService:
         for pid in groups:  # a group id is not reused while a member of the group lives
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+        # A killed process is still there while the kernel frees its memory (a daemon's takes
+        # a moment): a caller that starts a replacement only when the old one is gone (the
+        # heal of a hung daemon) found it alive, started none, and left the stack without a
+        # daemon. So return once the leaders are gone (SIGKILL cannot be refused).
+        gone = time.monotonic() + KILLED_EXIT_WAIT
+        while any(pid_alive(p) for p in groups) and time.monotonic() < gone:
+            time.sleep(0.02)
 
     @staticmethod
     def _spawn(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen[bytes]:
