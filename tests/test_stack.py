@@ -224,7 +224,6 @@ EXIT_AFTER_STOP = """
 import sys
 from pathlib import Path
 from vchan_assets.config import Settings
-from vchan_assets.deploy.processes import command_line
 from vchan_assets.deploy.spark_connect import LocalSparkConnect
 from vchan_assets.spark.session import get_spark
 

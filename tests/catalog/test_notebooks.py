@@ -154,33 +154,34 @@ def _texts(book: nbformat.NotebookNode) -> str:
     return "\n".join(parts)
 
 
+def _vchan(home: Path, *args: str, timeout: float = 240) -> str:
+    """`vchan ARGS` on the stack of `home` (syncs as soon as a row is 1 s old); its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
+    env.update(VCHAN_HOME=str(home), VCHAN_SYNC_MAX_AGE="1")
+    vchan = str(Path(sys.executable).parent / "vchan")
+    done = subprocess.run([vchan, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"vchan {' '.join(args)}: {done.stdout[-1500:]}{done.stderr[-1500:]}"
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
 def live_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """`vchan up` in a fresh VCHAN_HOME (etcd, Spark Connect, the Dagster daemon and webserver:
     the deployment syncs on its own), a collection produced and flushed with `vchan produce`;
     `vchan down` after the module."""
     home = tmp_path_factory.mktemp("live") / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    env.update(VCHAN_HOME=str(home), VCHAN_SYNC_MAX_AGE="1")
-    vchan = str(Path(sys.executable).parent / "vchan")
-
-    def run(*args: str, timeout: float = 240) -> str:
-        done = subprocess.run([vchan, *args], env=env, capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, f"vchan {' '.join(args)}: {done.stdout[-1500:]}{done.stderr[-1500:]}"
-        return done.stdout
-
     try:
-        up = run("up")
+        up = _vchan(home, "up")
         # `vchan up` returns with its stack running: etcd outlives it (`vchan down` stops it:
         # the last test of this module).
         assert "etcd_version" in up and "3.5" in up, up
         etcd = EmbeddedEtcd(home / "etcd")._read_state()
         assert etcd is not None and pid_alive(etcd["pid"]), "etcd did not outlive `vchan up`"
-        run("create-collection", "--collection", "live_ops", "--dim", "8", "--shards", "2")
-        run("produce", "--collection", "live_ops", "--rows", "2000", "--deletes", "100", "--flush")
+        _vchan(home, "create-collection", "--collection", "live_ops", "--dim", "8", "--shards", "2")
+        _vchan(home, "produce", "--collection", "live_ops", "--rows", "2000", "--deletes", "100", "--flush")
         yield home
     finally:
-        run("down")  # (again, if the last test stopped it: `vchan down` of nothing is a no-op)
+        _vchan(home, "down")  # (again, if the last test stopped it: `vchan down` of nothing is a no-op)
 
 
 @pytest.mark.parametrize("name", LIVE_NAMES)
@@ -226,15 +227,6 @@ def test_vchan_down_stops_what_vchan_up_left_running(live_home: Path) -> None:
     """Last in this module: `vchan down` stops the stack of VCHAN_HOME, etcd included."""
     etcd = EmbeddedEtcd(live_home / "etcd")._read_state()
     assert etcd is not None and pid_alive(etcd["pid"])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCHAN_")}
-    vchan = str(Path(sys.executable).parent / "vchan")
-    down = subprocess.run(
-        [vchan, "down"],
-        env={**env, "VCHAN_HOME": str(live_home)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert down.returncode == 0, down.stderr
-    assert "embedded etcd stopped" in down.stdout, down.stdout
+    down = _vchan(live_home, "down")
+    assert "embedded etcd stopped" in down, down
     wait_until(lambda: not pid_alive(etcd["pid"]), 10, "etcd gone after `vchan down`")

@@ -347,11 +347,11 @@ class EmbeddedEtcd:
         self.stop()
         self.client_port, self.peer_port = ports
         self._spawn(detach=False)
-        deadline = time.monotonic() + timeout
-        while not healthy(self.endpoint, timeout=0.5):
-            if time.monotonic() > deadline:
-                raise EmbeddedEtcdError(f"etcd did not come back within {timeout}s")
-            time.sleep(0.05)
+        if not self._healthy_or_exited(timeout):
+            assert self._process is not None
+            raise EmbeddedEtcdError(
+                f"etcd exited with code {self._process.returncode} at restart; see {self.directory / 'etcd.log'}"
+            )
 
     @staticmethod
     def _terminate(pid: int, timeout: float) -> None:
