@@ -157,7 +157,7 @@ def collection_row(info: CollectionInfo, segments: Iterable[SegmentInfo]) -> dic
     return {
         "collection_id": info.id,
         "name": info.name,
-        "fields": ", ".join(f"{f.name}:{f.dtype.value}" for f in info.schema.fields),
+        "fields": ", ".join(f"{f.name}:{f.spec}" for f in info.schema.fields),
         "partitions": list(info.partition_names),
         "vchannels": list(info.vchannels),
         "num_vchannels": len(info.vchannels),

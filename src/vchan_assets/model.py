@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import re
 import time
 import types
@@ -171,29 +172,129 @@ class MsgPosition(Record):
 
 
 class DataType(enum.StrEnum):
-    """A field's type; its value (the lower-case name, `auto()`) is what schemas store."""
+    """A field's type, as Milvus names it; its value (the lower-case name) is what schemas store.
 
+    `STRING` is what schemas held before `VARCHAR` existed: a VarChar of Milvus' largest
+    `max_length` (65,535 bytes), stored under its old name so those values decode as written."""
+
+    INT8 = enum.auto()
+    INT16 = enum.auto()
+    INT32 = enum.auto()
     INT64 = enum.auto()
     FLOAT = enum.auto()
     DOUBLE = enum.auto()
-    STRING = enum.auto()
     BOOL = enum.auto()
+    VARCHAR = enum.auto()
+    STRING = enum.auto()
+    JSON = enum.auto()
+    ARRAY = enum.auto()
     FLOAT_VECTOR = enum.auto()
+
+
+INTEGER_TYPES = frozenset({DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64})
+TEXT_TYPES = frozenset({DataType.VARCHAR, DataType.STRING})
+# What an ARRAY may hold (Milvus: every scalar but JSON and ARRAY itself).
+ELEMENT_TYPES = INTEGER_TYPES | {DataType.FLOAT, DataType.DOUBLE, DataType.BOOL, DataType.VARCHAR}
+# Milvus' limits.
+MAX_VARCHAR_LENGTH = 65_535
+MAX_ARRAY_CAPACITY = 4_096
+MAX_VECTOR_DIM = 32_768
+INTEGER_RANGES = {
+    DataType.INT8: (-(2**7), 2**7 - 1),
+    DataType.INT16: (-(2**15), 2**15 - 1),
+    DataType.INT32: (-(2**31), 2**31 - 1),
+    DataType.INT64: (-(2**63), 2**63 - 1),
+}
 
 
 @dataclass(frozen=True)
 class FieldSchema(Record):
-    OMIT_WHEN_NONE = frozenset({"dim"})
+    """One field of a collection. `max_length` bounds a VarChar's values (UTF-8 bytes, as
+    Milvus counts them) and an array's VarChar elements; `element_type` and `max_capacity`
+    make an ARRAY; a `nullable` field keeps nulls; `default_value` (JSON text) fills a
+    field's nulls and its absence from inserted rows."""
+
+    OMIT_WHEN_NONE = frozenset({"dim", "max_length", "element_type", "max_capacity", "default_value"})
+    OMIT_WHEN_DEFAULT = frozenset({"nullable"})
 
     field_id: int
     name: str
     dtype: DataType
     is_primary: bool = False
     dim: int | None = None
+    max_length: int | None = None
+    element_type: DataType | None = None
+    max_capacity: int | None = None
+    nullable: bool = False
+    default_value: str | None = None
 
     @property
     def is_vector(self) -> bool:
         return self.dtype is DataType.FLOAT_VECTOR
+
+    @property
+    def text_limit(self) -> int | None:
+        """The byte limit of this field's strings (its own or its elements'), if it has strings."""
+        if self.dtype is DataType.STRING:
+            return MAX_VARCHAR_LENGTH
+        if self.dtype is DataType.VARCHAR or self.element_type is DataType.VARCHAR:
+            return self.max_length
+        return None
+
+    @property
+    def default(self) -> Any:
+        """The default value as Python (None when the field has none)."""
+        return None if self.default_value is None else json.loads(self.default_value)
+
+    @property
+    def type_name(self) -> str:
+        """The type as `from_spec` reads it: `varchar(64)`, `array(int32, 8)`, `json`."""
+        if self.dtype is DataType.VARCHAR:
+            return f"varchar({self.max_length})"
+        if self.dtype is DataType.ARRAY:
+            element = (
+                f"varchar({self.max_length})" if self.element_type is DataType.VARCHAR else self.element_type
+            )
+            return f"array({element}, {self.max_capacity})"
+        return self.dtype.value
+
+    @property
+    def spec(self) -> str:
+        """The field's type, `?` when nullable and `=default`: what `from_spec` reads back."""
+        nullable = "?" if self.nullable else ""
+        default = "" if self.default_value is None else f"={self.default_value}"
+        return f"{self.type_name}{nullable}{default}"
+
+    @classmethod
+    def from_spec(cls, field_id: int, name: str, spec: str) -> FieldSchema:
+        """A scalar field from its text form: a type (`int8` ... `int64`, `float`, `double`,
+        `bool`, `varchar(N)`, `string`, `json`, `array(ELEMENT, N)`), then `?` for nullable,
+        then `=DEFAULT` (JSON; a VarChar's default may be a bare word). ValueError says what
+        does not parse."""
+        dtype, params, rest = _split_type(spec, name)
+        nullable = rest.startswith("?")
+        rest = rest[1:].strip() if nullable else rest
+        default = None
+        if rest:
+            if not rest.startswith("="):
+                raise ValueError(f"field {name!r}: cannot read {spec!r} (expected TYPE[?][=DEFAULT])")
+            default = _default_json(rest[1:].strip(), dtype)
+        kwargs: dict[str, Any] = {}
+        if dtype is DataType.VARCHAR:
+            kwargs["max_length"] = _one_int(params, name, "varchar(MAX_LENGTH)")
+        elif dtype is DataType.ARRAY:
+            if len(params) != 2:
+                raise ValueError(f"field {name!r}: expected array(ELEMENT, MAX_CAPACITY), got {spec!r}")
+            element, element_params, tail = _split_type(params[0], name)
+            if tail:
+                raise ValueError(f"field {name!r}: cannot read the array element {params[0]!r}")
+            kwargs["element_type"] = element
+            if element is DataType.VARCHAR:
+                kwargs["max_length"] = _one_int(element_params, name, "varchar(MAX_LENGTH)")
+            kwargs["max_capacity"] = _one_int(params[1:], name, "array(ELEMENT, MAX_CAPACITY)")
+        elif params:
+            raise ValueError(f"field {name!r}: type {dtype.value} takes no parameters")
+        return cls(field_id, name, dtype, nullable=nullable, default_value=default, **kwargs)
 
     def validate(self) -> None:
         if not self.name.isidentifier():
@@ -202,6 +303,104 @@ class FieldSchema(Record):
             raise ValueError(f"vector field {self.name!r} needs a positive dim")
         if self.is_primary and self.dtype is not DataType.INT64:
             raise ValueError(f"primary key {self.name!r} must be int64")
+        if (self.is_primary or self.is_vector) and (self.nullable or self.default_value is not None):
+            kind = "primary key" if self.is_primary else "vector field"
+            raise ValueError(f"{kind} {self.name!r} cannot be nullable or have a default value")
+        self._validate_params()
+        if self.default_value is not None:
+            self._validate_default()
+
+    def _validate_params(self) -> None:
+        wants_length = self.dtype is DataType.VARCHAR or self.element_type is DataType.VARCHAR
+        if wants_length and not (self.max_length and 1 <= self.max_length <= MAX_VARCHAR_LENGTH):
+            raise ValueError(
+                f"field {self.name!r}: max_length must be in [1, {MAX_VARCHAR_LENGTH}], got {self.max_length}"
+            )
+        if not wants_length and self.max_length is not None:
+            raise ValueError(f"field {self.name!r}: only a varchar (or an array of varchar) has a max_length")
+        if self.dtype is DataType.ARRAY:
+            if self.element_type not in ELEMENT_TYPES:
+                allowed = ", ".join(sorted(t.value for t in ELEMENT_TYPES))
+                raise ValueError(
+                    f"field {self.name!r}: an array holds one of {allowed}, not {self.element_type}"
+                )
+            if not (self.max_capacity and 1 <= self.max_capacity <= MAX_ARRAY_CAPACITY):
+                raise ValueError(
+                    f"field {self.name!r}: max_capacity must be in [1, {MAX_ARRAY_CAPACITY}], got {self.max_capacity}"
+                )
+        elif self.element_type is not None or self.max_capacity is not None:
+            raise ValueError(f"field {self.name!r}: only an array has an element type and a max_capacity")
+
+    def _validate_default(self) -> None:
+        assert self.default_value is not None
+        try:
+            value = json.loads(self.default_value)
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"field {self.name!r}: default value {self.default_value!r} is not JSON"
+            ) from None
+        if not _default_fits(self, value):
+            raise ValueError(f"field {self.name!r}: default value {value!r} is not a {self.type_name}")
+
+
+def _split_type(spec: str, name: str) -> tuple[DataType, list[str], str]:
+    """`array(varchar(8), 4)?=x` -> (ARRAY, ["varchar(8)", "4"], "?=x"): the type, its
+    parameters split at top-level commas, and what follows."""
+    text = spec.strip()
+    found = re.match(r"[A-Za-z0-9_]+", text)
+    if not found:
+        raise ValueError(f"field {name!r}: cannot read type {spec!r}")
+    try:
+        dtype = DataType(found.group().lower())
+    except ValueError:
+        allowed = ", ".join(t.value for t in DataType if t is not DataType.FLOAT_VECTOR)
+        raise ValueError(f"field {name!r}: unknown type {found.group()!r} (types: {allowed})") from None
+    rest = text[found.end() :].lstrip()
+    if not rest.startswith("("):
+        return dtype, [], rest
+    depth, params, start = 0, [], 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 1:
+            params.append(rest[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            params.append(rest[start:i].strip())
+            return dtype, params, rest[i + 1 :].strip()
+    raise ValueError(f"field {name!r}: unbalanced parentheses in {spec!r}")
+
+
+def _one_int(params: list[str], name: str, form: str) -> int:
+    if len(params) != 1 or not params[0].isdigit():
+        raise ValueError(f"field {name!r}: expected {form}")
+    return int(params[0])
+
+
+def _default_json(raw: str, dtype: DataType) -> str:
+    """A default as JSON text; a VarChar's default may be written without quotes."""
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError:
+        if dtype not in TEXT_TYPES:
+            raise ValueError(f"default value {raw!r} is not JSON") from None
+        return json.dumps(raw)
+    return raw
+
+
+def _default_fits(field: FieldSchema, value: Any) -> bool:
+    """Milvus' rule: a default for a scalar of a fixed type (not JSON, not an array), of that type."""
+    kind = field.dtype
+    if kind in INTEGER_TYPES:
+        low, high = INTEGER_RANGES[kind]
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    if kind in (DataType.FLOAT, DataType.DOUBLE):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is DataType.BOOL:
+        return isinstance(value, bool)
+    if kind in TEXT_TYPES:
+        limit = field.text_limit or MAX_VARCHAR_LENGTH
+        return isinstance(value, str) and len(value.encode()) <= limit
+    return False
 
 
 # Field IDs below 100 are system fields, as in Milvus.
@@ -228,7 +427,8 @@ class CollectionSchema(Record):
 
     @classmethod
     def build(cls, primary: str, vectors: Mapping[str, int], scalars: Mapping[str, str]) -> CollectionSchema:
-        """Schema from names: `vectors` name -> dim, `scalars` name -> dtype value."""
+        """Schema from names: `vectors` name -> dim, `scalars` name -> type spec
+        (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5")."""
         fid = FIRST_USER_FIELD_ID
         fields = [FieldSchema(fid, primary, DataType.INT64, is_primary=True)]
         for name, dim in vectors.items():
@@ -236,7 +436,7 @@ class CollectionSchema(Record):
             fields.append(FieldSchema(fid, name, DataType.FLOAT_VECTOR, dim=dim))
         for name, dtype in scalars.items():
             fid += 1
-            fields.append(FieldSchema(fid, name, DataType(dtype)))
+            fields.append(FieldSchema.from_spec(fid, name, dtype))
         return cls(tuple(fields))
 
     @property
@@ -258,18 +458,32 @@ class CollectionSchema(Record):
         raise KeyError(name)
 
     def row_bytes(self) -> int:
-        """Estimated bytes per row, for segment capacity (strings count 64 bytes)."""
-        sizes = {
-            DataType.INT64: 8,
-            DataType.FLOAT: 4,
-            DataType.DOUBLE: 8,
-            DataType.BOOL: 1,
-            DataType.STRING: 64,
-        }
-        total = 16  # row id + timestamp
-        for f in self.fields:
-            total += f.dim * 4 if f.is_vector and f.dim else sizes[f.dtype]
-        return total
+        """Estimated bytes per row, for segment capacity (strings and JSON count up to 64
+        bytes, arrays a quarter of their capacity)."""
+        return 16 + sum(_estimated_bytes(f) for f in self.fields)  # 16: row id + timestamp
+
+
+_FIXED_BYTES = {
+    DataType.INT8: 1,
+    DataType.INT16: 2,
+    DataType.INT32: 4,
+    DataType.INT64: 8,
+    DataType.FLOAT: 4,
+    DataType.DOUBLE: 8,
+    DataType.BOOL: 1,
+}
+
+
+def _estimated_bytes(field: FieldSchema) -> int:
+    if field.is_vector:
+        return (field.dim or 0) * 4
+    if field.dtype is DataType.ARRAY:
+        assert field.element_type is not None and field.max_capacity is not None
+        element = _FIXED_BYTES.get(field.element_type) or min(field.max_length or 64, 64)
+        return max(1, field.max_capacity // 4) * element
+    if field.dtype in TEXT_TYPES:
+        return min(field.text_limit or 64, 64)
+    return _FIXED_BYTES.get(field.dtype, 64)  # JSON: 64
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ leaves nothing visible: no segment but Dropped ones, no rows for a reader."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,9 +13,10 @@ import pytest
 from vchan_assets.config import Settings
 from vchan_assets.imports.jobs import ImportJob, ImportState
 from vchan_assets.meta.store import MetaStore
+from vchan_assets.model import CollectionSchema
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
-from vchan_assets.testing.harness import segments
+from vchan_assets.testing.harness import SCHEMA, segments
 from vchan_assets.testing.import_files import (
     assert_imported_once,
     assert_nothing_visible,
@@ -82,6 +84,10 @@ def _missing_vector(tmp: Path) -> str:
     return write_parquet(tmp / "m.parquet", rows(10).drop_columns(["vec"]))
 
 
+def _missing_scalar(tmp: Path) -> str:
+    return write_parquet(tmp / "f.parquet", rows(10).drop_columns(["f"]))
+
+
 def _null_vector(tmp: Path) -> str:
     t = rows(2)
     vectors = pa.array([[0.1] * 8, None], pa.list_(pa.float32(), 8))
@@ -101,6 +107,7 @@ def _null_vector(tmp: Path) -> str:
         (_null_pk, "pk", "is null at row 2"),
         (_unknown_column, "color", "is not a field of the collection"),
         (_missing_vector, "vec", "is missing (vector)"),
+        (_missing_scalar, "f", "is missing (not nullable, and no default value)"),
         (_null_vector, "vec", "has a null vector at row 1"),
     ],
 )
@@ -140,10 +147,11 @@ def test_duplicated_pks_across_files_fail_the_job_naming_both_files(
     assert_nothing_visible(system, info)
 
 
-def test_unknown_columns_are_dropped_when_asked_and_a_missing_scalar_is_null(
+def test_unknown_columns_are_dropped_when_asked_and_a_missing_nullable_scalar_is_null(
     system: System, store: MetaStore, settings: Settings, producer: Producer, tmp_path: Path
 ) -> None:
-    info = new_collection(producer)
+    nullable_f = CollectionSchema(tuple(replace(f, nullable=f.name == "f") for f in SCHEMA.fields))
+    info = new_collection(producer, schema=nullable_f)
     data = rows(20).append_column("color", pa.array(["red"] * 20)).drop_columns(["f"])
     path = write_parquet(tmp_path / "a.parquet", data)
 

@@ -123,15 +123,28 @@ def names(raw: str) -> list[str]:
 
 
 def scalars(raw: str) -> dict[str, str]:
+    """`--scalars` as name -> type spec: `age:int32,tags:array(varchar(16), 8),note:varchar(64)?`
+    (commas inside parentheses belong to the type)."""
     out = {}
-    for item in names(raw):
-        name, sep, dtype = item.partition(":")
+    for item in _top_level_items(raw):
+        name, sep, spec = item.partition(":")
         if not sep:
-            raise UsageError(
-                f"--scalars item {item!r}: expected name:type (int64, float, double, string, bool)"
-            )
-        out[name.strip()] = dtype.strip()
+            raise UsageError(f"--scalars item {item!r}: expected name:type ({SCALAR_TYPES})")
+        out[name.strip()] = spec.strip()
     return out
+
+
+SCALAR_TYPES = "int8 int16 int32 int64 float double bool varchar(N) string json array(TYPE, N); ? for nullable, =VALUE for a default"
+
+
+def _top_level_items(raw: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(raw + ","):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(raw[start:i].strip())
+            start = i + 1
+    return [item for item in items if item]
 
 
 def _positive(raw: str) -> int:

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from vchan_assets.cli.base import UsageError, _positive, command, names, open_producer, scalars
+from vchan_assets.cli.base import SCALAR_TYPES, UsageError, _positive, command, names, open_producer, scalars
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionExistsError
 from vchan_assets.model import CollectionSchema
@@ -24,7 +24,7 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scalars",
         default="age:int64,label:string",
-        help="scalar fields as name:type,... (types: int64 float double string bool)",
+        help=f"scalar fields as name:type,... (types: {SCALAR_TYPES})",
     )
     parser.add_argument("--shards", type=int, default=2, help="number of vchannels (default 2)")
     parser.add_argument("--partitions", default="", help="extra partitions besides _default: a,b,...")
@@ -49,7 +49,7 @@ def create_collection(args: argparse.Namespace, settings: Settings) -> int:
             print(f"collection {info.name} exists (id {info.id})")
             return 0
     print(f"created collection {info.name} (id {info.id})")
-    print(f"  fields: {', '.join(f'{f.name}:{f.dtype.value}' for f in info.schema.fields)}")
+    print(f"  fields: {', '.join(f'{f.name}:{f.spec}' for f in info.schema.fields)}")
     print(f"  partitions: {', '.join(info.partition_names)}")
     print(f"  vchannels: {', '.join(info.vchannels)}")
     return 0

@@ -104,7 +104,7 @@ def vchannel_names(root: str, collection_id: int, count: int) -> tuple[str, ...]
 
 def validate_schema(name: str, schema: CollectionSchema) -> None:
     """What a collection accepts: an int64 primary key, one or more float vectors of a
-    fixed dimension, scalars (int64, float, double, string, bool)."""
+    fixed dimension in [1, 32768], scalars of the types `FieldSchema.from_spec` reads."""
     if not schema.vector_fields:
         raise InvalidSchemaError(name, "at least one float vector field is needed")
     for field in schema.fields:

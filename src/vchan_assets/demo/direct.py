@@ -33,7 +33,7 @@ from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build(
-    "id", {"embedding": 128}, {"age": "int64", "score": "float", "label": "string"}
+    "id", {"embedding": 128}, {"age": "int8", "score": "float", "label": "varchar(32)", "meta": "json?"}
 )
 
 

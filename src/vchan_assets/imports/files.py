@@ -5,18 +5,22 @@ Formats: Parquet, JSON lines (one object per line) and CSV (a header row; vector
 JSON arrays such as "[0.1, 0.2]"), through pyarrow's readers, streamed batch by batch.
 
 Column rules, checked against the collection schema before anything is written:
-  - the primary key and every vector field must be present; a missing scalar field is
-    null in every row;
+  - the primary key and every vector field must be present; a missing scalar field gets
+    its default value, or null when it is nullable, in every row (else the job fails);
   - a column the schema does not know fails the job, unless asked to drop such columns;
-  - types must fit: int64 from any integer type, float/double from integers or floats,
-    string from strings, bool from bools; a vector from fixed_size_list / list of numbers
-    or fixed_size_binary(dim * 4), with exactly the field's dimension;
-  - the primary key and vectors have no nulls.
+  - types must fit: integers from any integer type (in the field's range), float/double
+    from integers or floats, varchar from strings (within `max_length` bytes), bool from
+    bools, JSON from JSON text or nested values, an array from lists (or, in CSV, JSON
+    arrays); a vector from fixed_size_list / list of numbers or fixed_size_binary(dim * 4),
+    with exactly the field's dimension;
+  - the primary key and vectors have no nulls; another field's nulls take its default, and
+    are refused (naming the row) when it is neither nullable nor has a default.
 Every violation is an `ImportInputError` naming the file and the column.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,11 +32,11 @@ import pyarrow.fs as pafs
 import pyarrow.json as pjson
 import pyarrow.parquet as pq
 
+from vchan_assets import fields
 from vchan_assets.errors import DeclaredError
 from vchan_assets.imports.jobs import ImportFormat
-from vchan_assets.model import CollectionSchema, DataType, FieldSchema
+from vchan_assets.model import TEXT_TYPES, CollectionSchema, DataType, FieldSchema
 from vchan_assets.storage.fs import filesystem_for
-from vchan_assets.wal.format import arrow_type
 
 BATCH_ROWS = 64 * 1024
 SUFFIXES = {
@@ -181,6 +185,8 @@ def plan_columns(schema: CollectionSchema, found: pa.Schema, path: str, drop_unk
                 raise ImportInputError(
                     path, f"is missing ({'primary key' if f.is_primary else 'vector'})", f.name
                 )
+            if not f.nullable and f.default_value is None:
+                raise ImportInputError(path, "is missing (not nullable, and no default value)", f.name)
             missing.append(f.name)
             continue
         check_type(f, found.field(f.name).type, path)
@@ -192,15 +198,29 @@ def check_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
     if field.is_vector:
         _check_vector_type(field, found, path)
         return
-    ok = {
-        DataType.INT64: pa.types.is_integer(found),
-        DataType.FLOAT: pa.types.is_integer(found) or pa.types.is_floating(found),
-        DataType.DOUBLE: pa.types.is_integer(found) or pa.types.is_floating(found),
-        DataType.STRING: pa.types.is_string(found) or pa.types.is_large_string(found),
-        DataType.BOOL: pa.types.is_boolean(found),
-    }[field.dtype] or (pa.types.is_null(found) and not field.is_primary)
-    if not ok:
-        raise ImportInputError(path, f"is {found}, expected {field.dtype.value}", field.name)
+    if not (_fits(field, found) or (pa.types.is_null(found) and not field.is_primary)):
+        raise ImportInputError(path, f"is {found}, expected {field.type_name}", field.name)
+
+
+def _fits(field: FieldSchema, found: pa.DataType) -> bool:
+    text = pa.types.is_string(found) or pa.types.is_large_string(found)
+    kind = field.dtype
+    if kind is DataType.JSON:
+        return True  # JSON text, or nested values written as JSON
+    if kind is DataType.ARRAY:
+        listed = (
+            pa.types.is_list(found) or pa.types.is_large_list(found) or pa.types.is_fixed_size_list(found)
+        )
+        assert field.element_type is not None
+        element = FieldSchema(0, "element", field.element_type, max_length=field.max_length)
+        return text or (listed and (_fits(element, found.value_type) or pa.types.is_null(found.value_type)))
+    if kind in (DataType.FLOAT, DataType.DOUBLE):
+        return pa.types.is_integer(found) or pa.types.is_floating(found)
+    if kind is DataType.BOOL:
+        return pa.types.is_boolean(found)
+    if kind in TEXT_TYPES:
+        return text
+    return pa.types.is_integer(found)
 
 
 def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
@@ -232,7 +252,7 @@ def convert(schema: CollectionSchema, batch: pa.RecordBatch, path: str, first_ro
     columns = [
         convert_column(f, batch.column(f.name), path, first_row)
         if f.name in names
-        else pa.nulls(batch.num_rows, arrow_type(f))
+        else fields.absent(f, batch.num_rows)
         for f in ordered
     ]
     return pa.Table.from_arrays(columns, names=[f.name for f in ordered])
@@ -251,13 +271,30 @@ def _first_null(column: pa.Array) -> int:
 def _scalar(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:
     if f.is_primary and raw.null_count:
         raise ImportInputError(path, f"is null at row {first_row + _first_null(raw)}", f.name)
-    target = arrow_type(f)
-    if raw.type.equals(target):
-        return raw
+    if f.dtype is DataType.ARRAY and (pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type)):
+        raw = _parse_json_lists(f, raw, path, first_row)
     try:
-        return pc.cast(raw, target)
-    except pa.ArrowException as exc:
-        raise ImportInputError(path, f"cannot be read as {f.dtype.value}: {exc}", f.name) from None
+        return fields.conform(f, raw)
+    except fields.FieldValueError as exc:
+        at = "" if exc.row is None else f" at row {first_row + exc.row}"
+        raise ImportInputError(path, f"{exc.reason}{at}", f.name) from None
+
+
+def _parse_json_lists(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:
+    """CSV arrays: '[1, 2]' or '["a", "b"]' -> lists of the element type."""
+    parsed = []
+    for row, text in enumerate(raw.to_pylist()):
+        try:
+            value = None if text is None else json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        if value is not None and not isinstance(value, list):
+            raise ImportInputError(path, f"is not a JSON array at row {first_row + row}", f.name)
+        parsed.append(value)
+    try:
+        return pa.array(parsed, type=fields.arrow_type(f))
+    except (pa.ArrowException, TypeError) as exc:
+        raise ImportInputError(path, f"holds an array that is not {f.type_name}: {exc}", f.name) from None
 
 
 def _vector(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:

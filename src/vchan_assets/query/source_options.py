@@ -14,9 +14,12 @@ from pyspark.sql.types import (
     ArrayType,
     BinaryType,
     BooleanType,
+    ByteType,
     DoubleType,
     FloatType,
+    IntegerType,
     LongType,
+    ShortType,
     StringType,
 )
 from pyspark.sql.types import (
@@ -32,11 +35,16 @@ VECTOR_MODES = ("array", "binary")
 TASK_MB = 128.0
 
 _SCALARS: dict[DataType, SparkType] = {
+    DataType.INT8: ByteType(),
+    DataType.INT16: ShortType(),
+    DataType.INT32: IntegerType(),
     DataType.INT64: LongType(),
     DataType.FLOAT: FloatType(),
     DataType.DOUBLE: DoubleType(),
-    DataType.STRING: StringType(),
     DataType.BOOL: BooleanType(),
+    DataType.VARCHAR: StringType(),
+    DataType.STRING: StringType(),
+    DataType.JSON: StringType(),  # the JSON text: `from_json` reads it
 }
 
 
@@ -124,6 +132,9 @@ def settings_from_options(options: Mapping[str, str]) -> Settings:
 def spark_type(field: FieldSchema, vectors: str) -> SparkType:
     if field.is_vector:
         return ArrayType(FloatType(), containsNull=False) if vectors == "array" else BinaryType()
+    if field.dtype is DataType.ARRAY:
+        assert field.element_type is not None
+        return ArrayType(_SCALARS[field.element_type])
     return _SCALARS[field.dtype]
 
 

@@ -10,8 +10,9 @@ offsets dense and contiguous inside the file and across files. Columns, in order
     partition_id  int64     insert/delete/partition DDL rows; else null
     payload       string    DDL rows: JSON details; else null
     {pk}          int64     insert and delete rows: the primary key; else null
-    {fields...}   the collection's other fields, nullable; float vectors are
-                  fixed_size_binary(dim * 4), little-endian float32 (as Milvus stores them)
+    {fields...}   the collection's other fields, nullable, as `fields.arrow_type` holds
+                  them; float vectors are fixed_size_binary(dim * 4), little-endian
+                  float32 (as Milvus stores them)
 
 File key-value metadata: `vchan.channel`, `vchan.collection_id`, `vchan.first_offset`,
 `vchan.count`, `vchan.last_timestamp`, and (from the multi-writer producer) `vchan.batch`,
@@ -37,7 +38,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.errors import DeclaredError
-from vchan_assets.model import CollectionSchema, DataType, FieldSchema
+from vchan_assets.fields import arrow_type
+from vchan_assets.model import CollectionSchema
 
 
 class MsgType(enum.StrEnum):
@@ -139,19 +141,6 @@ def check_msg_types(kinds: pa.Array | pa.ChunkedArray, path: str, first: int) ->
     if not pc.all(known).as_py():
         index = pc.index(known, False).as_py()
         raise UnknownMessageTypeError(path, first + index, kinds[index].as_py())
-
-
-def arrow_type(field: FieldSchema) -> pa.DataType:
-    if field.is_vector:
-        assert field.dim is not None
-        return pa.binary(field.dim * 4)
-    return {
-        DataType.INT64: pa.int64(),
-        DataType.FLOAT: pa.float32(),
-        DataType.DOUBLE: pa.float64(),
-        DataType.STRING: pa.string(),
-        DataType.BOOL: pa.bool_(),
-    }[field.dtype]
 
 
 def user_fields(schema: CollectionSchema) -> list[pa.Field]:

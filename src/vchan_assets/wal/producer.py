@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from vchan_assets import fields
 from vchan_assets.datacoord.collections import (
     DEFAULT_PARTITION,
     CollectionRegistry,
@@ -46,12 +47,12 @@ from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
 from vchan_assets.meta.channel_head import HeldChannel
 from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.retry import retry_transient
-from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
+from vchan_assets.model import CollectionInfo, CollectionSchema, FieldSchema, MsgPosition
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.appender import Built, ChannelAppender, Prepared, Timing
 from vchan_assets.wal.backpressure import WriteLimiter
-from vchan_assets.wal.format import SYSTEM_SCHEMA, MsgType, arrow_type, log_schema
+from vchan_assets.wal.format import SYSTEM_SCHEMA, MsgType, log_schema
 from vchan_assets.wal.reader import WalReader
 from vchan_assets.wal.writer import WalWriter
 
@@ -514,42 +515,47 @@ def to_insert_table(
     schema: CollectionSchema, rows: pa.Table | pa.RecordBatch | Mapping[str, Any]
 ) -> pa.Table:
     """The rows as a table of the schema's fields in log order (pk first), with vectors as
-    fixed_size_binary(dim*4). Raises ValueError naming the field that does not fit."""
+    fixed_size_binary(dim*4), a field left out filled with its default (or nulls when it is
+    nullable). Raises ValueError naming the field that does not fit, and its row."""
     if isinstance(rows, pa.RecordBatch):
         rows = pa.Table.from_batches([rows])
     names = list(rows.column_names) if isinstance(rows, pa.Table) else list(rows.keys())
     expected = [schema.primary] + [f for f in schema.fields if not f.is_primary]
-    missing = [f.name for f in expected if f.name not in names]
+    optional = {f.name for f in expected if f.nullable or f.default_value is not None}
+    missing = [f.name for f in expected if f.name not in names and f.name not in optional]
     unknown = [n for n in names if n not in {f.name for f in expected}]
     if missing or unknown:
         raise ValueError(f"insert rows do not match the schema: missing {missing}, unknown {unknown}")
-    columns = []
-    for field in expected:
-        raw = rows.column(field.name) if isinstance(rows, pa.Table) else rows[field.name]
-        try:
-            column = _vector_array(raw, field) if field.is_vector else _scalar_array(raw, field)
-        except (pa.ArrowException, TypeError, ValueError) as exc:
-            raise ValueError(f"field {field.name!r}: {exc}") from None
-        if column.null_count:
-            raise ValueError(f"field {field.name!r} has nulls")
-        columns.append(column)
-    lengths = {len(c) for c in columns}
+    given = [f for f in expected if f.name in names]
+    columns = {
+        f.name: _column(f, rows.column(f.name) if isinstance(rows, pa.Table) else rows[f.name]) for f in given
+    }
+    lengths = {len(c) for c in columns.values()}
     if len(lengths) != 1:
         raise ValueError(f"columns differ in length: {sorted(lengths)}")
-    if not lengths.pop():
+    count = lengths.pop()
+    if not count:
         raise ValueError("no rows to insert")
-    return pa.Table.from_arrays(columns, names=[f.name for f in expected])
+    for f in expected:
+        if f.name not in columns:
+            columns[f.name] = fields.absent(f, count)
+    return pa.Table.from_arrays([columns[f.name] for f in expected], names=[f.name for f in expected])
+
+
+def _column(field: FieldSchema, raw: Any) -> pa.Array | pa.ChunkedArray:
+    try:
+        if field.is_vector:
+            column = _vector_array(raw, field)
+            if column.null_count:
+                raise ValueError("has nulls")
+            return column
+        return _scalar_array(raw, field)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise ValueError(f"field {field.name!r}: {exc}") from None
 
 
 def _scalar_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
-    target = arrow_type(field)
-    if isinstance(raw, pa.ChunkedArray):
-        if raw.type.equals(target):
-            return raw
-        raw = raw.combine_chunks()
-    if isinstance(raw, pa.Array):
-        return raw if raw.type.equals(target) else pc.cast(raw, target)
-    return pa.array(raw, type=target)
+    return fields.conform(field, fields.to_arrow(field, raw))
 
 
 def _vector_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
@@ -599,15 +605,6 @@ def generate_rows(schema: CollectionSchema, n: int, start_pk: int = 0, seed: int
             columns[field.name] = pa.FixedSizeBinaryArray.from_buffers(
                 pa.binary(field.dim * 4), n, [None, pa.py_buffer(matrix)]
             )
-        elif field.dtype is DataType.INT64:
-            columns[field.name] = pa.array(rng.integers(0, 1_000_000, n, dtype=np.int64))
-        elif field.dtype is DataType.FLOAT:
-            columns[field.name] = pa.array(rng.random(n, dtype=np.float32))
-        elif field.dtype is DataType.DOUBLE:
-            columns[field.name] = pa.array(rng.random(n))
-        elif field.dtype is DataType.BOOL:
-            columns[field.name] = pa.array(rng.random(n) < 0.5)
-        else:  # STRING: a small vocabulary, as real tags
-            words = pa.array([f"{field.name}_{i}" for i in range(100)])
-            columns[field.name] = words.take(pa.array(rng.integers(0, 100, n)))
+        else:
+            columns[field.name] = fields.random_values(field, rng, n)
     return pa.table(columns)

@@ -128,7 +128,9 @@ class WalWriter:
         self._state = _channel_state(storage, vchannel)
         self.data_schema = pa.schema(user_fields(collection.schema))
         self._vector_columns = {f.name for f in collection.schema.vector_fields}
-        self._required_for_insert = [f.name for f in collection.schema.fields]
+        # Nullable fields may be null in an insert; every other field is filled (a default
+        # included) before a batch gets here.
+        self._required_for_insert = [f.name for f in collection.schema.fields if not f.nullable]
         self._pk = collection.schema.primary.name
 
     @property
@@ -208,14 +210,14 @@ class WalWriter:
 
     def write_data(self, rows: pa.Table, batch_id: str) -> DataFile:
         """Write the data file of batch `batch_id`: `rows` are its inserts, the collection's
-        fields in log order (pk first), no nulls. Needs no lock: a retry of the batch writes
+        fields in log order (pk first), no nulls but in nullable fields. Needs no lock: a retry of the batch writes
         the same file again, and a file no log file names is garbage."""
         key = data_key(self.vchannel, batch_id)
         path = self.storage.path(key)
         if rows.num_rows == 0:
             raise InvalidBatchError(self.vchannel, "the batch is empty")
         check_schema(path, self.data_schema, rows.schema)
-        for name in rows.column_names:
+        for name in self._required_for_insert:
             if rows.column(name).null_count:
                 raise InvalidBatchError(self.vchannel, f"insert messages need {name!r}")
         rows = pa.Table.from_arrays(rows.columns, schema=self.data_schema)

@@ -1,0 +1,208 @@
+"""Field values on their way in: each type as Arrow holds it, and the checks Milvus makes.
+
+Inserts (`wal.producer`) and imports (`imports.files`) turn a user's column into the
+log's column with `conform`: cast to the field's Arrow type, the default filled into
+nulls, and a `FieldValueError` (with the row, when one row is at fault) for a value the
+field refuses, as Milvus' proxy refuses it: an integer outside its type's range, a
+VarChar over `max_length` bytes, an array over `max_capacity` elements or with a VarChar
+element over `max_length`, text that is not JSON, a null in a field that is neither
+nullable nor has a default.
+
+How each type is stored (what pandas and Spark readers get):
+  int8 ... int64, float, double, bool   the Arrow type of that width
+  varchar(N), string                    string
+  json                                  string: the value's JSON text (Spark reads it with
+                                        `from_json`, pandas with `json.loads`)
+  array(E, N)                           list<E's type>
+  float_vector (dim)                    fixed_size_binary(dim * 4), little-endian float32
+A JSON value given as a Python object is written as `json.dumps` of it; a string is taken
+as JSON text and must parse.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeAlias
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from vchan_assets.model import INTEGER_RANGES, DataType, FieldSchema
+
+_SCALAR_ARROW = {
+    DataType.INT8: pa.int8(),
+    DataType.INT16: pa.int16(),
+    DataType.INT32: pa.int32(),
+    DataType.INT64: pa.int64(),
+    DataType.FLOAT: pa.float32(),
+    DataType.DOUBLE: pa.float64(),
+    DataType.BOOL: pa.bool_(),
+    DataType.VARCHAR: pa.string(),
+    DataType.STRING: pa.string(),
+    DataType.JSON: pa.string(),
+}
+
+
+class FieldValueError(ValueError):
+    """A column a field refuses; `row` is the first row at fault when one is (0-based in
+    the column given)."""
+
+    def __init__(self, message: str, row: int | None = None) -> None:
+        super().__init__(message if row is None else f"{message} (row {row})")
+        self.reason = message
+        self.row = row
+
+
+def arrow_type(field: FieldSchema) -> pa.DataType:
+    """The Arrow type the log and the binlogs hold the field's values in."""
+    if field.is_vector:
+        assert field.dim is not None
+        return pa.binary(field.dim * 4)
+    if field.dtype is DataType.ARRAY:
+        assert field.element_type is not None
+        return pa.list_(_SCALAR_ARROW[field.element_type])
+    return _SCALAR_ARROW[field.dtype]
+
+
+Column: TypeAlias = pa.Array | pa.ChunkedArray
+
+
+def to_arrow(field: FieldSchema, raw: Any) -> Column:
+    """A scalar field's values as given (an Arrow array, a NumPy array, a pandas Series or
+    a Python sequence) as Arrow, not yet checked: `conform` does that."""
+    if isinstance(raw, pa.Array | pa.ChunkedArray):
+        return raw
+    if field.dtype is DataType.JSON:
+        return pa.array([_json_text(v) for v in raw], type=pa.string())
+    try:
+        return pa.array(raw, type=arrow_type(field), from_pandas=True)
+    except pa.ArrowInvalid:  # out of the type's range: read as given, so `conform` names the row
+        return pa.array(raw, from_pandas=True)
+
+
+def _json_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def conform(field: FieldSchema, column: Column) -> Column:
+    """`column` as the field's log column: cast, checked against the field's limits, nulls
+    filled with its default. FieldValueError for what the field refuses."""
+    if field.dtype is DataType.JSON:
+        column = _json_column(column)
+    elif not column.type.equals(arrow_type(field)):
+        column = _cast(field, column)
+    _check_limits(field, column)
+    return _fill_nulls(field, column)
+
+
+def absent(field: FieldSchema, rows: int) -> Column:
+    """The column of a field that inserted rows leave out: its default, or nulls when it is
+    nullable. FieldValueError when it is neither."""
+    if not field.nullable and field.default_value is None:
+        raise FieldValueError("is missing (the field is not nullable and has no default value)")
+    return conform(field, pa.nulls(rows, arrow_type(field)))
+
+
+def _cast(field: FieldSchema, column: Column) -> Column:
+    try:
+        return pc.cast(column, arrow_type(field))
+    except pa.ArrowException as exc:
+        row = _first_out_of_range(field, column)
+        raise FieldValueError(f"cannot be read as {field.type_name}: {exc}", row) from None
+
+
+def _first_out_of_range(field: FieldSchema, column: Column) -> int | None:
+    kind = field.element_type if field.dtype is DataType.ARRAY else field.dtype
+    if kind not in INTEGER_RANGES or not (
+        pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+    ):
+        return None
+    low, high = INTEGER_RANGES[kind]
+    return _first(pc.or_(pc.less(column, low), pc.greater(column, high)))
+
+
+def _json_column(column: Column) -> Column:
+    """JSON values as their text: strings must parse; other Arrow values (structs, lists,
+    maps, numbers) are written as JSON."""
+    if pa.types.is_null(column.type):
+        return column.cast(pa.string())
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        for row, text in enumerate(column.to_pylist()):
+            if text is not None:
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise FieldValueError(f"is not JSON: {exc}", row) from None
+        return column.cast(pa.string())
+    return pa.array([_json_text(v) for v in column.to_pylist()], type=pa.string())
+
+
+def _check_limits(field: FieldSchema, column: Column) -> None:
+    limit = field.text_limit
+    if field.dtype is DataType.ARRAY:
+        assert field.max_capacity is not None
+        row = _first(pc.greater(pc.list_value_length(column), field.max_capacity))
+        if row is not None:
+            found = pc.list_value_length(column)[row].as_py()
+            raise FieldValueError(f"has {found} elements, over its max_capacity {field.max_capacity}", row)
+        if limit is not None:
+            over = _first(pc.greater(pc.binary_length(pc.list_flatten(column)), limit))
+            if over is not None:
+                row = pc.list_parent_indices(column)[over].as_py()
+                raise FieldValueError(f"has an element over its max_length of {limit} bytes", row)
+    elif limit is not None:
+        row = _first(pc.greater(pc.binary_length(column), limit))
+        if row is not None:
+            found = pc.binary_length(column)[row].as_py()
+            raise FieldValueError(f"is {found} bytes long, over its max_length of {limit}", row)
+
+
+def _fill_nulls(field: FieldSchema, column: Column) -> Column:
+    if not column.null_count:
+        return column
+    if field.default_value is not None:
+        return pc.fill_null(column, pa.scalar(field.default, type=column.type))
+    if field.nullable:
+        return column
+    raise FieldValueError(
+        "is null, and the field is not nullable and has no default value", _first(column.is_null())
+    )
+
+
+def _first(mask: Column) -> int | None:
+    """The index of the first true value of a bool array (nulls count as false), or None."""
+    found = pc.index(mask.fill_null(False), True).as_py()
+    return None if found < 0 else int(found)
+
+
+def random_values(field: FieldSchema, rng: np.random.Generator, n: int) -> pa.Array:
+    """`n` random values of a scalar field: for tests, benches and demos (text from a
+    vocabulary of 100 words, as real tags)."""
+    kind = field.dtype
+    if kind in INTEGER_RANGES:
+        high = min(INTEGER_RANGES[kind][1], 1_000_000)
+        return pa.array(rng.integers(0, high, n), arrow_type(field))
+    if kind in (DataType.FLOAT, DataType.DOUBLE):
+        return pa.array(rng.random(n), arrow_type(field))
+    if kind is DataType.BOOL:
+        return pa.array(rng.random(n) < 0.5)
+    if kind is DataType.JSON:
+        return pa.array(
+            [json.dumps({"rank": int(r), "even": bool(r % 2 == 0)}) for r in rng.integers(0, 100, n)]
+        )
+    if kind is DataType.ARRAY:
+        assert field.element_type is not None and field.max_capacity is not None
+        element = FieldSchema(0, "e", field.element_type, max_length=field.max_length)
+        lengths = rng.integers(0, min(field.max_capacity, 4) + 1, n)
+        values = random_values(element, rng, int(lengths.sum()))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), values)
+    words = _words(field.name, field.text_limit or 64)
+    return words.take(pa.array(rng.integers(0, len(words), n)))
+
+
+def _words(name: str, limit: int) -> pa.Array:
+    return pa.array([f"{name}_{i}"[-limit:] for i in range(100)])

@@ -1,0 +1,158 @@
+"""Milvus' scalar types: how a schema names them, how Arrow holds them, and what an insert
+or an import refuses (no etcd: the schema codec and `fields.conform`)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from vchan_assets import fields
+from vchan_assets.fields import FieldValueError
+from vchan_assets.meta.codec import decode, encode
+from vchan_assets.model import CollectionSchema, DataType, FieldSchema
+from vchan_assets.wal.producer import generate_rows, to_insert_table
+
+EVERY_SCALAR = {
+    "i8": "int8",
+    "i16": "int16",
+    "i32": "int32?",
+    "i64": "int64=7",
+    "f": "float=0.5",
+    "d": "double?",
+    "b": "bool=true",
+    "name": "varchar(8)=none",
+    "s": "string",
+    "meta": "json?",
+    "tags": "array(varchar(4), 3)",
+    "ranks": "array(int16, 2)?",
+}
+SCHEMA = CollectionSchema.build("pk", {"vec": 4}, EVERY_SCALAR)
+
+
+def field(spec: str) -> FieldSchema:
+    made = FieldSchema.from_spec(100, "x", spec)
+    made.validate()
+    return made
+
+
+def test_every_spec_reads_back_as_written_and_survives_the_codec() -> None:
+    for name, spec in EVERY_SCALAR.items():
+        assert SCHEMA.field(name).spec == spec.replace("=none", '="none"')
+    assert decode("k", encode(SCHEMA), CollectionSchema) == SCHEMA
+    assert SCHEMA.field("tags").element_type is DataType.VARCHAR and SCHEMA.field("tags").max_capacity == 3
+
+
+def test_a_schema_of_the_old_six_types_is_stored_exactly_as_before() -> None:
+    old = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "s": "string"})
+    stored = json.loads(encode(old))["fields"]
+    assert stored[3] == {"field_id": 103, "name": "s", "dtype": "string", "is_primary": False}
+    assert old.field("s").text_limit == 65_535
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("varchar", "expected varchar(MAX_LENGTH)"),
+        ("varchar(65536)", "max_length must be in [1, 65535]"),
+        ("array(json, 3)", "an array holds one of"),
+        ("array(int8, 4097)", "max_capacity must be in [1, 4096]"),
+        ("array(int8)", "expected array(ELEMENT, MAX_CAPACITY)"),
+        ("int8=300", "default value 300 is not a int8"),
+        ("bool=1", "default value 1 is not a bool"),
+        ("varchar(2)=abc", "is not a varchar(2)"),
+        ("json={}", "is not a json"),
+        ("int64(3)", "takes no parameters"),
+        ("decimal", "unknown type 'decimal'"),
+        ("int32 nullable", "expected TYPE[?][=DEFAULT]"),
+    ],
+)
+def test_a_bad_spec_is_refused_saying_why(spec: str, says: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        field(spec)
+    assert says in str(caught.value)
+
+
+def test_a_primary_key_or_a_vector_cannot_be_nullable() -> None:
+    with pytest.raises(ValueError, match="cannot be nullable"):
+        FieldSchema(100, "pk", DataType.INT64, is_primary=True, nullable=True).validate()
+    with pytest.raises(ValueError, match="cannot be nullable"):
+        FieldSchema(101, "v", DataType.FLOAT_VECTOR, dim=4, default_value="1").validate()
+
+
+def test_each_type_has_its_arrow_width() -> None:
+    got = {name: str(fields.arrow_type(SCHEMA.field(name))) for name in EVERY_SCALAR}
+    assert got == {
+        "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "f": "float", "d": "double",
+        "b": "bool", "name": "string", "s": "string", "meta": "string", "tags": "list<item: string>",
+        "ranks": "list<item: int16>",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "values", "says", "row"),
+    [
+        ("int8", [1, 300, 2], "cannot be read as int8", 1),
+        ("int16", [-40000], "cannot be read as int16", 0),
+        ("varchar(3)", ["abc", "héé"], "is 5 bytes long, over its max_length of 3", 1),
+        ("array(int32, 2)", [[1], [1, 2, 3]], "has 3 elements, over its max_capacity 2", 1),
+        ("array(varchar(2), 5)", [["ab"], [], ["a", "abc"]], "has an element over its max_length of 2", 2),
+        ("json", pa.array(['{"a": 1}', "{nope"]), "is not JSON", 1),
+        ("float", [0.5, None], "is null, and the field is not nullable and has no default value", 1),
+    ],
+)
+def test_a_value_the_field_refuses_is_named_with_its_row(
+    spec: str, values: object, says: str, row: int
+) -> None:
+    f = field(spec)
+    with pytest.raises(FieldValueError) as caught:
+        fields.conform(f, fields.to_arrow(f, values))
+    assert says in caught.value.reason and caught.value.row == row
+
+
+def test_nulls_take_the_default_and_a_nullable_field_keeps_them() -> None:
+    assert fields.conform(field("int32=5"), pa.array([1, None], pa.int64())).to_pylist() == [1, 5]
+    assert fields.conform(field("varchar(4)?"), pa.array(["a", None])).to_pylist() == ["a", None]
+    assert fields.absent(field("bool=false"), 2).to_pylist() == [False, False]
+    with pytest.raises(FieldValueError, match="is missing"):
+        fields.absent(field("double"), 2)
+
+
+def test_json_values_are_stored_as_their_text() -> None:
+    f = field("json?")
+    got = fields.conform(f, fields.to_arrow(f, [{"color": "red", "n": [1, 2]}, None, "[1, 2]", 3]))
+    assert got.type == pa.string()
+    assert [None if v is None else json.loads(v) for v in got.to_pylist()] == [
+        {"color": "red", "n": [1, 2]}, None, [1, 2], 3,
+    ]  # fmt: skip
+
+
+def test_an_insert_may_leave_out_the_fields_that_are_nullable_or_have_a_default() -> None:
+    rows = generate_rows(SCHEMA, 3, seed=1)
+    table = to_insert_table(SCHEMA, {n: rows[n] for n in ("pk", "vec", "i8", "i16", "name", "s", "tags")})
+    assert table["i64"].to_pylist() == [7, 7, 7] and table["b"].to_pylist() == [True] * 3
+    assert table["i32"].null_count == 3 and table["meta"].null_count == 3
+    assert table.schema.names == [f.name for f in SCHEMA.fields]
+    with pytest.raises(ValueError, match=r"missing \['i8'\]"):
+        to_insert_table(SCHEMA, {n: rows[n] for n in ("pk", "vec", "i16", "name", "s", "tags")})
+
+
+def test_an_insert_names_the_field_and_the_row_it_refuses() -> None:
+    rows = generate_rows(SCHEMA, 3, seed=1)
+    names = rows["name"].to_pylist()
+    rows = rows.set_column(
+        rows.schema.get_field_index("name"), "name", pa.array([*names[:2], "far too long"])
+    )
+    with pytest.raises(
+        ValueError, match=r"field 'name': is 12 bytes long, over its max_length of 8 \(row 2\)"
+    ):
+        to_insert_table(SCHEMA, rows)
+
+
+def test_generated_rows_fit_every_type() -> None:
+    rows = generate_rows(SCHEMA, 200, seed=3)
+    table = to_insert_table(SCHEMA, rows)
+    assert table.num_rows == 200
+    assert all(len(tags) <= 3 and all(len(t) <= 4 for t in tags) for tags in table["tags"].to_pylist())
+    assert all(isinstance(json.loads(v), dict) for v in table["meta"].to_pylist())
