@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 from vchan_assets import fields
+from vchan_assets.datanode.stats import PkStats
 from vchan_assets.fields import FieldValueError
 from vchan_assets.meta.codec import decode, encode
 from vchan_assets.model import CollectionSchema, DataType, FieldSchema
+from vchan_assets.query.prune import FilterError, pk_condition
 from vchan_assets.wal.producer import generate_rows, to_insert_table
 
 EVERY_SCALAR = {
@@ -156,3 +159,68 @@ def test_generated_rows_fit_every_type() -> None:
     assert table.num_rows == 200
     assert all(len(tags) <= 3 and all(len(t) <= 4 for t in tags) for tags in table["tags"].to_pylist())
     assert all(isinstance(json.loads(v), dict) for v in table["meta"].to_pylist())
+
+
+# --- VarChar primary keys ----------------------------------------------------------------
+
+
+def test_a_primary_key_is_int64_or_varchar() -> None:
+    schema = CollectionSchema.build("doc", {"vec": 4}, {}, pk_type="varchar(36)")
+    assert schema.primary.dtype is DataType.VARCHAR and schema.primary.max_length == 36
+    with pytest.raises(ValueError, match=r"must be int64 or varchar\(N\), not float"):
+        CollectionSchema.build("doc", {"vec": 4}, {}, pk_type="float")
+    with pytest.raises(ValueError, match="cannot be nullable"):
+        CollectionSchema.build("doc", {"vec": 4}, {}, pk_type="varchar(8)?")
+
+
+def test_a_varchar_key_goes_to_the_same_vchannel_in_every_process_and_release() -> None:
+    # Pinned: a change of the hash would send a key's new rows and deletes to another
+    # vchannel than its old rows, and a delete would miss them.
+    keys = [f"doc-{i}" for i in range(1, 9)]
+    assert fields.vchannel_index(keys, 4).tolist() == [3, 1, 3, 0, 0, 2, 1, 2]
+    assert fields.hash_keys(pa.array(["doc-1"])).tolist() == [-2571354538640969989]
+    assert fields.vchannel_index(pa.array(keys), 4).tolist() == fields.vchannel_index(keys, 4).tolist()
+    assert fields.vchannel_index(np.array([5, -3, 8]), 4).tolist() == [1, 1, 0]  # int64: pk % K, as ever
+
+
+def test_stats_of_varchar_keys_bound_and_filter_them() -> None:
+    keys = np.array([f"k{i:05d}" for i in range(3000)], dtype=object)
+    stats = PkStats.from_bytes(PkStats.build(keys).to_bytes())
+    assert (stats.pk_min, stats.pk_max) == ("k00000", "k02999")
+    assert stats.might_contain(keys).all()
+    others = np.array([f"z{i}" for i in range(1000)] + [f"k{i:05d}x" for i in range(1000)], dtype=object)
+    assert stats.might_contain(others).mean() < 0.01
+    assert not PkStats.build(np.array([], dtype=object)).might_contain(keys[:3]).any()
+
+
+def test_a_pk_filter_compares_varchar_keys_as_text() -> None:
+    table = pa.table({"doc": ["a", "b", "c", "d"]})
+    between = pk_condition(">", "a", text=True).and_(pk_condition("<=", "c", text=True))
+    assert between.rows(table, "doc", is_sorted=True)["doc"].to_pylist() == ["b", "c"]
+    assert between.rows(table, "doc")["doc"].to_pylist() == ["b", "c"]
+    picked = pk_condition("in", ["d", "a", "q"], text=True)
+    assert picked.rows(table, "doc")["doc"].to_pylist() == ["a", "d"]
+    assert pk_condition("=", "e", text=True).and_(between).empty
+    with pytest.raises(FilterError, match="is not a VarChar primary key"):
+        pk_condition("=", 3, text=True)
+
+
+# --- the dynamic field -------------------------------------------------------------------
+
+
+def test_the_keys_a_schema_lacks_go_to_the_dynamic_field_as_json() -> None:
+    schema = CollectionSchema.build("pk", {"vec": 4}, {"n": "int64"}, dynamic=True)
+    assert schema.dynamic_field is not None and schema.dynamic_field.name == "$meta"
+    assert decode("k", encode(schema), CollectionSchema) == schema
+    rows = generate_rows(CollectionSchema.build("pk", {"vec": 4}, {"n": "int64"}), 3)
+    extra = {"color": ["red", None, "blue"], "size": np.array([1, 2, 3])}
+    table = to_insert_table(schema, {**{n: rows[n] for n in rows.column_names}, **extra})
+    assert [json.loads(v) for v in table["$meta"].to_pylist()] == [
+        {"color": "red", "size": 1}, {"size": 2}, {"color": "blue", "size": 3},
+    ]  # fmt: skip
+    plain = to_insert_table(schema, {n: rows[n] for n in rows.column_names})
+    assert plain["$meta"].null_count == 3
+    with pytest.raises(ValueError, match=r"unknown \['color'\]"):
+        to_insert_table(
+            CollectionSchema.build("pk", {"vec": 4}, {"n": "int64"}), {**rows.to_pydict(), "color": ["a"] * 3}
+        )

@@ -50,14 +50,17 @@ from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
 from vchan_assets.meta.errors import SegmentNotFoundError
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.model import (
+    DYNAMIC_FIELD,
     ChannelLease,
     CollectionInfo,
+    DataType,
     MsgPosition,
     NodeSession,
     SegmentInfo,
     SegmentState,
 )
 from vchan_assets.query import reads
+from vchan_assets.query.filters import filter_mask
 from vchan_assets.query.prune import parse_where
 from vchan_assets.query.search_options import SearchKeywords, SearchOptions, search_options
 from vchan_assets.storage import StorageError
@@ -420,8 +423,9 @@ class Catalog:
         as_arrow: bool = False,
         with_vectors: bool = True,
         as_of: Any = None,
-        pks: Iterable[int] | None = None,
+        pks: Iterable[int] | Iterable[str] | None = None,
         where: Sequence[tuple[str, str, Any]] | None = None,
+        filter: str | None = None,
     ) -> pd.DataFrame | pa.Table:
         """Every row of a collection at `as_of` (None: now; a hybrid timestamp, an ISO-8601
         time or a datetime within VCHAN_TIME_TRAVEL), wherever it lives: the segments the
@@ -433,7 +437,10 @@ class Catalog:
         `pks` (those primary keys only) and `where` (conditions `(column, op, value)`, all of
         which hold: the primary key with `=`, `in`, `<`, `<=`, `>`, `>=`, `between`, or
         `"partition"` with `=`, `in`) are pushed down: segments whose stats logs (pk range,
-        bloom filter) rule them out are not read, nor partitions not asked for."""
+        bloom filter) rule them out are not read, nor partitions not asked for. `filter` is
+        then applied to the rows read: a pandas expression over the scalar fields with
+        Milvus' JSON paths and array functions, as a search's (`query.filters`:
+        `meta["color"] == 'red' and array_contains(tags, 'x')`)."""
         info = self.collection(name)
         conditions = [
             *(where or ()),
@@ -443,6 +450,15 @@ class Catalog:
         table = reads.read_collection(
             self.system, info, apply_deletes, with_vectors, as_of=as_of, pushdown=pushdown
         )
+        exact = [filter] if filter is not None else []
+        key = info.schema.partition_key
+        exact += [  # the partitions a key's value picks hold other keys' rows too
+            f"{column} {'in' if op == 'in' else '=='} {list(value) if op == 'in' else value!r}"
+            for column, op, value in (where or ())
+            if key is not None and column == key.name
+        ]
+        if exact:
+            table = table.filter(pa.array(_filter_rows(info, table, " and ".join(f"({e})" for e in exact))))
         return table if as_arrow else table.to_pandas()
 
     def search(
@@ -551,3 +567,9 @@ class Catalog:
 
     def __iter__(self) -> Iterator[CollectionInfo]:
         return iter(self.collection_infos())
+
+
+def _filter_rows(info: CollectionInfo, table: pa.Table, expression: str) -> Any:
+    scalars = [f.name for f in info.schema.scalar_fields if f.name in table.column_names]
+    json_fields = [f.name for f in info.schema.fields if f.dtype is DataType.JSON]
+    return filter_mask(expression, table.select(scalars), json_fields, DYNAMIC_FIELD)

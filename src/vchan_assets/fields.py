@@ -25,10 +25,11 @@ import json
 from typing import Any, TypeAlias
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.model import INTEGER_RANGES, DataType, FieldSchema
+from vchan_assets.model import INTEGER_RANGES, TEXT_TYPES, DataType, FieldSchema
 
 _SCALAR_ARROW = {
     DataType.INT8: pa.int8(),
@@ -93,6 +94,8 @@ def conform(field: FieldSchema, column: Column) -> Column:
     if field.dtype is DataType.JSON:
         column = _json_column(column)
     elif not column.type.equals(arrow_type(field)):
+        if field.dtype in TEXT_TYPES and not _is_text(column.type):
+            raise FieldValueError(f"is {column.type}, not text")  # as Milvus: no number is read as a VarChar
         column = _cast(field, column)
     _check_limits(field, column)
     return _fill_nulls(field, column)
@@ -104,6 +107,10 @@ def absent(field: FieldSchema, rows: int) -> Column:
     if not field.nullable and field.default_value is None:
         raise FieldValueError("is missing (the field is not nullable and has no default value)")
     return conform(field, pa.nulls(rows, arrow_type(field)))
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
 
 
 def _cast(field: FieldSchema, column: Column) -> Column:
@@ -206,3 +213,95 @@ def random_values(field: FieldSchema, rng: np.random.Generator, n: int) -> pa.Ar
 
 def _words(name: str, limit: int) -> pa.Array:
     return pa.array([f"{name}_{i}"[-limit:] for i in range(100)])
+
+
+def pack_dynamic(extra: dict[str, Any], given: Column | None = None) -> pa.Array:
+    """The dynamic field's column: per row, a JSON object of the `extra` columns' non-null
+    values (merged into the row's `given` object, if any); null when a row has none."""
+    columns = {name: _python(values) for name, values in extra.items()}
+    rows = len(next(iter(columns.values())))
+    base: list[Any] = [None] * rows if given is None else given.to_pylist()
+    out = []
+    for row in range(rows):
+        found = {name: values[row] for name, values in columns.items() if values[row] is not None}
+        if base[row] is not None:
+            found = {**json.loads(base[row]), **found}
+        out.append(json.dumps(found) if found else None)
+    return pa.array(out, pa.string())
+
+
+def _python(values: Any) -> list[Any]:
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return values.to_pylist()
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    return [v.tolist() if isinstance(v, np.ndarray | np.generic) else v for v in values]
+
+
+# --- primary keys ----------------------------------------------------------------------
+
+Pk: TypeAlias = int | str  # a primary key's value: int64 or VarChar
+
+
+def pk_values(field: FieldSchema, pks: Any) -> pa.Array:
+    """Primary keys as given (a sequence, a NumPy array or Arrow) as the pk's Arrow type;
+    ValueError when one is not a key of that type."""
+    if isinstance(pks, pa.ChunkedArray):
+        pks = pks.combine_chunks()
+    if not isinstance(pks, pa.Array) and not len(pks):
+        return pa.array([], arrow_type(field))
+    try:
+        found = (
+            pks
+            if isinstance(pks, pa.Array)
+            else pa.array(np.asarray(pks) if field.dtype is DataType.INT64 else list(pks))
+        )
+        if found.type.equals(arrow_type(field)):
+            return found
+        if field.dtype is DataType.INT64 and not (
+            pa.types.is_integer(found.type) or pa.types.is_null(found.type)
+        ):
+            raise TypeError(f"{found.type}")
+        if field.dtype is not DataType.INT64 and not (
+            pa.types.is_string(found.type) or pa.types.is_null(found.type)
+        ):
+            raise TypeError(f"{found.type}")
+        return found.cast(arrow_type(field))
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise ValueError(f"primary keys of {field.name!r} must be {field.type_name}: {exc}") from None
+
+
+def varchar_pks(field: FieldSchema, numbers: np.ndarray) -> pa.Array:
+    """Numbers as VarChar pks of `field`: zero-padded to 12 digits (or its max_length), so
+    the text sorts as the numbers do."""
+    width = min(12, field.max_length or 12)
+    return pa.array([f"{n:0{width}d}" for n in numbers.tolist()], pa.string())
+
+
+def hash_keys(pks: Any) -> np.ndarray:
+    """Primary keys as int64 keys for hashing: int64 pks as they are, VarChar pks by their
+    64-bit SipHash (pandas' `hash_array`, a fixed key: the same in every process)."""
+    found = _numpy(pks)
+    if found.dtype.kind in "iu":
+        return found.astype(np.int64, copy=False)
+    if not len(found):
+        return np.empty(0, dtype=np.int64)
+    return pd.util.hash_array(found.astype(object, copy=False), categorize=False).view(np.int64)
+
+
+def vchannel_index(pks: Any, k: int) -> np.ndarray:
+    """Which of `k` vchannels each pk's rows and deletes go to: `pk % k` for an int64 pk,
+    the key's hash `% k` for a VarChar pk (Milvus hashes both; int64 pks keep the rule
+    their logs were written with)."""
+    found = _numpy(pks)
+    if found.dtype.kind in "iu":
+        return np.mod(found.astype(np.int64, copy=False), k)
+    return (hash_keys(found).view(np.uint64) % np.uint64(k)).astype(np.int64)
+
+
+def _numpy(pks: Any) -> np.ndarray:
+    if isinstance(pks, pa.ChunkedArray):
+        return pks.to_numpy()
+    if isinstance(pks, pa.Array):
+        return pks.to_numpy(zero_copy_only=False)
+    return np.asarray(pks)

@@ -191,6 +191,8 @@ class DataType(enum.StrEnum):
     FLOAT_VECTOR = enum.auto()
 
 
+# Milvus' name of the dynamic field: a JSON column of the inserted keys a schema does not have.
+DYNAMIC_FIELD = "$meta"
 INTEGER_TYPES = frozenset({DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64})
 TEXT_TYPES = frozenset({DataType.VARCHAR, DataType.STRING})
 # What an ARRAY may hold (Milvus: every scalar but JSON and ARRAY itself).
@@ -215,7 +217,7 @@ class FieldSchema(Record):
     field's nulls and its absence from inserted rows."""
 
     OMIT_WHEN_NONE = frozenset({"dim", "max_length", "element_type", "max_capacity", "default_value"})
-    OMIT_WHEN_DEFAULT = frozenset({"nullable"})
+    OMIT_WHEN_DEFAULT = frozenset({"nullable", "is_dynamic", "is_partition_key"})
 
     field_id: int
     name: str
@@ -227,6 +229,8 @@ class FieldSchema(Record):
     max_capacity: int | None = None
     nullable: bool = False
     default_value: str | None = None
+    is_dynamic: bool = False  # the dynamic field `$meta`: the keys of inserted rows the schema lacks
+    is_partition_key: bool = False  # its value's hash picks each row's (hidden) partition
 
     @property
     def is_vector(self) -> bool:
@@ -297,18 +301,31 @@ class FieldSchema(Record):
         return cls(field_id, name, dtype, nullable=nullable, default_value=default, **kwargs)
 
     def validate(self) -> None:
-        if not self.name.isidentifier():
+        if self.is_dynamic:
+            if (self.name, self.dtype, self.nullable) != (DYNAMIC_FIELD, DataType.JSON, True):
+                raise ValueError(f"the dynamic field is a nullable json named {DYNAMIC_FIELD!r}")
+        elif not self.name.isidentifier():
             raise ValueError(f"field name {self.name!r} must be an identifier")
         if self.is_vector and (self.dim is None or self.dim <= 0):
             raise ValueError(f"vector field {self.name!r} needs a positive dim")
-        if self.is_primary and self.dtype is not DataType.INT64:
-            raise ValueError(f"primary key {self.name!r} must be int64")
+        if self.is_primary and self.dtype not in (DataType.INT64, DataType.VARCHAR):
+            raise ValueError(f"primary key {self.name!r} must be int64 or varchar(N), not {self.type_name}")
         if (self.is_primary or self.is_vector) and (self.nullable or self.default_value is not None):
             kind = "primary key" if self.is_primary else "vector field"
             raise ValueError(f"{kind} {self.name!r} cannot be nullable or have a default value")
         self._validate_params()
         if self.default_value is not None:
             self._validate_default()
+        if self.is_partition_key and (
+            self.is_primary
+            or self.dtype not in (DataType.INT64, DataType.VARCHAR)
+            or self.nullable
+            or self.default_value is not None
+        ):
+            raise ValueError(
+                f"partition key {self.name!r} must be an int64 or varchar field other than the primary key, "
+                "neither nullable nor with a default value"
+            )
 
     def _validate_params(self) -> None:
         wants_length = self.dtype is DataType.VARCHAR or self.element_type is DataType.VARCHAR
@@ -421,23 +438,54 @@ class CollectionSchema(Record):
             raise ValueError("field ids must be unique")
         primaries = [f for f in self.fields if f.is_primary]
         if len(primaries) != 1:
-            raise ValueError("a schema needs exactly one int64 primary key field")
+            raise ValueError("a schema needs exactly one primary key field (int64 or varchar)")
         for f in self.fields:
             f.validate()
+        if sum(f.is_dynamic for f in self.fields) > 1:
+            raise ValueError("a schema has one dynamic field at most")
+        if sum(f.is_partition_key for f in self.fields) > 1:
+            raise ValueError("a schema has one partition key at most")
 
     @classmethod
-    def build(cls, primary: str, vectors: Mapping[str, int], scalars: Mapping[str, str]) -> CollectionSchema:
+    def build(
+        cls,
+        primary: str,
+        vectors: Mapping[str, int],
+        scalars: Mapping[str, str],
+        pk_type: str = "int64",
+        dynamic: bool = False,
+        partition_key: str | None = None,
+    ) -> CollectionSchema:
         """Schema from names: `vectors` name -> dim, `scalars` name -> type spec
-        (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5")."""
+        (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5");
+        the primary key is `pk_type`: "int64" or "varchar(N)"; with `dynamic`, the dynamic
+        field `$meta` keeps the keys of inserted rows the schema does not have;
+        `partition_key` names the scalar whose value picks each row's partition."""
         fid = FIRST_USER_FIELD_ID
-        fields = [FieldSchema(fid, primary, DataType.INT64, is_primary=True)]
+        fields = [replace(FieldSchema.from_spec(fid, primary, pk_type), is_primary=True)]
         for name, dim in vectors.items():
             fid += 1
             fields.append(FieldSchema(fid, name, DataType.FLOAT_VECTOR, dim=dim))
         for name, dtype in scalars.items():
             fid += 1
             fields.append(FieldSchema.from_spec(fid, name, dtype))
+        if partition_key is not None:
+            if partition_key not in scalars:
+                raise ValueError(
+                    f"partition key {partition_key!r} is not one of the scalar fields {sorted(scalars)}"
+                )
+            fields = [replace(f, is_partition_key=True) if f.name == partition_key else f for f in fields]
+        if dynamic:
+            fields.append(FieldSchema(fid + 1, DYNAMIC_FIELD, DataType.JSON, nullable=True, is_dynamic=True))
         return cls(tuple(fields))
+
+    @property
+    def dynamic_field(self) -> FieldSchema | None:
+        return next((f for f in self.fields if f.is_dynamic), None)
+
+    @property
+    def partition_key(self) -> FieldSchema | None:
+        return next((f for f in self.fields if f.is_partition_key), None)
 
     @property
     def primary(self) -> FieldSchema:
@@ -497,6 +545,17 @@ class CollectionInfo(Record):
     created_at: float = 0.0
     partition_names: tuple[str, ...] = ()
     dropped_at: float = 0.0  # 0: live; else when it was dropped (its log stays readable)
+    # Milvus' `collection.ttl.seconds`: a row older than this (by its insert timestamp) is
+    # expired: no read or search returns it, and compaction drops it. 0: rows never expire.
+    ttl_seconds: int = 0
+
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"ttl_seconds"})
+
+    def expired_before(self, ts: int) -> int:
+        """The timestamp below which rows are expired for a read at `ts` (0: none are)."""
+        if not self.ttl_seconds:
+            return 0
+        return max(0, compose_ts(physical_ms(ts) - self.ttl_seconds * 1000))
 
     def partition_id(self, name: str) -> int:
         try:
@@ -509,6 +568,8 @@ class CollectionInfo(Record):
             raise ValueError("field 'vchannels' must be a non-empty list of strings")
         if self.partition_names and len(self.partition_names) != len(self.partitions):
             raise ValueError("'partition_names' and 'partitions' differ in length")
+        if self.ttl_seconds < 0:
+            raise ValueError(f"field 'ttl_seconds' must be >= 0, got {self.ttl_seconds}")
 
 
 # --- segments and binlogs ---------------------------------------------------------------

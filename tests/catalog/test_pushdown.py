@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from vchan_assets.catalog import Catalog
+from vchan_assets.model import CollectionInfo, CollectionSchema
 from vchan_assets.query.prune import FilterError, StatsCache, parse_where, prune
 from vchan_assets.query.spark_source import (
     ReadOptionError,
@@ -147,10 +148,15 @@ def test_a_spark_read_with_pk_options_returns_what_the_catalog_returns(
         assert df.count() == len(expected)
 
 
-@pytest.mark.parametrize("options", [{"pks": "a,b"}, {"pk_min": "1,2"}])
-def test_a_wrong_pk_option_is_a_clear_error(options: dict[str, str]) -> None:
-    with pytest.raises(ReadOptionError, match="option pk"):
-        ReadRequest.from_options({"collection": "c", **options})
+def test_a_wrong_pk_option_is_a_clear_error() -> None:
+    with pytest.raises(ReadOptionError, match="option pk_min='1,2': expected one primary key"):
+        ReadRequest.from_options({"collection": "c", "pk_min": "1,2"})
+    # Text is a key of a VarChar pk: only a collection with an int64 pk refuses it.
+    request = ReadRequest.from_options({"collection": "c", "pks": "a,b"})
+    with pytest.raises(ReadOptionError, match="option pks='a,b': expected integer primary keys"):
+        request.pushdown(CollectionInfo(1, "c", SCHEMA, (2,), ("v0",)))
+    varchar = CollectionSchema.build("doc", {"vec": 4}, {}, pk_type="varchar(8)")
+    assert request.pushdown(CollectionInfo(1, "c", varchar, (2,), ("v0",))).pk.values == ("a", "b")
 
 
 def test_stats_logs_are_read_once_and_the_cache_is_bounded(catalog: Catalog, known: Known) -> None:

@@ -206,3 +206,52 @@ def test_an_import_refuses_a_value_the_field_refuses_naming_file_column_and_row(
     assert job.state is ImportState.FAILED
     assert str(path) in job.reason and repr(column) in job.reason and says in job.reason
     assert Catalog(system).read_collection(info.name).empty
+
+
+def test_reads_and_searches_filter_on_json_paths_and_array_functions(
+    system: System, typed: tuple[CollectionInfo, pd.DataFrame]
+) -> None:
+    info, expected = typed
+    catalog = Catalog(system)
+    want = {
+        pk
+        for pk, meta, tags in zip(expected["pk"], expected["meta"], expected["tags"], strict=True)
+        if meta and json.loads(meta)["rank"] < 50 and len(tags) >= 2
+    }
+    got = catalog.read_collection(info.name, filter="meta['rank'] < 50 and array_length(tags) >= 2")
+    assert want and set(got["pk"]) == want
+    hits = catalog.search(
+        info.name, np.ones(4, dtype=np.float32), k=8, filter="meta['even'] == True", output_fields=("meta",)
+    )
+    assert len(hits) == 8 and all(json.loads(m)["even"] for m in hits["meta"])
+
+
+DYNAMIC = CollectionSchema.build("pk", {"vec": 4}, {"n": "int64"}, dynamic=True)
+
+
+def test_the_dynamic_field_keeps_the_keys_the_schema_lacks_through_sync_import_and_filters(
+    system: System, producer: Producer, tmp_path: Path
+) -> None:
+    info = new_collection(producer, schema=DYNAMIC, prefix="dynamic")
+    inserted = generate_rows(DYNAMIC, 60, seed=3).drop_columns(["$meta"])
+    producer.insert(info.name, inserted.append_column("color", pa.array(["red", "blue", "green"] * 20)))
+    producer.flush(info.name)
+    sync_all(system, info)
+    imported = generate_rows(DYNAMIC, 20, start_pk=1000, seed=4).drop_columns(["$meta"])
+    vectors = np.frombuffer(imported["vec"].combine_chunks().buffers()[1], dtype="<f4")[: 20 * 4]
+    at = imported.schema.get_field_index("vec")
+    imported = imported.set_column(at, "vec", pa.FixedSizeListArray.from_arrays(pa.array(vectors), 4))
+    imported = imported.append_column("size", pa.array(range(20)))
+    job = run_import(system.store, system.settings, info, [write_parquet(tmp_path / "d.parquet", imported)])
+    assert job.state is ImportState.COMPLETED, job.reason
+
+    catalog = Catalog(system)
+    red = catalog.read_collection(info.name, filter="color == 'red'")
+    assert sorted(red["pk"]) == list(range(0, 60, 3))
+    assert all(json.loads(m) == {"color": "red"} for m in red["$meta"])
+    big = catalog.read_collection(info.name, filter="size >= 15")
+    assert sorted(big["pk"]) == list(range(1015, 1020))
+    hits = catalog.search(
+        info.name, np.ones(4, dtype=np.float32), k=5, filter="color == 'blue'", output_fields=("$meta",)
+    )
+    assert len(hits) == 5 and all(json.loads(m)["color"] == "blue" for m in hits["$meta"])

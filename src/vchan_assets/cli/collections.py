@@ -7,10 +7,11 @@ import time
 
 import numpy as np
 
+from vchan_assets import fields
 from vchan_assets.cli.base import SCALAR_TYPES, UsageError, _positive, command, names, open_producer, scalars
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionExistsError
-from vchan_assets.model import CollectionSchema
+from vchan_assets.model import CollectionSchema, DataType
 from vchan_assets.wal.producer import ChannelAppend, generate_rows
 
 # --- create-collection ------------------------------------------------------------------
@@ -20,11 +21,37 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collection", "--name", dest="collection", required=True, help="collection name")
     parser.add_argument("--dim", type=int, default=128, help="dimension of the vector field (default 128)")
     parser.add_argument("--vector", default="vector", help="name of the vector field (default: vector)")
-    parser.add_argument("--pk", default="id", help="name of the int64 primary key (default: id)")
+    parser.add_argument(
+        "--pk",
+        default="id",
+        help="the primary key as NAME or NAME:TYPE, TYPE int64 (the default) or varchar(N) (default: id)",
+    )
     parser.add_argument(
         "--scalars",
         default="age:int64,label:string",
         help=f"scalar fields as name:type,... (types: {SCALAR_TYPES})",
+    )
+    parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="keep the keys of inserted rows the schema lacks in the dynamic field $meta (JSON)",
+    )
+    parser.add_argument(
+        "--partition-key",
+        default=None,
+        help="a scalar field (int64 or varchar) whose value's hash picks each row's hidden partition",
+    )
+    parser.add_argument(
+        "--num-partitions",
+        type=int,
+        default=16,
+        help="hidden partitions of a collection with --partition-key (default 16)",
+    )
+    parser.add_argument(
+        "--ttl",
+        type=int,
+        default=0,
+        help="collection.ttl.seconds: rows expire this many seconds after their insert (default 0: never)",
     )
     parser.add_argument("--shards", type=int, default=2, help="number of vchannels (default 2)")
     parser.add_argument("--partitions", default="", help="extra partitions besides _default: a,b,...")
@@ -34,13 +61,25 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
 @command("create-collection", "create a collection and its vchannels", _create_collection_args)
 def create_collection(args: argparse.Namespace, settings: Settings) -> int:
     try:
-        schema = CollectionSchema.build(args.pk, {args.vector: args.dim}, scalars(args.scalars))
+        pk, _, pk_type = args.pk.partition(":")
+        schema = CollectionSchema.build(
+            pk,
+            {args.vector: args.dim},
+            scalars(args.scalars),
+            pk_type or "int64",
+            dynamic=args.dynamic,
+            partition_key=args.partition_key,
+        )
     except ValueError as exc:  # a bad type name, field name or dimension
         raise UsageError(f"invalid schema: {exc}") from None
     with open_producer(settings) as producer:
         try:
             info = producer.create_collection(
-                args.collection, schema, names(args.partitions), num_channels=args.shards
+                args.collection,
+                schema,
+                names(args.partitions),
+                num_channels=args.shards,
+                ttl_seconds=args.ttl,
             )
         except CollectionExistsError:
             if not args.if_not_exists:
@@ -123,6 +162,8 @@ def produce(args: argparse.Namespace, settings: Settings) -> int:
             if args.deletes:
                 rng = np.random.default_rng(args.seed)
                 pks = start_pk + rng.choice(args.rows, size=args.deletes, replace=False)
+                if info.schema.primary.dtype is DataType.VARCHAR:  # as generate_rows wrote them
+                    pks = fields.varchar_pks(info.schema.primary, pks)
                 task = progress.add_task("delete", total=args.deletes, rate="")
                 for i in range(0, args.deletes, args.batch):
                     chunk = pks[i : i + args.batch]

@@ -29,6 +29,9 @@ DEFAULT_PARTITION = "_default"
 MAX_NAME_LENGTH = 255
 MAX_CHANNELS = 64
 MAX_PARTITIONS = 4096  # as Milvus' rootCoord.maxPartitionNum
+# Milvus' partition key: 16 hidden partitions by default, at most 1024.
+DEFAULT_KEY_PARTITIONS = 16
+MAX_KEY_PARTITIONS = 1024
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -102,6 +105,14 @@ def vchannel_names(root: str, collection_id: int, count: int) -> tuple[str, ...]
     return tuple(f"{prefix}-dml_{i}_{collection_id}v{i}" for i in range(count))
 
 
+def key_partitions(count: int) -> list[str]:
+    """The hidden partitions of a collection with a partition key, as Milvus names them: a
+    row goes to `_default_{hash(key) % count}`."""
+    if not 1 <= count <= MAX_KEY_PARTITIONS:
+        raise ValueError(f"num_partitions must be in [1, {MAX_KEY_PARTITIONS}], got {count}")
+    return [f"{DEFAULT_PARTITION}_{i}" for i in range(count)]
+
+
 def validate_schema(name: str, schema: CollectionSchema) -> None:
     """What a collection accepts: an int64 primary key, one or more float vectors of a
     fixed dimension in [1, 32768], scalars of the types `FieldSchema.from_spec` reads."""
@@ -112,6 +123,14 @@ def validate_schema(name: str, schema: CollectionSchema) -> None:
             raise InvalidSchemaError(name, f"vector {field.name!r} needs a dim in [1, 32768]")
         if field.name in ("offset", "msg_type", "timestamp", "segment_id", "partition_id", "payload"):
             raise InvalidSchemaError(name, f"field name {field.name!r} is reserved by the log")
+
+
+def _no_key_partitions(info: CollectionInfo, verb: str) -> None:
+    key = info.schema.partition_key
+    if key is not None:
+        raise InvalidSchemaError(
+            info.name, f"cannot {verb} a partition: its partitions follow its partition key {key.name!r}"
+        )
 
 
 class CollectionRegistry:
@@ -169,14 +188,26 @@ class CollectionRegistry:
         schema: CollectionSchema,
         partitions: Sequence[str] = (DEFAULT_PARTITION,),
         num_channels: int = 2,
+        ttl_seconds: int = 0,
+        num_partitions: int = DEFAULT_KEY_PARTITIONS,
     ) -> CollectionInfo:
         """Create a collection with `num_channels` vchannels; `_default` is always a
-        partition. Raises CollectionExistsError if the name is taken."""
+        partition, or, when the schema has a partition key, `num_partitions` hidden ones
+        (`_default_0` ...: `key_partitions`); rows expire after `ttl_seconds` (0: never).
+        Raises CollectionExistsError if the name is taken."""
         validate_name("collection", name)
         validate_schema(name, schema)
         if not 1 <= num_channels <= MAX_CHANNELS:
             raise ValueError(f"num_channels must be in [1, {MAX_CHANNELS}], got {num_channels}")
+        if ttl_seconds < 0:
+            raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
         names = [DEFAULT_PARTITION] + [p for p in dict.fromkeys(partitions) if p != DEFAULT_PARTITION]
+        if schema.partition_key is not None:
+            if len(names) > 1:
+                raise InvalidSchemaError(
+                    name, "a collection with a partition key has no partitions of its own"
+                )
+            names = key_partitions(num_partitions)
         for partition in names:
             validate_name("partition", partition)
         if len(names) > MAX_PARTITIONS:
@@ -193,6 +224,7 @@ class CollectionRegistry:
             partition_names=tuple(names),
             vchannels=vchannel_names(self.store.keys.root, collection_id, num_channels),
             created_at=self.clock(),
+            ttl_seconds=ttl_seconds,
         )
         name_key, key = self._name_key(name), self.store.keys.collection(collection_id)
         ok = (
@@ -233,6 +265,14 @@ class CollectionRegistry:
 
         return retry_on_conflict(f"drop of collection {name!r}", attempt)
 
+    def set_ttl(self, name: str, ttl_seconds: int) -> CollectionInfo:
+        """Milvus' `collection.ttl.seconds` of a collection, changed (0: rows never expire);
+        readers and the compaction trigger apply the new value from their next read of it."""
+        if ttl_seconds < 0:
+            raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
+        collection = self.get_by_name(name)
+        return self.update(collection.id, lambda info: replace(info, ttl_seconds=ttl_seconds))
+
     def set_start_positions(self, collection_id: int, positions: Sequence[MsgPosition]) -> CollectionInfo:
         """Record where each vchannel starts (the create_collection message)."""
         by_channel = {p.channel: p for p in positions}
@@ -253,6 +293,7 @@ class CollectionRegistry:
         """Add a partition; returns the new info and the partition's id."""
         validate_name("partition", partition)
         collection = self.get_by_name(name)
+        _no_key_partitions(collection, "create")
         partition_id = self.ids.alloc()
 
         def change(info: CollectionInfo) -> CollectionInfo:
@@ -273,6 +314,7 @@ class CollectionRegistry:
         if partition == DEFAULT_PARTITION:
             raise ValueError("the _default partition cannot be dropped")
         collection = self.get_by_name(name)
+        _no_key_partitions(collection, "drop")
         dropped: list[int] = []
 
         def change(info: CollectionInfo) -> CollectionInfo:

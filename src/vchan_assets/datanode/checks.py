@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.datanode.policies import ChannelBacklog
+from vchan_assets.fields import arrow_type
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import Binlog, CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
 from vchan_assets.storage import Storage, StorageError
@@ -188,7 +189,9 @@ def check_unique_pks(
     if not paths:
         return CheckOutcome(True, "no insert binlogs yet", {"rows": 0, "duplicates": 0})
     columns = [storage.read_parquet(path, columns=[pk])[pk] for path in paths]
-    pks = pa.chunked_array([c for col in columns for c in col.chunks], type=pa.int64())
+    pks = pa.chunked_array(
+        [c for col in columns for c in col.chunks], type=arrow_type(collection.schema.primary)
+    )
     distinct = len(pc.unique(pks))
     dupes = len(pks) - distinct
     return CheckOutcome(

@@ -2,7 +2,9 @@
 
 Milvus keeps a bloom filter per segment so deletes and upserts can find which
 segments may hold a pk without reading them. The file is JSON (readable by any
-engine): {"v", "entries", "pk_min", "pk_max", "m", "k", "bits": base64}.
+engine): {"v", "entries", "pk_min", "pk_max", "m", "k", "bits": base64}; for VarChar
+pks, `pk_min`/`pk_max` are strings and the bloom filter's keys are the strings' 64-bit
+SipHash (pandas' `hash_array`, fixed key: the same in every process and release).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from vchan_assets.fields import Pk, hash_keys
 
 FALSE_POSITIVE_RATE = 0.001
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -27,17 +31,30 @@ def _mix(x: np.ndarray, seed: int) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def _as_keys(pks: object) -> np.ndarray:
+    found = np.asarray(pks)
+    if found.dtype.kind in "iu":
+        return found.astype(np.int64, copy=False)
+    return found.astype(object, copy=False)  # VarChar pks: Python strings compare and sort
+
+
+def _bound(value: object) -> Pk:
+    return value if isinstance(value, str) else int(value)  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
 class PkStats:
     entries: int
-    pk_min: int
-    pk_max: int
+    pk_min: Pk
+    pk_max: Pk
     m: int  # bits
     k: int  # hash functions
     bits: bytes
 
     @classmethod
     def build(cls, pks: np.ndarray, fpr: float = FALSE_POSITIVE_RATE) -> PkStats:
+        """Stats of `pks`: int64, or strings (VarChar pks, as an object or str array)."""
+        pks = _as_keys(pks)
         n = max(int(len(pks)), 1)
         needed = max(64, int(math.ceil(-n * math.log(fpr) / (math.log(2) ** 2))))
         k = max(1, round(needed / n * math.log(2)))
@@ -50,8 +67,8 @@ class PkStats:
         bitset = np.packbits(flags, bitorder="little")
         return cls(
             entries=int(len(pks)),
-            pk_min=int(pks.min()) if len(pks) else 0,
-            pk_max=int(pks.max()) if len(pks) else 0,
+            pk_min=_bound(pks.min()) if len(pks) else 0,
+            pk_max=_bound(pks.max()) if len(pks) else 0,
             m=m,
             k=k,
             bits=bitset.tobytes(),
@@ -59,7 +76,9 @@ class PkStats:
 
     def might_contain(self, pks: np.ndarray) -> np.ndarray:
         """Per pk: False means certainly absent; True means possibly present."""
-        pks = np.asarray(pks, dtype=np.int64)
+        pks = _as_keys(pks)
+        if not self.entries or not len(pks):
+            return np.zeros(len(pks), dtype=bool)
         result = (pks >= self.pk_min) & (pks <= self.pk_max)
         bitset = np.frombuffer(self.bits, dtype=np.uint8)
         for idx in _positions(pks, self.m, self.k):
@@ -88,8 +107,9 @@ class PkStats:
 
 def _positions(pks: np.ndarray, m: int, k: int) -> list[np.ndarray]:
     # Double hashing: h1 + i*h2 (Kirsch-Mitzenmacher) gives k independent-enough positions.
-    h1 = _mix(np.asarray(pks, dtype=np.int64), 0)
-    h2 = _mix(np.asarray(pks, dtype=np.int64), 1) | np.uint64(1)
+    keys = hash_keys(pks)
+    h1 = _mix(keys, 0)
+    h2 = _mix(keys, 1) | np.uint64(1)
     mask = np.uint64(m - 1)
     with np.errstate(over="ignore"):
         return [(h1 + np.uint64(i) * h2) & mask for i in range(k)]

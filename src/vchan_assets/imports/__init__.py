@@ -85,6 +85,12 @@ def submit(
     fmt = ImportFormat(format)
     with _store(store, settings) as (meta, conf):
         info = CollectionRegistry(meta).get_by_name(collection)
+        key = info.schema.partition_key
+        if key is not None:  # its rows would each need the partition their key picks
+            raise ValueError(
+                f"collection {collection!r} has a partition key ({key.name!r}): bulk import into it is not "
+                "supported yet; insert its rows instead"
+            )
         if partition not in info.partition_names:
             raise PartitionNotFoundError(collection, partition)
         paths = FileSource(conf.s3_endpoint, conf.s3_region).expand(list(files), fmt)

@@ -7,7 +7,8 @@ JSON arrays such as "[0.1, 0.2]"), through pyarrow's readers, streamed batch by 
 Column rules, checked against the collection schema before anything is written:
   - the primary key and every vector field must be present; a missing scalar field gets
     its default value, or null when it is nullable, in every row (else the job fails);
-  - a column the schema does not know fails the job, unless asked to drop such columns;
+  - a column the schema does not know fails the job, unless asked to drop such columns or
+    the collection has a dynamic field (which then keeps them, as JSON);
   - types must fit: integers from any integer type (in the field's range), float/double
     from integers or floats, varchar from strings (within `max_length` bytes), bool from
     bools, JSON from JSON text or nested values, an array from lists (or, in CSV, JSON
@@ -176,7 +177,7 @@ def plan_columns(schema: CollectionSchema, found: pa.Schema, path: str, drop_unk
     names = set(found.names)
     known = {f.name for f in schema.fields}
     unknown = tuple(n for n in found.names if n not in known)
-    if unknown and not drop_unknown:
+    if unknown and not drop_unknown and schema.dynamic_field is None:
         raise ImportInputError(path, "is not a field of the collection (or drop unknown columns)", unknown[0])
     missing = []
     for f in schema.fields:
@@ -246,7 +247,8 @@ def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> Non
 
 def convert(schema: CollectionSchema, batch: pa.RecordBatch, path: str, first_row: int = 0) -> pa.Table:
     """A batch as the collection's fields in log order (pk first): scalars cast, missing
-    scalars null, vectors as fixed_size_binary(dim * 4) little-endian float32."""
+    scalars their default or null, vectors as fixed_size_binary(dim * 4) little-endian
+    float32; columns the schema lacks in its dynamic field, when it has one."""
     names = set(batch.schema.names)
     ordered = [schema.primary] + [f for f in schema.fields if not f.is_primary]
     columns = [
@@ -255,6 +257,14 @@ def convert(schema: CollectionSchema, batch: pa.RecordBatch, path: str, first_ro
         else fields.absent(f, batch.num_rows)
         for f in ordered
     ]
+    dynamic = schema.dynamic_field
+    extra = [n for n in batch.schema.names if n not in {f.name for f in ordered}]
+    if dynamic is not None and extra:
+        at = ordered.index(dynamic)
+        try:
+            columns[at] = fields.pack_dynamic({n: batch.column(n) for n in extra}, columns[at])
+        except (TypeError, ValueError) as exc:
+            raise ImportInputError(path, f"cannot hold the columns {extra}: {exc}", dynamic.name) from None
     return pa.Table.from_arrays(columns, names=[f.name for f in ordered])
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from vchan_assets.fields import arrow_type
 from vchan_assets.imports.files import (
     FileSource,
     ImportInputError,
@@ -66,7 +67,8 @@ def check_file(
     for batch in read_batches(source, path, fmt, columns=columns):
         for name in columns:
             convert_column(schema.field(name), batch.column(name), path, rows)
-        keys.append(batch.column(schema.primary.name).cast(pa.int64()).to_numpy(zero_copy_only=False))
+        pk = batch.column(schema.primary.name).cast(arrow_type(schema.primary))
+        keys.append(pk.to_numpy(zero_copy_only=False))
         rows += batch.num_rows
     if rows == 0:
         raise ImportInputError(path, "has no rows")
@@ -108,7 +110,7 @@ def check_unique(pk: str, paths: list[str], keys: list[np.ndarray]) -> None:
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     if not len(repeated):
         return
-    value = int(repeated[0])
+    value = repeated[0].item() if isinstance(repeated[0], np.generic) else repeated[0]
     holders = [p for p, k in zip(paths, keys, strict=True) if (k == value).any()]
     where = "twice in it" if len(holders) == 1 else f"also in {holders[1]}"
     raise ImportInputError(holders[0], f"primary key {value} appears more than once in the job ({where})", pk)

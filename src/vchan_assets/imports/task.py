@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from vchan_assets.datanode.binlog_writer import SCALAR_GROUP, column_groups, group_field_ids, write_parquet
 from vchan_assets.datanode.stats import PkStats
+from vchan_assets.fields import vchannel_index
 from vchan_assets.imports.files import FileSource, ImportInputError, convert, read_batches
 from vchan_assets.imports.jobs import ImportFormat
 from vchan_assets.model import (
@@ -115,7 +116,7 @@ class ImportTask:
         ts = pa.array(np.full(n, self.spec.timestamp, dtype=np.int64))
         table = table.add_column(0, _SYSTEM[0], ids).add_column(1, _SYSTEM[1], ts)
         k = len(self.spec.vchannels)
-        channel = np.mod(table[self.pk].to_numpy(), k) if k > 1 else np.zeros(n, dtype=np.int64)
+        channel = vchannel_index(table[self.pk], k) if k > 1 else np.zeros(n, dtype=np.int64)
         for c in np.unique(channel).tolist():
             rows = table.filter(pa.array(channel == c)) if k > 1 else table
             self._buffer(int(c), rows)

@@ -25,7 +25,7 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 from vchan_assets.storage.layout import BINLOG_ROOTS
-from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_deletes, read_files
+from vchan_assets.storage.rows import apply_deletes_to, delete_paths, read_deletes, read_files, unexpired
 
 
 def _segments(store: MetaStore) -> list[SegmentInfo]:
@@ -51,7 +51,7 @@ def check_rows_conserved(store: MetaStore, storage: Storage, plans: Sequence[Com
             bad.append(f"plan {p.plan_id}: in {p.rows_in}/{counted[0]}, out {p.rows_out}/{counted[1]}")
     return CheckOutcome(
         not bad,
-        f"{len(plans)} compactions: rows in = rows out + deleted rows"
+        f"{len(plans)} compactions: rows in = rows out + deleted and expired rows"
         + (f" ({gone} no longer checkable: files garbage-collected)" if gone else "")
         + (f"; wrong: {bad[:3]}" if bad else ""),
         {"compactions": len(plans), "wrong": len(bad), "garbage_collected": gone},
@@ -61,8 +61,8 @@ def check_rows_conserved(store: MetaStore, storage: Storage, plans: Sequence[Com
 def _recount(
     store: MetaStore, storage: Storage, p: CompactionPlan, segments: dict[int, SegmentInfo]
 ) -> tuple[int, int] | None:
-    """(rows in, rows left after the deletes the plan applied), from the input files; None
-    once GC removed what it would read."""
+    """(rows in, rows left after the deletes the plan applied and the rows a TTL expired),
+    from the input files; None once GC removed what it would read."""
     inputs = [segments[i] for i in p.input_ids if i in segments]
     # The deletes the compaction applied (recorded at commit), not those a sync added since;
     # for plans written before that record: the live ones of the partition and the inputs'.
@@ -81,7 +81,8 @@ def _recount(
         storage, [b.path for s in inputs for g in s.binlogs[:1] for b in g.logs], [pk, "timestamp"]
     )
     rows = rows if rows is not None else pa.table({pk: pa.array([], pa.int64())})
-    return rows.num_rows, apply_deletes_to(rows, read_deletes(storage, sorted(paths)), pk).num_rows
+    kept = unexpired(rows, p.expire_before)  # the rows a TTL had expired when it was planned
+    return rows.num_rows, apply_deletes_to(kept, read_deletes(storage, sorted(paths)), pk).num_rows
 
 
 def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:

@@ -62,7 +62,14 @@ from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.errors import MetaError, MetaUnavailableError
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
-from vchan_assets.model import CollectionInfo, SegmentInfo, SegmentLevel, SegmentState, physical_ms
+from vchan_assets.model import (
+    CollectionInfo,
+    SegmentInfo,
+    SegmentLevel,
+    SegmentState,
+    compose_ts,
+    physical_ms,
+)
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
 from vchan_assets.storage.rows import DELETE_COLUMNS, delete_paths, read_files
@@ -126,13 +133,15 @@ def mix_candidates(
     delete_threshold: float,
     manual: bool = False,
     tier_factor: float = 2.0,
+    expired_ratio: dict[int, float] | None = None,
 ) -> list[Candidate]:
     """Groups of one (partition, vchannel) to merge, each up to `max_rows` rows.
 
     Size-tiered, so a row is rewritten about log(total / new) times, not at every step:
     small segments merge only with others of their size tier (a grown merged segment
     waits until enough smaller ones grew to its size). A segment with more deleted rows
-    than the threshold is rewritten alone, its deleted rows' bytes reclaimed."""
+    than the threshold, or more rows a TTL expired (`expired_ratio`), is rewritten alone,
+    those rows' bytes reclaimed."""
     groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
     for d in segments:
         if compactable(d.model):
@@ -151,6 +160,13 @@ def mix_candidates(
         )
         out += [Candidate(CompactionType.MIX, (d,), "delete ratio") for d in heavy]
         rewritten = {d.model.id for d in heavy}
+        expired = [
+            d
+            for d in members
+            if d.model.id not in rewritten and (expired_ratio or {}).get(d.model.id, 0.0) > delete_threshold
+        ]
+        out += [Candidate(CompactionType.MIX, (d,), "expired rows (TTL)") for d in expired]
+        rewritten |= {d.model.id for d in expired}
         below = small_proportion * max_rows
         small = [d for d in members if d.model.num_rows < below and d.model.id not in rewritten]
         for tier in size_tiers(small, tier_factor):
@@ -175,6 +191,19 @@ def _pack(members: list[Decoded[SegmentInfo]], max_rows: int) -> list[list[Decod
         batches[-1].append(d)
         rows += d.model.num_rows
     return batches
+
+
+def expired_ratios(segments: Sequence[SegmentInfo], expire_before: int) -> dict[int, float]:
+    """Per segment: the share of its rows a TTL expired, from its insert binlogs' timestamp
+    ranges (a binlog counts once its newest row expired: no file is read)."""
+    if not expire_before:
+        return {}
+    out = {}
+    for seg in segments:
+        if seg.num_rows and seg.binlogs:
+            gone = sum(b.entries for b in seg.binlogs[0].logs if b.ts_to < expire_before)
+            out[seg.id] = gone / seg.num_rows
+    return out
 
 
 def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int, float]:
@@ -309,6 +338,7 @@ class CompactionTrigger:
                 if d.model.is_sorted or physical_ms(d.model.last_flush_ts) / 1000 < flushed_before
             ]
         max_rows = max_rows_of(collection, self.settings)
+        expire_before = collection.expired_before(compose_ts(int(time.time() * 1000)))
         if kind is CompactionType.SORT:
             candidates = sort_candidates(free)
         elif kind is CompactionType.MIX:
@@ -321,6 +351,7 @@ class CompactionTrigger:
                 self.settings.compaction_delete_ratio,
                 manual,
                 self.settings.compaction_tier_factor,
+                expired_ratios([d.model for d in free], expire_before),
             )
         else:
             checkpoints = {v: channel_checkpoint(self.store, v) for v in collection.vchannels}
@@ -330,9 +361,11 @@ class CompactionTrigger:
                 candidates = l0_candidates(found, busy, offsets, count, int(mb * 2**20))
             else:
                 candidates = l0_candidates(found, busy, offsets)
-        return [self._plan(collection, c, max_rows) for c in candidates]
+        return [self._plan(collection, c, max_rows, expire_before) for c in candidates]
 
-    def _plan(self, collection: CollectionInfo, c: Candidate, max_rows: int) -> CompactionPlan:
+    def _plan(
+        self, collection: CollectionInfo, c: Candidate, max_rows: int, expire_before: int = 0
+    ) -> CompactionPlan:
         rows = sum(d.model.num_rows for d in c.segments)
         n_out = 0 if c.type is CompactionType.L0 else outputs_needed(rows, max_rows)
         first = c.segments[0].model
@@ -348,6 +381,7 @@ class CompactionTrigger:
             reason=c.reason,
             created_at=time.time(),
             chained=c.chained,
+            expire_before=0 if c.type is CompactionType.L0 else expire_before,
         )
         create_plan(self.store, plan)
         log.info(
@@ -451,6 +485,7 @@ class CompactionExecutor:
             output_ids=p.output_ids,
             log_id_base=self.ids.alloc(LOG_IDS_PER_PLAN),
             max_rows=max_rows_of(info, self.settings),
+            expire_before=p.expire_before,
         )
         if p.type is CompactionType.L0:
             spec = replace(spec, inputs=l0, targets=tuple(s for s in inputs if s not in l0))

@@ -89,8 +89,12 @@ class CompactionPlan(Record):
     # once that worker is gone the plan is failed at once, not at VCHAN_COMPACTION_TIMEOUT
     # ("" on plans written before: only the timeout ends those).
     worker: str = ""
+    # A collection with a TTL: rows inserted before this timestamp had expired when the plan
+    # was made; a sort or mix drops them (0: none, as on plans written before).
+    expire_before: int = 0
 
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deletes_applied"})
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"expire_before"})
 
     @property
     def input_ids(self) -> tuple[int, ...]:

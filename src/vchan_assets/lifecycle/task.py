@@ -39,6 +39,7 @@ from vchan_assets.storage.rows import (
     read_deletes,
     read_files,
     segment_rows,
+    unexpired,
 )
 
 
@@ -64,6 +65,7 @@ class CompactionSpec:
     log_id_base: int  # log ids log_id_base .. + LOG_IDS_PER_PLAN
     max_rows: int
     targets: tuple[SegmentInfo, ...] = ()  # L0 compaction: the segments that get the deletes
+    expire_before: int = 0  # rows inserted before this expired (TTL): left out of the outputs
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ def outputs_needed(rows: int, max_rows: int) -> int:
 def run_compaction(spec: CompactionSpec) -> CompactionOutput:
     rows = _read_inputs(spec)
     rows_in = rows.num_rows
+    rows = unexpired(rows, spec.expire_before)
     rows = apply_deletes_to(rows, _read_deletes(spec), spec.schema.primary.name)
     rows = rows.sort_by([(spec.schema.primary.name, "ascending"), ("timestamp", "ascending")])
     log_ids = iter(range(spec.log_id_base, spec.log_id_base + LOG_IDS_PER_PLAN))

@@ -43,7 +43,7 @@ from vchan_assets.model import ChannelHead, CollectionInfo, SegmentInfo, Segment
 from vchan_assets.query.asof import at_or_before, iso, segments_at
 from vchan_assets.query.reads import read_views
 from vchan_assets.query.view import QueryView, collection_segments, index_ready, query_view
-from vchan_assets.storage.rows import apply_deletes_to, read_deletes
+from vchan_assets.storage.rows import apply_deletes_to, concat_deletes, read_deletes
 from vchan_assets.system import System
 from vchan_assets.wal.format import MsgType
 
@@ -148,7 +148,7 @@ def _live_rows(log: pa.Table, pk: str, applied: dict[int, pa.Table]) -> pa.Table
         mine = deletes.filter(pc.equal(deletes["partition_id"], part)).select([pk, "timestamp"])
         found = [mine.rename_columns(["pk", "timestamp"]), *([applied[part]] if part in applied else [])]
         rows = inserts.filter(pc.equal(inserts["partition_id"], part))
-        live.append(apply_deletes_to(rows, pa.concat_tables(found, promote_options="permissive"), pk))
+        live.append(apply_deletes_to(rows, concat_deletes(found), pk))
     return pa.concat_tables(live) if live else inserts
 
 

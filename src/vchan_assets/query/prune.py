@@ -17,8 +17,8 @@ on a segment sorted by pk, a binary search instead of a scan).
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,9 @@ import pyarrow as pa
 
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.errors import DeclaredError
-from vchan_assets.model import CollectionInfo, SegmentInfo
+from vchan_assets.fields import Pk
+from vchan_assets.model import CollectionInfo, DataType, SegmentInfo
+from vchan_assets.query.filters import key_partitions_of
 from vchan_assets.storage import Storage
 from vchan_assets.storage.cache import ReadCache
 
@@ -46,41 +48,55 @@ class FilterError(DeclaredError, ValueError):
     message = "filter {condition}: {detail}"
 
 
+def _keys(values: Iterable[Pk]) -> np.ndarray:
+    """Pks as NumPy: int64, or Python strings (VarChar pks compare and sort as text)."""
+    found = np.asarray(list(values) if not isinstance(values, np.ndarray) else values)
+    return (
+        found.astype(np.int64, copy=False) if found.dtype.kind in "iu" else found.astype(object, copy=False)
+    )
+
+
 @dataclass(frozen=True)
 class PkFilter:
-    """Rows whose pk lies in [low, high] (either bound open or missing) and, when `values`
-    is set, is one of them. The empty filter (`PkFilter()`) keeps every row."""
+    """Rows whose pk lies in [low, high] (either bound open, or None: unbounded) and,
+    when `values` is set, is one of them. The empty filter (`PkFilter()`) keeps every row.
+    Keys are int64 or VarChar, as the collection's pk."""
 
-    values: tuple[int, ...] | None = None
-    low: float = -math.inf
+    values: tuple[Pk, ...] | None = None
+    low: Pk | None = None
     low_open: bool = False
-    high: float = math.inf
+    high: Pk | None = None
     high_open: bool = False
 
     @property
     def everything(self) -> bool:
-        return self.values is None and self.low == -math.inf and self.high == math.inf
+        return self.values is None and self.low is None and self.high is None
 
     @property
     def empty(self) -> bool:
         """No pk can match (contradicting bounds, or no value within them)."""
         if self.values is not None:
-            return not self.in_range(np.asarray(self.values, np.int64)).any()
-        return self.low > self.high or (self.low == self.high and (self.low_open or self.high_open))
+            return not self.in_range(_keys(self.values)).any()
+        if self.low is None or self.high is None:
+            return False
+        return self.low > self.high or (self.low == self.high and (self.low_open or self.high_open))  # type: ignore[operator]
 
     def and_(self, other: PkFilter) -> PkFilter:
         """Both filters at once."""
         values = self.values
         if other.values is not None:
             values = other.values if values is None else tuple(sorted(set(values) & set(other.values)))
-        low, low_open = max((self.low, self.low_open), (other.low, other.low_open))
-        high, high_open = min((self.high, not self.high_open), (other.high, not other.high_open))
-        return PkFilter(values, low, low_open, high, not high_open)
+        low, low_open = _tighter((self.low, self.low_open), (other.low, other.low_open), max)
+        high, high_open = _tighter((self.high, self.high_open), (other.high, other.high_open), min)
+        return PkFilter(values, low, low_open, high, high_open)
 
     def in_range(self, pks: np.ndarray) -> np.ndarray:
-        above = pks > self.low if self.low_open else pks >= self.low
-        below = pks < self.high if self.high_open else pks <= self.high
-        return np.asarray(above & below, dtype=bool)
+        keep = np.ones(len(pks), dtype=bool)
+        if self.low is not None:
+            keep &= pks > self.low if self.low_open else pks >= self.low
+        if self.high is not None:
+            keep &= pks < self.high if self.high_open else pks <= self.high
+        return keep
 
     def may_hold(self, stats: PkStats) -> bool:
         """Whether a binlog with these stats may hold a matching pk (range, then bloom)."""
@@ -88,16 +104,18 @@ class PkFilter:
             return False
         if self.values is None:
             return not self.and_(PkFilter(low=stats.pk_min, high=stats.pk_max)).empty
-        wanted = np.asarray(self.values, np.int64)
+        wanted = _keys(self.values)
         wanted = wanted[self.in_range(wanted)]
         return bool(len(wanted)) and bool(stats.might_contain(wanted).any())
 
     def mask(self, pks: pa.Array | pa.ChunkedArray) -> pa.Array:
         """Per row: its pk matches."""
-        arr = pks.to_numpy() if isinstance(pks, pa.ChunkedArray) else pks.to_numpy(zero_copy_only=False)
+        arr = _keys(
+            pks.to_numpy() if isinstance(pks, pa.ChunkedArray) else pks.to_numpy(zero_copy_only=False)
+        )
         keep = self.in_range(arr)
         if self.values is not None:
-            keep &= np.isin(arr, np.asarray(self.values, np.int64))
+            keep &= np.isin(arr, _keys(self.values))
         return pa.array(keep)
 
     def rows(self, table: pa.Table, pk: str, is_sorted: bool = False) -> pa.Table:
@@ -106,11 +124,29 @@ class PkFilter:
         if self.everything or table.num_rows == 0:
             return table
         if is_sorted and self.values is None:
-            pks = table[pk].to_numpy()
-            start = np.searchsorted(pks, self.low, side="right" if self.low_open else "left")
-            stop = np.searchsorted(pks, self.high, side="left" if self.high_open else "right")
+            pks = _keys(table[pk].to_numpy())
+            start = (
+                0
+                if self.low is None
+                else np.searchsorted(pks, self.low, side="right" if self.low_open else "left")
+            )
+            stop = (
+                len(pks)
+                if self.high is None
+                else np.searchsorted(pks, self.high, side="left" if self.high_open else "right")
+            )
             return table.slice(int(start), max(0, int(stop - start)))
         return table.filter(self.mask(table[pk]))
+
+
+def _tighter(a: tuple[Pk | None, bool], b: tuple[Pk | None, bool], pick: Any) -> tuple[Pk | None, bool]:
+    """The tighter of two bounds (`pick`: max for lower bounds, min for upper); at equal
+    values, the open one."""
+    if a[0] is None:
+        return b
+    if b[0] is None or a[0] == b[0]:
+        return (a[0], a[1] or b[1]) if b[0] is not None else a
+    return a if pick(a[0], b[0]) == a[0] else b
 
 
 @dataclass(frozen=True)
@@ -141,26 +177,31 @@ def _condition(item: Any) -> str:
     return " ".join(map(repr, item)) if isinstance(item, (tuple, list)) else repr(item)
 
 
-def _as_pk(value: Any, item: Any) -> int:
+def _as_pk(value: Any, item: Any, text: bool) -> Pk:
+    if text:
+        if not isinstance(value, str):
+            raise FilterError(_condition(item), f"{value!r} is not a VarChar primary key")
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise FilterError(_condition(item), f"{value!r} is not an integer primary key")
     return int(value)
 
 
-def pk_condition(op: str, value: Any, item: Any = None) -> PkFilter:
-    """One condition on the pk as a filter."""
+def pk_condition(op: str, value: Any, item: Any = None, text: bool = False) -> PkFilter:
+    """One condition on the pk (VarChar when `text`, else int64) as a filter."""
     item = item if item is not None else ("pk", op, value)
+    as_pk = functools.partial(_as_pk, item=item, text=text)
     if op in ("=", "=="):
-        return PkFilter(values=(_as_pk(value, item),))
+        return PkFilter(values=(as_pk(value),))
     if op == "in":
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
             raise FilterError(_condition(item), "'in' takes a list of primary keys")
-        return PkFilter(values=tuple(sorted({_as_pk(v, item) for v in value})))
+        return PkFilter(values=tuple(sorted({as_pk(v) for v in value})))
     if op == "between":
         if not isinstance(value, (tuple, list)) or len(value) != 2:
             raise FilterError(_condition(item), "'between' takes (low, high), both included")
-        return PkFilter(low=_as_pk(value[0], item), high=_as_pk(value[1], item))
-    bound = _as_pk(value, item)
+        return PkFilter(low=as_pk(value[0]), high=as_pk(value[1]))
+    bound = as_pk(value)
     if op in ("<", "<="):
         return PkFilter(high=bound, high_open=op == "<")
     if op in (">", ">="):
@@ -181,8 +222,16 @@ def parse_where(info: CollectionInfo, where: Sequence[Any] | None) -> Pushdown:
             raise FilterError(_condition(item), "expected (column, op, value)")
         column, op, value = item
         op = str(op).lower()
-        if column == pk_name:
-            pushdown = pushdown.and_(pk_condition(op, value, item))
+        key = info.schema.partition_key
+        if key is not None and column == key.name:  # its value picks the partition (the rows: the caller)
+            values = [value] if op in ("=", "==") else list(value) if op == "in" else None
+            if values is None:
+                raise FilterError(_condition(item), "a partition key is filtered with '=' or 'in'")
+            expression = f"{key.name} in {values!r}"
+            pushdown = pushdown.and_(frozenset(key_partitions_of(info, expression) or ()))
+        elif column == pk_name:
+            text = info.schema.primary.dtype is not DataType.INT64
+            pushdown = pushdown.and_(pk_condition(op, value, item, text))
         elif column == PARTITION_COLUMN:
             names = [value] if op in ("=", "==") else list(value) if op == "in" else None
             if names is None:
@@ -193,7 +242,8 @@ def parse_where(info: CollectionInfo, where: Sequence[Any] | None) -> Pushdown:
             pushdown = pushdown.and_(frozenset(by_name[n] for n in names))
         else:
             raise FilterError(
-                _condition(item), f"only the primary key {pk_name!r} and {PARTITION_COLUMN!r} can be filtered"
+                _condition(item),
+                f"only the primary key {pk_name!r}, {PARTITION_COLUMN!r} and a partition key can be filtered",
             )
     return pushdown
 

@@ -28,7 +28,15 @@ from vchan_assets.query.view import (
     delete_paths,
     readable_ids,
 )
-from vchan_assets.storage.rows import apply_deletes_to, empty_deletes, read_deletes, read_files, segment_rows
+from vchan_assets.storage.rows import (
+    apply_deletes_to,
+    concat_deletes,
+    empty_deletes,
+    read_deletes,
+    read_files,
+    segment_rows,
+    unexpired,
+)
 from vchan_assets.system import System
 from vchan_assets.wal.format import user_fields
 
@@ -90,13 +98,14 @@ def read_views(
     """The rows of `views` at `ts`: their served segments among `segments` (the meta as it
     stood at `ts`) and their log tails, with `segment_id` and `partition_id` columns; with
     `apply_deletes`, the deletes of those views at or before `ts` applied; only the rows
-    `pushdown` keeps. The caller has pinned the collection."""
+    `pushdown` keeps, and none a TTL expired by `ts`. The caller has pinned the collection."""
     served = readable_ids(views)
     pk = info.schema.primary.name
+    expired = info.expired_before(ts)
     pieces: list[tuple[int, pa.Table]] = []  # (partition, rows)
     # in key order, as listed
     for seg in prune(system.storage, [s for s in segments if s.id in served], pushdown):
-        table = at_or_before(segment_rows(system.storage, seg, with_vectors), ts)
+        table = unexpired(at_or_before(segment_rows(system.storage, seg, with_vectors), ts), expired)
         table = pushdown.pk.rows(table, pk, seg.is_sorted)
         n = table.num_rows  # pa.repeat, not a list of n Python ints (3 ms per 100k rows)
         table = table.append_column("segment_id", pa.repeat(pa.scalar(seg.id, pa.int64()), n))
@@ -107,7 +116,7 @@ def read_views(
         tail = tail_of(view, segments, ts).read(system.storage, info, with_vectors)
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
             if pushdown.keeps_partition(part):
-                rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
+                rows = unexpired(tail.rows.filter(pc.equal(tail.rows["partition_id"], part)), expired)
                 pieces.append((part, pushdown.pk.rows(rows, pk)))
         for part, found in tail.deletes.items():
             tail_deletes.setdefault(part, []).append(found)
@@ -115,7 +124,7 @@ def read_views(
         deletes: dict[int, pa.Table] = {}
         for part in {p for p, _ in pieces}:
             persisted = read_deletes(system.storage, delete_paths(views, part))
-            both = pa.concat_tables([persisted, *tail_deletes.get(part, [])], promote_options="permissive")
+            both = concat_deletes([persisted, *tail_deletes.get(part, [])])
             deletes[part] = at_or_before(both, ts)
         pieces = [(part, apply_deletes_to(table, deletes[part], pk)) for part, table in pieces]
     if pieces:

@@ -26,8 +26,9 @@ The candidates of every part are merged: the k best per query.
 
 Distances: L2 is the squared Euclidean distance (smaller is nearer); IP the inner
 product and COSINE the cosine similarity (larger is nearer), as Milvus reports them.
-`filter` is a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`) or a
-`pyarrow.compute` expression (`pc.field("n") > 3`).
+`filter` is a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`, with
+Milvus' JSON paths and array functions: `meta["color"] == 'red'`, `array_contains(tags,
+'x')`; `query.filters`) or a `pyarrow.compute` expression (`pc.field("n") > 3`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from vchan_assets.indexes.params import default_ef, default_nprobe, search_param
 from vchan_assets.indexes.tasks import queue_rebuild
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
+    DYNAMIC_FIELD,
     CollectionInfo,
+    DataType,
     FieldIndex,
     FieldSchema,
     IndexEngine,
@@ -63,6 +66,7 @@ from vchan_assets.model import (
     SegmentInfo,
 )
 from vchan_assets.query.asof import MetaAt, at_or_before, meta_at, replanned, resolve_as_of, tail_of
+from vchan_assets.query.filters import FilterExpressionError, filter_mask, key_partitions_of
 from vchan_assets.query.search_options import SearchError, SearchOptions
 from vchan_assets.query.view import (
     delete_paths,
@@ -72,6 +76,7 @@ from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.cache import ReadCache
 from vchan_assets.storage.rows import (
     apply_deletes_to,
+    concat_deletes,
     float_vectors,
     read_deletes,
     segment_rows,
@@ -141,6 +146,7 @@ class SearchRequest:
     pk: str
     scalars: tuple[str, ...]  # the pk and scalar fields: what a filter sees
     result_schema: pa.Schema
+    json_fields: tuple[str, ...] = ()  # the JSON fields among the scalars (a filter follows their paths)
 
     @property
     def larger_is_nearer(self) -> bool:
@@ -234,7 +240,10 @@ def check_request(
             raise error(
                 f"output field {name!r} is not a scalar field of the collection ({', '.join(sorted(scalars))})"
             )
-    fields = [pa.field("query", pa.int64()), pa.field(info.schema.primary.name, pa.int64())]
+    fields = [
+        pa.field("query", pa.int64()),
+        pa.field(info.schema.primary.name, arrow_type(info.schema.primary)),
+    ]
     fields += [pa.field("distance", pa.float32())]
     fields += [pa.field(name, arrow_type(info.schema.field(name))) for name in options.output_fields]
     return SearchRequest(
@@ -249,6 +258,7 @@ def check_request(
         collection=info.name,
         pk=info.schema.primary.name,
         scalars=tuple(f.name for f in info.schema.scalar_fields),
+        json_fields=tuple(f.name for f in info.schema.fields if f.dtype is DataType.JSON),
         result_schema=pa.schema(fields),
     )
 
@@ -287,6 +297,7 @@ class SegmentPart:
     build: SegmentIndex | None  # its Finished build with files, if any
     deletes: pa.Table  # of its partition, at or before T
     ts: int
+    expired_before: int = 0  # rows inserted before this a TTL expired at T (0: none)
 
 
 @dataclass(frozen=True)
@@ -298,11 +309,12 @@ class SearchPlan:
     tails: list[tuple[pa.Table, pa.Table]]  # (rows of one partition, its deletes)
     builds: dict[int, Decoded[SegmentIndex]]  # by segment: to re-issue a build found unusable
     ts: int
+    expired_before: int = 0  # rows inserted before this a TTL expired at T (0: none)
 
     def tail_hits(self, request: SearchRequest) -> list[pa.Table]:
         hits: list[pa.Table] = []
         for rows, deletes in self.tails:
-            allowed = _allowed(request, rows, deletes, self.ts)
+            allowed = _allowed(request, rows, deletes, self.ts, self.expired_before)
             hits += _exact(
                 request, rows, float_vectors(rows[request.field.name], request.field.dim or 0), allowed
             )
@@ -314,27 +326,37 @@ def plan_search(
 ) -> SearchPlan:
     """The parts of a search at T from the meta listed at T (`meta_at` with its builds)."""
     storage = system.storage
+    expired = info.expired_before(ts)
     segments, views = meta.segments, meta.views
     tails = [tail_of(view, segments, ts).read(storage, info, with_vectors=True) for view in views]
-    served = readable_ids(views)
+    keep = key_partitions_of(info, request.filter)  # a filter on the partition key prunes partitions
+    readable = readable_ids(views)
+    served = {s.id for s in segments if s.id in readable and (keep is None or s.partition_id in keep)}
     parts = {s.partition_id for s in segments if s.id in served}
     parts |= {p for tail in tails for p in pc.unique(tail.rows["partition_id"]).to_pylist()}
+    if keep is not None:
+        parts &= keep
     deletes = {}
     for part in parts:
         found = [read_deletes(storage, delete_paths(views, part))]
         found += [tail.deletes[part] for tail in tails if part in tail.deletes]
-        deletes[part] = at_or_before(pa.concat_tables(found, promote_options="permissive"), ts)
+        deletes[part] = at_or_before(concat_deletes(found), ts)
     builds = _finished_builds(meta.builds, request.index)
     segment_parts = [
-        SegmentPart(seg, builds[seg.id].model if seg.id in builds else None, deletes[seg.partition_id], ts)
+        SegmentPart(
+            seg, builds[seg.id].model if seg.id in builds else None, deletes[seg.partition_id], ts, expired
+        )
         for seg in segments  # in key order, as listed
         if seg.id in served
     ]
     tail_parts = []
     for tail in tails:
         for part in pc.unique(tail.rows["partition_id"]).to_pylist():
-            tail_parts.append((tail.rows.filter(pc.equal(tail.rows["partition_id"], part)), deletes[part]))
-    return SearchPlan(segment_parts, tail_parts, builds, ts)
+            if part in parts:
+                tail_parts.append(
+                    (tail.rows.filter(pc.equal(tail.rows["partition_id"], part)), deletes[part])
+                )
+    return SearchPlan(segment_parts, tail_parts, builds, ts, expired)
 
 
 def finish(
@@ -383,9 +405,11 @@ def _finished_builds(
     }
 
 
-def _allowed(request: SearchRequest, rows: pa.Table, deletes: pa.Table, ts: int) -> np.ndarray:
-    """Which rows are candidates: at or before T, not deleted at or before T, kept by the
-    filter (a bool per row)."""
+def _allowed(
+    request: SearchRequest, rows: pa.Table, deletes: pa.Table, ts: int, expired_before: int = 0
+) -> np.ndarray:
+    """Which rows are candidates: at or before T, not expired at T (TTL), not deleted at or
+    before T, kept by the filter (a bool per row)."""
     n = rows.num_rows
     if not deletes.num_rows:  # the common case: a comparison, no join
         allowed = np.asarray(rows["timestamp"].to_numpy() <= ts)
@@ -394,6 +418,8 @@ def _allowed(request: SearchRequest, rows: pa.Table, deletes: pa.Table, ts: int)
         kept = apply_deletes_to(at_or_before(keyed, ts), deletes, request.pk)
         allowed = np.zeros(n, dtype=bool)
         allowed[kept[_POS].to_numpy()] = True
+    if expired_before:
+        allowed &= rows["timestamp"].to_numpy() >= expired_before
     if request.filter is not None and allowed.any():
         allowed &= _filter_mask(request, rows)
     return allowed
@@ -407,15 +433,14 @@ def _filter_mask(request: SearchRequest, rows: pa.Table) -> np.ndarray:
             keep = np.zeros(rows.num_rows, dtype=bool)
             keep[indexed.filter(request.filter)[_POS].to_numpy()] = True
             return keep
-        found = scalars.to_pandas().eval(request.filter)
-    except Exception as exc:  # any mistake in the expression: pandas and pyarrow raise many kinds
+        assert request.filter is not None
+        return filter_mask(request.filter, scalars, request.json_fields, DYNAMIC_FIELD)
+    except FilterExpressionError as exc:
+        raise SearchError(request.collection, str(exc)) from None
+    except Exception as exc:  # a mistaken pyarrow expression: pyarrow raises many kinds
         raise SearchError(
             request.collection, f"filter {request.filter!r} failed: {type(exc).__name__}: {exc}"
         ) from None
-    mask = np.asarray(found)
-    if mask.dtype != bool or mask.shape != (rows.num_rows,):
-        raise SearchError(request.collection, f"filter {request.filter!r} is not a condition on each row")
-    return mask
 
 
 def search_segment(
@@ -428,7 +453,7 @@ def search_segment(
     rows = _cached_scalars(storage, seg)
     if not rows.num_rows:
         return [], None  # no rows left (its binlogs quarantined): no columns to read either
-    allowed = _allowed(request, rows, part.deletes, part.ts)
+    allowed = _allowed(request, rows, part.deletes, part.ts, part.expired_before)
     if not allowed.any():
         return [], None
     fallback = None

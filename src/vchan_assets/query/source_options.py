@@ -63,12 +63,15 @@ class ReadRequest:
     vectors: str = "array"
     task_mb: float = TASK_MB
     as_of: str = ""  # empty: now
-    where: tuple[tuple[str, str, Any], ...] = ()  # pks, pk_min, pk_max as `query.prune` conditions
+    where: tuple[tuple[str, str, Any], ...] = ()  # (option, op, text) of pks, pk_min, pk_max
 
     def pushdown(self, info: CollectionInfo) -> Pushdown:
-        """The pk conditions of the options on this collection's primary key."""
-        pk = info.schema.primary.name
-        return parse_where(info, [(pk, op, value) for _, op, value in self.where])
+        """The pk conditions of the options on this collection's primary key (the options'
+        text read as int64 or VarChar keys, as the pk is)."""
+        pk = info.schema.primary
+        return parse_where(
+            info, [(pk.name, op, _typed(pk, option, op, text)) for option, op, text in self.where]
+        )
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ReadRequest:
@@ -103,20 +106,27 @@ class ReadRequest:
 
 
 def _pk_conditions(opts: Mapping[str, str]) -> tuple[tuple[str, str, Any], ...]:
-    """`pks` (comma-separated), `pk_min` and `pk_max` (both included) as conditions."""
+    """`pks` (comma-separated), `pk_min` and `pk_max` (both included) as (option, op, text)."""
     out: list[tuple[str, str, Any]] = []
     for option, op in (("pks", "in"), ("pk_min", ">="), ("pk_max", "<=")):
         raw = opts.get(option, "").strip()
         if not raw:
             continue
-        try:
-            values = [int(v) for v in _names(raw)]
-        except ValueError as exc:
-            raise ReadOptionError(f"option {option}={raw!r}: expected integer primary keys") from exc
+        values = _names(raw)
         if op != "in" and len(values) != 1:
             raise ReadOptionError(f"option {option}={raw!r}: expected one primary key")
-        out.append(("pk", op, values if op == "in" else values[0]))
+        out.append((option, op, values if op == "in" else values[0]))
     return tuple(out)
+
+
+def _typed(pk: FieldSchema, option: str, op: str, text: Any) -> Any:
+    if pk.dtype is not DataType.INT64:
+        return list(text) if op == "in" else text
+    try:
+        return [int(v) for v in text] if op == "in" else int(text)
+    except ValueError:
+        shown = ",".join(text) if op == "in" else text
+        raise ReadOptionError(f"option {option}={shown!r}: expected integer primary keys") from None
 
 
 def _names(raw: str) -> tuple[str, ...]:

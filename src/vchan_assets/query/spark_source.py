@@ -85,7 +85,7 @@ from vchan_assets.query.view import QueryView, delete_paths
 from vchan_assets.spark.session import get_spark
 from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage, StorageError
-from vchan_assets.storage.rows import apply_deletes_to, read_deletes, segment_rows
+from vchan_assets.storage.rows import apply_deletes_to, concat_deletes, read_deletes, segment_rows, unexpired
 from vchan_assets.system import System
 
 SOURCE_NAME = "vchan"
@@ -196,13 +196,16 @@ def read_segment(
     vectors: str,
     ts: int | None = None,
     pks: PkFilter = EVERYTHING.pk,
+    expired_before: int = 0,
 ) -> pa.Table:
-    """The live rows of one segment (`deletes`: its partition's; rows after `ts` left out;
-    only the pks `pks` keeps) as the Spark schema expects them."""
+    """The live rows of one segment (`deletes`: its partition's; rows after `ts` and rows
+    a TTL expired (inserted before `expired_before`) left out; only the pks `pks` keeps) as
+    the Spark schema expects them."""
     wants_vectors = any(f.is_vector for f in fields)
     table = segment_rows(storage, seg, with_vectors=wants_vectors)
     if ts is not None:
         table = at_or_before(table, ts)
+    table = unexpired(table, expired_before)
     table = pks.rows(table, pk, seg.is_sorted)
     table = apply_deletes_to(table, deletes, pk)
     missing = [f.name for f in fields if f.name not in table.column_names]
@@ -308,9 +311,7 @@ class VchanReader(DataSourceReader):
 
     def _deletes(self, partition_id: int) -> pa.Table:
         persisted = read_deletes(self.storage, self.delete_paths.get(partition_id, ()))
-        found = pa.concat_tables(
-            [persisted, *self.tail_deletes.get(partition_id, [])], promote_options="permissive"
-        )
+        found = concat_deletes([persisted, *self.tail_deletes.get(partition_id, [])])
         return at_or_before(found, self.ts)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -339,6 +340,7 @@ class VchanReader(DataSourceReader):
                 self.request.vectors,
                 self.ts,
                 self.pushdown.pk,
+                self.info.expired_before(self.ts),
             )
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
 
@@ -351,7 +353,7 @@ class VchanReader(DataSourceReader):
             ):
                 continue
             rows = tail.rows.filter(pc.equal(tail.rows["partition_id"], part))
-            rows = self.pushdown.pk.rows(rows, self.pk)
+            rows = unexpired(self.pushdown.pk.rows(rows, self.pk), self.info.expired_before(self.ts))
             rows = apply_deletes_to(rows, self._deletes(part), self.pk)
             yield from spark_rows(rows, self.fields, self.request.vectors).to_batches(
                 max_chunksize=BATCH_ROWS

@@ -23,6 +23,15 @@ def empty_deletes() -> pa.Table:
     return pa.table({"pk": pa.array([], pa.int64()), "timestamp": pa.array([], pa.int64())})
 
 
+def concat_deletes(tables: Sequence[pa.Table]) -> pa.Table:
+    """(pk, timestamp) tables as one. Empty ones are left out: an empty table's pk is
+    int64 (`empty_deletes`), which a VarChar collection's deletes would not concatenate with."""
+    found = [t for t in tables if t.num_rows]
+    if not found:
+        return tables[0] if tables else empty_deletes()
+    return pa.concat_tables(found, promote_options="permissive")
+
+
 def read_deletes(storage: Storage, paths: Iterable[str]) -> pa.Table:
     """The (pk, timestamp) rows of the delta logs `paths`, ready for `apply_deletes_to`
     (no paths: no deletes)."""
@@ -68,6 +77,16 @@ def segment_vectors(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> n
     if found is None:
         return np.empty((0, field.dim), dtype="<f4")
     return float_vectors(found[field.name], field.dim)
+
+
+def unexpired(table: pa.Table, before: int) -> pa.Table:
+    """The rows inserted at or after `before` (`CollectionInfo.expired_before` of the read's
+    time: the rows of a collection with a TTL that have not expired; 0 keeps every row).
+    Deletes are not filtered: an expired row's delete removes nothing that is read."""
+    if not before or table.num_rows == 0:
+        return table
+    keep = pc.greater_equal(table["timestamp"], before)
+    return table if pc.all(keep).as_py() else table.filter(keep)
 
 
 def readable(seg: SegmentInfo) -> bool:

@@ -6,7 +6,8 @@ head (inserts), the rows, then a time tick, all in ONE log file, so the tick is 
 batch's last message (docs/architecture.md, "The log"). The inserted rows' columns go to
 the batch's data file before the lock is taken (log format 2, `wal.format`), so the lock
 covers only the small log file of system columns. Rows go to vchannels by
-primary key (`pk % K`; Milvus hashes the pk).
+primary key (`pk % K` for an int64 pk, the key's hash `% K` for a VarChar pk:
+`fields.vchannel_index`; Milvus hashes both).
 
 Any number of producer processes may write one collection (docs/multi-writer.md):
 offsets stay dense, timestamps increase with the offset, and a segment sealed at
@@ -38,6 +39,7 @@ import pyarrow.compute as pc
 
 from vchan_assets import fields
 from vchan_assets.datacoord.collections import (
+    DEFAULT_KEY_PARTITIONS,
     DEFAULT_PARTITION,
     CollectionRegistry,
     PartitionNotFoundError,
@@ -47,7 +49,7 @@ from vchan_assets.meta.allocator import IdAllocator, TimestampOracle
 from vchan_assets.meta.channel_head import HeldChannel
 from vchan_assets.meta.errors import MetaUnavailableError
 from vchan_assets.meta.retry import retry_transient
-from vchan_assets.model import CollectionInfo, CollectionSchema, FieldSchema, MsgPosition
+from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, FieldSchema, MsgPosition
 from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.wal.appender import Built, ChannelAppender, Prepared, Timing
@@ -69,6 +71,15 @@ class ChannelAppend:
     timestamp: int  # of that time tick
     rows: int  # messages before the tick
     segments: tuple[tuple[int, int], ...] = ()  # (segment_id, rows) of inserts
+
+    def then(self, later: ChannelAppend) -> ChannelAppend:
+        """This append and a later one of the same channel, as one."""
+        return replace(
+            later,
+            first_offset=self.first_offset,
+            rows=self.rows + later.rows,
+            segments=self.segments + later.segments,
+        )
 
     @property
     def position(self) -> MsgPosition:
@@ -141,10 +152,16 @@ class Producer:
         schema: CollectionSchema,
         partitions: Sequence[str] = (),
         num_channels: int = 2,
+        ttl_seconds: int = 0,
+        num_partitions: int = DEFAULT_KEY_PARTITIONS,
     ) -> CollectionInfo:
         """Create the collection's meta, then write a create_collection message at offset 0
-        of every vchannel and record those as the start positions."""
-        info = self.catalog.create(name, schema, [DEFAULT_PARTITION, *partitions], num_channels)
+        of every vchannel and record those as the start positions. Rows expire after
+        `ttl_seconds` (0: never; `set_ttl` changes it); a schema with a partition key gets
+        `num_partitions` hidden partitions."""
+        info = self.catalog.create(
+            name, schema, [DEFAULT_PARTITION, *partitions], num_channels, ttl_seconds, num_partitions
+        )
         info = self._start_channels(info)
         self._collections[name] = info
         return info
@@ -182,6 +199,12 @@ class Producer:
             self._writers.pop(vchannel, None)
             self._appenders.pop(vchannel, None)
         return dropped
+
+    def set_ttl(self, collection_name: str, ttl_seconds: int) -> CollectionInfo:
+        """Change the collection's `collection.ttl.seconds` (0: rows never expire)."""
+        info = self.catalog.set_ttl(collection_name, ttl_seconds)
+        self._collections[collection_name] = info
+        return info
 
     def create_partition(self, collection_name: str, partition: str) -> int:
         """Add a partition and write create_partition on every channel; returns its id."""
@@ -223,11 +246,30 @@ class Producer:
     ) -> dict[str, ChannelAppend]:
         """Insert rows (every field of the schema; vectors as float32 arrays (n, dim),
         lists, fixed_size_list or fixed_size_binary(dim*4)). Returns per channel what
-        was appended; each channel's batch ends with a time tick."""
+        was appended; each channel's batch ends with a time tick. In a collection with a
+        partition key, each row goes to the hidden partition its key's hash picks
+        (`partition` must be left at its default)."""
         info = self.collection(collection_name)
-        partition_id = self._partition_id(info, partition)
+        key = info.schema.partition_key
+        if key is not None and partition != DEFAULT_PARTITION:
+            raise ValueError(
+                f"collection {info.name!r} has a partition key ({key.name!r}): its rows choose their partitions"
+            )
         table = to_insert_table(info.schema, rows)
         self.last_sealed = []
+        if key is None:
+            return self._insert_table(info, self._partition_id(info, partition), table)
+        index = fields.vchannel_index(table.column(key.name), len(info.partitions))
+        appended: dict[str, ChannelAppend] = {}
+        for i in np.unique(index).tolist():
+            chosen = table.filter(pa.array(index == i))
+            for v, done in self._insert_table(info, info.partitions[i], chosen).items():
+                appended[v] = done if v not in appended else appended[v].then(done)
+        return appended
+
+    def _insert_table(
+        self, info: CollectionInfo, partition_id: int, table: pa.Table
+    ) -> dict[str, ChannelAppend]:
         parts = list(self._route(info, table, table.column(info.schema.primary.name)))
         self.limiter.admit(info, [v for v, _ in parts])  # back-pressure: may sleep or refuse
         for v, part in parts:
@@ -239,13 +281,16 @@ class Producer:
         )
 
     def delete(
-        self, collection_name: str, pks: Sequence[int] | np.ndarray | pa.Array, partition: str | None = None
+        self,
+        collection_name: str,
+        pks: Sequence[int] | Sequence[str] | np.ndarray | pa.Array,
+        partition: str | None = None,
     ) -> dict[str, ChannelAppend]:
         """Delete by primary key, in one partition or (None, as Milvus) in every
         partition: one delete message per (pk, partition), routed like the inserts."""
         info = self.collection(collection_name)
         partition_ids = list(info.partitions) if partition is None else [self._partition_id(info, partition)]
-        keys = pa.array(np.asarray(pks, dtype=np.int64))
+        keys = fields.pk_values(info.schema.primary, pks)
         if len(keys) == 0:
             raise ValueError("no primary keys to delete")
         parts = list(self._route(info, pa.table({"pk": keys}), keys))
@@ -359,12 +404,13 @@ class Producer:
     def _route(
         self, info: CollectionInfo, table: pa.Table, pks: pa.ChunkedArray | pa.Array
     ) -> Iterator[tuple[str, pa.Table]]:
-        """(vchannel, rows) by pk % K; one copy of the rows at most (a stable sort)."""
+        """(vchannel, rows) by `fields.vchannel_index` (pk % K for int64 pks, a hash for
+        VarChar pks); one copy of the rows at most (a stable sort)."""
         k = len(info.vchannels)
         if k == 1:
             yield info.vchannels[0], table
             return
-        channel = np.mod(np.asarray(pks.to_numpy(), dtype=np.int64), k)
+        channel = fields.vchannel_index(pks, k)
         order = np.argsort(channel, kind="stable")
         counts = np.bincount(channel, minlength=k)
         ordered = table.take(pa.array(order))
@@ -427,7 +473,7 @@ class Producer:
         pks: pa.ChunkedArray,
         block: bool = True,
     ) -> ChannelAppend | None:
-        keys = np.tile(np.asarray(pks.to_numpy(), dtype=np.int64), len(partition_ids))
+        keys = pa.concat_arrays([pks.combine_chunks()] * len(partition_ids))
         parts = np.repeat(np.array(partition_ids, dtype=np.int64), len(pks))
         n = len(keys)
 
@@ -438,7 +484,7 @@ class Producer:
                 "msg_type": pa.repeat(pa.scalar(MsgType.DELETE.value), n),
                 "timestamp": pa.array(np.full(n, tick_ts - 1, dtype=np.int64)),
                 "partition_id": pa.array(parts),
-                info.schema.primary.name: pa.array(keys),
+                info.schema.primary.name: keys,
             }
             batch = pa.Table.from_arrays(
                 [values.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema
@@ -516,7 +562,8 @@ def to_insert_table(
 ) -> pa.Table:
     """The rows as a table of the schema's fields in log order (pk first), with vectors as
     fixed_size_binary(dim*4), a field left out filled with its default (or nulls when it is
-    nullable). Raises ValueError naming the field that does not fit, and its row."""
+    nullable), the keys the schema lacks in its dynamic field when it has one. Raises
+    ValueError naming the field that does not fit, and its row."""
     if isinstance(rows, pa.RecordBatch):
         rows = pa.Table.from_batches([rows])
     names = list(rows.column_names) if isinstance(rows, pa.Table) else list(rows.keys())
@@ -524,12 +571,22 @@ def to_insert_table(
     optional = {f.name for f in expected if f.nullable or f.default_value is not None}
     missing = [f.name for f in expected if f.name not in names and f.name not in optional]
     unknown = [n for n in names if n not in {f.name for f in expected}]
-    if missing or unknown:
+    dynamic = schema.dynamic_field
+    if missing or (unknown and dynamic is None):
         raise ValueError(f"insert rows do not match the schema: missing {missing}, unknown {unknown}")
-    given = [f for f in expected if f.name in names]
-    columns = {
-        f.name: _column(f, rows.column(f.name) if isinstance(rows, pa.Table) else rows[f.name]) for f in given
-    }
+
+    def raw(name: str) -> Any:
+        return rows.column(name) if isinstance(rows, pa.Table) else rows[name]
+
+    columns = {f.name: _column(f, raw(f.name)) for f in expected if f.name in names}
+    if unknown:  # the dynamic field takes them, as Milvus' `$meta`
+        assert dynamic is not None
+        try:
+            columns[dynamic.name] = fields.pack_dynamic(
+                {n: raw(n) for n in unknown}, columns.get(dynamic.name)
+            )
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise ValueError(f"dynamic field {dynamic.name!r}: {exc}") from None
     lengths = {len(c) for c in columns.values()}
     if len(lengths) != 1:
         raise ValueError(f"columns differ in length: {sorted(lengths)}")
@@ -592,13 +649,16 @@ def _vector_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
 
 
 def generate_rows(schema: CollectionSchema, n: int, start_pk: int = 0, seed: int = 0) -> pa.Table:
-    """`n` random rows for `schema` (pks start_pk, start_pk+1, ...): for tests, benches, demos."""
+    """`n` random rows for `schema` (pks start_pk, start_pk+1, ...; a VarChar pk as those
+    numbers' zero-padded text: `fields.varchar_pks`): for tests, benches, demos."""
     rng = np.random.default_rng(seed)
     pks = np.arange(start_pk, start_pk + n, dtype=np.int64)
     columns: dict[str, pa.Array] = {}
     for field in [schema.primary] + [f for f in schema.fields if not f.is_primary]:
         if field.is_primary:
-            columns[field.name] = pa.array(pks)
+            columns[field.name] = (
+                pa.array(pks) if field.dtype is DataType.INT64 else fields.varchar_pks(field, pks)
+            )
         elif field.is_vector:
             assert field.dim is not None
             matrix = rng.random((n, field.dim), dtype=np.float32)

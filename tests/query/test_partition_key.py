@@ -1,0 +1,102 @@
+"""Milvus' partition key: rows go to hidden partitions by their key's hash, and reads and
+searches that require a key's value open only the partition it hashes to. Real etcd, real
+files."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from vchan_assets import imports
+from vchan_assets.catalog import Catalog
+from vchan_assets.datacoord.collections import InvalidSchemaError
+from vchan_assets.fields import vchannel_index
+from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentLevel
+from vchan_assets.query.filters import key_partitions_of
+from vchan_assets.system import System
+from vchan_assets.testing.harness import segments
+from vchan_assets.testing.import_files import write_parquet
+from vchan_assets.testing.steps import sync_all
+from vchan_assets.wal.producer import Producer, generate_rows
+
+TENANTS = CollectionSchema.build(
+    "pk", {"vec": 4}, {"tenant": "varchar(16)", "n": "int64"}, partition_key="tenant"
+)
+
+
+@pytest.fixture
+def tenants(producer: Producer, system: System) -> tuple[CollectionInfo, pa.Table]:
+    """400 rows of 10 tenants (pk i belongs to tenant t{i % 10}) in 4 hidden partitions over
+    2 vchannels, pks 0 and 1 deleted, flushed and synced."""
+    info = producer.create_collection(
+        f"tenants{uuid.uuid4().hex[:6]}", TENANTS, num_channels=2, num_partitions=4
+    )
+    rows = generate_rows(TENANTS, 400, seed=1)
+    rows = rows.set_column(
+        rows.schema.get_field_index("tenant"), "tenant", pa.array([f"t{i % 10}" for i in range(400)])
+    )
+    producer.insert(info.name, rows)
+    producer.delete(info.name, [0, 1])
+    producer.flush(info.name)
+    sync_all(system, info)
+    return info, rows
+
+
+def test_rows_go_to_the_hidden_partition_their_key_hashes_to(
+    system: System, tenants: tuple[CollectionInfo, pa.Table]
+) -> None:
+    info, _ = tenants
+    assert info.partition_names == ("_default_0", "_default_1", "_default_2", "_default_3")
+    frame = Catalog(system).read_collection(info.name, with_vectors=False)
+    assert len(frame) == 398
+    expected = [
+        info.partitions[i] for i in vchannel_index(frame["tenant"].to_numpy(dtype=object), 4).tolist()
+    ]
+    assert frame["partition_id"].tolist() == expected
+    assert len(set(frame["partition_id"])) > 1  # the tenants spread over the partitions
+
+
+def test_reads_and_searches_on_a_key_open_only_its_partition(
+    system: System, tenants: tuple[CollectionInfo, pa.Table]
+) -> None:
+    info, _ = tenants
+    [mine] = key_partitions_of(info, "tenant == 't3' and n > 0")
+    # The other partitions' files are gone: a read or search that opened them would fail.
+    for seg in segments(system.store, info):
+        if seg.partition_id != mine and seg.level is SegmentLevel.L1:
+            for path in (b.path for g in seg.binlogs for b in g.logs):
+                Path(system.storage.path(path)).unlink()
+    catalog = Catalog(system)
+    one = catalog.read_collection(info.name, where=[("tenant", "=", "t3")])
+    assert set(one["tenant"]) == {"t3"} and sorted(one["pk"]) == list(range(3, 400, 10))
+    hits = catalog.search(
+        info.name, np.ones(4, dtype=np.float32), k=50, filter="tenant == 't3'", output_fields=("tenant",)
+    )
+    assert len(hits) == 40 and set(hits["tenant"]) == {"t3"}
+    with pytest.raises(Exception):  # noqa: B017 (the point: a whole read touches the files removed)
+        catalog.read_collection(info.name)
+
+
+def test_a_partition_key_collection_has_no_partitions_of_its_own(
+    system: System, producer: Producer, tenants: tuple[CollectionInfo, pa.Table], tmp_path: Path
+) -> None:
+    info, rows = tenants
+    with pytest.raises(ValueError, match="its rows choose their partitions"):
+        producer.insert(info.name, rows.slice(0, 1), partition="_default_1")
+    with pytest.raises(InvalidSchemaError, match="its partitions follow its partition key 'tenant'"):
+        producer.create_partition(info.name, "p1")
+    with pytest.raises(ValueError, match="bulk import into it is not supported yet"):
+        imports.submit(
+            info.name,
+            [write_parquet(tmp_path / "t.parquet", rows)],
+            store=system.store,
+            settings=system.settings,
+        )
+    with pytest.raises(ValueError, match="partition key 'd' must be an int64 or varchar field"):
+        CollectionSchema.build("pk", {"vec": 4}, {"d": "double"}, partition_key="d")
+    with pytest.raises(ValueError, match="partition key 'pk' is not one of the scalar fields"):
+        CollectionSchema.build("pk", {"vec": 4}, {"d": "double"}, partition_key="pk")
