@@ -1,12 +1,13 @@
 """Benchmark of the sync path: log -> binlogs with Spark, against plain pyarrow programs.
 
-    .venv/bin/python -m bench.sync [--sizes 1000000,3000000] [--repeat 5] [--with-10m]
+    .venv/bin/python -m bench.sync [--sizes 1000000,3000000] [--repeat 5] [--with-10m] [--schema varchar]
 
 `--with-10m` adds a 10,000,000-row log (about 5 GB of log, 5 GB written per run: needs
 about 12 GB free in the temporary directory and a few minutes).
 
 For each size it generates a log of N rows (int64 pk, int64 ts, a 128-d float32
-vector, three scalars) in one vchannel, then measures in the same run, interleaved:
+vector, three scalars; with `--schema varchar`, 36-character UUID pks and a JSON column
+instead) in one vchannel, then measures in the same run, interleaved:
   - baseline (1 thread): plain pyarrow reads the log files one after the other and
     writes the same binlogs (column groups, split by segment, same writer settings, same
     atomic fsynced writes);
@@ -49,6 +50,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -59,7 +61,7 @@ from vchan_assets.datanode.binlog_writer import column_groups, take_rows, write_
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.store import MetaStore
-from vchan_assets.model import CollectionInfo, CollectionSchema
+from vchan_assets.model import CollectionInfo, CollectionSchema, DataType
 from vchan_assets.spark.session import get_spark
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
@@ -68,6 +70,12 @@ from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalFile, WalReader
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 128}, {"n": "int64", "f": "float", "s": "string"})
+# `--schema varchar`: 36-character ids (UUIDs) as the primary key and a JSON column, as
+# document collections hold them.
+VARCHAR_SCHEMA = CollectionSchema.build(
+    "pk", {"vec": 128}, {"n": "int64", "f": "float", "meta": "json"}, pk_type="varchar(36)"
+)
+SCHEMAS = {"int64": SCHEMA, "varchar": VARCHAR_SCHEMA}
 BATCH = 100_000
 
 
@@ -165,11 +173,15 @@ def disk_write_speed(directory: Path, size: int = 2**30, chunk: int = 8 * 2**20)
     return size / 2**20 / seconds
 
 
-def make_log(producer: Producer, rows: int) -> CollectionInfo:
+def make_log(producer: Producer, rows: int, schema: CollectionSchema = SCHEMA) -> CollectionInfo:
     name = f"bench{uuid.uuid4().hex[:8]}"
-    info = producer.create_collection(name, SCHEMA, num_channels=1)
+    info = producer.create_collection(name, schema, num_channels=1)
     for start in range(0, rows, BATCH):
-        producer.insert(name, generate_rows(SCHEMA, min(BATCH, rows - start), start_pk=start, seed=start))
+        batch = generate_rows(schema, min(BATCH, rows - start), start_pk=start, seed=start)
+        if schema.primary.dtype is DataType.VARCHAR:  # UUIDs: 36 characters
+            ids = pa.array([str(uuid.UUID(int=start + i)) for i in range(batch.num_rows)])
+            batch = batch.set_column(0, schema.primary.name, ids)
+        producer.insert(name, batch)
     return info
 
 
@@ -219,9 +231,15 @@ BASELINES = RUNS[:3]
 
 
 def measure_size(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, size: int, repeat: int
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    size: int,
+    repeat: int,
+    schema: CollectionSchema = SCHEMA,
 ) -> dict[str, Any]:
-    info = make_log(producer, size)
+    info = make_log(producer, size, schema)
     log_bytes = sum(f.size_bytes for f in WalReader(storage, info.vchannels[0], info).files())
     cores = os.cpu_count() or 1
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
@@ -313,7 +331,13 @@ def empty_spark_job(spark: Any) -> float:
 
 
 def fixed_cost(
-    store: MetaStore, storage: Storage, settings: Settings, producer: Producer, spark: Any, rounds: int = 7
+    store: MetaStore,
+    storage: Storage,
+    settings: Settings,
+    producer: Producer,
+    spark: Any,
+    rounds: int = 7,
+    schema: CollectionSchema = SCHEMA,
 ) -> dict[str, float]:
     """Median seconds of a 1,000-row sync on a warm session through a Spark job and in
     process, and of an empty Spark job; interleaved."""
@@ -322,7 +346,7 @@ def fixed_cost(
     runs: dict[str, list[float]] = {"spark_job": [], "in_process": [], "empty_spark_job": []}
     for _ in range(rounds):
         for name, run_settings in (("spark_job", through_spark), ("in_process", in_process)):
-            small = make_log(producer, 1000)
+            small = make_log(producer, 1000, schema)
             runs[name].append(timed_sync(store, storage, run_settings, small, "spark")["seconds"])
         runs["empty_spark_job"].append(empty_spark_job(spark))
     medians = {name: statistics.median(seconds) for name, seconds in runs.items()}
@@ -341,6 +365,12 @@ def main() -> None:
     parser.add_argument("--with-10m", action="store_true", help="add 10,000,000 rows to --sizes")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default="bench/results/sync.json")
+    parser.add_argument(
+        "--schema",
+        choices=sorted(SCHEMAS),
+        default="int64",
+        help="int64: an int64 pk and three scalars; varchar: 36-character ids (UUIDs) and a JSON column",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.with_10m:
@@ -360,13 +390,15 @@ def main() -> None:
     try:
         spark = get_spark(settings)
         report["spark"] = spark.version
-        warm = make_log(producer, 1000)
+        schema = SCHEMAS[args.schema]
+        report["schema"] = args.schema
+        warm = make_log(producer, 1000, schema)
         timed_sync(store, storage, settings, warm, "spark")  # JVM and Python workers warm
 
-        report["sync_1000_rows_warm_s"] = fixed_cost(store, storage, settings, producer, spark)
+        report["sync_1000_rows_warm_s"] = fixed_cost(store, storage, settings, producer, spark, schema=schema)
         for size in sizes:
             report["sizes"][size] = summary = measure_size(
-                store, storage, settings, producer, size, args.repeat
+                store, storage, settings, producer, size, args.repeat, schema
             )
             print_size(size, summary)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
