@@ -224,3 +224,28 @@ def test_the_keys_a_schema_lacks_go_to_the_dynamic_field_as_json() -> None:
         to_insert_table(
             CollectionSchema.build("pk", {"vec": 4}, {"n": "int64"}), {**rows.to_pydict(), "color": ["a"] * 3}
         )
+
+
+# --- float16 and bfloat16 vectors --------------------------------------------------------
+
+
+def test_half_vectors_store_two_bytes_a_value_and_read_back_as_float32() -> None:
+    schema = CollectionSchema.build("pk", {"h": "float16_vector(4)", "b": "bfloat16_vector(4)"}, {})
+    h, b = schema.field("h"), schema.field("b")
+    assert (h.spec, fields.arrow_type(h), fields.arrow_type(b)) == (
+        "float16_vector(4)",
+        pa.binary(8),
+        pa.binary(8),
+    )
+    matrix = np.random.default_rng(0).random((50, 4), dtype=np.float32)
+    for field, tolerance in ((h, 1e-3), (b, 1e-2)):
+        back = fields.decode_vectors(field, fields.encode_vectors(field, matrix))
+        assert back.dtype == np.float32 and np.allclose(back, matrix, rtol=tolerance, atol=tolerance)
+    assert schema.row_bytes() == 16 + 8 + 8 + 8
+
+
+def test_bfloat16_rounds_to_nearest_even() -> None:
+    b = FieldSchema.from_spec(100, "b", "bfloat16_vector(3)")
+    bits = np.array([[0x3F808000, 0x3F818000, 0x3F80C000]], dtype="<u4")  # two halfway cases, one above
+    stored = np.frombuffer(fields.encode_vectors(b, bits.view("<f4")).buffers()[1], dtype="<u2")[:3]
+    assert stored.tolist() == [0x3F80, 0x3F82, 0x3F81]

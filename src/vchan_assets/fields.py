@@ -15,6 +15,8 @@ How each type is stored (what pandas and Spark readers get):
                                         `from_json`, pandas with `json.loads`)
   array(E, N)                           list<E's type>
   float_vector (dim)                    fixed_size_binary(dim * 4), little-endian float32
+  float16_vector, bfloat16_vector       fixed_size_binary(dim * 2): IEEE half / bfloat16 (the
+                                        upper half of a float32, rounded to nearest even)
 A JSON value given as a Python object is written as `json.dumps` of it; a string is taken
 as JSON text and must parse.
 """
@@ -29,7 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.model import INTEGER_RANGES, TEXT_TYPES, DataType, FieldSchema
+from vchan_assets.model import INTEGER_RANGES, TEXT_TYPES, VECTOR_WIDTHS, DataType, FieldSchema
 
 _SCALAR_ARROW = {
     DataType.INT8: pa.int8(),
@@ -59,7 +61,7 @@ def arrow_type(field: FieldSchema) -> pa.DataType:
     """The Arrow type the log and the binlogs hold the field's values in."""
     if field.is_vector:
         assert field.dim is not None
-        return pa.binary(field.dim * 4)
+        return pa.binary(field.dim * VECTOR_WIDTHS[field.dtype])
     if field.dtype is DataType.ARRAY:
         assert field.element_type is not None
         return pa.list_(_SCALAR_ARROW[field.element_type])
@@ -305,3 +307,47 @@ def _numpy(pks: Any) -> np.ndarray:
     if isinstance(pks, pa.Array):
         return pks.to_numpy(zero_copy_only=False)
     return np.asarray(pks)
+
+
+# --- dense vectors -----------------------------------------------------------------------
+
+
+def encode_vectors(field: FieldSchema, matrix: np.ndarray) -> pa.FixedSizeBinaryArray:
+    """An (n, dim) matrix of floats as the field stores them: fixed_size_binary of dim
+    little-endian float32, float16 or bfloat16 values (bfloat16 rounded to nearest even)."""
+    assert field.dim is not None
+    floats = np.ascontiguousarray(matrix, dtype="<f4")
+    if field.dtype is DataType.FLOAT16_VECTOR:
+        data = floats.astype("<f2")
+    elif field.dtype is DataType.BFLOAT16_VECTOR:
+        bits = floats.view("<u4")
+        data = (
+            (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        ).astype("<u2")
+    else:
+        data = floats
+    return pa.FixedSizeBinaryArray.from_buffers(
+        arrow_type(field), floats.shape[0], [None, pa.py_buffer(data)]
+    )
+
+
+def decode_vectors(field: FieldSchema, column: Column) -> np.ndarray:
+    """The field's vectors (fixed_size_binary as stored) as an (n, dim) float32 matrix,
+    without Python rows (a null vector reads as whatever its bytes hold: zeros)."""
+    assert field.dim is not None
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    width = VECTOR_WIDTHS[field.dtype]
+    data = arr.buffers()[1]
+    if not data or not len(arr):
+        return np.empty((0, field.dim), dtype="<f4")
+    start = arr.offset * field.dim
+    count = start + len(arr) * field.dim
+    if field.dtype is DataType.FLOAT_VECTOR:
+        return np.frombuffer(data, dtype="<f4", count=count)[start:].reshape(len(arr), field.dim)
+    if field.dtype is DataType.FLOAT16_VECTOR:
+        values = np.frombuffer(data, dtype="<f2", count=count)[start:].astype("<f4")
+    else:
+        halves = np.frombuffer(data, dtype="<u2", count=count)[start:].astype("<u4")
+        values = (halves << np.uint32(16)).view("<f4")
+    assert width == 2
+    return values.reshape(len(arr), field.dim)

@@ -189,6 +189,13 @@ class DataType(enum.StrEnum):
     JSON = enum.auto()
     ARRAY = enum.auto()
     FLOAT_VECTOR = enum.auto()
+    FLOAT16_VECTOR = enum.auto()
+    BFLOAT16_VECTOR = enum.auto()
+
+
+# Dense vectors and the bytes of one of their values (little-endian float32, IEEE half,
+# bfloat16: the upper half of a float32), as Milvus stores them.
+VECTOR_WIDTHS = {DataType.FLOAT_VECTOR: 4, DataType.FLOAT16_VECTOR: 2, DataType.BFLOAT16_VECTOR: 2}
 
 
 # Milvus' name of the dynamic field: a JSON column of the inserted keys a schema does not have.
@@ -234,7 +241,7 @@ class FieldSchema(Record):
 
     @property
     def is_vector(self) -> bool:
-        return self.dtype is DataType.FLOAT_VECTOR
+        return self.dtype in VECTOR_WIDTHS
 
     @property
     def text_limit(self) -> int | None:
@@ -255,6 +262,8 @@ class FieldSchema(Record):
         """The type as `from_spec` reads it: `varchar(64)`, `array(int32, 8)`, `json`."""
         if self.dtype is DataType.VARCHAR:
             return f"varchar({self.max_length})"
+        if self.is_vector:
+            return f"{self.dtype.value}({self.dim})"
         if self.dtype is DataType.ARRAY:
             element = (
                 f"varchar({self.max_length})" if self.element_type is DataType.VARCHAR else self.element_type
@@ -286,6 +295,8 @@ class FieldSchema(Record):
         kwargs: dict[str, Any] = {}
         if dtype is DataType.VARCHAR:
             kwargs["max_length"] = _one_int(params, name, "varchar(MAX_LENGTH)")
+        elif dtype in VECTOR_WIDTHS:
+            kwargs["dim"] = _one_int(params, name, f"{dtype.value}(DIM)")
         elif dtype is DataType.ARRAY:
             if len(params) != 2:
                 raise ValueError(f"field {name!r}: expected array(ELEMENT, MAX_CAPACITY), got {spec!r}")
@@ -370,7 +381,7 @@ def _split_type(spec: str, name: str) -> tuple[DataType, list[str], str]:
     try:
         dtype = DataType(found.group().lower())
     except ValueError:
-        allowed = ", ".join(t.value for t in DataType if t is not DataType.FLOAT_VECTOR)
+        allowed = ", ".join(t.value for t in DataType)
         raise ValueError(f"field {name!r}: unknown type {found.group()!r} (types: {allowed})") from None
     rest = text[found.end() :].lstrip()
     if not rest.startswith("("):
@@ -450,13 +461,14 @@ class CollectionSchema(Record):
     def build(
         cls,
         primary: str,
-        vectors: Mapping[str, int],
+        vectors: Mapping[str, int | str],
         scalars: Mapping[str, str],
         pk_type: str = "int64",
         dynamic: bool = False,
         partition_key: str | None = None,
     ) -> CollectionSchema:
-        """Schema from names: `vectors` name -> dim, `scalars` name -> type spec
+        """Schema from names: `vectors` name -> dim of a float vector, or a spec
+        ("float16_vector(128)", "bfloat16_vector(768)"), `scalars` name -> type spec
         (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5");
         the primary key is `pk_type`: "int64" or "varchar(N)"; with `dynamic`, the dynamic
         field `$meta` keeps the keys of inserted rows the schema does not have;
@@ -465,7 +477,10 @@ class CollectionSchema(Record):
         fields = [replace(FieldSchema.from_spec(fid, primary, pk_type), is_primary=True)]
         for name, dim in vectors.items():
             fid += 1
-            fields.append(FieldSchema(fid, name, DataType.FLOAT_VECTOR, dim=dim))
+            if isinstance(dim, str):  # "float16_vector(128)"
+                fields.append(FieldSchema.from_spec(fid, name, dim))
+            else:
+                fields.append(FieldSchema(fid, name, DataType.FLOAT_VECTOR, dim=dim))
         for name, dtype in scalars.items():
             fid += 1
             fields.append(FieldSchema.from_spec(fid, name, dtype))
@@ -524,7 +539,7 @@ _FIXED_BYTES = {
 
 def _estimated_bytes(field: FieldSchema) -> int:
     if field.is_vector:
-        return (field.dim or 0) * 4
+        return (field.dim or 0) * VECTOR_WIDTHS[field.dtype]
     if field.dtype is DataType.ARRAY:
         assert field.element_type is not None and field.max_capacity is not None
         element = _FIXED_BYTES.get(field.element_type) or min(field.max_length or 64, 64)

@@ -53,6 +53,7 @@ def test_expired_rows_are_neither_read_nor_searched_but_stay_in_the_change_strea
     info, t0, t1 = aged
     catalog = Catalog(replace(system, settings=replace(system.settings, time_travel=600.0)))
     assert sorted(catalog.read_collection(info.name, as_of=t1)["pk"]) == list(range(1000, 1100))
+    assert catalog.collections().query(f"name == '{info.name}'")["ttl_seconds"].tolist() == [TTL]
     # Before the first rows expired, every row is read (expiry is measured from the read's time).
     early = compose_ts(physical_ms(t1) - 10 * 1000)
     assert len(catalog.read_collection(info.name, as_of=early)) in (

@@ -58,6 +58,8 @@ def test_rows_go_to_the_hidden_partition_their_key_hashes_to(
     ]
     assert frame["partition_id"].tolist() == expected
     assert len(set(frame["partition_id"])) > 1  # the tenants spread over the partitions
+    [row] = Catalog(system).collections().query(f"name == '{info.name}'").to_dict("records")
+    assert row["partition_key"] == "tenant" and len(row["partitions"]) == 4
 
 
 def test_reads_and_searches_on_a_key_open_only_its_partition(

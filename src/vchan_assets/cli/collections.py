@@ -22,6 +22,12 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=128, help="dimension of the vector field (default 128)")
     parser.add_argument("--vector", default="vector", help="name of the vector field (default: vector)")
     parser.add_argument(
+        "--vector-type",
+        choices=("float", "float16", "bfloat16"),
+        default="float",
+        help="values of the vector field: float32 (default), or float16 / bfloat16 (half the bytes)",
+    )
+    parser.add_argument(
         "--pk",
         default="id",
         help="the primary key as NAME or NAME:TYPE, TYPE int64 (the default) or varchar(N) (default: id)",
@@ -64,7 +70,11 @@ def create_collection(args: argparse.Namespace, settings: Settings) -> int:
         pk, _, pk_type = args.pk.partition(":")
         schema = CollectionSchema.build(
             pk,
-            {args.vector: args.dim},
+            {
+                args.vector: args.dim
+                if args.vector_type == "float"
+                else f"{args.vector_type}_vector({args.dim})"
+            },
             scalars(args.scalars),
             pk_type or "int64",
             dynamic=args.dynamic,

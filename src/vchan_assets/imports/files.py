@@ -228,9 +228,10 @@ def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> Non
     dim = field.dim
     assert dim is not None
     if pa.types.is_fixed_size_binary(found):
-        if found.byte_width != dim * 4:
+        width = fields.arrow_type(field).byte_width
+        if found.byte_width != width:
             raise ImportInputError(
-                path, f"holds {found.byte_width}-byte vectors, expected {dim * 4} (dim {dim})", field.name
+                path, f"holds {found.byte_width}-byte vectors, expected {width} (dim {dim})", field.name
             )
         return
     if pa.types.is_fixed_size_list(found) or pa.types.is_list(found) or pa.types.is_large_list(found):
@@ -312,7 +313,7 @@ def _vector(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Arra
     assert dim is not None
     if raw.null_count:
         raise ImportInputError(path, f"has a null vector at row {first_row + _first_null(raw)}", f.name)
-    target = pa.binary(dim * 4)
+    target = fields.arrow_type(f)
     if raw.type.equals(target):
         return raw
     if pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type):
@@ -328,7 +329,7 @@ def _vector(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Arra
     if values.null_count:
         raise ImportInputError(path, "has a null inside a vector", f.name)
     matrix = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype="<f4")
-    return pa.FixedSizeBinaryArray.from_buffers(target, len(raw), [None, pa.py_buffer(matrix)])
+    return fields.encode_vectors(f, matrix.reshape(len(raw), dim))
 
 
 def _parse_json_arrays(f: FieldSchema, raw: pa.Array, path: str) -> pa.Array:

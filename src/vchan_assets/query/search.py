@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
+from vchan_assets.fields import decode_vectors
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
 from vchan_assets.indexes.meta import describe, list_indexes
@@ -77,7 +78,6 @@ from vchan_assets.storage.cache import ReadCache
 from vchan_assets.storage.rows import (
     apply_deletes_to,
     concat_deletes,
-    float_vectors,
     read_deletes,
     segment_rows,
     segment_vectors,
@@ -315,9 +315,7 @@ class SearchPlan:
         hits: list[pa.Table] = []
         for rows, deletes in self.tails:
             allowed = _allowed(request, rows, deletes, self.ts, self.expired_before)
-            hits += _exact(
-                request, rows, float_vectors(rows[request.field.name], request.field.dim or 0), allowed
-            )
+            hits += _exact(request, rows, decode_vectors(request.field, rows[request.field.name]), allowed)
         return hits
 
 

@@ -27,6 +27,7 @@ from pyspark.sql.types import (
 )
 
 from vchan_assets.config import Settings
+from vchan_assets.fields import decode_vectors
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema
 from vchan_assets.query.prune import Pushdown, parse_where
 from vchan_assets.storage.rows import float_vectors
@@ -164,10 +165,13 @@ def selected_fields(info: CollectionInfo, request: ReadRequest) -> list[FieldSch
     return [f for f in ordered if f.is_primary or f.name in request.fields]
 
 
-def vectors_as_lists(column: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
-    """fixed_size_binary(dim*4) little-endian float32 -> list<float32>, without Python rows."""
+def vectors_as_lists(
+    column: pa.Array | pa.ChunkedArray, dim: int, field: FieldSchema | None = None
+) -> pa.Array:
+    """Stored vectors (fixed_size_binary: little-endian float32, or `field`'s float16 or
+    bfloat16) -> list<float32>, without Python rows."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    floats = float_vectors(arr, dim).reshape(-1)
+    floats = (float_vectors(arr, dim) if field is None else decode_vectors(field, arr)).reshape(-1)
     mask = arr.is_null() if arr.null_count else None
     lists = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), dim, mask=mask)
     return lists.cast(pa.list_(pa.field("element", pa.float32(), nullable=False)))
@@ -181,4 +185,4 @@ def field_column(
     if not field.is_vector:
         return column
     assert field.dim is not None
-    return vectors_as_lists(column, field.dim) if vectors == "array" else column.cast(pa.binary())
+    return vectors_as_lists(column, field.dim, field) if vectors == "array" else column.cast(pa.binary())

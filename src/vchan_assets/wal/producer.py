@@ -244,8 +244,9 @@ class Producer:
         rows: pa.Table | pa.RecordBatch | Mapping[str, Any],
         partition: str = DEFAULT_PARTITION,
     ) -> dict[str, ChannelAppend]:
-        """Insert rows (every field of the schema; vectors as float32 arrays (n, dim),
-        lists, fixed_size_list or fixed_size_binary(dim*4)). Returns per channel what
+        """Insert rows (every field of the schema; vectors as float arrays (n, dim), lists,
+        fixed_size_list, or fixed_size_binary as the field stores them: dim * 4 bytes, dim * 2
+        for float16 and bfloat16 vectors). Returns per channel what
         was appended; each channel's batch ends with a time tick. In a collection with a
         partition key, each row goes to the hidden partition its key's hash picks
         (`partition` must be left at its default)."""
@@ -618,7 +619,7 @@ def _scalar_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
 def _vector_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
     assert field.dim is not None
     dim = field.dim
-    target = pa.binary(dim * 4)
+    target = fields.arrow_type(field)  # fixed_size_binary of dim values of the field's width
     if isinstance(raw, pa.ChunkedArray):
         if raw.type.equals(target):
             return raw  # no copy
@@ -642,7 +643,7 @@ def _vector_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
     matrix = np.ascontiguousarray(np.asarray(raw, dtype="<f4"))
     if matrix.ndim != 2 or matrix.shape[1] != dim:
         raise ValueError(f"expected vectors of shape (n, {dim}), got {matrix.shape}")
-    return pa.FixedSizeBinaryArray.from_buffers(target, matrix.shape[0], [None, pa.py_buffer(matrix)])
+    return fields.encode_vectors(field, matrix)
 
 
 # --- synthetic data ---------------------------------------------------------------------
@@ -661,10 +662,7 @@ def generate_rows(schema: CollectionSchema, n: int, start_pk: int = 0, seed: int
             )
         elif field.is_vector:
             assert field.dim is not None
-            matrix = rng.random((n, field.dim), dtype=np.float32)
-            columns[field.name] = pa.FixedSizeBinaryArray.from_buffers(
-                pa.binary(field.dim * 4), n, [None, pa.py_buffer(matrix)]
-            )
+            columns[field.name] = fields.encode_vectors(field, rng.random((n, field.dim), dtype=np.float32))
         else:
             columns[field.name] = fields.random_values(field, rng, n)
     return pa.table(columns)
