@@ -7,7 +7,8 @@ about 12 GB free in the temporary directory and a few minutes).
 
 For each size it generates a log of N rows (int64 pk, int64 ts, a 128-d float32
 vector, three scalars; with `--schema varchar`, 36-character UUID pks and a JSON column
-instead) in one vchannel, then measures in the same run, interleaved:
+instead; with `--schema float16`, the vectors as float16) in one vchannel, then measures in
+the same run, interleaved:
   - baseline (1 thread): plain pyarrow reads the log files one after the other and
     writes the same binlogs (column groups, split by segment, same writer settings, same
     atomic fsynced writes);
@@ -75,7 +76,11 @@ SCHEMA = CollectionSchema.build("pk", {"vec": 128}, {"n": "int64", "f": "float",
 VARCHAR_SCHEMA = CollectionSchema.build(
     "pk", {"vec": 128}, {"n": "int64", "f": "float", "meta": "json"}, pk_type="varchar(36)"
 )
-SCHEMAS = {"int64": SCHEMA, "varchar": VARCHAR_SCHEMA}
+# `--schema float16`: the same rows with the vectors stored as float16 (half the bytes).
+FLOAT16_SCHEMA = CollectionSchema.build(
+    "pk", {"vec": "float16_vector(128)"}, {"n": "int64", "f": "float", "s": "string"}
+)
+SCHEMAS = {"int64": SCHEMA, "varchar": VARCHAR_SCHEMA, "float16": FLOAT16_SCHEMA}
 BATCH = 100_000
 
 
@@ -369,7 +374,8 @@ def main() -> None:
         "--schema",
         choices=sorted(SCHEMAS),
         default="int64",
-        help="int64: an int64 pk and three scalars; varchar: 36-character ids (UUIDs) and a JSON column",
+        help="int64: an int64 pk and three scalars; varchar: 36-character ids (UUIDs) and a JSON column; "
+        "float16: the int64 schema with float16 vectors",
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
