@@ -37,8 +37,10 @@ from typing import Any, Literal, Unpack
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from vchan_assets import catalog_tables as tables
+from vchan_assets import fields
 from vchan_assets.config import Settings
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datacoord.recovery import channel_checkpoint, list_orphans
@@ -450,15 +452,13 @@ class Catalog:
         table = reads.read_collection(
             self.system, info, apply_deletes, with_vectors, as_of=as_of, pushdown=pushdown
         )
-        exact = [filter] if filter is not None else []
         key = info.schema.partition_key
-        exact += [  # the partitions a key's value picks hold other keys' rows too
-            f"{column} {'in' if op == 'in' else '=='} {list(value) if op == 'in' else value!r}"
-            for column, op, value in (where or ())
-            if key is not None and column == key.name
-        ]
-        if exact:
-            table = table.filter(pa.array(_filter_rows(info, table, " and ".join(f"({e})" for e in exact))))
+        for column, op, value in where or ():  # a key's partitions hold other keys' rows too
+            if key is not None and column == key.name:
+                wanted = pa.array(list(value) if op == "in" else [value], fields.arrow_type(key))
+                table = table.filter(pc.is_in(table[column], value_set=wanted))
+        if filter is not None:
+            table = table.filter(pa.array(_filter_rows(info, table, filter)))
         return table if as_arrow else table.to_pandas()
 
     def search(

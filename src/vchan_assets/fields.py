@@ -280,6 +280,15 @@ def varchar_pks(field: FieldSchema, numbers: np.ndarray) -> pa.Array:
     return pa.array([f"{n:0{width}d}" for n in numbers.tolist()], pa.string())
 
 
+def key_array(pks: Any) -> np.ndarray:
+    """Keys as NumPy: int64, or Python strings in an object array (VarChar keys compare and
+    sort as text)."""
+    found = np.asarray(pks if isinstance(pks, np.ndarray) else list(pks))
+    return (
+        found.astype(np.int64, copy=False) if found.dtype.kind in "iu" else found.astype(object, copy=False)
+    )
+
+
 def hash_keys(pks: Any) -> np.ndarray:
     """Primary keys as int64 keys for hashing: int64 pks as they are, VarChar pks by their
     64-bit SipHash (pandas' `hash_array`, a fixed key: the same in every process)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vchan_assets.fields import Pk, hash_keys
+from vchan_assets.fields import Pk, hash_keys, key_array
 
 FALSE_POSITIVE_RATE = 0.001
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -29,13 +29,6 @@ def _mix(x: np.ndarray, seed: int) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
-
-
-def _as_keys(pks: object) -> np.ndarray:
-    found = np.asarray(pks)
-    if found.dtype.kind in "iu":
-        return found.astype(np.int64, copy=False)
-    return found.astype(object, copy=False)  # VarChar pks: Python strings compare and sort
 
 
 def _bound(value: object) -> Pk:
@@ -54,7 +47,7 @@ class PkStats:
     @classmethod
     def build(cls, pks: np.ndarray, fpr: float = FALSE_POSITIVE_RATE) -> PkStats:
         """Stats of `pks`: int64, or strings (VarChar pks, as an object or str array)."""
-        pks = _as_keys(pks)
+        pks = key_array(pks)
         n = max(int(len(pks)), 1)
         needed = max(64, int(math.ceil(-n * math.log(fpr) / (math.log(2) ** 2))))
         k = max(1, round(needed / n * math.log(2)))
@@ -76,7 +69,7 @@ class PkStats:
 
     def might_contain(self, pks: np.ndarray) -> np.ndarray:
         """Per pk: False means certainly absent; True means possibly present."""
-        pks = _as_keys(pks)
+        pks = key_array(pks)
         if not self.entries or not len(pks):
             return np.zeros(len(pks), dtype=bool)
         result = (pks >= self.pk_min) & (pks <= self.pk_max)

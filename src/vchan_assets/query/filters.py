@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from vchan_assets.fields import vchannel_index
+from vchan_assets.fields import key_array, vchannel_index
 from vchan_assets.model import CollectionInfo, DataType
 
 
@@ -144,12 +144,16 @@ def key_partitions_of(info: CollectionInfo, expression: object) -> set[int] | No
     if key is None or not isinstance(expression, str):
         return None
     values = key_values(expression, key.name)
-    if values is None:
-        return None
+    return None if values is None else key_partitions(info, values)
+
+
+def key_partitions(info: CollectionInfo, values: Sequence[Any]) -> set[int]:
+    """The hidden partitions the partition key's `values` hash to (values of another type
+    than the key's match no row, so pick none)."""
+    key = info.schema.partition_key
+    assert key is not None
     found = [v for v in values if isinstance(v, str) == (key.dtype is DataType.VARCHAR)]
-    index = vchannel_index(
-        np.asarray(found, dtype=object if key.dtype is DataType.VARCHAR else np.int64), len(info.partitions)
-    )
+    index = vchannel_index(key_array(found) if found else np.empty(0, np.int64), len(info.partitions))
     return {info.partitions[i] for i in index.tolist()}
 
 

@@ -28,9 +28,9 @@ import pyarrow as pa
 
 from vchan_assets.datanode.stats import PkStats
 from vchan_assets.errors import DeclaredError
-from vchan_assets.fields import Pk
+from vchan_assets.fields import Pk, key_array
 from vchan_assets.model import CollectionInfo, DataType, SegmentInfo
-from vchan_assets.query.filters import key_partitions_of
+from vchan_assets.query.filters import key_partitions
 from vchan_assets.storage import Storage
 from vchan_assets.storage.cache import ReadCache
 
@@ -46,14 +46,6 @@ class FilterError(DeclaredError, ValueError):
     condition: str
     detail: str
     message = "filter {condition}: {detail}"
-
-
-def _keys(values: Iterable[Pk]) -> np.ndarray:
-    """Pks as NumPy: int64, or Python strings (VarChar pks compare and sort as text)."""
-    found = np.asarray(list(values) if not isinstance(values, np.ndarray) else values)
-    return (
-        found.astype(np.int64, copy=False) if found.dtype.kind in "iu" else found.astype(object, copy=False)
-    )
 
 
 @dataclass(frozen=True)
@@ -76,7 +68,7 @@ class PkFilter:
     def empty(self) -> bool:
         """No pk can match (contradicting bounds, or no value within them)."""
         if self.values is not None:
-            return not self.in_range(_keys(self.values)).any()
+            return not self.in_range(key_array(self.values)).any()
         if self.low is None or self.high is None:
             return False
         return self.low > self.high or (self.low == self.high and (self.low_open or self.high_open))  # type: ignore[operator]
@@ -104,18 +96,18 @@ class PkFilter:
             return False
         if self.values is None:
             return not self.and_(PkFilter(low=stats.pk_min, high=stats.pk_max)).empty
-        wanted = _keys(self.values)
+        wanted = key_array(self.values)
         wanted = wanted[self.in_range(wanted)]
         return bool(len(wanted)) and bool(stats.might_contain(wanted).any())
 
     def mask(self, pks: pa.Array | pa.ChunkedArray) -> pa.Array:
         """Per row: its pk matches."""
-        arr = _keys(
+        arr = key_array(
             pks.to_numpy() if isinstance(pks, pa.ChunkedArray) else pks.to_numpy(zero_copy_only=False)
         )
         keep = self.in_range(arr)
         if self.values is not None:
-            keep &= np.isin(arr, _keys(self.values))
+            keep &= np.isin(arr, key_array(self.values))
         return pa.array(keep)
 
     def rows(self, table: pa.Table, pk: str, is_sorted: bool = False) -> pa.Table:
@@ -124,7 +116,7 @@ class PkFilter:
         if self.everything or table.num_rows == 0:
             return table
         if is_sorted and self.values is None:
-            pks = _keys(table[pk].to_numpy())
+            pks = key_array(table[pk].to_numpy())
             start = (
                 0
                 if self.low is None
@@ -227,8 +219,7 @@ def parse_where(info: CollectionInfo, where: Sequence[Any] | None) -> Pushdown:
             values = [value] if op in ("=", "==") else list(value) if op == "in" else None
             if values is None:
                 raise FilterError(_condition(item), "a partition key is filtered with '=' or 'in'")
-            expression = f"{key.name} in {values!r}"
-            pushdown = pushdown.and_(frozenset(key_partitions_of(info, expression) or ()))
+            pushdown = pushdown.and_(frozenset(key_partitions(info, values)))
         elif column == pk_name:
             text = info.schema.primary.dtype is not DataType.INT64
             pushdown = pushdown.and_(pk_condition(op, value, item, text))
