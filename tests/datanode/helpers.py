@@ -3,15 +3,14 @@ state of the test's keys in etcd."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import MsgPosition
 from vchan_assets.testing.harness import VCHAN, cli_env
+from vchan_assets.testing.waiting import wait_stopped
 
 
 def meta_state(store: MetaStore) -> set[tuple[str, int]]:
@@ -61,20 +60,3 @@ def sync_stopped_at(
     )
     wait_stopped(child, marker)
     return child
-
-
-def wait_stopped(proc: subprocess.Popen[str], marker: Path, timeout: float = 120) -> None:
-    """Wait until the child reached its `=stop` failpoint (marker written, state T)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"child exited early: {proc.returncode} {proc.stderr.read() if proc.stderr else ''}"
-            )
-        if marker.exists():
-            with open(f"/proc/{proc.pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "T":
-                    return
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    raise AssertionError("child never reached its failpoint")

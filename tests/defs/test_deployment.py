@@ -143,7 +143,8 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
     )
     statuses = {r.run_id: r.status for r in instance.get_runs(dg.RunsFilter(job_name="sync"))}
     assert dg.DagsterRunStatus.SUCCESS in statuses.values()
-    assert dg.DagsterRunStatus.FAILURE not in statuses.values(), statuses
+    failed = [run_id for run_id, status in statuses.items() if status is dg.DagsterRunStatus.FAILURE]
+    assert not failed, _failures(instance, failed)
     checks = []
     for run_id in statuses:
         for record in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
@@ -268,6 +269,21 @@ def _where_syncs_stand(deployment: Deployment, vchannels: list[str]) -> str:
         f"runs in flight {[(r.job_name, r.run_id[:8], r.status.value) for r in in_flight]}; "
         f"loop logs {logs}; loop stderr {_compute_stderr(instance, runs)}"
     )
+
+
+def _failures(instance: dg.DagsterInstance, run_ids: Sequence[str]) -> dict[str, list[str]]:
+    """What each failed run said: its tags and its step and run failure messages."""
+    kinds = {dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE}
+    found = {}
+    for run_id in run_ids:
+        run = instance.get_run_by_id(run_id)
+        said = [
+            str(e.dagster_event.event_specific_data)[:2000] if e.dagster_event else e.user_message
+            for e in instance.all_logs(run_id)
+            if e.dagster_event is not None and e.dagster_event.event_type in kinds
+        ]
+        found[run_id[:8]] = [str(run.tags if run else {}), *said]
+    return found
 
 
 def _compute_stderr(

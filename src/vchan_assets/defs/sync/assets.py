@@ -11,6 +11,7 @@ automation (defs/automation.py). The exactly-once checks of the sync are blockin
 """
 
 import time
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from typing import Any
 
@@ -111,9 +112,14 @@ def previous_checkpoint(instance: dg.DagsterInstance, vchannel: str) -> int | No
 
 
 def sync_results(
-    runtime: VchanRuntime, result: SyncResult, previous: int | None, config: SyncConfig
+    runtime: VchanRuntime,
+    result: SyncResult,
+    previous: int | None,
+    config: SyncConfig,
+    checks: Collection[dg.AssetCheckKey] | None = None,
 ) -> list[dg.MaterializeResult | dg.AssetCheckResult]:
-    """The three materializations and the four checks of one sync."""
+    """The three materializations and the four checks of one sync (of them, those in
+    `checks` if given: a run launched without some checks does not evaluate them)."""
     common: dict[str, Any] = {
         "position_range": f"({result.start.offset}, {result.end.offset}]",
         "start_offset": result.start.offset,
@@ -122,7 +128,10 @@ def sync_results(
         "node_id": config.node_id,
         "reason": config.reason,
     }
-    return [*_materializations(runtime, result, previous, common), *_checks(runtime, result, previous)]
+    return [
+        *_materializations(runtime, result, previous, common),
+        *_checks(runtime, result, previous, checks),
+    ]
 
 
 def _materializations(
@@ -163,18 +172,29 @@ def _materializations(
     ]
 
 
-def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> list[dg.AssetCheckResult]:
+def _checks(
+    runtime: VchanRuntime,
+    result: SyncResult,
+    previous: int | None,
+    selected: Collection[dg.AssetCheckKey] | None,
+) -> list[dg.AssetCheckResult]:
     vchannel, end = result.vchannel, result.end
     monotonic = CheckOutcome(
         previous is None or end.offset >= previous,
         f"checkpoint {end.offset}, previous materialization {previous}",
         {"checkpoint_offset": end.offset, "previous_offset": -1 if previous is None else previous},
     )
+    # Two of them read every binlog of the channel: only the selected ones are evaluated.
+    outcomes: list[tuple[dg.AssetCheckSpec, Callable[[], CheckOutcome]]] = [
+        (CHECK_LOG_ROWS, lambda: runtime.check_log_rows(vchannel)),
+        (CHECK_UNIQUE_PKS, lambda: runtime.check_unique_pks(vchannel)),
+        (CHECK_BINLOG_PATHS, lambda: runtime.check_binlog_paths(vchannel)),
+        (CHECK_MONOTONIC, lambda: monotonic),
+    ]
     return [
-        check_result(CHECK_LOG_ROWS, runtime.check_log_rows(vchannel)),
-        check_result(CHECK_UNIQUE_PKS, runtime.check_unique_pks(vchannel)),
-        check_result(CHECK_BINLOG_PATHS, runtime.check_binlog_paths(vchannel)),
-        check_result(CHECK_MONOTONIC, monotonic),
+        check_result(spec, outcome())
+        for spec, outcome in outcomes
+        if selected is None or spec.key in selected
     ]
 
 
@@ -183,12 +203,23 @@ def _checks(runtime: VchanRuntime, result: SyncResult, previous: int | None) -> 
     specs=[BINLOGS, SEGMENTS, CHANNEL_CHECKPOINTS],
     check_specs=list(SYNC_CHECKS),
     partitions_def=vchannels,
+    # Subsettable so that a run which commits nothing (superseded, or a release whose lease
+    # moved on) may end without its checks; a sync still commits all three steps or none.
+    can_subset=True,
 )
 def sync_vchannel(
     context: dg.AssetExecutionContext, config: SyncConfig, vchan: VchanResource, pyspark: PySparkResource
 ) -> object:
     """Sync one vchannel from its checkpoint to its latest time tick under its channel lease."""
     vchannel = context.partition_key
+    steps = {BINLOGS.key, SEGMENTS.key, CHANNEL_CHECKPOINTS.key}
+    if set(context.selected_asset_keys) != steps:
+        chosen = ", ".join(sorted(k.to_user_string() for k in context.selected_asset_keys))
+        raise dg.Failure(
+            f"a sync commits binlogs, segments and channel_checkpoints together; select all three "
+            f"(this run selected {chosen})",
+            allow_retries=False,
+        )
     with vchan.open() as runtime:
         lease_id = config.lease_id
         if not lease_id:
@@ -207,8 +238,11 @@ def sync_vchannel(
             _release(runtime, config)
             return
         except SyncSupersededError as exc:
-            # A later sync run of this channel (this one was given up on) claimed it first.
-            raise dg.Failure(str(exc), allow_retries=False) from exc
+            # Another sync of the channel under the same lease claimed it after this one began
+            # (the node's sync loop, or the next run after this one was given up on): that one
+            # commits the range, this one committed nothing. Not a failure: the channel is fine.
+            context.log.warning("%s; nothing to report for this run", exc)
+            return
         context.log.info(
             "%s: (%d, %d] %d rows, %d deletes, %d files %s",
             vchannel,
@@ -219,7 +253,8 @@ def sync_vchannel(
             result.files,
             result.skipped,
         )
-        yield from sync_results(runtime, result, previous, config.model_copy(update={"lease_id": lease_id}))
+        config = config.model_copy(update={"lease_id": lease_id})
+        yield from sync_results(runtime, result, previous, config, context.selected_asset_check_keys)
         if config.release:
             _release(runtime, config)
 

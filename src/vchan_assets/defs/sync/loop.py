@@ -135,8 +135,13 @@ class NodeSyncLoop:
         (their reports come from `ready`)."""
         plans = plan_syncs(self.runtime, busy_channels(self.instance), nodes={self.node_id})
         synced = 0
-        for plan in plans:
+        for i, plan in enumerate(plans):
             vchannel, lease = plan.vchannel, plan.lease
+            if i and vchannel in busy_channels(self.instance):
+                # A sync run of it was requested while this loop synced the channels before
+                # (a sensor tick begun before the loop started): of two syncs at once, one
+                # would commit nothing (SyncSupersededError).
+                continue
             if vchannel not in self.previous:
                 self.previous[vchannel] = previous_checkpoint(self.instance, vchannel)
             self.in_flight = self.syncer.submit(self.runtime.sync, vchannel, lease.lease_id)
