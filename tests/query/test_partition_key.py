@@ -15,11 +15,14 @@ from vchan_assets import imports
 from vchan_assets.catalog import Catalog
 from vchan_assets.datacoord.collections import InvalidSchemaError
 from vchan_assets.fields import vchannel_index
+from vchan_assets.imports.checks import check_no_existing_pks, check_rows_match_files
+from vchan_assets.imports.files import FileSource
+from vchan_assets.imports.jobs import KEY_PARTITIONS, ImportState
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentLevel
 from vchan_assets.query.filters import key_partitions_of
 from vchan_assets.system import System
 from vchan_assets.testing.harness import segments
-from vchan_assets.testing.import_files import write_parquet
+from vchan_assets.testing.import_files import run_import, write_parquet
 from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
 
@@ -91,10 +94,11 @@ def test_a_partition_key_collection_has_no_partitions_of_its_own(
         producer.insert(info.name, rows.slice(0, 1), partition="_default_1")
     with pytest.raises(InvalidSchemaError, match="its partitions follow its partition key 'tenant'"):
         producer.create_partition(info.name, "p1")
-    with pytest.raises(ValueError, match="bulk import into it is not supported yet"):
+    with pytest.raises(ValueError, match="an import names no partition"):
         imports.submit(
             info.name,
             [write_parquet(tmp_path / "t.parquet", rows)],
+            partition="_default_1",
             store=system.store,
             settings=system.settings,
         )
@@ -102,3 +106,66 @@ def test_a_partition_key_collection_has_no_partitions_of_its_own(
         CollectionSchema.build("pk", {"vec": 4}, {"d": "double"}, partition_key="d")
     with pytest.raises(ValueError, match="partition key 'pk' is not one of the scalar fields"):
         CollectionSchema.build("pk", {"vec": 4}, {"d": "double"}, partition_key="pk")
+
+
+def _tenant_rows(pks: range, tenant: str | None = None) -> pa.Table:
+    """Rows of TENANTS with pks `pks`: tenant t{pk % 10}, or `tenant` for every row."""
+    rows = generate_rows(TENANTS, len(pks), start_pk=pks.start, seed=pks.start)
+    tenants = [tenant or f"t{pk % 10}" for pk in pks]
+    return rows.set_column(rows.schema.get_field_index("tenant"), "tenant", pa.array(tenants))
+
+
+def test_an_import_routes_each_row_to_the_partition_its_key_hashes_to(
+    system: System, tenants: tuple[CollectionInfo, pa.Table], tmp_path: Path
+) -> None:
+    """Bulk import into a partition-key collection, as Milvus: each row to the hidden
+    partition its key picks, as an insert would; reads pruned by the key find them; the
+    job's checks pass; the job names each segment's partition."""
+    info, _ = tenants
+    paths = [
+        write_parquet(tmp_path / f"{i}.parquet", _tenant_rows(range(400 + 100 * i, 500 + 100 * i)))
+        for i in range(2)
+    ]
+    job = run_import(system.store, system.settings, info, paths)
+
+    assert job.state is ImportState.COMPLETED and job.imported_rows == 200
+    assert job.partition_id == KEY_PARTITIONS
+    assert len(set(job.segment_partitions)) > 1 and set(job.segment_partitions) <= set(info.partitions)
+    frame = Catalog(system).read_collection(info.name, with_vectors=False)
+    assert sorted(frame["pk"]) == list(range(2, 600))
+    expected = [
+        info.partitions[i] for i in vchannel_index(frame["tenant"].to_numpy(dtype=object), 4).tolist()
+    ]
+    assert frame["partition_id"].tolist() == expected
+    t3 = Catalog(system).read_collection(info.name, where=[("tenant", "=", "t3")], with_vectors=False)
+    assert sorted(t3["pk"]) == list(range(3, 600, 10))
+    assert check_no_existing_pks(system.store, system.storage, job).passed
+    assert check_rows_match_files(system.store, system.storage, FileSource(), job).passed
+
+
+def test_an_upsert_import_replaces_a_row_whose_key_moved_it_to_another_partition(
+    system: System, tenants: tuple[CollectionInfo, pa.Table], tmp_path: Path
+) -> None:
+    """pks 2..21 imported again with tenant `t_new`: their old versions, in the partitions of
+    their old tenants, are deleted (the upsert's deletes go to every hidden partition), so
+    each pk is read once, with its new tenant."""
+    info, _ = tenants
+    moved = write_parquet(tmp_path / "moved.parquet", _tenant_rows(range(2, 22), tenant="t_new"))
+    job = run_import(system.store, system.settings, info, [moved], upsert=True)
+
+    assert job.state is ImportState.COMPLETED
+    frame = Catalog(system).read_collection(info.name, with_vectors=False)
+    assert sorted(frame["pk"]) == list(range(2, 400))
+    assert set(frame[frame["pk"] < 22]["tenant"]) == {"t_new"}
+    assert check_no_existing_pks(system.store, system.storage, job).passed
+
+
+def test_a_plain_import_of_live_pks_in_other_partitions_fails_its_overlap_check(
+    system: System, tenants: tuple[CollectionInfo, pa.Table], tmp_path: Path
+) -> None:
+    info, _ = tenants
+    moved = write_parquet(tmp_path / "moved.parquet", _tenant_rows(range(2, 22), tenant="t_new"))
+    job = run_import(system.store, system.settings, info, [moved])
+    overlap = check_no_existing_pks(system.store, system.storage, job)
+    assert not overlap.passed and overlap.metadata["overlap"] == 20
+    assert "already live in the collection" in overlap.description

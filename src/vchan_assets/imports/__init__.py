@@ -21,6 +21,7 @@ from vchan_assets.datacoord.collections import DEFAULT_PARTITION, CollectionRegi
 from vchan_assets.imports.executor import ImportExecutor, Progress
 from vchan_assets.imports.files import FileSource, ImportInputError
 from vchan_assets.imports.jobs import (
+    KEY_PARTITIONS,
     ImportFile,
     ImportFormat,
     ImportJob,
@@ -86,20 +87,24 @@ def submit(
     with _store(store, settings) as (meta, conf):
         info = CollectionRegistry(meta).get_by_name(collection)
         key = info.schema.partition_key
-        if key is not None:  # its rows would each need the partition their key picks
-            raise ValueError(
-                f"collection {collection!r} has a partition key ({key.name!r}): bulk import into it is not "
-                "supported yet; insert its rows instead"
-            )
-        if partition not in info.partition_names:
+        if key is not None:  # each row goes to the hidden partition its key picks
+            if partition != DEFAULT_PARTITION:
+                raise ValueError(
+                    f"collection {collection!r} has a partition key ({key.name!r}): its rows go to the "
+                    f"partition their key picks, an import names no partition (got {partition!r})"
+                )
+            partition_id = KEY_PARTITIONS
+        elif partition not in info.partition_names:
             raise PartitionNotFoundError(collection, partition)
+        else:
+            partition_id = info.partition_id(partition)
         paths = FileSource(conf.s3_endpoint, conf.s3_region).expand(list(files), fmt)
         now = time.time()
         job = ImportJob(
             job_id=IdAllocator(meta).alloc() if job_id is None else job_id,
             collection_id=info.id,
             collection=info.name,
-            partition_id=info.partition_id(partition),
+            partition_id=partition_id,
             partition=partition,
             files=tuple(ImportFile(p) for p in paths),
             format=fmt,

@@ -10,13 +10,14 @@ asset reports them):
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.imports.files import FileSource, ImportInputError, parquet_file, read_batches
-from vchan_assets.imports.jobs import ImportFormat, ImportJob
+from vchan_assets.imports.jobs import KEY_PARTITIONS, ImportFormat, ImportJob
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import SegmentInfo, SegmentState
@@ -64,21 +65,36 @@ def check_no_existing_pks(store: MetaStore, storage: Storage, job: ImportJob) ->
     found = SegmentMeta(store).list(job.collection_id, include_dropped=True)
     every = [d.model for d in found]
     mine = {s.id for s in every if s.id in job.segment_ids}
-    others = [s for s in every if s.id not in mine and s.partition_id == job.partition_id and readable(s)]
     imported = read_files(
         storage, [b.path for s in every if s.id in mine and s.binlogs for b in s.binlogs[0].logs], [pk]
     )
-    existing = read_files(storage, [b.path for s in others for b in s.binlogs[0].logs], [pk, "timestamp"])
-    if imported is None or existing is None:
-        return CheckOutcome(True, "no other live rows in the partition", {"overlap": 0})
-    # Deletes older than the import: the rows they removed are not "already there".
-    deletes = read_deletes(storage, delete_paths(every, job.partition_id))
-    deletes = deletes.filter(pc.less(deletes["timestamp"], job.timestamp)) if deletes.num_rows else deletes
-    live = apply_deletes_to(existing, deletes, pk)
-    overlap = int(pc.sum(pc.is_in(imported[pk], value_set=live[pk])).as_py() or 0)
+    # The job's partition, or with a partition key every hidden one (a row's older version
+    # may be in another partition than the one its key picks now).
+    partitions = info.partitions if job.partition_id == KEY_PARTITIONS else (job.partition_id,)
+    live = [_live_pks(storage, every, mine, p, pk, job.timestamp) for p in partitions]
+    if imported is None:
+        return CheckOutcome(True, "no imported rows", {"overlap": 0})
+    overlap = sum(
+        int(pc.sum(pc.is_in(imported[pk], value_set=pks)).as_py() or 0) for pks in live if pks is not None
+    )
     return CheckOutcome(
         overlap == 0 or job.upsert,
-        f"{overlap} of {imported.num_rows} imported primary keys were already live in the partition"
+        f"{overlap} of {imported.num_rows} imported primary keys were already live in the "
+        + ("collection" if job.partition_id == KEY_PARTITIONS else "partition")
         + (" (upsert: replaced)" if job.upsert and overlap else ""),
         {"overlap": overlap, "imported_rows": imported.num_rows},
     )
+
+
+def _live_pks(
+    storage: Storage, every: list[SegmentInfo], mine: set[int], partition: int, pk: str, before: int
+) -> pa.Array | None:
+    """The pks live in `partition` outside the job's segments, deletes older than the
+    import applied (the rows they removed are not "already there")."""
+    others = [s for s in every if s.id not in mine and s.partition_id == partition and readable(s)]
+    existing = read_files(storage, [b.path for s in others for b in s.binlogs[0].logs], [pk, "timestamp"])
+    if existing is None:
+        return None
+    deletes = read_deletes(storage, delete_paths(every, partition))
+    deletes = deletes.filter(pc.less(deletes["timestamp"], before)) if deletes.num_rows else deletes
+    return apply_deletes_to(existing, deletes, pk)[pk].combine_chunks()

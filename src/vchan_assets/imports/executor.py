@@ -46,6 +46,7 @@ from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
 from vchan_assets.imports.files import FileSource, ImportInputError
 from vchan_assets.imports.jobs import (
+    KEY_PARTITIONS,
     ImportFile,
     ImportJob,
     ImportJobTakenError,
@@ -216,9 +217,13 @@ class ImportExecutor:
         max_rows = max_rows_of(info, self.settings)
         slices = self._slices(j, max_rows)
         k = len(info.vchannels)
-        # Per task: a segment per vchannel, one more each time max_rows is reached, and for
-        # an upsert the L0 segment of its deletes.
-        per_task = [k + s.rows // max_rows + int(j.upsert) for s in slices]
+        key = info.schema.partition_key
+        partitions = info.partitions if key is not None else (j.partition_id,)
+        p = len(partitions)
+        # Per task: a segment per (partition, vchannel), one more each time max_rows is
+        # reached, and for an upsert the L0 segment of its deletes in each partition.
+        deletes = p if j.upsert else 0
+        per_task = [p * k + s.rows // max_rows + deletes for s in slices]
         if sum(per_task) > MAX_SEGMENTS_PER_JOB:
             raise ImportFailed(
                 f"the job would write {sum(per_task)} segments, more than the {MAX_SEGMENTS_PER_JOB} "
@@ -245,8 +250,10 @@ class ImportExecutor:
                     vchannels=info.vchannels,
                     timestamp=j.timestamp,
                     row_id_base=row_at,
-                    segment_ids=tuple(range(seg_at, seg_at + n_seg - int(j.upsert))),
-                    upsert_segment=seg_at + n_seg - 1 if j.upsert else 0,
+                    segment_ids=tuple(range(seg_at, seg_at + n_seg - deletes)),
+                    upsert_segments=tuple(range(seg_at + n_seg - deletes, seg_at + n_seg)),
+                    partition_key=key.name if key is not None else None,
+                    key_partitions=info.partitions if key is not None else (),
                     log_id_base=first_log + i * LOG_IDS_PER_TASK,
                     log_id_count=LOG_IDS_PER_TASK,
                     max_rows=max_rows,
@@ -315,6 +322,9 @@ class ImportExecutor:
         j = job.model
         changes: dict[str, Any] = {
             "segment_ids": tuple(s.id for s in segments),
+            "segment_partitions": tuple(s.partition_id for s in segments)
+            if j.partition_id == KEY_PARTITIONS
+            else (),
             "imported_rows": sum(s.num_rows for s in segments if s.level is not SegmentLevel.L0),
             "progress": 90,
         }
@@ -399,7 +409,7 @@ class ImportExecutor:
     def _segments(self, j: ImportJob, ids: Sequence[int]) -> list[tuple[str, Decoded[SegmentInfo]]]:
         out = []
         for seg_id in ids:
-            key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
+            key = self.store.keys.segment(j.collection_id, j.partition_of(seg_id), seg_id)
             found = self.store.get_model(key, SegmentInfo)
             if found is None or found.model.state is not SegmentState.IMPORTING:
                 state = found.model.state if found else "missing"
@@ -454,7 +464,7 @@ class ImportExecutor:
         """Those of `ids` whose segment is Importing, with their keys."""
         out = []
         for seg_id in ids:
-            key = self.store.keys.segment(j.collection_id, j.partition_id, seg_id)
+            key = self.store.keys.segment(j.collection_id, j.partition_of(seg_id), seg_id)
             found = self.store.get_model(key, SegmentInfo)
             if found is not None and found.model.state is SegmentState.IMPORTING:
                 out.append((key, found))
@@ -490,7 +500,7 @@ class ImportExecutor:
         found = self.store.get_model(self.store.keys.collection(j.collection_id), CollectionInfo)
         if found is None or found.model.dropped_at:
             raise ImportFailed(f"collection {j.collection!r} was dropped during the job")
-        if j.partition_id not in found.model.partitions:
+        if j.partition_id != KEY_PARTITIONS and j.partition_id not in found.model.partitions:
             raise ImportFailed(f"partition {j.partition!r} of {j.collection!r} was dropped during the job")
         return found
 

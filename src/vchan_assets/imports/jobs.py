@@ -50,8 +50,15 @@ class ImportFile(Record):
     row_groups: int = 0  # Parquet: the unit a file is sliced by
 
 
+# The `partition_id` of a job into a collection with a partition key: each row goes to the
+# hidden partition its key hashes to (as an insert does), not to one partition.
+KEY_PARTITIONS = -1
+
+
 @dataclass(frozen=True)
 class ImportJob(Record):
+    OMIT_WHEN_DEFAULT = frozenset({"segment_partitions"})
+
     job_id: int
     collection_id: int
     collection: str
@@ -68,6 +75,9 @@ class ImportJob(Record):
     bytes: int = 0
     imported_rows: int = 0  # in the committed segments
     segment_ids: tuple[int, ...] = ()  # its segments, in the order they are registered and committed
+    # The partition of each of `segment_ids` when they are not all `partition_id`'s (a job
+    # into a collection with a partition key); empty otherwise.
+    segment_partitions: tuple[int, ...] = ()
     # A job of more segments than one transaction holds (executor.CHUNK_SEGMENTS): its segments' meta in a manifest
     # file, how many of them are in etcd (Importing or later), how many the commit made Flushed.
     manifest: str = ""
@@ -83,6 +93,12 @@ class ImportJob(Record):
     def done(self) -> bool:
         return self.state in FINISHED
 
+    def partition_of(self, segment_id: int) -> int:
+        """The partition of one of the job's segments (where its meta key is)."""
+        if not self.segment_partitions:
+            return self.partition_id
+        return self.segment_partitions[self.segment_ids.index(segment_id)]
+
     @property
     def registering(self) -> bool:
         """Segment ids reserved, some of their segments not yet in etcd (only a job whose
@@ -92,6 +108,8 @@ class ImportJob(Record):
     def validate(self) -> None:
         if not self.files:
             raise ValueError("an import job needs at least one file")
+        if self.segment_partitions and len(self.segment_partitions) != len(self.segment_ids):
+            raise ValueError("segment_partitions must name the partition of each of segment_ids")
 
 
 class ImportJobError(MetaError):

@@ -3,11 +3,14 @@ Parquet file's row groups in, segments of binlogs out (pure pyarrow).
 
 Runs inside a Spark Python worker (or in-process for the local engine). Rows are read
 batch by batch, converted to the collection's fields (`files.convert`), given row ids
-from the task's allocated range and the job's one timestamp, routed to vchannels by
-`pk % K` (as the producer routes inserts), and buffered per vchannel. A buffer is written
-out as soon as the buffers together pass `buffer_bytes` (memory stays flat in rows):
-insert binlogs per column group and a stats log, the layout of a sync. A vchannel's
-segment is closed at `max_rows` and the next one of the task's reserved ids opened.
+from the task's allocated range and the job's one timestamp, routed as the producer routes
+inserts: to vchannels by `fields.vchannel_index` of the pk and, in a collection with a
+partition key, to the hidden partition its key hashes to; and buffered per (partition,
+vchannel). A buffer is written out as soon as the buffers together pass `buffer_bytes`
+(memory stays flat in rows): insert binlogs per column group and a stats log, the layout
+of a sync. A segment is closed at `max_rows` and the next one of the task's reserved ids
+opened. An upsert writes a delete of every imported pk into an L0 segment of each target
+partition (with a partition key, a row's older version may be in any of them).
 
 Returns the segments as SegmentInfos in state Importing (invisible); nothing here
 touches etcd.
@@ -63,7 +66,17 @@ class ImportSpec:
     log_id_count: int
     max_rows: int
     buffer_bytes: int = 128 << 20
-    upsert_segment: int = 0  # upsert: the L0 segment that gets a delete of every imported pk
+    # Upsert: per target partition, the L0 segment that gets a delete of every imported pk.
+    upsert_segments: tuple[int, ...] = ()
+    # A collection with a partition key: its field, and the hidden partitions its hash picks
+    # from (`partition_id` is then unused).
+    partition_key: str | None = None
+    key_partitions: tuple[int, ...] = ()
+
+    @property
+    def partitions(self) -> tuple[int, ...]:
+        """The partitions the task's rows go to."""
+        return self.key_partitions or (self.partition_id,)
 
 
 _SYSTEM = (pa.field("offset", pa.int64(), nullable=False), pa.field("timestamp", pa.int64(), nullable=False))
@@ -92,9 +105,9 @@ class ImportTask:
         self.next_row_id = spec.row_id_base
         self.segment_ids = iter(spec.segment_ids)
         self.log_ids = iter(range(spec.log_id_base, spec.log_id_base + spec.log_id_count))
-        self.open: dict[int, _Open] = {}  # vchannel index -> open segment
+        self.open: dict[tuple[int, int], _Open] = {}  # (partition id, vchannel index) -> open segment
         self.done: list[SegmentInfo] = []
-        self.deletes: SegmentInfo | None = None  # upsert: the L0 segment of this task's deletes
+        self.deletes: dict[int, SegmentInfo] = {}  # upsert: partition id -> L0 segment of its deletes
 
     def run(self) -> list[SegmentInfo]:
         rows = 0
@@ -102,9 +115,9 @@ class ImportTask:
         for batch in read_batches(spec.source, spec.path, spec.format, row_groups=spec.row_groups):
             self._add(convert(spec.schema, batch, spec.path, rows))
             rows += batch.num_rows
-        for channel in list(self.open):
-            self._close(channel)
-        return self.done + ([self.deletes] if self.deletes else [])
+        for slot in list(self.open):
+            self._close(slot)
+        return self.done + list(self.deletes.values())
 
     def _add(self, table: pa.Table) -> None:
         n = table.num_rows
@@ -115,15 +128,18 @@ class ImportTask:
         # Not nullable, as in the log: binlogs of imports and syncs share one schema.
         ts = pa.array(np.full(n, self.spec.timestamp, dtype=np.int64))
         table = table.add_column(0, _SYSTEM[0], ids).add_column(1, _SYSTEM[1], ts)
-        k = len(self.spec.vchannels)
-        channel = vchannel_index(table[self.pk], k) if k > 1 else np.zeros(n, dtype=np.int64)
-        for c in np.unique(channel).tolist():
-            rows = table.filter(pa.array(channel == c)) if k > 1 else table
-            self._buffer(int(c), rows)
+        k, partitions = len(self.spec.vchannels), self.spec.partitions
+        slot = vchannel_index(table[self.pk], k) if k > 1 else np.zeros(n, dtype=np.int64)
+        if self.spec.partition_key is not None:
+            slot += k * vchannel_index(table[self.spec.partition_key], len(partitions))
+        slots = np.unique(slot).tolist()
+        for s in slots:
+            rows = table.filter(pa.array(slot == s)) if len(slots) > 1 else table
+            self._buffer((partitions[s // k], s % k), rows)
 
-    def _buffer(self, channel: int, rows: pa.Table) -> None:
+    def _buffer(self, slot: tuple[int, int], rows: pa.Table) -> None:
         while rows.num_rows:
-            seg = self._segment(channel)
+            seg = self._segment(slot)
             room = self.spec.max_rows - seg.segment.num_rows - seg.buffered_rows
             part = rows.slice(0, room)
             rows = rows.slice(room)
@@ -131,30 +147,34 @@ class ImportTask:
             seg.nbytes += part.nbytes
             seg.buffered_rows += part.num_rows
             if seg.segment.num_rows + seg.buffered_rows >= self.spec.max_rows:
-                self._close(channel)
+                self._close(slot)
         while sum(s.nbytes for s in self.open.values()) > self.spec.buffer_bytes:
             self._write(max(self.open.values(), key=lambda s: s.nbytes))
 
-    def _segment(self, channel: int) -> _Open:
-        if channel not in self.open:
+    def _segment(self, slot: tuple[int, int]) -> _Open:
+        if slot not in self.open:
             seg_id = next(self.segment_ids, None)
             if seg_id is None:
                 raise ImportTaskError(f"import task {self.spec.task} used every segment id reserved for it")
-            vchannel = self.spec.vchannels[channel]
-            self.open[channel] = _Open(
+            partition, channel = slot
+            self.open[slot] = _Open(
                 self._new_segment(
-                    seg_id, vchannel, max_rows=self.spec.max_rows, last_flush_ts=self.spec.timestamp
+                    seg_id,
+                    self.spec.vchannels[channel],
+                    partition,
+                    max_rows=self.spec.max_rows,
+                    last_flush_ts=self.spec.timestamp,
                 )
             )
-        return self.open[channel]
+        return self.open[slot]
 
-    def _new_segment(self, seg_id: int, vchannel: str, **fields: Any) -> SegmentInfo:
+    def _new_segment(self, seg_id: int, vchannel: str, partition_id: int, **fields: Any) -> SegmentInfo:
         """A segment this task writes: Importing (invisible until the job commits), in the
-        job's collection and partition, created now."""
+        job's collection and `partition_id`, created now."""
         return SegmentInfo(
             id=seg_id,
             collection_id=self.spec.collection_id,
-            partition_id=self.spec.partition_id,
+            partition_id=partition_id,
             vchannel=vchannel,
             state=SegmentState.IMPORTING,
             created_at=time.time(),
@@ -162,8 +182,8 @@ class ImportTask:
             **fields,
         )
 
-    def _close(self, channel: int) -> None:
-        seg = self.open.pop(channel)
+    def _close(self, slot: tuple[int, int]) -> None:
+        seg = self.open.pop(slot)
         self._write(seg)
         if seg.segment.num_rows:
             self.done.append(seg.segment)
@@ -187,32 +207,33 @@ class ImportTask:
             groups[group] = ColumnGroupBinlogs(group, self.group_fields[group], logs)
         log_id = self._log_id()
         key = stats_log_key(info.collection_id, info.partition_id, info.id, log_id)
-        payload = PkStats.build(rows[self.pk].to_numpy()).to_bytes()
+        payload = PkStats.build(rows[self.pk]).to_bytes()
         self.spec.storage.write_atomic(key, payload)
         seg.segment = info.with_changes(
             binlogs=tuple(groups[g] for g in sorted(groups)),
             statslogs=(*info.statslogs, Binlog(log_id, key, rows.num_rows, ts, ts, len(payload))),
             num_rows=info.num_rows + rows.num_rows,
         )
-        if self.spec.upsert_segment:
+        if self.spec.upsert_segments:
             self._write_deletes(info, rows)
 
     def _write_deletes(self, written: SegmentInfo, rows: pa.Table) -> None:
-        """Upsert (as Milvus): a delete of each imported pk at the job's timestamp. A delete
-        removes the rows of its pk with an older timestamp, so the rows already in the
-        collection go and the imported ones (same timestamp) stay."""
-        l0 = self.deletes or self._new_segment(
-            self.spec.upsert_segment, written.vchannel, level=SegmentLevel.L0
-        )
-        log_id = self._log_id()
-        key = delta_log_key(l0.collection_id, l0.partition_id, l0.id, log_id)
+        """Upsert (as Milvus): a delete of each imported pk at the job's timestamp, in each
+        target partition. A delete removes the rows of its pk with an older timestamp, so
+        the rows already in the collection go and the imported ones (same timestamp) stay."""
         table = pa.table({"pk": rows[self.pk], "timestamp": rows["timestamp"], "offset": rows["offset"]})
-        size = write_parquet(self.spec.storage, key, table, vector=False)
         ts = self.spec.timestamp
-        self.deletes = l0.with_changes(
-            deltalogs=(*l0.deltalogs, Binlog(log_id, key, rows.num_rows, ts, ts, size)),
-            num_rows=l0.num_rows + rows.num_rows,
-        )
+        for partition, seg_id in zip(self.spec.partitions, self.spec.upsert_segments, strict=True):
+            l0 = self.deletes.get(partition) or self._new_segment(
+                seg_id, written.vchannel, partition, level=SegmentLevel.L0
+            )
+            log_id = self._log_id()
+            key = delta_log_key(l0.collection_id, l0.partition_id, l0.id, log_id)
+            size = write_parquet(self.spec.storage, key, table, vector=False)
+            self.deletes[partition] = l0.with_changes(
+                deltalogs=(*l0.deltalogs, Binlog(log_id, key, rows.num_rows, ts, ts, size)),
+                num_rows=l0.num_rows + rows.num_rows,
+            )
 
     def _log_id(self) -> int:
         log_id = next(self.log_ids, None)
