@@ -229,7 +229,7 @@ class TaskWriter:
             self.written.append(
                 WrittenFile(INSERT, seg, part, group, log_id, key, rows.num_rows, *span[:2], size, *span[2:])
             )
-        pks = rows[self.pk].to_numpy()
+        pks = rows[self.pk]  # Arrow: VarChar keys are hashed from its buffers
         log_id = self.ids.take()
         key = stats_log_key(coll, part, seg, log_id)
         payload = PkStats.build(pks).to_bytes()

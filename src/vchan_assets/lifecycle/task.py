@@ -175,7 +175,7 @@ def _write_output(spec: CompactionSpec, seg_id: int, rows: pa.Table, log_ids: It
         groups.append(ColumnGroupBinlogs(group, fields[group], (binlog,)))
     stats_id = next(log_ids)
     stats_key = stats_log_key(coll, part, seg_id, stats_id)
-    payload = PkStats.build(rows[spec.schema.primary.name].to_numpy()).to_bytes()
+    payload = PkStats.build(rows[spec.schema.primary.name]).to_bytes()
     spec.storage.write_atomic(stats_key, payload)
     return SegmentInfo(
         id=seg_id,
