@@ -1,6 +1,7 @@
 """`vchan demo`: the whole pipeline on generated data, on the embedded stack.
 
-Starts etcd (and Spark), creates a collection with 4 vchannels, produces rows and
+Starts etcd (and Spark), creates a collection with 4 vchannels (VarChar primary keys, a
+JSON field, and a partition key `tenant` over 4 hidden partitions), produces rows and
 deletes into the log, flushes, syncs every vchannel into binlogs under a channel
 lease, waits for the flush state, checks the binlogs against what was produced, runs
 the segment lifecycle, builds an IVF_FLAT index and searches it for rows' own vectors,
@@ -16,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -24,6 +26,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datacoord.recovery import channel_checkpoint, channel_segments
 from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.fields import varchar_pks
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.embedded import pid_alive
 from vchan_assets.meta.store import MetaStore
@@ -32,9 +35,21 @@ from vchan_assets.stack import Stack
 from vchan_assets.storage import Storage
 from vchan_assets.wal.producer import Producer, generate_rows
 
+# Milvus' usual schema: document ids as VarChar keys, a JSON metadata field, and a tenant
+# whose value picks each row's hidden partition (a search or read for one tenant opens one).
 SCHEMA = CollectionSchema.build(
-    "id", {"embedding": 128}, {"age": "int8", "score": "float", "label": "varchar(32)", "meta": "json?"}
+    "id",
+    {"embedding": 128},
+    {"tenant": "varchar(16)", "age": "int8", "score": "float", "label": "varchar(32)", "meta": "json?"},
+    pk_type="varchar(36)",
+    partition_key="tenant",
 )
+DEMO_PARTITIONS = 4
+
+
+def demo_keys(numbers: Sequence[int] | range) -> list[str]:
+    """The primary keys of the demo's rows `numbers` (the rows `generate_rows` makes)."""
+    return varchar_pks(SCHEMA.primary, np.asarray(numbers, dtype=np.int64)).to_pylist()
 
 
 class DemoCheckError(AssertionError):
@@ -149,14 +164,18 @@ def ending(processes: Sequence[DemoProcess], stopping: bool, settle: float = 10.
 def create_demo_collection(producer: Producer, channels: int, console: Console) -> CollectionInfo:
     """A new collection of `SCHEMA` on `channels` vchannels, named on the console."""
     name = f"demo_{uuid.uuid4().hex[:6]}"
-    info = producer.create_collection(name, SCHEMA, num_channels=channels)
-    console.print(f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}")
+    info = producer.create_collection(name, SCHEMA, num_channels=channels, num_partitions=DEMO_PARTITIONS)
+    console.print(
+        f"collection [bold]{name}[/] (id {info.id}) with vchannels {', '.join(info.vchannels)}; "
+        f"primary key {SCHEMA.primary.name!r} {SCHEMA.primary.type_name}, partition key 'tenant' over "
+        f"{len(info.partitions)} hidden partitions"
+    )
     return info
 
 
 def produce_demo_data(
     producer: Producer, name: str, options: DemoOptions, console: Console
-) -> tuple[list[int], int, int]:
+) -> tuple[list[str], int, int]:
     """Insert the demo's rows (with a progress bar), delete some, flush; returns the
     deleted pks, the flush timestamp and the timestamp of the last insert (before the
     deletes)."""
@@ -168,15 +187,14 @@ def produce_demo_data(
             appended = producer.insert(name, generate_rows(SCHEMA, n, start_pk=start, seed=start))
             inserted_ts = max([inserted_ts, *(a.timestamp for a in appended.values())])
             progress.advance(task, n)
-    # An odd step spreads the deletes over every vchannel (pks are routed by pk % channels).
-    step = max(1, options.rows // max(options.deletes, 1)) | 1
-    deleted = list(range(0, options.rows, step))[: options.deletes]
-    producer.delete(name, deleted, partition="_default")
+    step = max(1, options.rows // max(options.deletes, 1))
+    deleted = demo_keys(range(0, options.rows, step))[: options.deletes]
+    producer.delete(name, deleted)  # in every partition, as Milvus deletes without one
     return deleted, producer.flush(name), inserted_ts
 
 
 def check_binlogs(
-    store: MetaStore, storage: Storage, info: CollectionInfo, rows: int, deleted: list[int]
+    store: MetaStore, storage: Storage, info: CollectionInfo, rows: int, deleted: list[str]
 ) -> None:
     """Read the binlogs back with plain pyarrow: produced pks exactly once, deletes once.
 
@@ -184,11 +202,12 @@ def check_binlogs(
     come after it: the sorted segment names the one it replaced (now Dropped) in
     `compaction_from` and holds its rows less the deleted ones (the sort applies the
     deletes it finds). Then a produced pk may be missing only if it was deleted. L0
-    segments count whatever their state."""
+    segments count whatever their state. A delete without a partition is one in each
+    partition (as Milvus logs it), so each deleted pk is in the delta logs once per partition."""
     read = storage.read_parquet
     pk = info.schema.primary.name
-    pks: Counter[int] = Counter()
-    deletes: list[int] = []
+    pks: Counter[str] = Counter()
+    deletes: list[str] = []
     replaced: set[int] = set()
     for vchannel in info.vchannels:
         segments = [d.model for d in channel_segments(store, info.id, vchannel)]
@@ -204,17 +223,22 @@ def check_binlogs(
                 raise DemoCheckError(f"segment {seg.id} is {seg.state.value} after the flush")
             for log in seg.binlogs[0].logs:
                 pks.update(read(log.path, columns=[pk])[pk].to_pylist())
-    missing = set(range(rows)) - set(pks)
+    produced = set(demo_keys(range(rows)))
+    missing = produced - set(pks)
     if replaced:
         missing -= set(deleted)  # applied by a sort
-    if missing or max(pks.values()) != 1 or len(pks) > rows or not set(pks) <= set(range(rows)):
+    if missing or max(pks.values()) != 1 or len(pks) > rows or not set(pks) <= produced:
         raise DemoCheckError(f"binlogs hold {sum(pks.values())} rows ({len(pks)} distinct), expected {rows}")
-    if sorted(deletes) != sorted(deleted):
-        raise DemoCheckError(f"delta logs hold {len(deletes)} deletes, expected {len(deleted)}")
+    if Counter(deletes) != Counter({pk: len(info.partitions) for pk in deleted}):
+        expected = len(deleted) * len(info.partitions)
+        raise DemoCheckError(
+            f"delta logs hold {len(deletes)} deletes, expected {expected} ({len(deleted)} in each of "
+            f"{len(info.partitions)} partitions)"
+        )
 
 
 def _lifecycle(
-    stack: Stack, settings: Settings, info: CollectionInfo, rows: int, deleted: list[int], console: Console
+    stack: Stack, settings: Settings, info: CollectionInfo, rows: int, deleted: list[str], console: Console
 ) -> None:
     """The segment lifecycle on the demo's segments: one DataCoord step (sort/mix/L0
     compaction on Spark), then a GC pass with a short drop tolerance, checked through
@@ -245,7 +269,7 @@ def check_read(
     info: CollectionInfo,
     what: str,
     rows: int,
-    deleted: list[int],
+    deleted: list[str],
     console: Console,
     as_of: int | None = None,
 ) -> None:
@@ -253,21 +277,21 @@ def check_read(
     from vchan_assets.catalog import Catalog
 
     pks = Catalog(stack).read_collection(info.name, with_vectors=False, as_of=as_of)[info.schema.primary.name]
-    expected = set(range(rows)) - set(deleted)
+    expected = set(demo_keys(range(rows))) - set(deleted)
     if len(pks) != len(expected) or set(pks) != expected:
         raise DemoCheckError(f"{what}: the catalog reads {len(pks)} rows, expected {len(expected)}")
     console.print(f"{what}: {len(pks):,} rows, each once")
 
 
 def check_lifecycle(
-    stack: Stack, settings: Settings, info: CollectionInfo, rows: int, deleted: list[int], console: Console
+    stack: Stack, settings: Settings, info: CollectionInfo, rows: int, deleted: list[str], console: Console
 ) -> None:
     """Through the catalog after compaction and GC: every live row once, every delete applied."""
     from vchan_assets.catalog import Catalog
 
     table = Catalog(stack).read_collection(info.name, with_vectors=False)
     pks = table[info.schema.primary.name]
-    expected = set(range(rows)) - set(deleted)
+    expected = set(demo_keys(range(rows))) - set(deleted)
     if len(pks) != len(expected) or set(pks) != expected:
         raise DemoCheckError(
             f"after the lifecycle the catalog reads {len(pks)} rows, expected {len(expected)}"
@@ -300,10 +324,11 @@ def _summary(stack: Stack, info: CollectionInfo) -> Table:
 DEMO_QUERIES = 5
 
 
-def check_index_and_search(stack: Stack, info: CollectionInfo, deleted: list[int], console: Console) -> None:
+def check_index_and_search(stack: Stack, info: CollectionInfo, deleted: list[str], console: Console) -> None:
     """An IVF_FLAT index on the demo's vector field, built on every sorted segment (in this
     process), then a search for the vectors of a few live rows: each must find its own row
-    first, at distance 0."""
+    first, at distance 0; and a search within one tenant (one hidden partition opened)
+    returns only that tenant's rows."""
     from vchan_assets.catalog import Catalog
     from vchan_assets.indexes.meta import create_index
     from vchan_assets.indexes.step import IndexBuilder
@@ -321,7 +346,7 @@ def check_index_and_search(stack: Stack, info: CollectionInfo, deleted: list[int
     )
     catalog = Catalog(stack)
     gone = set(deleted)
-    pks = [pk for pk in range(1, 10 * DEMO_QUERIES) if pk not in gone][:DEMO_QUERIES]
+    pks = [pk for pk in demo_keys(range(1, 10 * DEMO_QUERIES)) if pk not in gone][:DEMO_QUERIES]
     rows = catalog.read_collection(info.name, as_arrow=True, pks=pks)
     pk_name = info.schema.primary.name
     wanted = rows[pk_name].to_pylist()
@@ -336,4 +361,16 @@ def check_index_and_search(stack: Stack, info: CollectionInfo, deleted: list[int
     console.print(
         f"search (k=3) for the vectors of rows {wanted}: each found itself first, at distance 0 "
         f"({seconds:.2f}s through the index and the query view)"
+    )
+    tenant = rows["tenant"][0].as_py()
+    within = catalog.search(
+        info.name, vectors[:1], k=10, filter=f"tenant == {tenant!r}", output_fields=["tenant", "meta"]
+    )
+    if within.empty or set(within["tenant"]) != {tenant}:
+        raise DemoCheckError(
+            f"a search within tenant {tenant!r} returned tenants {sorted(set(within['tenant']))}"
+        )
+    console.print(
+        f"search within tenant {tenant!r} (k=10, one of {len(info.partitions)} hidden partitions opened): "
+        f"{len(within)} hits, all of that tenant"
     )
