@@ -442,7 +442,8 @@ class Catalog:
         bloom filter) rule them out are not read, nor partitions not asked for. `filter` is
         then applied to the rows read: a pandas expression over the scalar fields with
         Milvus' JSON paths and array functions, as a search's (`query.filters`:
-        `meta["color"] == 'red' and array_contains(tags, 'x')`)."""
+        `meta["color"] == 'red' and array_contains(tags, 'x')`). pandas gets a sparse vector
+        as a dict {index: value}, as inserted."""
         info = self.collection(name)
         conditions = [
             *(where or ()),
@@ -459,7 +460,7 @@ class Catalog:
                 table = table.filter(pc.is_in(table[column], value_set=wanted))
         if filter is not None:
             table = table.filter(pa.array(_filter_rows(info, table, filter)))
-        return table if as_arrow else table.to_pandas()
+        return table if as_arrow else table.to_pandas(maps_as_pydicts="strict")  # sparse: {index: value}
 
     def search(
         self,

@@ -191,6 +191,7 @@ class DataType(enum.StrEnum):
     FLOAT_VECTOR = enum.auto()
     FLOAT16_VECTOR = enum.auto()
     BFLOAT16_VECTOR = enum.auto()
+    SPARSE_FLOAT_VECTOR = enum.auto()
 
 
 # Dense vectors and the bytes of one of their values (little-endian float32, IEEE half,
@@ -208,6 +209,8 @@ ELEMENT_TYPES = INTEGER_TYPES | {DataType.FLOAT, DataType.DOUBLE, DataType.BOOL,
 MAX_VARCHAR_LENGTH = 65_535
 MAX_ARRAY_CAPACITY = 4_096
 MAX_VECTOR_DIM = 32_768
+# A sparse vector's indices are in [0, MAX_SPARSE_INDEX) (Milvus: uint32 but its largest).
+MAX_SPARSE_INDEX = 2**32 - 1
 INTEGER_RANGES = {
     DataType.INT8: (-(2**7), 2**7 - 1),
     DataType.INT16: (-(2**15), 2**15 - 1),
@@ -241,7 +244,12 @@ class FieldSchema(Record):
 
     @property
     def is_vector(self) -> bool:
-        return self.dtype in VECTOR_WIDTHS
+        return self.dtype in VECTOR_WIDTHS or self.dtype is DataType.SPARSE_FLOAT_VECTOR
+
+    @property
+    def is_sparse(self) -> bool:
+        """A sparse float vector: no dim, per row indices and their values."""
+        return self.dtype is DataType.SPARSE_FLOAT_VECTOR
 
     @property
     def text_limit(self) -> int | None:
@@ -259,10 +267,11 @@ class FieldSchema(Record):
 
     @property
     def type_name(self) -> str:
-        """The type as `from_spec` reads it: `varchar(64)`, `array(int32, 8)`, `json`."""
+        """The type as `from_spec` reads it: `varchar(64)`, `array(int32, 8)`, `json`,
+        `float16_vector(128)`, `sparse_float_vector`."""
         if self.dtype is DataType.VARCHAR:
             return f"varchar({self.max_length})"
-        if self.is_vector:
+        if self.dtype in VECTOR_WIDTHS:
             return f"{self.dtype.value}({self.dim})"
         if self.dtype is DataType.ARRAY:
             element = (
@@ -317,8 +326,10 @@ class FieldSchema(Record):
                 raise ValueError(f"the dynamic field is a nullable json named {DYNAMIC_FIELD!r}")
         elif not self.name.isidentifier():
             raise ValueError(f"field name {self.name!r} must be an identifier")
-        if self.is_vector and (self.dim is None or self.dim <= 0):
+        if self.dtype in VECTOR_WIDTHS and (self.dim is None or self.dim <= 0):
             raise ValueError(f"vector field {self.name!r} needs a positive dim")
+        if self.is_sparse and self.dim is not None:
+            raise ValueError(f"sparse vector field {self.name!r} has no dim")
         if self.is_primary and self.dtype not in (DataType.INT64, DataType.VARCHAR):
             raise ValueError(f"primary key {self.name!r} must be int64 or varchar(N), not {self.type_name}")
         if (self.is_primary or self.is_vector) and (self.nullable or self.default_value is not None):
@@ -522,7 +533,7 @@ class CollectionSchema(Record):
 
     def row_bytes(self) -> int:
         """Estimated bytes per row, for segment capacity (strings and JSON count up to 64
-        bytes, arrays a quarter of their capacity)."""
+        bytes, arrays a quarter of their capacity, a sparse vector `SPARSE_ROW_BYTES`)."""
         return 16 + sum(_estimated_bytes(f) for f in self.fields)  # 16: row id + timestamp
 
 
@@ -535,9 +546,13 @@ _FIXED_BYTES = {
     DataType.DOUBLE: 8,
     DataType.BOOL: 1,
 }
+# A sparse row's estimate: 100 (index, value) pairs of 12 bytes (a SPLADE row has ~100-200).
+SPARSE_ROW_BYTES = 1_200
 
 
 def _estimated_bytes(field: FieldSchema) -> int:
+    if field.is_sparse:
+        return SPARSE_ROW_BYTES
     if field.is_vector:
         return (field.dim or 0) * VECTOR_WIDTHS[field.dtype]
     if field.dtype is DataType.ARRAY:
