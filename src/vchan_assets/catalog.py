@@ -472,14 +472,16 @@ class Catalog:
         **keywords: Unpack[SearchKeywords],
     ) -> pd.DataFrame | pa.Table:
         """The k nearest rows of each query vector (`vectors`: one vector or an (n, dim)
-        array) as `options` ask (`query.search_options.SearchOptions`), or the keywords
+        array; for a sparse field, {index: value} dicts, (indices, values) pairs or a
+        scipy.sparse matrix) as `options` ask (`query.search_options.SearchOptions`), or the keywords
         that make them (k=10, filter=None, as_of=None, params=None, field=None,
         metric=None, output_fields=(); not both), through the segments' indexes where
         they are built and exactly elsewhere (`query.search`): one row per hit, `query`
         (the query's position), the primary key, `distance` (squared L2; inner product
         or cosine similarity for IP and COSINE) and the `output_fields`. `as_of`: None
         (now) or a time; `field`: the vector field (needed when there are several);
-        `metric`: the index's (L2 without one); `params`: `nprobe` (IVF) or `ef` (HNSW);
+        `metric`: the index's (L2 without one, IP for a sparse field); `params`: `nprobe`
+        (IVF), `ef` (HNSW) or `drop_ratio_search` (the sparse indexes);
         `filter`: a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`)
         or a pyarrow.compute expression. Deleted rows are never returned. A segment whose
         index cannot be used (its file missing or unreadable: a rebuild is queued; or of

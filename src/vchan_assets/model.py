@@ -135,10 +135,14 @@ def _scalar(raw: Any, name: str, kind: type) -> Any:
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)
     if isinstance(raw, bool) and kind is not bool:
-        raise ValueError(f"field {name!r} must be {kind.__name__}, got bool")
+        raise ValueError(f"field {name!r} must be {_type_name(kind)}, got bool")
     if not isinstance(raw, kind):
-        raise ValueError(f"field {name!r} must be {kind.__name__}, got {type(raw).__name__}")
+        raise ValueError(f"field {name!r} must be {_type_name(kind)}, got {type(raw).__name__}")
     return raw
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind)  # `int | float` has no __name__
 
 
 # --- positions and timestamps ------------------------------------------------------------
@@ -878,6 +882,14 @@ class IndexType(enum.StrEnum):
     IVF_FLAT = "IVF_FLAT"
     IVF_PQ = "IVF_PQ"
     HNSW = "HNSW"
+    # Sparse float vectors (metric IP): an inverted index, posting lists per index. Milvus'
+    # WAND variant prunes the same lists while searching; its results are the same here.
+    SPARSE_INVERTED_INDEX = "SPARSE_INVERTED_INDEX"
+    SPARSE_WAND = "SPARSE_WAND"
+
+    @property
+    def is_sparse(self) -> bool:
+        return self in (IndexType.SPARSE_INVERTED_INDEX, IndexType.SPARSE_WAND)
 
 
 # Segments with fewer rows get no index files (Milvus' minimum): searched exactly.
@@ -897,10 +909,11 @@ class MetricType(enum.StrEnum):
 
 @dataclass(frozen=True)
 class IndexParam(Record):
-    """One build parameter of an index (`nlist`, `m`, `nbits`, `M`, `efConstruction`)."""
+    """One build parameter of an index (`nlist`, `m`, `nbits`, `M`, `efConstruction`; a
+    float: `drop_ratio_build`)."""
 
     name: str
-    value: int
+    value: int | float
 
 
 @dataclass(frozen=True)
@@ -922,7 +935,7 @@ class FieldIndex(Record):
 
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deleted_at"})
 
-    def param(self, name: str) -> int | None:
+    def param(self, name: str) -> int | float | None:
         return next((p.value for p in self.params if p.name == name), None)
 
     def same_definition(self, other: FieldIndex) -> bool:
