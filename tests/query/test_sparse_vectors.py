@@ -5,12 +5,17 @@ Real etcd, real files, a real local Spark."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import scipy.sparse as sp
 
-from vchan_assets import fields
+from vchan_assets import fields, imports
 from vchan_assets.catalog import Catalog
+from vchan_assets.imports.jobs import ImportState
 from vchan_assets.indexes.meta import InvalidIndexError, create_index
 from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentLevel, SegmentState
@@ -165,3 +170,34 @@ def test_bad_sparse_rows_are_refused_naming_field_and_row(producer: Producer, sy
         Catalog(system).search(info.name, [{1: 1.0}], metric="L2")
     with pytest.raises(SearchError, match=r"strictly increasing .*\(query 0\)"):
         Catalog(system).search(info.name, [([3, 3], [1.0, 1.0])])
+
+
+def test_an_import_of_maps_reads_back_and_a_bad_row_fails_the_job_naming_it(
+    producer: Producer, system: System, tmp_path: Path
+) -> None:
+    info = new_collection(producer, schema=SCHEMA, prefix="sparse")
+    matrix = rows(300)
+    good = tmp_path / "good.parquet"
+    column = pa.array([list(d.items()) for d in as_dicts(matrix)], pa.map_(pa.int64(), pa.float32()))
+    pq.write_table(pa.table({"pk": np.arange(300), "sv": column, "n": np.arange(300)}), good)
+    job = imports.run(
+        imports.submit(info.name, [str(good)], store=system.store, settings=system.settings),
+        engine="local",
+        store=system.store,
+        settings=system.settings,
+    )
+    assert job.state is ImportState.COMPLETED, job.reason
+    frame = Catalog(system).read_collection(info.name).sort_values("pk")
+    assert frame["sv"].iloc[42] == pytest.approx(as_dicts(matrix)[42])
+    bad = tmp_path / "bad.parquet"
+    texts = ['{"3": 0.5}', '{"indices": [9, 4], "values": [1.0, 2.0]}']
+    pq.write_table(pa.table({"pk": [1000, 1001], "sv": texts, "n": [1, 2]}), bad)
+    job = imports.run(
+        imports.submit(info.name, [str(bad)], store=system.store, settings=system.settings),
+        engine="local",
+        store=system.store,
+        settings=system.settings,
+    )
+    assert job.state is ImportState.FAILED
+    assert "bad.parquet" in job.reason and "'sv'" in job.reason and "has index 4 after 9" in job.reason
+    assert "row 1" in job.reason
