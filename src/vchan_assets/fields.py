@@ -17,6 +17,10 @@ How each type is stored (what pandas and Spark readers get):
   float_vector (dim)                    fixed_size_binary(dim * 4), little-endian float32
   float16_vector, bfloat16_vector       fixed_size_binary(dim * 2): IEEE half / bfloat16 (the
                                         upper half of a float32, rounded to nearest even)
+  sparse_float_vector                   map<int64, float32>: a row's indices, sorted, and their
+                                        values (pandas: a dict {index: value}, as
+                                        `Catalog.read_collection` converts it; Spark:
+                                        map<bigint, float>); `sparse_array` checks them
 A JSON value given as a Python object is written as `json.dumps` of it; a string is taken
 as JSON text and must parse.
 """

@@ -178,7 +178,7 @@ def test_catalog_and_cli_describe_an_index(
     bad = create_with_cli(settings, data, "--type", "IVF_FLAT")
     assert bad.returncode == 1 and "index 'vec' on 'vec' (HNSW, L2, M=8) exists" in bad.stderr
     bad = create_with_cli(settings, data, "--type", "HNSW", "--param", "M")
-    assert bad.returncode == 1 and "--param 'M': expected name=integer" in bad.stderr
+    assert bad.returncode == 1 and "--param 'M': expected name=integer (or a float)" in bad.stderr
 
     dropped = vchan(settings, "drop-index", "--collection", data.info.name, "--field", "vec")
     assert dropped.returncode == 0 and "dropped index 'vec'" in dropped.stdout

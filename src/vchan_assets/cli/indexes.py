@@ -14,17 +14,18 @@ INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
 METRICS = ("L2", "IP", "COSINE")
 
 
-def key_values(items: list[str] | None, flag: str) -> dict[str, int]:
-    """`name=value` items (integers), as `--param` gives them."""
-    out = {}
+def key_values(items: list[str] | None, flag: str) -> dict[str, int | float]:
+    """`name=value` items (integers; a value with a point or exponent a float: the sparse
+    indexes' drop ratios), as `--param` gives them."""
+    out: dict[str, int | float] = {}
     for item in items or []:
         name, sep, raw = item.partition("=")
         try:
             if not sep or not name.strip():
                 raise ValueError
-            out[name.strip()] = int(raw)
+            out[name.strip()] = float(raw) if any(c in raw for c in ".eE") else int(raw)
         except ValueError:
-            raise UsageError(f"{flag} {item!r}: expected name=integer, e.g. nlist=128") from None
+            raise UsageError(f"{flag} {item!r}: expected name=integer (or a float), e.g. nlist=128") from None
     return out
 
 

@@ -1,7 +1,7 @@
 """Index parameters: what each index type accepts when it is created and searched, and the
 values a build of one segment uses.
 
-Build parameters (`vchan create-index --param name=value`, integers):
+Build parameters (`vchan create-index --param name=value`, integers; the drop ratio a float):
 
 | type     | parameters                                   | default                            |
 |----------|----------------------------------------------|------------------------------------|
