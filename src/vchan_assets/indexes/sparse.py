@@ -101,7 +101,12 @@ class InvertedIndex:
             terms, columns = np.arange(top, dtype=np.int64), rows.indices
         else:
             terms, columns = np.unique(rows.indices, return_inverse=True)
-        compact = sp.csr_array((rows.data, columns, rows.indptr), shape=(rows.shape[0], len(terms)))
+        # int32 positions when they fit (the rows' 2^32 - 1 columns made them int64): half
+        # the file and memory, and scipy's product runs on int32 indices
+        kind = np.int32 if max(len(terms), rows.shape[0], rows.nnz) < 2**31 else np.int64
+        compact = sp.csr_array(
+            (rows.data, columns.astype(kind), rows.indptr.astype(kind)), shape=(rows.shape[0], len(terms))
+        )
         postings = sp.csr_array(compact.T)  # CSC of the rows = CSR of their transpose
         return cls(terms.astype(np.int64), postings)
 
@@ -112,8 +117,10 @@ class InvertedIndex:
         inside = position < len(self.terms)
         inside[inside] = self.terms[position[inside]] == queries.indices[inside]
         kept = np.concatenate([[0], np.cumsum(inside)])[queries.indptr]
+        kind = self.postings.indices.dtype
         mapped = sp.csr_array(
-            (queries.data[inside], position[inside], kept), shape=(queries.shape[0], len(self.terms))
+            (queries.data[inside], position[inside].astype(kind), kept.astype(kind)),
+            shape=(queries.shape[0], len(self.terms)),
         )
         return sp.csr_array(mapped @ self.postings)
 
