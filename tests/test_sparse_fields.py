@@ -109,3 +109,12 @@ def test_a_drop_ratio_drops_the_smallest_magnitudes_of_each_row() -> None:
     rows = sparse.sparse_rows(fields.sparse_array([{1: 0.1, 2: -3.0, 3: 0.2, 4: 1.0}, {8: 1.0}]))
     kept = sparse.drop_small(rows, 0.5)
     assert fields.sparse_array(kept).to_pylist() == [[(2, -3.0), (4, 1.0)], [(8, 1.0)]]
+
+
+def test_map_rows_in_any_order_are_sorted_as_dicts_and_a_repeated_index_refused() -> None:
+    given = pa.array([[(5, 1.0), (2, 2.0)], [], [(1, 0.5)]], pa.map_(pa.int64(), pa.float32()))
+    assert fields.sparse_array(given).to_pylist() == [[(2, 2.0), (5, 1.0)], [], [(1, 0.5)]]
+    assert fields.sparse_array([[(9, 1.0), (3, 2.0)]]).to_pylist() == [[(3, 2.0), (9, 1.0)]]  # as Spark gives
+    repeated = pa.array([[(1, 1.0)], [(4, 1.0), (3, 1.0), (4, 2.0)]], pa.map_(pa.int64(), pa.float32()))
+    with pytest.raises(fields.FieldValueError, match=r"has index 4 after 4.*\(row 1\)"):
+        fields.sparse_array(repeated)

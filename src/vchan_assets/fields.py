@@ -387,15 +387,17 @@ SPARSE_TYPE = pa.map_(pa.int64(), pa.field("value", pa.float32(), nullable=False
 def sparse_array(raw: Any) -> pa.MapArray:
     """Sparse vectors as given, one per row, as the field stores them (`SPARSE_TYPE`):
     a scipy.sparse matrix (its canonical form: indices sorted, duplicates summed, as scipy
-    reads them); an Arrow map or list of {index: value} dicts (sorted here: a dict has no
-    order to keep), or of (indices, values) pairs, whose indices must be strictly
-    increasing. An empty row is kept (Milvus stores it; it matches no query).
+    reads them); an Arrow map, or a list of {index: value} dicts or of lists of (index,
+    value) items (a map's rows as Arrow or Spark give them), each sorted here (a map has
+    no order to keep: Spark's does not keep one); or a list of (indices, values) pairs,
+    whose indices must be strictly increasing. An empty row is kept (Milvus stores it; it
+    matches no query).
     FieldValueError (with the row) for an unsorted or repeated index, an index outside
     [0, 2^32 - 1), a value that is not finite as float32, a null row."""
     if isinstance(raw, pa.ChunkedArray):
         raw = raw.combine_chunks()
     if isinstance(raw, pa.MapArray):
-        return _checked_sparse(raw)
+        return _checked_sparse(_sorted_map(raw))
     if hasattr(raw, "tocsr"):  # a scipy.sparse matrix or array
         csr = raw.tocsr(copy=True)
         csr.sum_duplicates()
@@ -426,7 +428,7 @@ def _sparse_row(vector: Any, row: int) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(vector, dict):
         items = sorted(vector.items())
     elif isinstance(vector, list) and all(isinstance(p, tuple) and len(p) == 2 for p in vector):
-        items = vector  # Arrow's map rows: (index, value) pairs in stored order
+        items = sorted(vector)  # a map's rows as Arrow or Spark give them
     elif isinstance(vector, tuple | list) and len(vector) == 2:
         keys, found = (np.asarray(v) for v in vector)
         if keys.ndim != 1 or keys.shape != found.shape:
@@ -461,6 +463,22 @@ def _map_of(offsets: np.ndarray, indices: np.ndarray, values: np.ndarray) -> pa.
         pa.array(floats, pa.float32()),
         type=SPARSE_TYPE,
     )
+
+
+def _sorted_map(column: pa.MapArray) -> pa.MapArray:
+    """A map column with each row's entries sorted by index (as given when they are: the
+    stored form). A repeated index stays for `_checked_sparse` to refuse."""
+    if column.null_count:
+        return column
+    offsets, indices, values = sparse_buffers(column)
+    ordered = np.diff(indices) > 0
+    starts = offsets[1:-1][offsets[1:-1] < len(indices)]
+    ordered[starts[starts > 0] - 1] = True  # (a row's first index follows another row's last)
+    if ordered.all():
+        return column
+    owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    order = np.lexsort((indices, owner))
+    return _map_of(offsets, indices[order], values[order])
 
 
 def _checked_sparse(column: pa.MapArray) -> pa.MapArray:

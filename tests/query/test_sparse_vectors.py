@@ -80,7 +80,9 @@ def assert_same(got: list, want: list) -> None:
         assert np.allclose([s for _, s in g], [s for _, s in w], rtol=1e-5)
 
 
-def test_sparse_rows_read_back_as_written_by_pandas_and_spark(producer: Producer, system: System) -> None:
+def test_sparse_rows_read_back_as_written_by_pandas_and_spark_and_batch_searched(
+    producer: Producer, system: System
+) -> None:
     matrix = rows(1500)
     info = insert(producer, system, matrix)
     compact_all(system, info)
@@ -89,9 +91,15 @@ def test_sparse_rows_read_back_as_written_by_pandas_and_spark(producer: Producer
     assert [{int(k): v for k, v in d.items()} for d in frame["sv"]] == [
         {k: pytest.approx(v) for k, v in d.items()} for d in wanted
     ]
-    spark_session(system)
+    spark = spark_session(system)
     by_pk = {r["pk"]: r["sv"] for r in Catalog(system).spark_collection(info.name, fields="sv").collect()}
     assert by_pk[7] == pytest.approx(wanted[7])
+    queries = rows(3, seed=17)
+    frame = spark.createDataFrame(
+        [(q, v) for q, v in enumerate(as_dicts(queries))], "query long, vector map<bigint, float>"
+    )
+    batch = Catalog(system).search_dataframe(info.name, frame, k=4).toPandas()
+    assert_same(found(batch, 3), reference(matrix, queries, 4))  # Spark batch search: the same hits
 
 
 def test_exact_search_scores_the_inner_product_over_shared_indices(
