@@ -10,7 +10,7 @@ import sys
 from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened, opened_collection
 from vchan_assets.config import Settings
 
-INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
+INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW", "SPARSE_INVERTED_INDEX", "SPARSE_WAND")
 METRICS = ("L2", "IP", "COSINE")
 
 
