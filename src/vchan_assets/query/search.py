@@ -280,16 +280,16 @@ def _dense_queries(target: FieldSchema, vectors: Any, error: Any) -> np.ndarray:
 def _sparse_queries(vectors: Any, error: Any) -> Any:
     try:
         queries = sparse.sparse_queries(vectors)
-        if not queries.shape[0]:
-            raise FieldValueError("list is empty: give at least one")
-        return queries
     except FieldValueError as exc:
         where = "" if exc.row is None else f" (query {exc.row})"
         raise error(f"a sparse query vector {exc.reason}{where}") from None
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise error(
             f"sparse query vectors must be dicts {{index: value}} or (indices, values): {exc}"
         ) from None
+    if not queries.shape[0]:
+        raise error("no query vectors: give one or more")
+    return queries
 
 
 def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldSchema:
