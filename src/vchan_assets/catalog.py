@@ -410,13 +410,14 @@ class Catalog:
         self, segment_id: int, apply_deletes: bool = True, as_arrow: bool = False
     ) -> pd.DataFrame | pa.Table:
         """The rows of one segment (`query.reads.read_segment`): row_id, timestamp, the
-        primary key, scalars and vectors (fixed_size_binary, little-endian float32); with
+        primary key, scalars and vectors (fixed_size_binary, little-endian float32; a sparse
+        vector in pandas a dict {index: value}); with
         `apply_deletes`, rows deleted later in the same partition are removed. An L0
         segment returns its deletes (pk, timestamp, offset)."""
         seg = self.segment(segment_id)
         info = CollectionRegistry(self.store).get(seg.collection_id, include_dropped=True)
         table = reads.read_segment(self.system, info, seg, apply_deletes)
-        return table if as_arrow else table.to_pandas()
+        return table if as_arrow else table.to_pandas(maps_as_pydicts="strict")  # sparse: {index: value}
 
     def read_collection(
         self,

@@ -91,6 +91,10 @@ def test_sparse_rows_read_back_as_written_by_pandas_and_spark_and_batch_searched
     assert [{int(k): v for k, v in d.items()} for d in frame["sv"]] == [
         {k: pytest.approx(v) for k, v in d.items()} for d in wanted
     ]
+    live = [s for s in segments(system.store, info) if s.state is SegmentState.FLUSHED and s.num_rows]
+    segment = live[0]
+    one = Catalog(system).read_segment(segment.id).iloc[0]
+    assert one["sv"] == pytest.approx(wanted[int(one["pk"])])
     spark = spark_session(system)
     by_pk = {r["pk"]: r["sv"] for r in Catalog(system).spark_collection(info.name, fields="sv").collect()}
     assert by_pk[7] == pytest.approx(wanted[7])
