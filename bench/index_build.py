@@ -84,10 +84,13 @@ def clustered(n: int, seed: int) -> np.ndarray:
     return (centers[rng.integers(0, CENTERS, n)] + rng.normal(0.0, 1.0, (n, DIM))).astype(np.float32)
 
 
-def load(system: System, vectors: np.ndarray, segments: int) -> CollectionInfo:
-    """A collection of one vchannel holding `vectors` (pk = row) in `segments` sorted segments."""
+def load(
+    system: System, vectors: Any, segments: int, schema: CollectionSchema = SCHEMA, field: str = "vec"
+) -> CollectionInfo:
+    """A collection of one vchannel holding `vectors` (pk = row; a matrix, or any column
+    that slices, as sparse rows) in `segments` sorted segments."""
     producer = Producer(system)
-    info = producer.create_collection(f"hnsw{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
+    info = producer.create_collection(f"hnsw{uuid.uuid4().hex[:6]}", schema, num_channels=1)
     [vchannel] = info.vchannels
     per = math.ceil(len(vectors) / segments)
     started = time.perf_counter()
@@ -95,7 +98,7 @@ def load(system: System, vectors: np.ndarray, segments: int) -> CollectionInfo:
         for start in range(first, min(first + per, len(vectors)), BATCH):
             end = min(start + BATCH, first + per, len(vectors))
             pks = np.arange(start, end, dtype=np.int64)
-            producer.insert(info.name, {"pk": pks, "vec": vectors[start:end], "n": pks % 7})
+            producer.insert(info.name, {"pk": pks, field: vectors[start:end], "n": pks % 7})
         producer.flush(info.name)
         lease = system.store.read_lease(vchannel) or grant_channel_lease(
             system.store, IdAllocator(system.store), vchannel, 1

@@ -410,13 +410,14 @@ class Catalog:
         self, segment_id: int, apply_deletes: bool = True, as_arrow: bool = False
     ) -> pd.DataFrame | pa.Table:
         """The rows of one segment (`query.reads.read_segment`): row_id, timestamp, the
-        primary key, scalars and vectors (fixed_size_binary, little-endian float32); with
+        primary key, scalars and vectors (fixed_size_binary, little-endian float32; a sparse
+        vector in pandas a dict {index: value}); with
         `apply_deletes`, rows deleted later in the same partition are removed. An L0
         segment returns its deletes (pk, timestamp, offset)."""
         seg = self.segment(segment_id)
         info = CollectionRegistry(self.store).get(seg.collection_id, include_dropped=True)
         table = reads.read_segment(self.system, info, seg, apply_deletes)
-        return table if as_arrow else table.to_pandas()
+        return table if as_arrow else table.to_pandas(maps_as_pydicts="strict")  # sparse: {index: value}
 
     def read_collection(
         self,
@@ -442,7 +443,8 @@ class Catalog:
         bloom filter) rule them out are not read, nor partitions not asked for. `filter` is
         then applied to the rows read: a pandas expression over the scalar fields with
         Milvus' JSON paths and array functions, as a search's (`query.filters`:
-        `meta["color"] == 'red' and array_contains(tags, 'x')`)."""
+        `meta["color"] == 'red' and array_contains(tags, 'x')`). pandas gets a sparse vector
+        as a dict {index: value}, as inserted."""
         info = self.collection(name)
         conditions = [
             *(where or ()),
@@ -459,7 +461,7 @@ class Catalog:
                 table = table.filter(pc.is_in(table[column], value_set=wanted))
         if filter is not None:
             table = table.filter(pa.array(_filter_rows(info, table, filter)))
-        return table if as_arrow else table.to_pandas()
+        return table if as_arrow else table.to_pandas(maps_as_pydicts="strict")  # sparse: {index: value}
 
     def search(
         self,
@@ -471,14 +473,16 @@ class Catalog:
         **keywords: Unpack[SearchKeywords],
     ) -> pd.DataFrame | pa.Table:
         """The k nearest rows of each query vector (`vectors`: one vector or an (n, dim)
-        array) as `options` ask (`query.search_options.SearchOptions`), or the keywords
+        array; for a sparse field, {index: value} dicts, (indices, values) pairs or a
+        scipy.sparse matrix) as `options` ask (`query.search_options.SearchOptions`), or the keywords
         that make them (k=10, filter=None, as_of=None, params=None, field=None,
         metric=None, output_fields=(); not both), through the segments' indexes where
         they are built and exactly elsewhere (`query.search`): one row per hit, `query`
         (the query's position), the primary key, `distance` (squared L2; inner product
         or cosine similarity for IP and COSINE) and the `output_fields`. `as_of`: None
         (now) or a time; `field`: the vector field (needed when there are several);
-        `metric`: the index's (L2 without one); `params`: `nprobe` (IVF) or `ef` (HNSW);
+        `metric`: the index's (L2 without one, IP for a sparse field); `params`: `nprobe`
+        (IVF), `ef` (HNSW) or `drop_ratio_search` (the sparse indexes);
         `filter`: a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`)
         or a pyarrow.compute expression. Deleted rows are never returned. A segment whose
         index cannot be used (its file missing or unreadable: a rebuild is queued; or of

@@ -17,6 +17,10 @@ How each type is stored (what pandas and Spark readers get):
   float_vector (dim)                    fixed_size_binary(dim * 4), little-endian float32
   float16_vector, bfloat16_vector       fixed_size_binary(dim * 2): IEEE half / bfloat16 (the
                                         upper half of a float32, rounded to nearest even)
+  sparse_float_vector                   map<int64, float32>: a row's indices, sorted, and their
+                                        values (pandas: a dict {index: value}, as
+                                        `Catalog.read_collection` converts it; Spark:
+                                        map<bigint, float>); `sparse_array` checks them
 A JSON value given as a Python object is written as `json.dumps` of it; a string is taken
 as JSON text and must parse.
 """
@@ -31,7 +35,14 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.model import INTEGER_RANGES, TEXT_TYPES, VECTOR_WIDTHS, DataType, FieldSchema
+from vchan_assets.model import (
+    INTEGER_RANGES,
+    MAX_SPARSE_INDEX,
+    TEXT_TYPES,
+    VECTOR_WIDTHS,
+    DataType,
+    FieldSchema,
+)
 
 _SCALAR_ARROW = {
     DataType.INT8: pa.int8(),
@@ -59,6 +70,8 @@ class FieldValueError(ValueError):
 
 def arrow_type(field: FieldSchema) -> pa.DataType:
     """The Arrow type the log and the binlogs hold the field's values in."""
+    if field.is_sparse:
+        return SPARSE_TYPE
     if field.is_vector:
         assert field.dim is not None
         return pa.binary(field.dim * VECTOR_WIDTHS[field.dtype])
@@ -360,3 +373,170 @@ def decode_vectors(field: FieldSchema, column: Column) -> np.ndarray:
         values = (halves << np.uint32(16)).view("<f4")
     assert width == 2
     return values.reshape(len(arr), field.dim)
+
+
+# --- sparse vectors --------------------------------------------------------------------
+
+# A sparse float vector per row: its indices (int64: Milvus' uint32 range, which Spark,
+# without unsigned types, reads as bigint) and their float32 values, sorted by index.
+# Values are not null (Spark's map<bigint, float> without null values); a column read back
+# from Parquet names its entries after the column: `sparse_array` casts it back.
+SPARSE_TYPE = pa.map_(pa.int64(), pa.field("value", pa.float32(), nullable=False))
+
+
+def sparse_array(raw: Any) -> pa.MapArray:
+    """Sparse vectors as given, one per row, as the field stores them (`SPARSE_TYPE`):
+    a scipy.sparse matrix (its canonical form: indices sorted, duplicates summed, as scipy
+    reads them); an Arrow map, or a list of {index: value} dicts or of lists of (index,
+    value) items (a map's rows as Arrow or Spark give them), each sorted here (a map has
+    no order to keep: Spark's does not keep one); or a list of (indices, values) pairs,
+    whose indices must be strictly increasing. An empty row is kept (Milvus stores it; it
+    matches no query).
+    FieldValueError (with the row) for an unsorted or repeated index, an index outside
+    [0, 2^32 - 1), a value that is not finite as float32, a null row."""
+    if isinstance(raw, pa.ChunkedArray):
+        raw = raw.combine_chunks()
+    if isinstance(raw, pa.MapArray):
+        return _checked_sparse(_sorted_map(raw))
+    if hasattr(raw, "tocsr"):  # a scipy.sparse matrix or array
+        csr = raw.tocsr(copy=True)
+        csr.sum_duplicates()
+        return _checked_sparse(_map_of(csr.indptr, csr.indices, csr.data))
+    if isinstance(raw, pa.Array):
+        raw = raw.to_pylist()
+    if isinstance(raw, dict):
+        raise FieldValueError("is one {index: value} dict: give a list of them, one per row")
+    offsets, indices, values = [0], [], []
+    for row, vector in enumerate(raw):
+        keys, found = _sparse_row(vector, row)
+        indices.append(keys)
+        values.append(found)
+        offsets.append(offsets[-1] + len(keys))
+    return _checked_sparse(
+        _map_of(
+            np.asarray(offsets),
+            np.concatenate(indices) if indices else np.empty(0, np.int64),
+            np.concatenate(values) if values else np.empty(0, np.float32),
+        )
+    )
+
+
+def _sparse_row(vector: Any, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's (indices, values): a dict's sorted by index, a pair's as given."""
+    if vector is None:
+        raise FieldValueError("is null (a sparse vector may be empty, not null)", row)
+    if isinstance(vector, dict):
+        items = sorted(vector.items())
+    elif isinstance(vector, list) and all(isinstance(p, tuple) and len(p) == 2 for p in vector):
+        items = sorted(vector)  # a map's rows as Arrow or Spark give them
+    elif isinstance(vector, tuple | list) and len(vector) == 2:
+        keys, found = (np.asarray(v) for v in vector)
+        if keys.ndim != 1 or keys.shape != found.shape:
+            raise FieldValueError("has indices and values of different lengths", row)
+        return _indices(keys, row), found
+    else:
+        raise FieldValueError(
+            f"is {type(vector).__name__}: a sparse vector is a dict {{index: value}} or (indices, values)",
+            row,
+        )
+    keys = np.asarray([k for k, _ in items])
+    return _indices(keys, row), np.asarray([v for _, v in items])
+
+
+def _indices(keys: np.ndarray, row: int) -> np.ndarray:
+    if len(keys) and keys.dtype.kind not in "iu":
+        raise FieldValueError(f"has indices of type {keys.dtype}, not integers", row)
+    if keys.dtype.kind == "u" and len(keys) and keys.max() > np.iinfo(np.int64).max:
+        raise FieldValueError(f"has index {keys.max()} outside [0, {MAX_SPARSE_INDEX})", row)
+    return keys.astype(np.int64)
+
+
+def _map_of(offsets: np.ndarray, indices: np.ndarray, values: np.ndarray) -> pa.MapArray:
+    try:
+        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf: refused as such
+            floats = np.asarray(values).astype(np.float32)
+    except (TypeError, ValueError) as exc:
+        raise FieldValueError(f"has values that are not numbers: {exc}") from None
+    return pa.MapArray.from_arrays(
+        pa.array(np.asarray(offsets, dtype=np.int32)),
+        pa.array(np.asarray(indices, dtype=np.int64)),
+        pa.array(floats, pa.float32()),
+        type=SPARSE_TYPE,
+    )
+
+
+def _sorted_map(column: pa.MapArray) -> pa.MapArray:
+    """A map column with each row's entries sorted by index (as given when they are: the
+    stored form). A repeated index stays for `_checked_sparse` to refuse."""
+    if column.null_count:
+        return column
+    offsets, indices, values = sparse_buffers(column)
+    ordered = np.diff(indices) > 0
+    starts = offsets[1:-1][offsets[1:-1] < len(indices)]
+    ordered[starts[starts > 0] - 1] = True  # (a row's first index follows another row's last)
+    if ordered.all():
+        return column
+    owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    order = np.lexsort((indices, owner))
+    return _map_of(offsets, indices[order], values[order])
+
+
+def _checked_sparse(column: pa.MapArray) -> pa.MapArray:
+    if not column.type.equals(SPARSE_TYPE):
+        try:
+            column = column.cast(SPARSE_TYPE)
+        except pa.ArrowException as exc:
+            raise FieldValueError(f"cannot be read as {SPARSE_TYPE}: {exc}") from None
+    if column.null_count:
+        raise FieldValueError("is null (a sparse vector may be empty, not null)", _first(column.is_null()))
+    offsets, indices, values = sparse_buffers(column)
+
+    def row_of(position: int) -> int:
+        return int(np.searchsorted(offsets, position, side="right")) - 1
+
+    bad = np.flatnonzero((indices < 0) | (indices >= MAX_SPARSE_INDEX))
+    if len(bad):
+        raise FieldValueError(f"has index {indices[bad[0]]} outside [0, {MAX_SPARSE_INDEX})", row_of(bad[0]))
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        raise FieldValueError(f"has value {values[bad[0]]} (NaN or infinite as float32)", row_of(bad[0]))
+    starts = np.zeros(len(indices), dtype=bool)
+    starts[offsets[:-1][offsets[:-1] < len(indices)]] = True
+    bad = np.flatnonzero((np.diff(indices, prepend=-1) <= 0) & ~starts)
+    if len(bad):
+        at = int(bad[0])
+        raise FieldValueError(
+            f"has index {indices[at]} after {indices[at - 1]}: indices must be strictly increasing "
+            "(unsorted or repeated)",
+            row_of(at),
+        )
+    return column
+
+
+def sparse_buffers(column: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sparse column's CSR parts without Python rows: row offsets (int64, from 0), indices
+    (int64) and values (float32)."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not len(arr):
+        return np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.float32)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    first, last = int(offsets[0]), int(offsets[-1])
+    indices = arr.keys.to_numpy()[first:last]  # (the whole child: offsets say where this slice is)
+    values = arr.items.to_numpy(zero_copy_only=False)[first:last]  # a null value: NaN, refused
+    return offsets - first, indices.astype(np.int64, copy=False), values.astype(np.float32, copy=False)
+
+
+def random_sparse(
+    rng: np.random.Generator, n: int, vocabulary: int = 30_000, nonzeros: int = 20
+) -> pa.MapArray:
+    """`n` random sparse rows of about `nonzeros` indices of a `vocabulary` (Zipf-like: low
+    indices are frequent, as a text model's tokens): for tests, benches and demos."""
+    weights = 1.0 / np.arange(1, vocabulary + 1) ** 0.8
+    drawn = rng.choice(vocabulary, size=(n, nonzeros), p=weights / weights.sum())
+    drawn.sort(axis=1)
+    keep = np.ones_like(drawn, dtype=bool)
+    keep[:, 1:] = drawn[:, 1:] != drawn[:, :-1]
+    lengths = keep.sum(axis=1)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    values = rng.random(int(offsets[-1]), dtype=np.float32) + np.float32(0.01)
+    return _map_of(offsets, drawn[keep], values)

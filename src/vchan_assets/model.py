@@ -135,10 +135,14 @@ def _scalar(raw: Any, name: str, kind: type) -> Any:
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)
     if isinstance(raw, bool) and kind is not bool:
-        raise ValueError(f"field {name!r} must be {kind.__name__}, got bool")
+        raise ValueError(f"field {name!r} must be {_type_name(kind)}, got bool")
     if not isinstance(raw, kind):
-        raise ValueError(f"field {name!r} must be {kind.__name__}, got {type(raw).__name__}")
+        raise ValueError(f"field {name!r} must be {_type_name(kind)}, got {type(raw).__name__}")
     return raw
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind)  # `int | float` has no __name__
 
 
 # --- positions and timestamps ------------------------------------------------------------
@@ -191,6 +195,7 @@ class DataType(enum.StrEnum):
     FLOAT_VECTOR = enum.auto()
     FLOAT16_VECTOR = enum.auto()
     BFLOAT16_VECTOR = enum.auto()
+    SPARSE_FLOAT_VECTOR = enum.auto()
 
 
 # Dense vectors and the bytes of one of their values (little-endian float32, IEEE half,
@@ -208,6 +213,8 @@ ELEMENT_TYPES = INTEGER_TYPES | {DataType.FLOAT, DataType.DOUBLE, DataType.BOOL,
 MAX_VARCHAR_LENGTH = 65_535
 MAX_ARRAY_CAPACITY = 4_096
 MAX_VECTOR_DIM = 32_768
+# A sparse vector's indices are in [0, MAX_SPARSE_INDEX) (Milvus: uint32 but its largest).
+MAX_SPARSE_INDEX = 2**32 - 1
 INTEGER_RANGES = {
     DataType.INT8: (-(2**7), 2**7 - 1),
     DataType.INT16: (-(2**15), 2**15 - 1),
@@ -241,7 +248,12 @@ class FieldSchema(Record):
 
     @property
     def is_vector(self) -> bool:
-        return self.dtype in VECTOR_WIDTHS
+        return self.dtype in VECTOR_WIDTHS or self.dtype is DataType.SPARSE_FLOAT_VECTOR
+
+    @property
+    def is_sparse(self) -> bool:
+        """A sparse float vector: no dim, per row indices and their values."""
+        return self.dtype is DataType.SPARSE_FLOAT_VECTOR
 
     @property
     def text_limit(self) -> int | None:
@@ -259,10 +271,11 @@ class FieldSchema(Record):
 
     @property
     def type_name(self) -> str:
-        """The type as `from_spec` reads it: `varchar(64)`, `array(int32, 8)`, `json`."""
+        """The type as `from_spec` reads it: `varchar(64)`, `array(int32, 8)`, `json`,
+        `float16_vector(128)`, `sparse_float_vector`."""
         if self.dtype is DataType.VARCHAR:
             return f"varchar({self.max_length})"
-        if self.is_vector:
+        if self.dtype in VECTOR_WIDTHS:
             return f"{self.dtype.value}({self.dim})"
         if self.dtype is DataType.ARRAY:
             element = (
@@ -317,8 +330,10 @@ class FieldSchema(Record):
                 raise ValueError(f"the dynamic field is a nullable json named {DYNAMIC_FIELD!r}")
         elif not self.name.isidentifier():
             raise ValueError(f"field name {self.name!r} must be an identifier")
-        if self.is_vector and (self.dim is None or self.dim <= 0):
+        if self.dtype in VECTOR_WIDTHS and (self.dim is None or self.dim <= 0):
             raise ValueError(f"vector field {self.name!r} needs a positive dim")
+        if self.is_sparse and self.dim is not None:
+            raise ValueError(f"sparse vector field {self.name!r} has no dim")
         if self.is_primary and self.dtype not in (DataType.INT64, DataType.VARCHAR):
             raise ValueError(f"primary key {self.name!r} must be int64 or varchar(N), not {self.type_name}")
         if (self.is_primary or self.is_vector) and (self.nullable or self.default_value is not None):
@@ -468,7 +483,7 @@ class CollectionSchema(Record):
         partition_key: str | None = None,
     ) -> CollectionSchema:
         """Schema from names: `vectors` name -> dim of a float vector, or a spec
-        ("float16_vector(128)", "bfloat16_vector(768)"), `scalars` name -> type spec
+        ("float16_vector(128)", "bfloat16_vector(768)", "sparse_float_vector"), `scalars` name -> type spec
         (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5");
         the primary key is `pk_type`: "int64" or "varchar(N)"; with `dynamic`, the dynamic
         field `$meta` keeps the keys of inserted rows the schema does not have;
@@ -522,7 +537,7 @@ class CollectionSchema(Record):
 
     def row_bytes(self) -> int:
         """Estimated bytes per row, for segment capacity (strings and JSON count up to 64
-        bytes, arrays a quarter of their capacity)."""
+        bytes, arrays a quarter of their capacity, a sparse vector `SPARSE_ROW_BYTES`)."""
         return 16 + sum(_estimated_bytes(f) for f in self.fields)  # 16: row id + timestamp
 
 
@@ -535,9 +550,13 @@ _FIXED_BYTES = {
     DataType.DOUBLE: 8,
     DataType.BOOL: 1,
 }
+# A sparse row's estimate: 100 (index, value) pairs of 12 bytes (a SPLADE row has ~100-200).
+SPARSE_ROW_BYTES = 1_200
 
 
 def _estimated_bytes(field: FieldSchema) -> int:
+    if field.is_sparse:
+        return SPARSE_ROW_BYTES
     if field.is_vector:
         return (field.dim or 0) * VECTOR_WIDTHS[field.dtype]
     if field.dtype is DataType.ARRAY:
@@ -863,6 +882,14 @@ class IndexType(enum.StrEnum):
     IVF_FLAT = "IVF_FLAT"
     IVF_PQ = "IVF_PQ"
     HNSW = "HNSW"
+    # Sparse float vectors (metric IP): an inverted index, posting lists per index. Milvus'
+    # WAND variant prunes the same lists while searching; its results are the same here.
+    SPARSE_INVERTED_INDEX = "SPARSE_INVERTED_INDEX"
+    SPARSE_WAND = "SPARSE_WAND"
+
+    @property
+    def is_sparse(self) -> bool:
+        return self in (IndexType.SPARSE_INVERTED_INDEX, IndexType.SPARSE_WAND)
 
 
 # Segments with fewer rows get no index files (Milvus' minimum): searched exactly.
@@ -882,10 +909,11 @@ class MetricType(enum.StrEnum):
 
 @dataclass(frozen=True)
 class IndexParam(Record):
-    """One build parameter of an index (`nlist`, `m`, `nbits`, `M`, `efConstruction`)."""
+    """One build parameter of an index (`nlist`, `m`, `nbits`, `M`, `efConstruction`; a
+    float: `drop_ratio_build`)."""
 
     name: str
-    value: int
+    value: int | float
 
 
 @dataclass(frozen=True)
@@ -907,7 +935,7 @@ class FieldIndex(Record):
 
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"deleted_at"})
 
-    def param(self, name: str) -> int | None:
+    def param(self, name: str) -> int | float | None:
         return next((p.value for p in self.params if p.name == name), None)
 
     def same_definition(self, other: FieldIndex) -> bool:

@@ -81,7 +81,13 @@ def test_another_definition_for_the_field_is_a_conflict(
         ("vec", "HNSW", "L2", {"M": 1}, r"M=1 is out of range \[2, 2048\]"),
         ("vec", "FLAT", "L2", {"M": 8}, "FLAT takes no parameters"),
         ("vec", "HNSW", "L2", {"M": "8"}, "M must be an integer"),
-        ("vec", "DISKANN", "L2", {}, "unknown index type 'DISKANN': one of FLAT, IVF_FLAT, IVF_PQ, HNSW"),
+        (
+            "vec",
+            "DISKANN",
+            "L2",
+            {},
+            "unknown index type 'DISKANN': one of FLAT, IVF_FLAT, IVF_PQ, HNSW, SPARSE_INVERTED_INDEX, SPARSE_WAND",
+        ),
         ("vec", "HNSW", "HAMMING", {}, "unknown metric 'HAMMING': one of L2, IP, COSINE"),
         ("n", "HNSW", "L2", {}, "it is a int64 field, not a vector field"),
         ("nope", "HNSW", "L2", {}, r"no such field \(vector fields: vec\)"),
@@ -178,7 +184,7 @@ def test_catalog_and_cli_describe_an_index(
     bad = create_with_cli(settings, data, "--type", "IVF_FLAT")
     assert bad.returncode == 1 and "index 'vec' on 'vec' (HNSW, L2, M=8) exists" in bad.stderr
     bad = create_with_cli(settings, data, "--type", "HNSW", "--param", "M")
-    assert bad.returncode == 1 and "--param 'M': expected name=integer" in bad.stderr
+    assert bad.returncode == 1 and "--param 'M': expected name=integer (or a float)" in bad.stderr
 
     dropped = vchan(settings, "drop-index", "--collection", data.info.name, "--field", "vec")
     assert dropped.returncode == 0 and "dropped index 'vec'" in dropped.stdout

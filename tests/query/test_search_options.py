@@ -72,7 +72,10 @@ def test_options_round_trip_through_pickle() -> None:
         ({"k": True}, r"k must be an integer in \[1, 16384\], got True"),
         ({"k": 2.5}, r"k must be an integer in \[1, 16384\], got 2.5"),
         ({"metric": "l3"}, "unknown metric 'l3': one of L2, IP, COSINE"),
-        ({"params": {"nlist": 8}}, "an index takes nprobe, ef as search parameters, not 'nlist'"),
+        (
+            {"params": {"nlist": 8}},
+            "an index takes nprobe, ef, drop_ratio_search as search parameters, not 'nlist'",
+        ),
         ({"params": {"ef": "64"}}, "ef must be an integer, got '64'"),
         ({"params": {"nprobe": 0}}, r"nprobe=0 is out of range \[1, 65536\]"),
         ({"params": [("ef", 64)]}, "params must be a mapping of search parameters"),

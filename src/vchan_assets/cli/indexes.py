@@ -10,21 +10,22 @@ import sys
 from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened, opened_collection
 from vchan_assets.config import Settings
 
-INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW")
+INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW", "SPARSE_INVERTED_INDEX", "SPARSE_WAND")
 METRICS = ("L2", "IP", "COSINE")
 
 
-def key_values(items: list[str] | None, flag: str) -> dict[str, int]:
-    """`name=value` items (integers), as `--param` gives them."""
-    out = {}
+def key_values(items: list[str] | None, flag: str) -> dict[str, int | float]:
+    """`name=value` items (integers; a value with a point or exponent a float: the sparse
+    indexes' drop ratios), as `--param` gives them."""
+    out: dict[str, int | float] = {}
     for item in items or []:
         name, sep, raw = item.partition("=")
         try:
             if not sep or not name.strip():
                 raise ValueError
-            out[name.strip()] = int(raw)
+            out[name.strip()] = float(raw) if any(c in raw for c in ".eE") else int(raw)
         except ValueError:
-            raise UsageError(f"{flag} {item!r}: expected name=integer, e.g. nlist=128") from None
+            raise UsageError(f"{flag} {item!r}: expected name=integer (or a float), e.g. nlist=128") from None
     return out
 
 

@@ -114,12 +114,13 @@ def key_partitions(count: int) -> list[str]:
 
 
 def validate_schema(name: str, schema: CollectionSchema) -> None:
-    """What a collection accepts: an int64 primary key, one or more float vectors of a
-    fixed dimension in [1, 32768], scalars of the types `FieldSchema.from_spec` reads."""
+    """What a collection accepts: an int64 primary key, one or more vector fields (float
+    vectors of a fixed dimension in [1, 32768], sparse float vectors), scalars of the types
+    `FieldSchema.from_spec` reads."""
     if not schema.vector_fields:
-        raise InvalidSchemaError(name, "at least one float vector field is needed")
+        raise InvalidSchemaError(name, "at least one vector field is needed")
     for field in schema.fields:
-        if field.is_vector and (field.dim is None or not 0 < field.dim <= 32768):
+        if field.is_vector and not field.is_sparse and (field.dim is None or not 0 < field.dim <= 32768):
             raise InvalidSchemaError(name, f"vector {field.name!r} needs a dim in [1, 32768]")
         if field.name in ("offset", "msg_type", "timestamp", "segment_id", "partition_id", "payload"):
             raise InvalidSchemaError(name, f"field name {field.name!r} is reserved by the log")

@@ -13,7 +13,10 @@ Column rules, checked against the collection schema before anything is written:
     from integers or floats, varchar from strings (within `max_length` bytes), bool from
     bools, JSON from JSON text or nested values, an array from lists (or, in CSV, JSON
     arrays); a vector from fixed_size_list / list of numbers or fixed_size_binary(dim * 4),
-    with exactly the field's dimension;
+    with exactly the field's dimension; a sparse vector from a map<integer, number>, a
+    struct of `indices` and `values` lists, or (JSON lines, CSV) JSON text of either form
+    ({"3": 0.5, "17": 0.1} or {"indices": [3, 17], "values": [0.5, 0.1]}), its indices
+    checked as an insert checks them (`fields.sparse_array`);
   - the primary key and vectors have no nulls; another field's nulls take its default, and
     are refused (naming the row) when it is neither nullable nor has a default.
 Every violation is an `ImportInputError` naming the file and the column.
@@ -196,6 +199,14 @@ def plan_columns(schema: CollectionSchema, found: pa.Schema, path: str, drop_unk
 
 def check_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
     """The column's type can hold the field's values (vector dims checked when fixed)."""
+    if field.is_sparse:
+        if not _holds_sparse(found):
+            raise ImportInputError(
+                path,
+                f"is {found}, expected a sparse vector (map<int64, float>, or indices and values)",
+                field.name,
+            )
+        return
     if field.is_vector:
         _check_vector_type(field, found, path)
         return
@@ -222,6 +233,16 @@ def _fits(field: FieldSchema, found: pa.DataType) -> bool:
     if kind in TEXT_TYPES:
         return text
     return pa.types.is_integer(found)
+
+
+def _holds_sparse(found: pa.DataType) -> bool:
+    if pa.types.is_map(found):
+        return pa.types.is_integer(found.key_type) and (
+            pa.types.is_floating(found.item_type) or pa.types.is_integer(found.item_type)
+        )
+    if pa.types.is_struct(found):
+        return {found.field(i).name for i in range(found.num_fields)} == {"indices", "values"}
+    return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_null(found)
 
 
 def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
@@ -272,6 +293,8 @@ def convert(schema: CollectionSchema, batch: pa.RecordBatch, path: str, first_ro
 def convert_column(f: FieldSchema, raw: pa.Array, path: str, first_row: int = 0) -> pa.Array:
     """One column as the field's log type; ImportInputError naming the file, the column
     and the first bad row."""
+    if f.is_sparse:
+        return _sparse(f, raw, path, first_row)
     return _vector(f, raw, path, first_row) if f.is_vector else _scalar(f, raw, path, first_row)
 
 
@@ -330,6 +353,40 @@ def _vector(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Arra
         raise ImportInputError(path, "has a null inside a vector", f.name)
     matrix = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype="<f4")
     return fields.encode_vectors(f, matrix.reshape(len(raw), dim))
+
+
+def _sparse(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:
+    if raw.null_count:
+        raise ImportInputError(path, f"has a null vector at row {first_row + _first_null(raw)}", f.name)
+    try:
+        if pa.types.is_struct(raw.type):
+            rows: object = list(
+                zip(raw.field("indices").to_pylist(), raw.field("values").to_pylist(), strict=True)
+            )
+        elif pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type):
+            rows = [_sparse_json(text, row) for row, text in enumerate(raw.to_pylist())]
+        else:
+            rows = raw
+        return fields.sparse_array(rows)
+    except fields.FieldValueError as exc:
+        at = "" if exc.row is None else f" at row {first_row + exc.row}"
+        raise ImportInputError(path, f"{exc.reason}{at}", f.name) from None
+
+
+def _sparse_json(text: str, row: int) -> object:
+    """A sparse vector's JSON text: {"3": 0.5} or {"indices": [3], "values": [0.5]}."""
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        raise fields.FieldValueError("is not JSON", row) from None
+    if not isinstance(found, dict):
+        raise fields.FieldValueError("is not a JSON object", row)
+    if set(found) == {"indices", "values"}:
+        return (found["indices"], found["values"])
+    try:
+        return {int(k): v for k, v in found.items()}
+    except ValueError:
+        raise fields.FieldValueError("has a key that is not an integer index", row) from None
 
 
 def _parse_json_arrays(f: FieldSchema, raw: pa.Array, path: str) -> pa.Array:

@@ -9,6 +9,8 @@ Owns:
   Failed, a version per start), and how far an index is built (`collection_progress`).
 - `build`: the build of one segment's index with faiss (`index_files/{build}/{version}/
   index.faiss`), run in a Spark task or in process, and loading it back.
+- `sparse`: a sparse float vector field's inverted index (SPARSE_INVERTED_INDEX,
+  SPARSE_WAND) with scipy.sparse (`index.sparse.npz`), and the product that searches it.
 - `step`: `IndexBuilder` (start the Unissued builds, build them in one Spark job or here,
   commit each: file first, then one transaction) and `index_step`, the periodic scan that
   creates the builds of newly sorted segments and runs them.

@@ -10,6 +10,8 @@ an orphan file, never a half-visible index.
 Runs inside a Spark Python worker (one Spark task per build) or in the caller's process;
 `BuildSpec` is picklable and the outcome travels back pickled, a typed `IndexBuildError`
 included. COSINE indexes hold normalized vectors and search them by inner product.
+A sparse field's index is not faiss's: `indexes.sparse` builds it (scipy.sparse), written
+to `index_files/{build}/{version}/index.sparse.npz` the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pyarrow as pa
 
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
+from vchan_assets.indexes import sparse
 from vchan_assets.indexes.params import for_segment
 from vchan_assets.model import FieldIndex, FieldSchema, IndexType, MetricType, SegmentInfo
 from vchan_assets.storage import Storage, StorageError
@@ -114,36 +117,54 @@ def build(spec: BuildSpec, threads: int = 0) -> BuildOutput:
     if threads:
         faiss.omp_set_num_threads(threads)
     seg, field = spec.segment, spec.field
-    assert field.dim is not None
     try:
-        vectors = segment_vectors(spec.storage, seg, field)
+        if field.is_sparse:
+            vectors: Any = sparse.segment_rows(spec.storage, seg, field)
+        else:
+            vectors = segment_vectors(spec.storage, seg, field)
     except (StorageError, pa.ArrowException, OSError) as exc:
         raise IndexBuildError(spec.build_id, seg.id, f"vectors unreadable: {exc}") from None
-    if len(vectors) != seg.num_rows:
-        reason = f"{len(vectors)} vectors in the binlogs of field {field.name!r}, the segment has {seg.num_rows} rows"
+    rows = vectors.shape[0]
+    if rows != seg.num_rows:
+        reason = f"{rows} vectors in the binlogs of field {field.name!r}, the segment has {seg.num_rows} rows"
         raise IndexBuildError(spec.build_id, seg.id, reason)
-    data = prepared(vectors, spec.index.metric)
-    try:
-        index = new_index(spec.index, field.dim, len(data))
-        if not index.is_trained:
-            index.train(data)
-        index.add(data)
-        blob = faiss.serialize_index(index)
-    except RuntimeError as exc:  # faiss's C++ exceptions
-        raise IndexBuildError(spec.build_id, seg.id, f"faiss: {exc}") from None
-    key = index_file_key(spec.build_id, spec.version, INDEX_FILE)
+    if field.is_sparse:
+        drop = for_segment(spec.index.type, spec.index.params, 0, rows).drop_ratio_build
+        blob = sparse.InvertedIndex.of(vectors, drop).to_bytes()
+        name, engine = sparse.SPARSE_INDEX_FILE, sparse.engine_version()
+    else:
+        blob, name, engine = _faiss_blob(spec, vectors), INDEX_FILE, engine_version()
+    key = index_file_key(spec.build_id, spec.version, name)
     try:
         spec.storage.write_atomic(key, pa.py_buffer(blob))
     except StorageError as exc:
         raise IndexBuildError(spec.build_id, seg.id, str(exc)) from None
     failpoint("index_built")  # in the builder (a Spark Python worker): file written, not returned
-    return BuildOutput(
-        spec.build_id, (key,), int(blob.nbytes), len(data), engine_version(), time.monotonic() - started
-    )
+    return BuildOutput(spec.build_id, (key,), len(blob), rows, engine, time.monotonic() - started)
 
 
-def load_index(data: bytes) -> Any:
-    """A faiss index from its serialized bytes (RuntimeError if they are not one)."""
+def _faiss_blob(spec: BuildSpec, vectors: np.ndarray) -> Any:
+    """The faiss index of a segment's dense vectors, serialized (a uint8 array)."""
+    assert spec.field.dim is not None
+    data = prepared(vectors, spec.index.metric)
+    try:
+        index = new_index(spec.index, spec.field.dim, len(data))
+        if not index.is_trained:
+            index.train(data)
+        index.add(data)
+        return faiss.serialize_index(index)
+    except RuntimeError as exc:  # faiss's C++ exceptions
+        raise IndexBuildError(spec.build_id, spec.segment.id, f"faiss: {exc}") from None
+
+
+def load_index(data: bytes, key: str = INDEX_FILE) -> Any:
+    """The index of a file `key` from its bytes: a faiss index, or a sparse field's
+    `InvertedIndex` (RuntimeError if they are not one)."""
+    if key.endswith(sparse.SPARSE_INDEX_FILE):
+        try:
+            return sparse.InvertedIndex.from_bytes(data)
+        except (ValueError, OSError, KeyError, EOFError) as exc:
+            raise RuntimeError(f"not a sparse index file: {exc}") from None
     return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
 
 

@@ -19,7 +19,8 @@ rows' positions in the segment). Bump `ENGINE_CURRENT` when either changes, and 
 - Each build records its version (`SegmentIndex.engine`); a reader that cannot load it
   (outside its [minimal, current]) searches that segment exactly and says so.
 
-There is one file layout so far, version 1: a build "for" an older version within the
+A sparse field's index (`index.sparse.npz`, `indexes.sparse`) is version 1 too: no reader
+older than sparse fields exists. There is one file layout so far, version 1: a build "for" an older version within the
 builder's range writes the same bytes; the version it records is what readers check.
 """
 

@@ -44,6 +44,7 @@ from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
+    FieldSchema,
     IndexType,
     MetricType,
     SegmentIndex,
@@ -129,6 +130,18 @@ def _enum(kind: type[IndexType] | type[MetricType], raw: object, what: str) -> A
         raise ValueError(f"unknown {what} {raw!r}: one of {', '.join(m.value for m in kind)}") from None
 
 
+def _fits_field(field: FieldSchema, kind: IndexType, metric: MetricType) -> None:
+    """Milvus' pairing: a sparse field takes the sparse index types with metric IP only; a
+    dense field takes the others."""
+    if field.is_sparse and not kind.is_sparse:
+        sparse_kinds = ", ".join(t.value for t in IndexType if t.is_sparse)
+        raise ValueError(f"a sparse float vector takes {sparse_kinds}, not {kind}")
+    if kind.is_sparse and not field.is_sparse:
+        raise ValueError(f"{kind} indexes a sparse float vector, not a {field.type_name}")
+    if field.is_sparse and metric is not MetricType.IP:
+        raise ValueError(f"a sparse float vector is indexed with metric IP only, not {metric}")
+
+
 def create_index(
     store: MetaStore,
     info: CollectionInfo,
@@ -151,12 +164,13 @@ def create_index(
     except KeyError:
         vectors = ", ".join(f.name for f in info.schema.vector_fields)
         raise invalid(f"no such field (vector fields: {vectors})") from None
-    if not schema_field.is_vector or schema_field.dim is None:
+    if not schema_field.is_vector:
         raise invalid(f"it is a {schema_field.dtype} field, not a vector field")
     try:
         kind: IndexType = _enum(IndexType, index_type, "index type")
         metric_type: MetricType = _enum(MetricType, metric, "metric")
-        stored_params = build_params(kind, params or {}, schema_field.dim)
+        _fits_field(schema_field, kind, metric_type)
+        stored_params = build_params(kind, params or {}, schema_field.dim or 0)
     except ValueError as exc:
         raise invalid(str(exc)) from None
     index_name = validate_name("index", name or field)

@@ -1,7 +1,7 @@
 """Index parameters: what each index type accepts when it is created and searched, and the
 values a build of one segment uses.
 
-Build parameters (`vchan create-index --param name=value`, integers):
+Build parameters (`vchan create-index --param name=value`, integers; the drop ratio a float):
 
 | type     | parameters                                   | default                            |
 |----------|----------------------------------------------|------------------------------------|
@@ -9,6 +9,7 @@ Build parameters (`vchan create-index --param name=value`, integers):
 | IVF_FLAT | nlist [1, 65536]                             | 4 * sqrt(rows of the segment)      |
 | IVF_PQ   | nlist; m [1, dim], dividing dim; nbits [1, 16] | nlist as IVF_FLAT; m: the largest divisor of dim up to dim / 2; nbits 8 |
 | HNSW     | M [2, 2048]; efConstruction [1, 2^31 - 1]    | M 16, efConstruction 200           |
+| SPARSE_INVERTED_INDEX, SPARSE_WAND | drop_ratio_build [0, 1), a float | 0 (every value kept) |
 
 An index is trained on each segment's own vectors, so a build caps what the segment cannot
 train: nlist at rows / 39 and 2^nbits at rows / 39 (faiss asks for 39 training points per
@@ -16,7 +17,11 @@ centroid). Segments under `MIN_ROWS_TO_BUILD` rows get no index files at all (as
 
 Search parameters (`Catalog.search(..., params={...})`): `nprobe` [1, 65536] for IVF
 (default: nlist / 16, at least 16, at most nlist), `ef` [1, 32768] for HNSW (default:
-max(64, k); at least k). A parameter the index type does not take is an error.
+max(64, k); at least k), `drop_ratio_search` [0, 1) for the sparse indexes (default 0: the
+search is exact). A parameter the index type does not take is an error.
+
+A drop ratio r drops, per row (build) or per query (search), the floor(r * n) values of
+least magnitude of its n values: Milvus' cut of a sparse vector's small values.
 """
 
 from __future__ import annotations
@@ -37,38 +42,54 @@ class Range:
     low: int
     high: int
 
-    def check(self, name: str, value: int) -> None:
+    def check(self, name: str, value: object) -> int | float:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
         if not self.low <= value <= self.high:
             raise ValueError(f"{name}={value} is out of range [{self.low}, {self.high}]")
+        return value
 
 
-BUILD_PARAMS: dict[IndexType, dict[str, Range]] = {
+@dataclass(frozen=True)
+class Ratio:
+    """A float in [0, 1) (an integer 0 is read as 0.0)."""
+
+    def check(self, name: str, value: object) -> int | float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not 0 <= value < 1:
+            raise ValueError(f"{name}={value} is out of range [0, 1)")
+        return float(value)
+
+
+BUILD_PARAMS: dict[IndexType, dict[str, Range | Ratio]] = {
     IndexType.FLAT: {},
     IndexType.IVF_FLAT: {"nlist": Range(1, MAX_NLIST)},
     IndexType.IVF_PQ: {"nlist": Range(1, MAX_NLIST), "m": Range(1, 32768), "nbits": Range(1, 16)},
     IndexType.HNSW: {"M": Range(2, 2048), "efConstruction": Range(1, 2**31 - 1)},
+    IndexType.SPARSE_INVERTED_INDEX: {"drop_ratio_build": Ratio()},
+    IndexType.SPARSE_WAND: {"drop_ratio_build": Ratio()},
 }
 
-SEARCH_PARAMS: dict[IndexType, dict[str, Range]] = {
+SEARCH_PARAMS: dict[IndexType, dict[str, Range | Ratio]] = {
     IndexType.FLAT: {},
     IndexType.IVF_FLAT: {"nprobe": Range(1, MAX_NLIST)},
     IndexType.IVF_PQ: {"nprobe": Range(1, MAX_NLIST)},
     IndexType.HNSW: {"ef": Range(1, 32768)},
+    IndexType.SPARSE_INVERTED_INDEX: {"drop_ratio_search": Ratio()},
+    IndexType.SPARSE_WAND: {"drop_ratio_search": Ratio()},
 }
 
 
 def _checked(
-    kind: IndexType | str, params: Mapping[str, object], allowed: dict[str, Range], what: str
-) -> dict[str, int]:
+    kind: IndexType | str, params: Mapping[str, object], allowed: dict[str, Range | Ratio], what: str
+) -> dict[str, int | float]:
     out = {}
     for name, value in params.items():
         if name not in allowed:
             takes = ", ".join(allowed) or "no parameters"
             raise ValueError(f"{kind} takes {takes} as {what} parameters, not {name!r}")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        allowed[name].check(name, value)
-        out[name] = value
+        out[name] = allowed[name].check(name, value)
     return out
 
 
@@ -92,6 +113,7 @@ class SegmentBuildParams:
     nbits: int = 0
     M: int = 0
     ef_construction: int = 0
+    drop_ratio_build: float = 0.0
 
 
 def default_nlist(rows: int) -> int:
@@ -104,7 +126,9 @@ def default_m(dim: int) -> int:
 
 
 def for_segment(kind: IndexType, params: tuple[IndexParam, ...], dim: int, rows: int) -> SegmentBuildParams:
-    given = {p.name: p.value for p in params}
+    if kind.is_sparse:
+        return SegmentBuildParams(drop_ratio_build=float(next((p.value for p in params), 0.0)))
+    given = {p.name: int(p.value) for p in params}
     trainable = max(1, rows // POINTS_PER_CENTROID)
     nlist = min(given.get("nlist", default_nlist(rows)), trainable)
     if kind is IndexType.IVF_FLAT:
@@ -117,7 +141,7 @@ def for_segment(kind: IndexType, params: tuple[IndexParam, ...], dim: int, rows:
     return SegmentBuildParams()
 
 
-def search_params(kind: IndexType, params: Mapping[str, object], k: int) -> dict[str, int]:
+def search_params(kind: IndexType, params: Mapping[str, object], k: int) -> dict[str, int | float]:
     """The search parameters given, checked against the index type (ValueError naming the
     parameter); HNSW's `ef` must be at least k, as Milvus asks."""
     checked = _checked(kind, params, SEARCH_PARAMS[kind], "search")
@@ -130,8 +154,8 @@ def search_params(kind: IndexType, params: Mapping[str, object], k: int) -> dict
 ANY_SEARCH_PARAMS = {name: allowed for ranges in SEARCH_PARAMS.values() for name, allowed in ranges.items()}
 
 
-def any_search_params(params: Mapping[str, object]) -> dict[str, int]:
-    """Search parameters that some index type takes, each an integer in its range
+def any_search_params(params: Mapping[str, object]) -> dict[str, int | float]:
+    """Search parameters that some index type takes, each a number in its range
     (ValueError naming the parameter); `search_params` checks them against the index."""
     return _checked("an index", params, ANY_SEARCH_PARAMS, "search")
 

@@ -55,7 +55,9 @@ from vchan_assets.indexes.meta import (
 from vchan_assets.indexes.step import IndexBuilder, IndexReport
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
+    SPARSE_ROW_BYTES,
     CollectionInfo,
+    FieldSchema,
     IndexEngine,
     SegmentIndex,
     SegmentIndexState,
@@ -74,6 +76,12 @@ BUILD_MEMORY_FACTOR = 3.0
 
 def build_memory_mb(rows: int, dim: int) -> float:
     return BUILD_MEMORY_FACTOR * rows * dim * 4 / 2**20
+
+
+def memory_dim(field: FieldSchema) -> int:
+    """The float32 values a row of the field holds, for memory estimates: its dim, or a
+    sparse row's estimated size (`SPARSE_ROW_BYTES`) in 4-byte values."""
+    return SPARSE_ROW_BYTES // 4 if field.is_sparse else field.dim or 0
 
 
 class IndexTasks:
@@ -110,7 +118,7 @@ class IndexTasks:
                 t.segment_id for t in tasks if t.collection_id == info.id and t.state is not TaskState.FAILED
             }
             release_waiting_outputs(store, info.id, system.settings.index_handoff_timeout, active)
-            dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
+            dims = {f.field_id: memory_dim(f) for f in info.schema.vector_fields}
             for d in list_builds(store, info.id):
                 b = d.model
                 index = indexes.get(b.index_id)
@@ -230,7 +238,7 @@ def upgrade_builds(
     for info in CollectionRegistry(store).list():
         if collection_id not in (None, info.id):
             continue
-        dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
+        dims = {f.field_id: memory_dim(f) for f in info.schema.vector_fields}
         for index in list_indexes(store, info.id):
             older = [
                 d
@@ -256,7 +264,7 @@ def rebuild_segment(system: System, seg: SegmentInfo, reason: str) -> list[Segme
     builds = reset_segment_builds(store, seg, reason)
     if builds:
         info = CollectionRegistry(store).get(seg.collection_id, include_dropped=True)
-        dims = {f.field_id: f.dim or 0 for f in info.schema.vector_fields}
+        dims = {f.field_id: memory_dim(f) for f in info.schema.vector_fields}
         fields = {d.model.index_id: d.model.field_id for d in list_indexes(store, seg.collection_id)}
         mb = sum(
             build_memory_mb(b.rows, dims.get(fields.get(b.index_id, -1), 0))

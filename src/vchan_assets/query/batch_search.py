@@ -184,12 +184,14 @@ def search_table(
     with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
         request, plan = replanned(planned)  # the log tails are read while planning
         slices = max(1, int(spark.conf.get("spark.default.parallelism", "0") or 0) or _cores(spark))
-        tasks = plan_tasks(plan.parts, len(request.queries), by, slices)
+        tasks = plan_tasks(plan.parts, request.queries.shape[0], by, slices)
         inputs = TaskInputs(system.storage, request, engine, tuple(tasks))
         hits = plan.tail_hits(request)
         fallbacks: list[Fallback] = []
         if tasks:
-            description = f"search {info.name}: {len(request.queries)} queries, {len(tasks)} tasks by {by}"
+            description = (
+                f"search {info.name}: {request.queries.shape[0]} queries, {len(tasks)} tasks by {by}"
+            )
             rows = run_arrow_tasks(
                 spark, tasks_arrow, [inputs] * len(tasks), RESULT_SCHEMA, description, timeout
             )

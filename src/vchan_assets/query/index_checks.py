@@ -9,7 +9,8 @@ checks, usable without Dagster.
 - `check_recall`: recall@k of each built index on a sample of its segment's own vectors,
   searched at the default search parameters (`ef` for HNSW, `nprobe` for IVF), against
   exact search over the segment, at least the floor (VCHAN_INDEX_RECALL_FLOOR). IVF_PQ's
-  recall is recorded, not judged: its codes are lossy by design.
+  recall is recorded, not judged: its codes are lossy by design. A sparse field's inverted
+  index is exact (recall 1.0) unless built with `drop_ratio_build`.
 
 Cost: the rows check loads each built index file of the vchannel; the recall check also
 reads each indexed segment's vector column group and searches `RECALL_SAMPLE` queries
@@ -30,6 +31,8 @@ from vchan_assets.datanode.checks import CheckOutcome
 from vchan_assets.indexes.build import faiss_metric, load_index, prepared
 from vchan_assets.indexes.meta import indexable, list_builds, list_indexes
 from vchan_assets.indexes.params import default_ef, default_nprobe
+from vchan_assets.indexes.sparse import InvertedIndex, top_k
+from vchan_assets.indexes.sparse import segment_rows as sparse_segment_rows
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
     MIN_ROWS_TO_BUILD,
@@ -123,7 +126,7 @@ def check_builds_finished(found: VchannelIndexes) -> CheckOutcome:
 def _loaded(storage: Storage, b: SegmentIndex) -> Any:
     """The build's index, or the reason it cannot be loaded."""
     try:
-        return load_index(storage.read_bytes(b.files[0]))
+        return load_index(storage.read_bytes(b.files[0]), b.files[0])
     except Exception as exc:  # storage errors and faiss's C++ exceptions alike: reported by the check
         return f"index file {b.files[0]} unreadable: {exc}"
 
@@ -155,10 +158,24 @@ def segment_recall(
     loaded = _loaded(storage, b)
     if isinstance(loaded, str):
         return 0.0
+    if field.is_sparse:
+        return sparse_recall(loaded, sparse_segment_rows(storage, seg, field), seg.id, RECALL_K)
     vectors = prepared(segment_vectors(storage, seg, field), index.metric)
     rng = np.random.default_rng(seg.id)
     queries = vectors[rng.choice(len(vectors), min(RECALL_SAMPLE, len(vectors)), replace=False)]
     return recall_at(loaded, vectors, queries, index.type, index.metric, RECALL_K)
+
+
+def sparse_recall(index: InvertedIndex, rows: Any, seed: int, k: int) -> float:
+    """recall@k of a sparse field's inverted index on a sample of its segment's own rows
+    against the exact product over the rows (1.0 unless built with a drop ratio)."""
+    rng = np.random.default_rng(seed)
+    queries = rows[rng.choice(rows.shape[0], min(RECALL_SAMPLE, rows.shape[0]), replace=False)]
+    _, truth = top_k(InvertedIndex.of(rows).scores(queries), k)
+    _, found = top_k(index.scores(queries), k)
+    return float(
+        np.mean([len(set(t) & set(f)) / k for t, f in zip(truth.tolist(), found.tolist(), strict=True)])
+    )
 
 
 def recall_at(

@@ -134,9 +134,8 @@ def read_views(
 
 def _no_rows(info: CollectionInfo, with_vectors: bool) -> pa.Table:
     """An empty read, with the columns a read with rows has."""
-    fields = [
-        f for f in user_fields(info.schema) if with_vectors or not pa.types.is_fixed_size_binary(f.type)
-    ]
+    vectors = {f.name for f in info.schema.vector_fields}
+    fields = [f for f in user_fields(info.schema) if with_vectors or f.name not in vectors]
     columns = [pa.field("row_id", pa.int64()), pa.field("timestamp", pa.int64()), *fields]
     columns += [pa.field("segment_id", pa.int64()), pa.field("partition_id", pa.int64())]
     return pa.schema(columns).empty_table()

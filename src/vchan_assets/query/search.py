@@ -26,6 +26,12 @@ The candidates of every part are merged: the k best per query.
 
 Distances: L2 is the squared Euclidean distance (smaller is nearer); IP the inner
 product and COSINE the cosine similarity (larger is nearer), as Milvus reports them.
+
+A sparse float vector field is searched by IP only (Milvus' one sparse metric): queries
+are sparse vectors as an insert takes them (dicts {index: value}, (indices, values)
+pairs, a scipy.sparse matrix), scored over the indices they share with a row
+(`indexes.sparse`: through a segment's inverted index, or exactly by the same product
+over the rows read); a row sharing none with a query is not a hit of it.
 `filter` is a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`, with
 Milvus' JSON paths and array functions: `meta["color"] == 'red'`, `array_contains(tags,
 'x')`; `query.filters`) or a `pyarrow.compute` expression (`pc.field("n") > 3`).
@@ -46,12 +52,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
-from vchan_assets.fields import decode_vectors
+from vchan_assets.fields import Column, FieldValueError, decode_vectors
+from vchan_assets.indexes import sparse
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
 from vchan_assets.indexes.meta import describe, list_indexes
 from vchan_assets.indexes.params import default_ef, default_nprobe, search_params
-from vchan_assets.indexes.tasks import queue_rebuild
+from vchan_assets.indexes.tasks import memory_dim, queue_rebuild
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
     DYNAMIC_FIELD,
@@ -137,9 +144,9 @@ class SearchRequest:
     field: FieldSchema
     metric: MetricType
     k: int
-    queries: np.ndarray  # (nq, dim) float32, normalized for COSINE
+    queries: Any  # (nq, dim) float32, normalized for COSINE; a sparse field's: scipy CSR
     index: FieldIndex | None
-    params: Mapping[str, int]
+    params: Mapping[str, int | float]
     filter: str | pc.Expression | None
     output_fields: tuple[str, ...]
     collection: str
@@ -200,33 +207,19 @@ def check_request(
         return SearchError(info.name, reason)
 
     target = _vector_field(info, options.field, error)
-    assert target.dim is not None
-    try:
-        queries = np.asarray(vectors, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
-        raise error(f"query vectors must be an array of numbers of shape (n, {target.dim}): {exc}") from None
-    if queries.ndim == 1:
-        queries = queries.reshape(1, -1)
-    if queries.ndim != 2 or not len(queries):
-        raise error(
-            f"query vectors must be one vector or an (n, {target.dim}) array, got shape {queries.shape}"
-        )
-    if queries.shape[1] != target.dim:
-        raise error(
-            f"query vectors have dimension {queries.shape[1]}, field {target.name!r} has {target.dim}"
-        )
-    if not np.isfinite(queries).all():
-        raise error("query vectors hold NaN or infinite values")
+    queries = _sparse_queries(vectors, error) if target.is_sparse else _dense_queries(target, vectors, error)
     if indexes is None:
         indexes = [d.model for d in list_indexes(system.store, info.id)]
     found_index = next((i for i in indexes if i.field_id == target.field_id), None)
-    chosen = _metric(options.metric, found_index)
+    chosen = _metric(options.metric, found_index, target)
+    if target.is_sparse and chosen is not MetricType.IP:
+        raise error(f"field {target.name!r} is a sparse vector: searched by IP only, not {chosen}")
     if found_index is not None and chosen is not found_index.metric:
         raise error(
             f"metric {chosen} does not match the index {describe(found_index)}: search with {found_index.metric}"
         )
     params = options.params or {}
-    checked: dict[str, int] = {}
+    checked: dict[str, int | float] = {}
     if found_index is not None:
         try:
             checked = search_params(found_index.type, params, options.k)
@@ -250,7 +243,7 @@ def check_request(
         field=target,
         metric=chosen,
         k=options.k,
-        queries=prepared(queries, chosen),
+        queries=queries if target.is_sparse else prepared(queries, chosen),
         index=found_index,
         params=checked,
         filter=options.filter,
@@ -261,6 +254,42 @@ def check_request(
         json_fields=tuple(f.name for f in info.schema.fields if f.dtype is DataType.JSON),
         result_schema=pa.schema(fields),
     )
+
+
+def _dense_queries(target: FieldSchema, vectors: Any, error: Any) -> np.ndarray:
+    assert target.dim is not None
+    try:
+        queries = np.asarray(vectors, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise error(f"query vectors must be an array of numbers of shape (n, {target.dim}): {exc}") from None
+    if queries.ndim == 1:
+        queries = queries.reshape(1, -1)
+    if queries.ndim != 2 or not len(queries):
+        raise error(
+            f"query vectors must be one vector or an (n, {target.dim}) array, got shape {queries.shape}"
+        )
+    if queries.shape[1] != target.dim:
+        raise error(
+            f"query vectors have dimension {queries.shape[1]}, field {target.name!r} has {target.dim}"
+        )
+    if not np.isfinite(queries).all():
+        raise error("query vectors hold NaN or infinite values")
+    return queries
+
+
+def _sparse_queries(vectors: Any, error: Any) -> Any:
+    try:
+        queries = sparse.sparse_queries(vectors)
+    except FieldValueError as exc:
+        where = "" if exc.row is None else f" (query {exc.row})"
+        raise error(f"a sparse query vector {exc.reason}{where}") from None
+    except (TypeError, ValueError) as exc:
+        raise error(
+            f"sparse query vectors must be dicts {{index: value}} or (indices, values): {exc}"
+        ) from None
+    if not queries.shape[0]:
+        raise error("no query vectors: give one or more")
+    return queries
 
 
 def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldSchema:
@@ -279,11 +308,14 @@ def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldS
     return found
 
 
-def _metric(metric: MetricType | str | None, index: FieldIndex | None) -> MetricType:
-    """The metric asked for (named already: `SearchOptions`), else the index's, else L2."""
+def _metric(metric: MetricType | str | None, index: FieldIndex | None, field: FieldSchema) -> MetricType:
+    """The metric asked for (named already: `SearchOptions`), else the index's, else L2
+    (IP for a sparse field)."""
     if metric is not None:
         return MetricType(metric)
-    return index.metric if index is not None else MetricType.L2
+    if index is not None:
+        return index.metric
+    return MetricType.IP if field.is_sparse else MetricType.L2
 
 
 # --- the parts of a read at T ---------------------------------------------------------------
@@ -315,7 +347,7 @@ class SearchPlan:
         hits: list[pa.Table] = []
         for rows, deletes in self.tails:
             allowed = _allowed(request, rows, deletes, self.ts, self.expired_before)
-            hits += _exact(request, rows, decode_vectors(request.field, rows[request.field.name]), allowed)
+            hits += _exact(request, rows, _vectors(request.field, rows[request.field.name]), allowed)
         return hits
 
 
@@ -375,7 +407,7 @@ def finish(
         if (
             fallback.rebuild
             and build is not None
-            and queue_rebuild(system.store, build, request.field.dim or 0)
+            and queue_rebuild(system.store, build, memory_dim(request.field))
         ):
             log.warning(
                 "segment %d: rebuild of index build %d queued", fallback.segment, build.model.build_id
@@ -467,13 +499,29 @@ def search_segment(
                 return [_indexed(request, rows, index, allowed)], None
             except (StorageError, RuntimeError) as exc:
                 fallback = Fallback(seg.id, build.files[0], str(exc), rebuild=True)
-    return _exact(request, rows, segment_vectors(storage, seg, request.field), allowed), fallback
+    return _exact(request, rows, _segment_vectors(storage, seg, request.field), allowed), fallback
+
+
+def _vectors(field: FieldSchema, column: Column) -> Any:
+    """A vector column as searched: a float32 matrix, or a sparse field's CSR matrix."""
+    return sparse.sparse_rows(column) if field.is_sparse else decode_vectors(field, column)
+
+
+def _segment_vectors(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> Any:
+    return (
+        sparse.segment_rows(storage, seg, field) if field.is_sparse else segment_vectors(storage, seg, field)
+    )
 
 
 # --- through an index -----------------------------------------------------------------------
 
 
 def _indexed(request: SearchRequest, rows: pa.Table, index: Any, allowed: np.ndarray) -> pa.Table:
+    if isinstance(index, sparse.InvertedIndex):
+        queries = sparse.drop_small(request.queries, float(request.params.get("drop_ratio_search", 0.0)))
+        scores = index.scores(queries)
+        distances, positions = sparse.top_k(scores, request.k, None if allowed.all() else allowed)
+        return _hits(request, rows, distances, positions)
     n = index.ntotal
     packed = None if allowed.all() else np.packbits(allowed, bitorder="little")
     selector = None if packed is None else faiss.IDSelectorBitmap(n, faiss.swig_ptr(packed))
@@ -498,7 +546,7 @@ _SCALARS: ReadCache[pa.Table] = ReadCache(SCALAR_CACHE_BYTES, weigh=lambda table
 
 
 def _cached_index(storage: Storage, key: str) -> Any:
-    return _INDEXES.get((storage.base, key), lambda: load_index(storage.read_bytes(key)))
+    return _INDEXES.get((storage.base, key), lambda: load_index(storage.read_bytes(key), key))
 
 
 def _cached_scalars(storage: Storage, seg: SegmentInfo) -> pa.Table:
@@ -519,6 +567,8 @@ def _exact(
     positions = np.flatnonzero(allowed)
     if not len(positions):
         return []
+    if request.field.is_sparse:
+        return _exact_sparse(request, rows, vectors, positions)
     base = prepared(vectors[positions], request.metric)
     out = []
     for start in range(0, len(base), EXACT_BLOCK):
@@ -533,6 +583,20 @@ def _exact(
         best = np.argpartition(order, take - 1, axis=1)[:, :take]
         distances = np.take_along_axis(scores, best, axis=1)
         out.append(_hits(request, rows, distances, positions[start + best]))
+    return out
+
+
+def _exact_sparse(
+    request: SearchRequest, rows: pa.Table, vectors: Any, positions: np.ndarray
+) -> list[pa.Table]:
+    """The k best allowed rows per query by the product over the rows' own posting lists
+    (what their index computes, built for this search)."""
+    out = []
+    for start in range(0, len(positions), EXACT_BLOCK):
+        block = positions[start : start + EXACT_BLOCK]
+        scores = sparse.InvertedIndex.of(vectors[block]).scores(request.queries)
+        distances, found = sparse.top_k(scores, request.k)
+        out.append(_hits(request, rows, distances, np.where(found >= 0, block[found], -1)))
     return out
 
 

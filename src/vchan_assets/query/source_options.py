@@ -19,6 +19,7 @@ from pyspark.sql.types import (
     FloatType,
     IntegerType,
     LongType,
+    MapType,
     ShortType,
     StringType,
 )
@@ -27,7 +28,7 @@ from pyspark.sql.types import (
 )
 
 from vchan_assets.config import Settings
-from vchan_assets.fields import decode_vectors
+from vchan_assets.fields import SPARSE_TYPE, decode_vectors
 from vchan_assets.model import CollectionInfo, DataType, FieldSchema
 from vchan_assets.query.prune import Pushdown, parse_where
 from vchan_assets.storage.rows import float_vectors
@@ -141,6 +142,8 @@ def settings_from_options(options: Mapping[str, str]) -> Settings:
 
 
 def spark_type(field: FieldSchema, vectors: str) -> SparkType:
+    if field.is_sparse:  # map<bigint, float> whatever `vectors` asks: it is neither binary nor dense
+        return MapType(LongType(), FloatType(), valueContainsNull=False)
     if field.is_vector:
         return ArrayType(FloatType(), containsNull=False) if vectors == "array" else BinaryType()
     if field.dtype is DataType.ARRAY:
@@ -181,7 +184,10 @@ def field_column(
     column: pa.Array | pa.ChunkedArray, field: FieldSchema, vectors: str
 ) -> pa.Array | pa.ChunkedArray:
     """A field's column (as binlogs and the log hold it) as the Spark schema expects it:
-    vectors as lists of floats or plain binary (`vectors`), the rest as it is."""
+    vectors as lists of floats or plain binary (`vectors`), the rest (sparse vectors
+    too: map<int64, float32>) as it is."""
+    if field.is_sparse:
+        return column.cast(SPARSE_TYPE)  # (entries named as Spark's map, not after the column)
     if not field.is_vector:
         return column
     assert field.dim is not None

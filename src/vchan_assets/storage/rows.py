@@ -74,11 +74,18 @@ def segment_vectors(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> n
     group is aligned with group 0), as a (rows, dim) float32 matrix (float16 and bfloat16
     vectors widened)."""
     assert field.dim is not None
-    group = next((g for g in seg.binlogs if field.field_id in g.field_ids), None)
-    found = read_files(storage, (b.path for b in group.logs), columns=[field.name]) if group else None
+    found = segment_column(storage, seg, field)
     if found is None:
         return np.empty((0, field.dim), dtype="<f4")
-    return decode_vectors(field, found[field.name])
+    return decode_vectors(field, found)
+
+
+def segment_column(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> pa.ChunkedArray | None:
+    """One field's column of an L1 segment as stored, read from its column group alone, in
+    the segment's row order (None: the segment has no files of it)."""
+    group = next((g for g in seg.binlogs if field.field_id in g.field_ids), None)
+    found = read_files(storage, (b.path for b in group.logs), columns=[field.name]) if group else None
+    return None if found is None else found[field.name]
 
 
 def unexpired(table: pa.Table, before: int) -> pa.Table:

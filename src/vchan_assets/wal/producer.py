@@ -246,7 +246,8 @@ class Producer:
     ) -> dict[str, ChannelAppend]:
         """Insert rows (every field of the schema; vectors as float arrays (n, dim), lists,
         fixed_size_list, or fixed_size_binary as the field stores them: dim * 4 bytes, dim * 2
-        for float16 and bfloat16 vectors). Returns per channel what
+        for float16 and bfloat16 vectors; sparse vectors as `fields.sparse_array` takes them:
+        {index: value} dicts, (indices, values) pairs, a scipy.sparse matrix). Returns per channel what
         was appended; each channel's batch ends with a time tick. In a collection with a
         partition key, each row goes to the hidden partition its key's hash picks
         (`partition` must be left at its default)."""
@@ -602,6 +603,8 @@ def to_insert_table(
 
 def _column(field: FieldSchema, raw: Any) -> pa.Array | pa.ChunkedArray:
     try:
+        if field.is_sparse:
+            return fields.sparse_array(raw)
         if field.is_vector:
             column = _vector_array(raw, field)
             if column.null_count:
@@ -660,6 +663,8 @@ def generate_rows(schema: CollectionSchema, n: int, start_pk: int = 0, seed: int
             columns[field.name] = (
                 pa.array(pks) if field.dtype is DataType.INT64 else fields.varchar_pks(field, pks)
             )
+        elif field.is_sparse:
+            columns[field.name] = fields.random_sparse(rng, n)
         elif field.is_vector:
             assert field.dim is not None
             columns[field.name] = fields.encode_vectors(field, rng.random((n, field.dim), dtype=np.float32))
