@@ -10,9 +10,12 @@ rows:
 
 - build: our builds (`IndexBuilder.run`, local engine: each segment's sparse column read
   from its binlogs, its posting lists built, its `.npz` file written and committed in etcd)
-  against scipy alone building the same segments' posting lists (the CSR of the transposed
-  rows) from the CSR matrices in memory: ratio scipy / ours. Segment by segment, ours
-  then scipy's, so both meet the same load on a shared machine.
+  against two plain programs on the same segments: scipy alone building the posting lists
+  (the CSR of the transposed rows) from the CSR matrices in memory (the index's own cost),
+  and the same job done plainly end to end: pyarrow reading the segment's sparse binlog,
+  scipy building the posting lists, `scipy.sparse.save_npz` writing them (ratio
+  plain / ours: the build's baseline). Segment by segment, ours then theirs, so all meet
+  the same load on a shared machine.
 - search: `Catalog.search` (query view, pk and timestamp columns, deletes, log tail, the
   index files, merge) against scipy alone (each segment's posting lists in memory,
   Q @ postings, a top-k per query and a merge of the segments' top k), batch by batch in
@@ -24,10 +27,13 @@ Results: bench/results/sparse_index.json (or `--out`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,7 +47,8 @@ from vchan_assets import fields
 from vchan_assets.catalog import Catalog
 from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.step import IndexBuilder
-from vchan_assets.model import CollectionSchema
+from vchan_assets.model import CollectionSchema, SegmentInfo
+from vchan_assets.storage import Storage
 from vchan_assets.storage.rows import segment_rows
 
 VOCABULARY = 30_000
@@ -60,6 +67,18 @@ def as_csr(column: pa.MapArray) -> sp.csr_array:
 def scipy_postings(rows: sp.csr_array) -> sp.csr_array:
     """scipy alone: the posting lists of `rows` (terms x rows), its CSC transposed."""
     return sp.csr_array(rows.T)
+
+
+def plain_build(storage: Storage, seg: SegmentInfo, field: str, vocabulary: int, out: Path) -> None:
+    """The job done plainly: the segment's sparse binlog read with pyarrow, its posting lists
+    built with scipy, written with scipy's npz."""
+    group = next(g for g in seg.binlogs if SCHEMA.field(field).field_id in g.field_ids)
+    column = pa.concat_tables([storage.read_parquet(b.path, columns=[field]) for b in group.logs])[field]
+    offsets, indices, values = fields.sparse_buffers(column)
+    rows = sp.csr_array((values, indices.astype(np.int32), offsets), shape=(len(column), vocabulary))
+    buffer = io.BytesIO()
+    sp.save_npz(buffer, scipy_postings(rows), compressed=False)  # as ours: np.savez
+    out.write_bytes(buffer.getvalue())
 
 
 def scipy_search(postings: list[tuple[sp.csr_array, np.ndarray]], queries: sp.csr_array) -> np.ndarray:
@@ -107,7 +126,8 @@ def main() -> None:
 
         create_index(system.store, info, "sv", "SPARSE_INVERTED_INDEX", "IP")
         builds_of = {b.model.segment_id: b.model.build_id for b in list_builds(system.store, info.id)}
-        ours_s = scipy_s = 0.0
+        ours_s = scipy_s = plain_s = 0.0
+        scratch = Path(tempfile.mkdtemp(prefix="vchan-sparse-plain-"))
         rounds: list[dict[str, float]] = []
         postings = []
         for seg, pks in zip(segments, pk_lists, strict=True):
@@ -119,16 +139,24 @@ def main() -> None:
             started = time.perf_counter()
             postings.append((scipy_postings(rows), pks))
             scipy_round = time.perf_counter() - started
-            ours_s, scipy_s = ours_s + ours_round, scipy_s + scipy_round
+            started = time.perf_counter()
+            plain_build(system.storage, seg, "sv", VOCABULARY, scratch / f"{seg.id}.npz")
+            plain_round = time.perf_counter() - started
+            ours_s, scipy_s, plain_s = ours_s + ours_round, scipy_s + scipy_round, plain_s + plain_round
             rounds.append(
                 {
                     "rows": len(pks),
                     "ours_s": round(ours_round, 3),
                     "scipy_s": round(scipy_round, 3),
+                    "plain_s": round(plain_round, 3),
                     "load_1m": round(os.getloadavg()[0], 1),
                 }
             )
-            print(f"  segment {seg.id}: ours {ours_round:.2f}s, scipy alone {scipy_round:.2f}s", flush=True)
+            print(
+                f"  segment {seg.id}: ours {ours_round:.2f}s, plain read+build+write {plain_round:.2f}s, "
+                f"scipy alone in memory {scipy_round:.2f}s",
+                flush=True,
+            )
 
         catalog = Catalog(system)
         catalog_search(catalog, info, queries.slice(0, args.batch), args.batch)  # warm: index files loaded
@@ -157,6 +185,8 @@ def main() -> None:
             "build_ours_s": round(ours_s, 2),
             "build_scipy_s": round(scipy_s, 2),
             "build_ratio_scipy_over_ours": round(scipy_s / ours_s, 3),
+            "build_plain_s": round(plain_s, 2),
+            "build_ratio_plain_over_ours": round(plain_s / ours_s, 3),
             "build_rounds": rounds,
             "queries": args.queries,
             "query_indices": args.query_nonzeros,
