@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import scipy.sparse as sp
 
 from vchan_assets import fields
 from vchan_assets.catalog import Catalog
@@ -33,7 +34,12 @@ from vchan_assets.wal.producer import Producer, generate_rows
 DIM = 8
 EVERY = CollectionSchema.build(
     "doc",
-    {"f32": DIM, "f16": f"float16_vector({DIM})", "bf16": f"bfloat16_vector({DIM})"},
+    {
+        "f32": DIM,
+        "f16": f"float16_vector({DIM})",
+        "bf16": f"bfloat16_vector({DIM})",
+        "sp": "sparse_float_vector",
+    },
     {
         "tenant": "varchar(12)",
         "i8": "int8",
@@ -52,7 +58,7 @@ EVERY = CollectionSchema.build(
     dynamic=True,
     partition_key="tenant",
 )
-# Index type and metric per vector field.
+# Index type and metric per dense vector field (each row's own vector is its nearest).
 INDEXES = {
     "f32": ("IVF_FLAT", "L2", {"nlist": 8}),
     "f16": ("HNSW", "L2", {}),
@@ -122,6 +128,17 @@ def test_a_collection_of_every_type_is_produced_synced_compacted_imported_read_s
         queries = fields.decode_vectors(EVERY.field(name), rows[name].take([by_doc[d] for d in wanted]))
         hits = Catalog(system).search(info.name, queries, k=1, field=name, output_fields=["tenant", "j"])
         assert hits.sort_values("query")["doc"].tolist() == wanted, name
+    # The sparse field through its inverted index: the best inner product over the live rows.
+    create_index(system.store, info, "sp", "SPARSE_INVERTED_INDEX", "IP")
+    assert not IndexBuilder(system, "local").run(collection_id=info.id).failed
+    query = rows["sp"].take([by_doc[wanted[0]]])
+    offsets, indices, values = fields.sparse_buffers(table["sp"])
+    width = int(max(indices.max(), fields.sparse_buffers(query)[1].max())) + 1
+    matrix = sp.csr_array((values, indices, offsets), shape=(table.num_rows, width))
+    q_offsets, q_indices, q_values = fields.sparse_buffers(query)
+    scores = matrix @ sp.csr_array((q_values, q_indices, q_offsets), shape=(1, width)).T
+    best = table["doc"][int(np.argmax(scores.toarray().ravel()))].as_py()
+    assert Catalog(system).search(info.name, query, k=1, field="sp")["doc"].tolist() == [best]
     # A search within one tenant opens its partition only and returns that tenant's rows.
     one = Catalog(system).search(info.name, queries[:1], k=20, field="f32", filter="tenant == 't3'")
     assert len(one) == 20 and set(
