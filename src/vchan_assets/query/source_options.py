@@ -142,7 +142,8 @@ def settings_from_options(options: Mapping[str, str]) -> Settings:
 
 def spark_type(field: FieldSchema, vectors: str) -> SparkType:
     if field.is_vector:
-        return ArrayType(FloatType(), containsNull=False) if vectors == "array" else BinaryType()
+        as_floats = vectors == "array" and not field.is_binary_vector  # binary vectors: their bytes
+        return ArrayType(FloatType(), containsNull=False) if as_floats else BinaryType()
     if field.dtype is DataType.ARRAY:
         assert field.element_type is not None
         return ArrayType(_SCALARS[field.element_type])
@@ -181,8 +182,11 @@ def field_column(
     column: pa.Array | pa.ChunkedArray, field: FieldSchema, vectors: str
 ) -> pa.Array | pa.ChunkedArray:
     """A field's column (as binlogs and the log hold it) as the Spark schema expects it:
-    vectors as lists of floats or plain binary (`vectors`), the rest as it is."""
+    vectors as lists of floats or plain binary (`vectors`; binary vectors always as their
+    packed bytes), the rest as it is."""
     if not field.is_vector:
         return column
+    if field.is_binary_vector:
+        return column.cast(pa.binary())
     assert field.dim is not None
     return vectors_as_lists(column, field.dim, field) if vectors == "array" else column.cast(pa.binary())
