@@ -476,9 +476,12 @@ class Catalog:
         metric=None, output_fields=(); not both), through the segments' indexes where
         they are built and exactly elsewhere (`query.search`): one row per hit, `query`
         (the query's position), the primary key, `distance` (squared L2; inner product
-        or cosine similarity for IP and COSINE) and the `output_fields`. `as_of`: None
+        or cosine similarity for IP and COSINE; bits that differ for HAMMING, 1 - |a and
+        b| / |a or b| for JACCARD) and the `output_fields`. Binary vectors are queried as
+        an (n, dim / 8) uint8 matrix of packed bits (or `bytes` each). `as_of`: None
         (now) or a time; `field`: the vector field (needed when there are several);
-        `metric`: the index's (L2 without one); `params`: `nprobe` (IVF) or `ef` (HNSW);
+        `metric`: the index's (without one: L2, HAMMING for binary vectors); `params`:
+        `nprobe` (IVF, BIN_IVF_FLAT) or `ef` (HNSW);
         `filter`: a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`)
         or a pyarrow.compute expression. Deleted rows are never returned. A segment whose
         index cannot be used (its file missing or unreadable: a rebuild is queued; or of

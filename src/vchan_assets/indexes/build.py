@@ -9,7 +9,9 @@ an orphan file, never a half-visible index.
 
 Runs inside a Spark Python worker (one Spark task per build) or in the caller's process;
 `BuildSpec` is picklable and the outcome travels back pickled, a typed `IndexBuildError`
-included. COSINE indexes hold normalized vectors and search them by inner product.
+included. COSINE indexes hold normalized vectors and search them by inner product. Binary
+vectors' indexes (BIN_IVF_FLAT) are faiss's binary indexes (`indexes.binary`), written with
+`faiss.serialize_index_binary`; `load_index` tells the two kinds apart by faiss's header.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import pyarrow as pa
 
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
+from vchan_assets.indexes import binary
 from vchan_assets.indexes.params import for_segment
-from vchan_assets.model import FieldIndex, FieldSchema, IndexType, MetricType, SegmentInfo
+from vchan_assets.model import BINARY_METRICS, FieldIndex, FieldSchema, IndexType, MetricType, SegmentInfo
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.layout import index_file_key
 from vchan_assets.storage.rows import segment_vectors
@@ -79,7 +82,10 @@ def faiss_metric(metric: MetricType) -> int:
 
 
 def prepared(vectors: np.ndarray, metric: MetricType) -> np.ndarray:
-    """Vectors as faiss takes them: C-contiguous float32, normalized for COSINE."""
+    """Vectors as faiss takes them: C-contiguous float32, normalized for COSINE; binary
+    vectors (HAMMING, JACCARD) as their C-contiguous uint8 bytes."""
+    if metric in BINARY_METRICS:
+        return np.ascontiguousarray(vectors, dtype=np.uint8)
     out = np.array(vectors, dtype=np.float32, order="C", copy=True)
     if metric is MetricType.COSINE:
         faiss.normalize_L2(out)
@@ -89,6 +95,8 @@ def prepared(vectors: np.ndarray, metric: MetricType) -> np.ndarray:
 def new_index(index: FieldIndex, dim: int, rows: int) -> Any:
     """An empty faiss index of the index's type for a segment of `rows` rows."""
     p = for_segment(index.type, index.params, dim, rows)
+    if index.type is IndexType.BIN_IVF_FLAT:
+        return binary.new_ivf(dim, p.nlist)
     metric = faiss_metric(index.metric)
     built: Any
     if index.type is IndexType.HNSW:
@@ -128,7 +136,7 @@ def build(spec: BuildSpec, threads: int = 0) -> BuildOutput:
         if not index.is_trained:
             index.train(data)
         index.add(data)
-        blob = faiss.serialize_index(index)
+        blob = binary.serialize(index) if spec.field.is_binary_vector else faiss.serialize_index(index)
     except RuntimeError as exc:  # faiss's C++ exceptions
         raise IndexBuildError(spec.build_id, seg.id, f"faiss: {exc}") from None
     key = index_file_key(spec.build_id, spec.version, INDEX_FILE)
@@ -143,8 +151,10 @@ def build(spec: BuildSpec, threads: int = 0) -> BuildOutput:
 
 
 def load_index(data: bytes) -> Any:
-    """A faiss index from its serialized bytes (RuntimeError if they are not one)."""
-    return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    """A faiss index (a binary one too) from its serialized bytes (RuntimeError if they are
+    not one)."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    return binary.deserialize(raw) if binary.is_serialized_binary(raw) else faiss.deserialize_index(raw)
 
 
 # --- as Spark tasks ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from vchan_assets.datacoord.collections import CollectionNotFoundError, validate_name
 from vchan_assets.errors import DeclaredError
-from vchan_assets.indexes.params import build_params
+from vchan_assets.indexes.params import build_params, check_fits
 from vchan_assets.meta.allocator import IdAllocator, now_ts
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
@@ -156,6 +156,7 @@ def create_index(
     try:
         kind: IndexType = _enum(IndexType, index_type, "index type")
         metric_type: MetricType = _enum(MetricType, metric, "metric")
+        check_fits(schema_field, metric_type, kind)
         stored_params = build_params(kind, params or {}, schema_field.dim)
     except ValueError as exc:
         raise invalid(str(exc)) from None

@@ -25,7 +25,12 @@ does under strict filters: a graph or IVF search over mostly excluded rows loses
 The candidates of every part are merged: the k best per query.
 
 Distances: L2 is the squared Euclidean distance (smaller is nearer); IP the inner
-product and COSINE the cosine similarity (larger is nearer), as Milvus reports them.
+product and COSINE the cosine similarity (larger is nearer), as Milvus reports them. Binary
+vectors (queries as (n, dim / 8) uint8 packed bits, or `bytes` each) are searched by
+HAMMING (the default) or JACCARD, smaller nearer (`indexes.binary`); a float metric on
+them, or a binary one on float vectors, is refused. A BIN_IVF_FLAT segment searched with a
+filter, or by JACCARD, probes its lists as faiss would and ranks their vectors here: faiss's
+binary IVF index takes no ID selector and measures Hamming distances only.
 `filter` is a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`, with
 Milvus' JSON paths and array functions: `meta["color"] == 'red'`, `array_contains(tags,
 'x')`; `query.filters`) or a `pyarrow.compute` expression (`pc.field("n") > 3`).
@@ -46,11 +51,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
-from vchan_assets.fields import decode_vectors
+from vchan_assets.fields import FieldValueError, binary_matrix, vector_matrix
+from vchan_assets.indexes import binary
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
 from vchan_assets.indexes.meta import describe, list_indexes
-from vchan_assets.indexes.params import default_ef, default_nprobe, search_params
+from vchan_assets.indexes.params import check_fits, default_ef, default_metric, default_nprobe, search_params
 from vchan_assets.indexes.tasks import queue_rebuild
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
@@ -137,7 +143,7 @@ class SearchRequest:
     field: FieldSchema
     metric: MetricType
     k: int
-    queries: np.ndarray  # (nq, dim) float32, normalized for COSINE
+    queries: np.ndarray  # (nq, dim) float32, normalized for COSINE; binary: (nq, dim / 8) uint8
     index: FieldIndex | None
     params: Mapping[str, int]
     filter: str | pc.Expression | None
@@ -150,7 +156,7 @@ class SearchRequest:
 
     @property
     def larger_is_nearer(self) -> bool:
-        return self.metric is not MetricType.L2
+        return self.metric.larger_is_nearer
 
 
 def search(
@@ -200,27 +206,19 @@ def check_request(
         return SearchError(info.name, reason)
 
     target = _vector_field(info, options.field, error)
-    assert target.dim is not None
-    try:
-        queries = np.asarray(vectors, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
-        raise error(f"query vectors must be an array of numbers of shape (n, {target.dim}): {exc}") from None
-    if queries.ndim == 1:
-        queries = queries.reshape(1, -1)
-    if queries.ndim != 2 or not len(queries):
-        raise error(
-            f"query vectors must be one vector or an (n, {target.dim}) array, got shape {queries.shape}"
-        )
-    if queries.shape[1] != target.dim:
-        raise error(
-            f"query vectors have dimension {queries.shape[1]}, field {target.name!r} has {target.dim}"
-        )
-    if not np.isfinite(queries).all():
-        raise error("query vectors hold NaN or infinite values")
+    queries = (
+        _binary_queries(target, vectors, error)
+        if target.is_binary_vector
+        else _queries(target, vectors, error)
+    )
     if indexes is None:
         indexes = [d.model for d in list_indexes(system.store, info.id)]
     found_index = next((i for i in indexes if i.field_id == target.field_id), None)
-    chosen = _metric(options.metric, found_index)
+    chosen = _metric(options.metric, found_index, target)
+    try:
+        check_fits(target, chosen)
+    except ValueError as exc:
+        raise error(str(exc)) from None
     if found_index is not None and chosen is not found_index.metric:
         raise error(
             f"metric {chosen} does not match the index {describe(found_index)}: search with {found_index.metric}"
@@ -263,6 +261,43 @@ def check_request(
     )
 
 
+def _queries(target: FieldSchema, vectors: Any, error: Any) -> np.ndarray:
+    """Query vectors of a dense field: an (n, dim) float32 matrix."""
+    try:
+        queries = np.asarray(vectors, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise error(f"query vectors must be an array of numbers of shape (n, {target.dim}): {exc}") from None
+    if queries.ndim == 1:
+        queries = queries.reshape(1, -1)
+    if queries.ndim != 2 or not len(queries):
+        raise error(
+            f"query vectors must be one vector or an (n, {target.dim}) array, got shape {queries.shape}"
+        )
+    if queries.shape[1] != target.dim:
+        raise error(
+            f"query vectors have dimension {queries.shape[1]}, field {target.name!r} has {target.dim}"
+        )
+    if not np.isfinite(queries).all():
+        raise error("query vectors hold NaN or infinite values")
+    return queries
+
+
+def _binary_queries(target: FieldSchema, vectors: Any, error: Any) -> np.ndarray:
+    """Query vectors of a binary field as `fields.binary_matrix` takes them (or one of
+    them: `bytes`, or a 1-d uint8 or bool array): an (n, dim / 8) uint8 matrix."""
+    if isinstance(vectors, bytes | bytearray):
+        vectors = [vectors]
+    elif isinstance(vectors, np.ndarray) and vectors.ndim == 1:
+        vectors = vectors.reshape(1, -1)
+    try:
+        queries = binary_matrix(target, vectors)
+    except FieldValueError as exc:
+        raise error(f"query vectors of the binary vector field {target.name!r}: {exc}") from None
+    if not len(queries):
+        raise error("no query vectors")
+    return queries
+
+
 def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldSchema:
     vectors = info.schema.vector_fields
     names = ", ".join(f.name for f in vectors)
@@ -279,11 +314,12 @@ def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldS
     return found
 
 
-def _metric(metric: MetricType | str | None, index: FieldIndex | None) -> MetricType:
-    """The metric asked for (named already: `SearchOptions`), else the index's, else L2."""
+def _metric(metric: MetricType | str | None, index: FieldIndex | None, field: FieldSchema) -> MetricType:
+    """The metric asked for (named already: `SearchOptions`), else the index's, else the
+    field's default (L2, HAMMING for binary vectors)."""
     if metric is not None:
         return MetricType(metric)
-    return index.metric if index is not None else MetricType.L2
+    return index.metric if index is not None else default_metric(field)
 
 
 # --- the parts of a read at T ---------------------------------------------------------------
@@ -315,7 +351,7 @@ class SearchPlan:
         hits: list[pa.Table] = []
         for rows, deletes in self.tails:
             allowed = _allowed(request, rows, deletes, self.ts, self.expired_before)
-            hits += _exact(request, rows, decode_vectors(request.field, rows[request.field.name]), allowed)
+            hits += _exact(request, rows, vector_matrix(request.field, rows[request.field.name]), allowed)
         return hits
 
 
@@ -475,9 +511,16 @@ def search_segment(
 
 def _indexed(request: SearchRequest, rows: pa.Table, index: Any, allowed: np.ndarray) -> pa.Table:
     n = index.ntotal
+    assert request.index is not None
+    if request.field.is_binary_vector:  # BIN_IVF_FLAT: no ID selector in faiss (indexes.binary)
+        nprobe = request.params.get("nprobe", default_nprobe(index.nlist))
+        chosen = None if allowed.all() else allowed
+        distances, positions = binary.ivf_search(
+            index, request.queries, min(request.k, n), nprobe, request.metric, chosen
+        )
+        return _hits(request, rows, distances, positions)
     packed = None if allowed.all() else np.packbits(allowed, bitorder="little")
     selector = None if packed is None else faiss.IDSelectorBitmap(n, faiss.swig_ptr(packed))
-    assert request.index is not None
     params: Any
     if request.index.type is IndexType.HNSW:
         params = _FAISS.SearchParametersHNSW()
@@ -520,6 +563,8 @@ def _exact(
     if not len(positions):
         return []
     base = prepared(vectors[positions], request.metric)
+    if request.field.is_binary_vector:
+        return _exact_binary(request, rows, base, positions)
     out = []
     for start in range(0, len(base), EXACT_BLOCK):
         block = base[start : start + EXACT_BLOCK]
@@ -532,6 +577,22 @@ def _exact(
         order = -scores if request.larger_is_nearer else scores
         best = np.argpartition(order, take - 1, axis=1)[:, :take]
         distances = np.take_along_axis(scores, best, axis=1)
+        out.append(_hits(request, rows, distances, positions[start + best]))
+    return out
+
+
+def _exact_binary(
+    request: SearchRequest, rows: pa.Table, base: np.ndarray, positions: np.ndarray
+) -> list[pa.Table]:
+    """`_exact` of binary vectors: HAMMING or JACCARD distances by `indexes.binary`, in
+    blocks bounded by their unpacked bits."""
+    assert request.field.dim is not None
+    step = min(EXACT_BLOCK, binary.block_rows(request.field.dim))
+    out = []
+    for start in range(0, len(base), step):
+        distances, best = binary.nearest(
+            request.queries, base[start : start + step], request.metric, request.k
+        )
         out.append(_hits(request, rows, distances, positions[start + best]))
     return out
 
