@@ -5,6 +5,9 @@ gives them. Real etcd, real files, a real local Spark."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,7 @@ from vchan_assets.query.index_checks import check_recall, vchannel_indexes
 from vchan_assets.query.search_options import SearchError
 from vchan_assets.query.spark_source import spark_session
 from vchan_assets.system import System
+from vchan_assets.testing.harness import VCHAN, cli_env
 from vchan_assets.testing.import_files import run_import, write_parquet
 from vchan_assets.testing.steps import compact_all, new_collection, sync_all
 from vchan_assets.wal.producer import Producer
@@ -205,3 +209,39 @@ def test_an_import_refuses_bad_binary_vectors_naming_file_column_and_row(
     job = run_import(system.store, system.settings, info, [path])
     assert job.state is ImportState.FAILED and "bad.parquet" in job.reason
     assert pd.Series([job.reason]).str.contains(says).all(), job.reason
+
+
+def test_the_cli_makes_indexes_and_searches_a_binary_vector_collection(system: System) -> None:
+    name = f"bits{uuid.uuid4().hex[:8]}"
+
+    def vchan(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(VCHAN), *args], env=cli_env(system.settings), capture_output=True, text=True, timeout=120
+        )
+
+    def hits(*args: str) -> list[dict[str, float]]:
+        done = vchan("search", "--collection", name, "--json", *args)
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line) for line in done.stdout.splitlines()]
+
+    made = vchan(
+        "create-collection",
+        "--collection",
+        name,
+        "--vector-type",
+        "binary",
+        "--dim",
+        "64",
+        "--scalars",
+        "n:int64",
+    )
+    assert made.returncode == 0, made.stderr
+    assert vchan("produce", "--collection", name, "--rows", "200", "--flush").returncode == 0
+    index = vchan("create-index", "--collection", name, "--field", "vector", "--type", "BIN_FLAT")  # HAMMING
+    assert "BIN_FLAT, HAMMING" in index.stdout, index.stderr
+    found = hits("--random", "2", "-k", "3")
+    assert len(found) == 6 and all(h["distance"] == int(h["distance"]) for h in found)  # bits that differ
+    zeros = hits("--vector", "0,0,0,0,0,0,0,0", "-k", "1")
+    assert 10 < zeros[0]["distance"] < 54  # the fewest bits set of 200 random 64-bit vectors
+    bad = vchan("search", "--collection", name, "--vector", "0,0,0,0,0,0,0,256")
+    assert bad.returncode != 0 and "integers in [0, 255]" in bad.stderr
