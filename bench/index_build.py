@@ -84,10 +84,13 @@ def clustered(n: int, seed: int) -> np.ndarray:
     return (centers[rng.integers(0, CENTERS, n)] + rng.normal(0.0, 1.0, (n, DIM))).astype(np.float32)
 
 
-def load(system: System, vectors: np.ndarray, segments: int) -> CollectionInfo:
-    """A collection of one vchannel holding `vectors` (pk = row) in `segments` sorted segments."""
+def load(
+    system: System, vectors: np.ndarray, segments: int, schema: CollectionSchema = SCHEMA
+) -> CollectionInfo:
+    """A collection of one vchannel holding `vectors` (pk = row; a `vec` field of `schema`)
+    in `segments` sorted segments."""
     producer = Producer(system)
-    info = producer.create_collection(f"hnsw{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=1)
+    info = producer.create_collection(f"hnsw{uuid.uuid4().hex[:6]}", schema, num_channels=1)
     [vchannel] = info.vchannels
     per = math.ceil(len(vectors) / segments)
     started = time.perf_counter()
