@@ -517,7 +517,7 @@ class Catalog:
     ) -> Any:
         """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
         the Spark DataFrame `queries` (an integer `id_column` and an array-of-floats
-        `vector_column` per row), one Spark task per segment (`by="segment"`) or per slice
+        `vector_column` per row; for binary vectors, a binary column of their bytes), one Spark task per segment (`by="segment"`) or per slice
         of the queries (`by="query"`); the same hits as `search` (the same `options` or
         keywords: k, field, metric, filter, as_of, params, output_fields), as a Spark
         DataFrame of `id_column`, the primary key, `distance` and the output fields."""

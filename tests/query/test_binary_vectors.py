@@ -60,6 +60,18 @@ def inserted(producer: Producer, system: System, matrix: np.ndarray) -> Collecti
     return info
 
 
+def indexed(
+    producer: Producer, system: System, matrix: np.ndarray, metric: MetricType | str, nlist: int = 16
+) -> CollectionInfo:
+    """`inserted`, sorted (what an index is built on), with a BIN_IVF_FLAT index built."""
+    info = inserted(producer, system, matrix)
+    compact_all(system, info)
+    create_index(system.store, info, "bits", "BIN_IVF_FLAT", metric, {"nlist": nlist})
+    report = IndexBuilder(system, "local").run(collection_id=info.id)
+    assert report.finished and not report.failed
+    return info
+
+
 def by_pk(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("pk").reset_index(drop=True)
 
@@ -100,11 +112,7 @@ def test_bin_ivf_flat_finds_each_row_at_distance_0_through_the_index(
     producer: Producer, system: System, metric: MetricType
 ) -> None:
     matrix = clustered(5000)  # segments of over MIN_ROWS_TO_BUILD rows: smaller ones get no index
-    info = inserted(producer, system, matrix)
-    compact_all(system, info)
-    create_index(system.store, info, "bits", "BIN_IVF_FLAT", metric, {"nlist": 16})
-    report = IndexBuilder(system, "local").run(collection_id=info.id)
-    assert report.finished and not report.failed
+    info = indexed(producer, system, matrix, metric)
     catalog = Catalog(system)
     wanted = [5, 77, 1500, 4999]
     hits = catalog.search(info.name, matrix[wanted], k=3, params={"nprobe": 16})
@@ -120,10 +128,7 @@ def test_a_filtered_search_through_bin_ivf_flat_keeps_only_the_rows_the_filter_k
     producer: Producer, system: System
 ) -> None:
     matrix = clustered(5000)
-    info = inserted(producer, system, matrix)
-    compact_all(system, info)
-    create_index(system.store, info, "bits", "BIN_IVF_FLAT", "HAMMING", {"nlist": 16})
-    IndexBuilder(system, "local").run(collection_id=info.id)
+    info = indexed(producer, system, matrix, "HAMMING")
     wanted = [10, 11, 12]
     hits = Catalog(system).search(
         info.name, matrix[wanted], k=4, filter="n % 2 == 0", params={"nprobe": 16}, output_fields=["n"]
@@ -135,11 +140,23 @@ def test_a_filtered_search_through_bin_ivf_flat_keeps_only_the_rows_the_filter_k
     assert hits[hits["query"] == 0]["pk"].iloc[0] == 10  # its own row, kept by the filter
 
 
+def test_a_batch_search_in_spark_takes_binary_queries_as_bytes(producer: Producer, system: System) -> None:
+    matrix = clustered(4000)  # two segments of 2,000: both indexed
+    info = indexed(producer, system, matrix, "HAMMING", nlist=8)
+    wanted = [4, 900, 3999]
+    queries = spark_session(system).createDataFrame(
+        pd.DataFrame({"query": [40, 41, 42], "vector": [matrix[i].tobytes() for i in wanted]})
+    )
+    catalog = Catalog(system)
+    batch = catalog.search_dataframe(info.name, queries, k=2, params={"nprobe": 8}).toPandas()
+    alone = catalog.search(info.name, matrix[wanted], k=2, params={"nprobe": 8})
+    first = batch.sort_values(["query", "distance"]).groupby("query").head(1)
+    assert first["pk"].tolist() == wanted and (first["distance"] == 0).all()
+    assert sorted(batch["distance"]) == sorted(alone["distance"])
+
+
 def test_the_index_recall_check_judges_binary_indexes(producer: Producer, system: System) -> None:
-    info = inserted(producer, system, clustered(5000))
-    compact_all(system, info)
-    create_index(system.store, info, "bits", "BIN_IVF_FLAT", "JACCARD", {"nlist": 16})
-    IndexBuilder(system, "local").run(collection_id=info.id)
+    info = indexed(producer, system, clustered(5000), "JACCARD")
     outcomes = [
         check_recall(system.storage, vchannel_indexes(system.store, info, v), 0.9) for v in info.vchannels
     ]
