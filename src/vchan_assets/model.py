@@ -486,7 +486,7 @@ class CollectionSchema(Record):
         partition_key: str | None = None,
     ) -> CollectionSchema:
         """Schema from names: `vectors` name -> dim of a float vector, or a spec
-        ("float16_vector(128)", "bfloat16_vector(768)", "binary_vector(256)": 256 bits), `scalars` name -> type spec
+        ("float16_vector(128)", "bfloat16_vector(768)", "binary_vector(256)"), `scalars` name -> type spec
         (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5");
         the primary key is `pk_type`: "int64" or "varchar(N)"; with `dynamic`, the dynamic
         field `$meta` keeps the keys of inserted rows the schema does not have;

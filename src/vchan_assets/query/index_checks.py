@@ -197,7 +197,8 @@ def search_default(
     index: Any, queries: np.ndarray, kind: IndexType, k: int, **params: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(distances, positions) of the k nearest by a segment index at the default search
-    parameters (or `ef` / `nprobe` given), as `Catalog.search` searches it."""
+    parameters (or `ef` / `nprobe` given), as `Catalog.search` searches it (a BIN_IVF_FLAT
+    index by HAMMING)."""
     search_params: Any
     if kind is IndexType.HNSW:
         search_params = _FAISS.SearchParametersHNSW()
