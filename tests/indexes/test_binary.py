@@ -44,6 +44,29 @@ def test_distances_are_the_bit_counts_of_milvus(metric: MetricType) -> None:
     assert found[0, 0] == 0
 
 
+@pytest.mark.parametrize("metric", [MetricType.HAMMING, MetricType.JACCARD])
+def test_one_query_counted_by_table_agrees_with_the_bit_products(metric: MetricType) -> None:
+    base = clustered(500, seed=2)
+    assert np.allclose(
+        binary.one_query_distances(base[7], base, metric), binary.distances(base[7:8], base, metric)[0]
+    )
+
+
+@pytest.mark.parametrize("metric", [MetricType.HAMMING, MetricType.JACCARD])
+def test_an_ivf_search_probing_every_list_finds_the_exact_distances(metric: MetricType) -> None:
+    base = clustered(3000, seed=3)
+    index = binary.new_ivf(DIM, 16)
+    index.train(base)
+    index.add(base)
+    queries = clustered(5, seed=6)
+    exact, _ = binary.nearest(queries, base, metric, 10)
+    found, positions = binary.probed_search(index, queries, 10, 16, metric, None)
+    assert np.allclose(found, exact, atol=1e-6)
+    assert np.allclose(
+        binary.distances(queries, base, metric)[np.arange(5)[:, None], positions], found, atol=1e-6
+    )
+
+
 def test_ivf_finds_each_vector_itself_at_distance_0_by_both_metrics_and_filtered() -> None:
     base = clustered(5000)
     index = binary.new_ivf(DIM, 32)

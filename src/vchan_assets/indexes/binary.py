@@ -32,6 +32,8 @@ _BLOCK_BITS = 1 << 24
 # ("IBxF" IndexBinaryFlat, "IBwF" IndexBinaryIVF, ...); no other index's code does.
 BINARY_FOURCC_PREFIX = b"IB"
 _FAISS: Any = faiss  # (its type stubs lack the search parameter classes)
+# The bits set in each byte value: one query's distances by table lookups.
+_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint16)
 
 
 def block_rows(dim: int) -> int:
@@ -56,12 +58,28 @@ def distances(queries: np.ndarray, base: np.ndarray, metric: MetricType) -> np.n
     return np.where(union > 0, 1 - both / np.maximum(union, 1), 0).astype(np.float32)
 
 
+def one_query_distances(query: np.ndarray, base: np.ndarray, metric: MetricType) -> np.ndarray:
+    """`distances` of one packed query (a row) to each row of `base`, by counting the bits
+    of each byte in a table: cheaper than unpacking the base for a single query."""
+    if metric is MetricType.HAMMING:
+        return _POPCOUNT[base ^ query].sum(1, dtype=np.int32).astype(np.float32)
+    if metric is not MetricType.JACCARD:
+        raise ValueError(f"{metric} is not a metric of binary vectors")
+    both = _POPCOUNT[base & query].sum(1, dtype=np.int32)
+    either = _POPCOUNT[base | query].sum(1, dtype=np.int32)
+    return np.where(either > 0, 1 - both / np.maximum(either, 1), 0).astype(np.float32)
+
+
 def nearest(
     queries: np.ndarray, base: np.ndarray, metric: MetricType, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(distances, positions), each (nq, min(k, n)), of the k nearest rows of `base` per
     query, nearest first."""
-    found = distances(queries, base, metric)
+    found = (
+        one_query_distances(queries[0], base, metric)[None, :]
+        if len(queries) == 1
+        else distances(queries, base, metric)
+    )
     take = min(k, found.shape[1])
     best = np.argpartition(found, take - 1, axis=1)[:, :take]
     picked = np.take_along_axis(found, best, axis=1)
