@@ -479,10 +479,13 @@ class Catalog:
         metric=None, output_fields=(); not both), through the segments' indexes where
         they are built and exactly elsewhere (`query.search`): one row per hit, `query`
         (the query's position), the primary key, `distance` (squared L2; inner product
-        or cosine similarity for IP and COSINE) and the `output_fields`. `as_of`: None
+        or cosine similarity for IP and COSINE; bits that differ for HAMMING, 1 - |a and
+        b| / |a or b| for JACCARD) and the `output_fields`. Binary vectors are queried as
+        an (n, dim / 8) uint8 matrix of packed bits (or `bytes` each). `as_of`: None
         (now) or a time; `field`: the vector field (needed when there are several);
-        `metric`: the index's (L2 without one, IP for a sparse field); `params`: `nprobe`
-        (IVF), `ef` (HNSW) or `drop_ratio_search` (the sparse indexes);
+        `metric`: the index's (without one: L2, HAMMING for binary vectors, IP for sparse
+        ones); `params`: `nprobe` (IVF, BIN_IVF_FLAT), `ef` (HNSW) or `drop_ratio_search`
+        (the sparse indexes);
         `filter`: a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`)
         or a pyarrow.compute expression. Deleted rows are never returned. A segment whose
         index cannot be used (its file missing or unreadable: a rebuild is queued; or of
@@ -518,7 +521,7 @@ class Catalog:
     ) -> Any:
         """Batch search in Spark (`query.batch_search`): the k nearest rows of each query of
         the Spark DataFrame `queries` (an integer `id_column` and an array-of-floats
-        `vector_column` per row), one Spark task per segment (`by="segment"`) or per slice
+        `vector_column` per row; for binary vectors, a binary column of their bytes), one Spark task per segment (`by="segment"`) or per slice
         of the queries (`by="query"`); the same hits as `search` (the same `options` or
         keywords: k, field, metric, filter, as_of, params, output_fields), as a Spark
         DataFrame of `id_column`, the primary key, `distance` and the output fields."""

@@ -21,6 +21,12 @@ How each type is stored (what pandas and Spark readers get):
                                         values (pandas: a dict {index: value}, as
                                         `Catalog.read_collection` converts it; Spark:
                                         map<bigint, float>); `sparse_array` checks them
+  binary_vector (dim bits)              fixed_size_binary(dim / 8): the bits packed as
+                                        `numpy.packbits` packs them (first bit in a byte's
+                                        high bit), as faiss's binary indexes take them
+Dense vectors are read as float32 matrices (`decode_vectors`, float16 and bfloat16 widened);
+binary vectors as (n, dim / 8) uint8 matrices (`decode_binary`), never as floats;
+`vector_matrix` picks the one of a field.
 A JSON value given as a Python object is written as `json.dumps` of it; a string is taken
 as JSON text and must parse.
 """
@@ -39,7 +45,6 @@ from vchan_assets.model import (
     INTEGER_RANGES,
     MAX_SPARSE_INDEX,
     TEXT_TYPES,
-    VECTOR_WIDTHS,
     DataType,
     FieldSchema,
 )
@@ -73,8 +78,7 @@ def arrow_type(field: FieldSchema) -> pa.DataType:
     if field.is_sparse:
         return SPARSE_TYPE
     if field.is_vector:
-        assert field.dim is not None
-        return pa.binary(field.dim * VECTOR_WIDTHS[field.dtype])
+        return pa.binary(field.vector_bytes)
     if field.dtype is DataType.ARRAY:
         assert field.element_type is not None
         return pa.list_(_SCALAR_ARROW[field.element_type])
@@ -355,10 +359,13 @@ def encode_vectors(field: FieldSchema, matrix: np.ndarray) -> pa.FixedSizeBinary
 
 def decode_vectors(field: FieldSchema, column: Column) -> np.ndarray:
     """The field's vectors (fixed_size_binary as stored) as an (n, dim) float32 matrix,
-    without Python rows (a null vector reads as whatever its bytes hold: zeros)."""
+    without Python rows (a null vector reads as whatever its bytes hold: zeros). Dense
+    vectors only: binary vectors are bytes (`decode_binary`)."""
     assert field.dim is not None
+    if field.is_binary_vector:
+        raise ValueError(f"field {field.name!r} holds binary vectors: they are read as bytes, not floats")
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    width = VECTOR_WIDTHS[field.dtype]
+    width = field.vector_bytes // field.dim
     data = arr.buffers()[1]
     if not data or not len(arr):
         return np.empty((0, field.dim), dtype="<f4")
@@ -540,3 +547,64 @@ def random_sparse(
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     values = rng.random(int(offsets[-1]), dtype=np.float32) + np.float32(0.01)
     return _map_of(offsets, drawn[keep], values)
+
+
+# --- binary vectors ----------------------------------------------------------------------
+
+
+def binary_matrix(field: FieldSchema, raw: Any) -> np.ndarray:
+    """Binary vectors as given (an (n, dim / 8) uint8 matrix of packed bits, an (n, dim)
+    bool matrix of bits, packed by `numpy.packbits`, or a sequence of `bytes` of dim / 8
+    each) as a C-contiguous (n, dim / 8) uint8 matrix; FieldValueError naming the shape,
+    or the row at fault. Integers other than uint8 are refused: they could be bits or bytes."""
+    assert field.dim is not None
+    width = field.vector_bytes
+    if isinstance(raw, pa.ChunkedArray | pa.Array):
+        raw = raw.to_pylist()
+    if not isinstance(raw, np.ndarray) and len(raw) and isinstance(raw[0], bytes | bytearray):
+        wrong = next(
+            (row for row, v in enumerate(raw) if not isinstance(v, bytes | bytearray) or len(v) != width),
+            None,
+        )
+        if wrong is not None:
+            found = raw[wrong]
+            what = f"{len(found)} bytes" if isinstance(found, bytes | bytearray) else type(found).__name__
+            raise FieldValueError(f"a binary vector of dim {field.dim} is {width} bytes, got {what}", wrong)
+        return np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(len(raw), width)
+    matrix = np.asarray(raw)
+    if matrix.dtype == np.bool_ and matrix.ndim == 2 and matrix.shape[1] == field.dim:
+        return np.packbits(matrix, axis=1)
+    if matrix.dtype != np.uint8 or matrix.ndim != 2 or matrix.shape[1] != width:
+        raise FieldValueError(
+            f"binary vectors of dim {field.dim} are an (n, {width}) uint8 matrix "
+            f"of packed bits or an (n, {field.dim}) bool matrix, got {matrix.dtype} of shape {matrix.shape}"
+        )
+    return np.ascontiguousarray(matrix)
+
+
+def encode_binary(field: FieldSchema, matrix: np.ndarray) -> pa.FixedSizeBinaryArray:
+    """An (n, dim / 8) uint8 matrix of packed bits as the field stores it:
+    fixed_size_binary(dim / 8), byte for byte."""
+    data = binary_matrix(field, matrix)
+    return pa.FixedSizeBinaryArray.from_buffers(arrow_type(field), len(data), [None, pa.py_buffer(data)])
+
+
+def decode_binary(field: FieldSchema, column: Column) -> np.ndarray:
+    """The field's binary vectors (fixed_size_binary(dim / 8) as stored) as an
+    (n, dim / 8) uint8 matrix, without Python rows."""
+    assert field.is_binary_vector
+    width = field.vector_bytes
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    data = arr.buffers()[1]
+    if not data or not len(arr):
+        return np.empty((0, width), dtype=np.uint8)
+    start = arr.offset * width
+    return np.frombuffer(data, dtype=np.uint8, count=start + len(arr) * width)[start:].reshape(
+        len(arr), width
+    )
+
+
+def vector_matrix(field: FieldSchema, column: Column) -> np.ndarray:
+    """The field's stored vectors as faiss takes them: (n, dim / 8) uint8 for binary
+    vectors, (n, dim) float32 for dense ones."""
+    return decode_binary(field, column) if field.is_binary_vector else decode_vectors(field, column)

@@ -196,11 +196,14 @@ class DataType(enum.StrEnum):
     FLOAT16_VECTOR = enum.auto()
     BFLOAT16_VECTOR = enum.auto()
     SPARSE_FLOAT_VECTOR = enum.auto()
+    BINARY_VECTOR = enum.auto()
 
 
 # Dense vectors and the bytes of one of their values (little-endian float32, IEEE half,
 # bfloat16: the upper half of a float32), as Milvus stores them.
 VECTOR_WIDTHS = {DataType.FLOAT_VECTOR: 4, DataType.FLOAT16_VECTOR: 2, DataType.BFLOAT16_VECTOR: 2}
+# Every vector type: the dense ones, and binary vectors (`dim` bits, eight to a byte).
+VECTOR_TYPES = frozenset(VECTOR_WIDTHS) | {DataType.BINARY_VECTOR}
 
 
 # Milvus' name of the dynamic field: a JSON column of the inserted keys a schema does not have.
@@ -248,12 +251,23 @@ class FieldSchema(Record):
 
     @property
     def is_vector(self) -> bool:
-        return self.dtype in VECTOR_WIDTHS or self.dtype is DataType.SPARSE_FLOAT_VECTOR
+        return self.dtype in VECTOR_TYPES or self.is_sparse
 
     @property
     def is_sparse(self) -> bool:
         """A sparse float vector: no dim, per row indices and their values."""
         return self.dtype is DataType.SPARSE_FLOAT_VECTOR
+
+    @property
+    def is_binary_vector(self) -> bool:
+        return self.dtype is DataType.BINARY_VECTOR
+
+    @property
+    def vector_bytes(self) -> int:
+        """The bytes of one stored vector: dim values of its width, or dim / 8 for a
+        binary vector (its dim counts bits); a sparse vector has no fixed size."""
+        assert self.dtype in VECTOR_TYPES and self.dim is not None
+        return self.dim // 8 if self.is_binary_vector else self.dim * VECTOR_WIDTHS[self.dtype]
 
     @property
     def text_limit(self) -> int | None:
@@ -275,7 +289,7 @@ class FieldSchema(Record):
         `float16_vector(128)`, `sparse_float_vector`."""
         if self.dtype is DataType.VARCHAR:
             return f"varchar({self.max_length})"
-        if self.dtype in VECTOR_WIDTHS:
+        if self.dtype in VECTOR_TYPES:
             return f"{self.dtype.value}({self.dim})"
         if self.dtype is DataType.ARRAY:
             element = (
@@ -308,7 +322,7 @@ class FieldSchema(Record):
         kwargs: dict[str, Any] = {}
         if dtype is DataType.VARCHAR:
             kwargs["max_length"] = _one_int(params, name, "varchar(MAX_LENGTH)")
-        elif dtype in VECTOR_WIDTHS:
+        elif dtype in VECTOR_TYPES:
             kwargs["dim"] = _one_int(params, name, f"{dtype.value}(DIM)")
         elif dtype is DataType.ARRAY:
             if len(params) != 2:
@@ -330,10 +344,14 @@ class FieldSchema(Record):
                 raise ValueError(f"the dynamic field is a nullable json named {DYNAMIC_FIELD!r}")
         elif not self.name.isidentifier():
             raise ValueError(f"field name {self.name!r} must be an identifier")
-        if self.dtype in VECTOR_WIDTHS and (self.dim is None or self.dim <= 0):
+        if self.dtype in VECTOR_TYPES and (self.dim is None or self.dim <= 0):
             raise ValueError(f"vector field {self.name!r} needs a positive dim")
         if self.is_sparse and self.dim is not None:
             raise ValueError(f"sparse vector field {self.name!r} has no dim")
+        if self.is_binary_vector and self.dim is not None and self.dim % 8:
+            raise ValueError(
+                f"binary vector field {self.name!r}: dim counts bits, a multiple of 8, got {self.dim}"
+            )
         if self.is_primary and self.dtype not in (DataType.INT64, DataType.VARCHAR):
             raise ValueError(f"primary key {self.name!r} must be int64 or varchar(N), not {self.type_name}")
         if (self.is_primary or self.is_vector) and (self.nullable or self.default_value is not None):
@@ -483,7 +501,8 @@ class CollectionSchema(Record):
         partition_key: str | None = None,
     ) -> CollectionSchema:
         """Schema from names: `vectors` name -> dim of a float vector, or a spec
-        ("float16_vector(128)", "bfloat16_vector(768)", "sparse_float_vector"), `scalars` name -> type spec
+        ("float16_vector(128)", "bfloat16_vector(768)", "binary_vector(256)", "sparse_float_vector"),
+        `scalars` name -> type spec
         (`FieldSchema.from_spec`: "int32", "varchar(64)?", "array(int64, 8)", "float=0.5");
         the primary key is `pk_type`: "int64" or "varchar(N)"; with `dynamic`, the dynamic
         field `$meta` keeps the keys of inserted rows the schema does not have;
@@ -558,7 +577,7 @@ def _estimated_bytes(field: FieldSchema) -> int:
     if field.is_sparse:
         return SPARSE_ROW_BYTES
     if field.is_vector:
-        return (field.dim or 0) * VECTOR_WIDTHS[field.dtype]
+        return field.vector_bytes if field.dim else 0
     if field.dtype is DataType.ARRAY:
         assert field.element_type is not None and field.max_capacity is not None
         element = _FIXED_BYTES.get(field.element_type) or min(field.max_length or 64, 64)
@@ -886,10 +905,18 @@ class IndexType(enum.StrEnum):
     # WAND variant prunes the same lists while searching; its results are the same here.
     SPARSE_INVERTED_INDEX = "SPARSE_INVERTED_INDEX"
     SPARSE_WAND = "SPARSE_WAND"
+    BIN_FLAT = "BIN_FLAT"  # binary vectors, exact: nothing is built
+    BIN_IVF_FLAT = "BIN_IVF_FLAT"  # binary vectors: faiss's IndexBinaryIVF
 
     @property
     def is_sparse(self) -> bool:
         return self in (IndexType.SPARSE_INVERTED_INDEX, IndexType.SPARSE_WAND)
+
+
+# The index types of binary vectors.
+BINARY_INDEX_TYPES = frozenset({IndexType.BIN_FLAT, IndexType.BIN_IVF_FLAT})
+# The index types searched exactly, with no files.
+EXACT_INDEX_TYPES = frozenset({IndexType.FLAT, IndexType.BIN_FLAT})
 
 
 # Segments with fewer rows get no index files (Milvus' minimum): searched exactly.
@@ -898,13 +925,23 @@ MIN_ROWS_TO_BUILD = 1024
 
 def needs_build(kind: IndexType, rows: int) -> bool:
     """Whether a segment of `rows` rows gets index files (FLAT and small segments do not)."""
-    return kind is not IndexType.FLAT and rows >= MIN_ROWS_TO_BUILD
+    return kind not in EXACT_INDEX_TYPES and rows >= MIN_ROWS_TO_BUILD
 
 
 class MetricType(enum.StrEnum):
     L2 = "L2"  # squared Euclidean distance: smaller is nearer
     IP = "IP"  # inner product: larger is nearer
     COSINE = "COSINE"  # inner product of normalized vectors: larger is nearer
+    HAMMING = "HAMMING"  # binary vectors: the bits that differ, smaller is nearer
+    JACCARD = "JACCARD"  # binary vectors: 1 - |a and b| / |a or b|, smaller is nearer
+
+    @property
+    def larger_is_nearer(self) -> bool:
+        return self in (MetricType.IP, MetricType.COSINE)
+
+
+# The metrics of binary vectors; the others are of float vectors.
+BINARY_METRICS = frozenset({MetricType.HAMMING, MetricType.JACCARD})
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,16 @@ def test_another_definition_for_the_field_is_a_conflict(
             "DISKANN",
             "L2",
             {},
-            "unknown index type 'DISKANN': one of FLAT, IVF_FLAT, IVF_PQ, HNSW, SPARSE_INVERTED_INDEX, SPARSE_WAND",
+            "unknown index type 'DISKANN': one of FLAT, IVF_FLAT, IVF_PQ, HNSW, SPARSE_INVERTED_INDEX, "
+            "SPARSE_WAND, BIN_FLAT, BIN_IVF_FLAT",
         ),
-        ("vec", "HNSW", "HAMMING", {}, "unknown metric 'HAMMING': one of L2, IP, COSINE"),
+        (
+            "vec",
+            "HNSW",
+            "MANHATTAN",
+            {},
+            "unknown metric 'MANHATTAN': one of L2, IP, COSINE, HAMMING, JACCARD",
+        ),
         ("n", "HNSW", "L2", {}, "it is a int64 field, not a vector field"),
         ("nope", "HNSW", "L2", {}, r"no such field \(vector fields: vec\)"),
     ],

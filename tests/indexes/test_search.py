@@ -273,7 +273,7 @@ def test_a_search_at_a_time_sees_neither_later_rows_nor_later_deletes(
         ({"metric": "l3"}, "unknown metric 'l3': one of L2, IP, COSINE"),
         ({"field": "nope"}, r"no field 'nope' \(vector fields: vec\)"),
         ({"field": "n"}, "field 'n' is not a vector field"),
-        ({"metric": "HAMMING"}, "unknown metric 'HAMMING': one of L2, IP, COSINE"),
+        ({"metric": "MANHATTAN"}, "unknown metric 'MANHATTAN': one of L2, IP, COSINE, HAMMING, JACCARD"),
         ({"metric": "IP"}, r"metric IP does not match the index 'vec' on 'vec' \(HNSW, L2\): search with L2"),
         ({"params": {"nprobe": 8}}, "HNSW takes ef as search parameters, not 'nprobe'"),
         ({"params": {"ef": 5}}, "ef=5 must be at least k=10"),

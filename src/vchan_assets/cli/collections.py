@@ -23,9 +23,10 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vector", default="vector", help="name of the vector field (default: vector)")
     parser.add_argument(
         "--vector-type",
-        choices=("float", "float16", "bfloat16"),
+        choices=("float", "float16", "bfloat16", "binary"),
         default="float",
-        help="values of the vector field: float32 (default), or float16 / bfloat16 (half the bytes)",
+        help="values of the vector field: float32 (default), float16 / bfloat16 (half the bytes), "
+        "or binary (--dim bits, a multiple of 8)",
     )
     parser.add_argument(
         "--pk",

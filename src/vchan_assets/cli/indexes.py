@@ -9,9 +9,19 @@ import sys
 
 from vchan_assets.cli.base import UsageError, _positive, command, engine_arg, names, opened, opened_collection
 from vchan_assets.config import Settings
+from vchan_assets.model import CollectionInfo
 
-INDEX_TYPES = ("FLAT", "IVF_FLAT", "IVF_PQ", "HNSW", "SPARSE_INVERTED_INDEX", "SPARSE_WAND")
-METRICS = ("L2", "IP", "COSINE")
+INDEX_TYPES = (
+    "FLAT",
+    "IVF_FLAT",
+    "IVF_PQ",
+    "HNSW",
+    "BIN_FLAT",
+    "BIN_IVF_FLAT",
+    "SPARSE_INVERTED_INDEX",
+    "SPARSE_WAND",
+)
+METRICS = ("L2", "IP", "COSINE", "HAMMING", "JACCARD")
 
 
 def key_values(items: list[str] | None, flag: str) -> dict[str, int | float]:
@@ -32,12 +42,24 @@ def key_values(items: list[str] | None, flag: str) -> dict[str, int | float]:
 # --- create-index -----------------------------------------------------------------------
 
 
+def _default_metric(info: CollectionInfo, field: str) -> str:
+    """L2, or HAMMING for a binary vector field (an unknown field: create_index names it)."""
+    from vchan_assets.indexes.params import default_metric
+
+    found = next((f for f in info.schema.vector_fields if f.name == field), None)
+    return "L2" if found is None else default_metric(found).value
+
+
 def _create_index_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collection", required=True, help="collection name")
     parser.add_argument("--field", required=True, help="the vector field to index")
     parser.add_argument("--type", required=True, type=str.upper, choices=INDEX_TYPES, help="index type")
     parser.add_argument(
-        "--metric", default="L2", type=str.upper, choices=METRICS, help="distance metric (default L2)"
+        "--metric",
+        default=None,
+        type=str.upper,
+        choices=METRICS,
+        help="distance metric (default L2; HAMMING for a binary vector field)",
     )
     parser.add_argument(
         "--param",
@@ -59,9 +81,8 @@ def create_index(args: argparse.Namespace, settings: Settings) -> int:
 
     params = key_values(args.param, "--param")
     with opened_collection(settings, args.collection) as (stack, info):
-        index, created, builds = create(
-            stack.store, info, args.field, args.type, args.metric, params, args.name
-        )
+        metric = args.metric or _default_metric(info, args.field)
+        index, created, builds = create(stack.store, info, args.field, args.type, metric, params, args.name)
         verb = "created" if created else "exists:"
         print(f"{verb} index {describe(index)} (id {index.index_id}) on {info.name}")
         to_build = [b.build_id for b in builds if b.state is SegmentIndexState.UNISSUED]
@@ -187,19 +208,31 @@ def _search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collection", required=True, help="collection name")
     queries = parser.add_mutually_exclusive_group(required=True)
     queries.add_argument(
-        "--vector", action="append", metavar="X,Y,...", help="a query vector (comma-separated), repeatable"
+        "--vector",
+        action="append",
+        metavar="X,Y,...",
+        help="a query vector (comma-separated; a binary vector's bytes), repeatable",
     )
     queries.add_argument(
-        "--random", type=_positive, metavar="N", help="N random query vectors (uniform in [0, 1))"
+        "--random",
+        type=_positive,
+        metavar="N",
+        help="N random query vectors (uniform in [0, 1); random bytes for binary vectors)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
     parser.add_argument("-k", "--top-k", dest="k", type=int, default=10, help="hits per query (default 10)")
     parser.add_argument("--field", default=None, help="the vector field (needed when there are several)")
     parser.add_argument(
-        "--metric", default=None, help="L2, IP or COSINE (default: the index's; L2 without one)"
+        "--metric",
+        default=None,
+        help="L2, IP or COSINE; HAMMING or JACCARD for binary vectors (default: the index's; "
+        "L2 or HAMMING without one)",
     )
     parser.add_argument(
-        "--param", action="append", metavar="NAME=VALUE", help="a search parameter: nprobe (IVF), ef (HNSW)"
+        "--param",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a search parameter: nprobe (IVF, BIN_IVF_FLAT), ef (HNSW)",
     )
     parser.add_argument("--filter", default=None, help='a condition on the scalar fields, e.g. "age > 30"')
     parser.add_argument("--as-of", default=None, help="search as of this time (ISO-8601 or hybrid timestamp)")
@@ -227,14 +260,27 @@ def search(args: argparse.Namespace, settings: Settings) -> int:
     except SearchError as exc:
         raise UsageError(str(exc)) from None
     with opened_collection(settings, args.collection) as (stack, info):
+        name = args.field or info.schema.vector_fields[0].name
+        field = next((f for f in info.schema.vector_fields if f.name == name), None)
+        binary = field is not None and field.is_binary_vector
+        kind = np.uint8 if binary else np.float32  # binary vectors: their packed bytes
         if args.vector:
             try:
-                vectors = np.array([[float(x) for x in v.split(",")] for v in args.vector], dtype=np.float32)
+                values = np.array([[float(x) for x in v.split(",")] for v in args.vector])
             except ValueError:
                 raise UsageError("--vector: expected comma-separated numbers, e.g. 0.1,0.2,0.3") from None
+            if binary and not ((values >= 0) & (values <= 255) & (values == np.floor(values))).all():
+                raise UsageError(
+                    "--vector: a binary vector is its bytes, integers in [0, 255], e.g. 0,255,17"
+                )
+            vectors = values.astype(kind)
+        elif binary:
+            assert field is not None
+            vectors = np.random.default_rng(args.seed).integers(
+                0, 256, (args.random, field.vector_bytes), dtype=np.uint8
+            )
         else:
-            field = args.field or info.schema.vector_fields[0].name
-            dim = next((f.dim for f in info.schema.vector_fields if f.name == field), None) or 1
+            dim = field.dim if field is not None and field.dim else 1
             vectors = np.random.default_rng(args.seed).random((args.random, dim), dtype=np.float32)
         try:
             with reader_session(stack.store, settings.session_ttl):

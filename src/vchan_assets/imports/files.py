@@ -13,10 +13,12 @@ Column rules, checked against the collection schema before anything is written:
     from integers or floats, varchar from strings (within `max_length` bytes), bool from
     bools, JSON from JSON text or nested values, an array from lists (or, in CSV, JSON
     arrays); a vector from fixed_size_list / list of numbers or fixed_size_binary(dim * 4),
-    with exactly the field's dimension; a sparse vector from a map<integer, number>, a
-    struct of `indices` and `values` lists, or (JSON lines, CSV) JSON text of either form
-    ({"3": 0.5, "17": 0.1} or {"indices": [3, 17], "values": [0.5, 0.1]}), its indices
-    checked as an insert checks them (`fields.sparse_array`);
+    with exactly the field's dimension; a binary vector (dim bits) from binary values of
+    dim / 8 bytes (packed bits) or lists of dim / 8 integers in [0, 255] (JSON and CSV); a
+    sparse vector from a map<integer, number>, a struct of `indices` and `values` lists, or
+    (JSON lines, CSV) JSON text of either form ({"3": 0.5, "17": 0.1} or {"indices": [3,
+    17], "values": [0.5, 0.1]}), its indices checked as an insert checks them
+    (`fields.sparse_array`);
   - the primary key and vectors have no nulls; another field's nulls take its default, and
     are refused (naming the row) when it is neither nullable nor has a default.
 Every violation is an `ImportInputError` naming the file and the column.
@@ -248,6 +250,8 @@ def _holds_sparse(found: pa.DataType) -> bool:
 def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> None:
     dim = field.dim
     assert dim is not None
+    if field.is_binary_vector and (pa.types.is_binary(found) or pa.types.is_large_binary(found)):
+        return  # each value's length is checked per batch
     if pa.types.is_fixed_size_binary(found):
         width = fields.arrow_type(field).byte_width
         if found.byte_width != width:
@@ -257,6 +261,18 @@ def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> Non
         return
     if pa.types.is_fixed_size_list(found) or pa.types.is_list(found) or pa.types.is_large_list(found):
         value = found.value_type
+        if field.is_binary_vector:
+            if not (pa.types.is_integer(value) or pa.types.is_null(value)):
+                raise ImportInputError(
+                    path, f"is {found}, expected a binary vector's bytes as integers", field.name
+                )
+            if pa.types.is_fixed_size_list(found) and found.list_size != field.vector_bytes:
+                raise ImportInputError(
+                    path,
+                    f"has {found.list_size} bytes a vector, expected {field.vector_bytes} (dim {dim} bits)",
+                    field.name,
+                )
+            return
         if not (pa.types.is_floating(value) or pa.types.is_integer(value) or pa.types.is_null(value)):
             raise ImportInputError(path, f"is {found}, expected a vector of floats", field.name)
         if pa.types.is_fixed_size_list(found) and found.list_size != dim:
@@ -264,7 +280,7 @@ def _check_vector_type(field: FieldSchema, found: pa.DataType, path: str) -> Non
         return
     if pa.types.is_string(found) or pa.types.is_large_string(found):
         return  # CSV: JSON arrays, parsed per batch
-    raise ImportInputError(path, f"is {found}, expected a float vector of dim {dim}", field.name)
+    raise ImportInputError(path, f"is {found}, expected a {field.type_name}", field.name)
 
 
 def convert(schema: CollectionSchema, batch: pa.RecordBatch, path: str, first_row: int = 0) -> pa.Table:
@@ -341,18 +357,61 @@ def _vector(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Arra
         return raw
     if pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type):
         raw = _parse_json_arrays(f, raw, path)
+    if f.is_binary_vector:
+        return _binary(f, raw, path, first_row)
+    values = _list_values(
+        f, raw, dim, path, first_row, "has dimension {found} at row {row}, expected {wanted}"
+    )
+    matrix = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype="<f4")
+    return fields.encode_vectors(f, matrix.reshape(len(raw), dim))
+
+
+def _list_values(
+    f: FieldSchema, raw: pa.Array, wanted: int, path: str, first_row: int, says: str
+) -> pa.Array:
+    """The values of a list column whose every list has `wanted` values; ImportInputError
+    naming the first row that has not (`says`, with {found}, {row} and {wanted})."""
     lengths = pc.list_value_length(raw).to_numpy(zero_copy_only=False)
-    wrong = np.flatnonzero(lengths != dim)
+    wrong = np.flatnonzero(lengths != wanted)
     if len(wrong):
         row = int(wrong[0])
         raise ImportInputError(
-            path, f"has dimension {int(lengths[row])} at row {first_row + row}, expected {dim}", f.name
+            path, says.format(found=int(lengths[row]), row=first_row + row, wanted=wanted), f.name
         )
     values = pc.list_flatten(raw)
     if values.null_count:
         raise ImportInputError(path, "has a null inside a vector", f.name)
-    matrix = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype="<f4")
-    return fields.encode_vectors(f, matrix.reshape(len(raw), dim))
+    return values
+
+
+def _binary(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:
+    """Binary vectors from binary values (packed bits) or lists of byte values."""
+    width = f.vector_bytes
+    shown = f"{{found}} bytes at row {{row}}, expected {{wanted}} (dim {f.dim} bits)"
+    if (
+        pa.types.is_binary(raw.type)
+        or pa.types.is_large_binary(raw.type)
+        or pa.types.is_fixed_size_binary(raw.type)
+    ):
+        lengths = pc.binary_length(raw).to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != width)
+        if len(wrong):
+            row = int(wrong[0])
+            raise ImportInputError(
+                path,
+                "has " + shown.format(found=int(lengths[row]), row=first_row + row, wanted=width),
+                f.name,
+            )
+        return pc.cast(raw, fields.arrow_type(f))
+    values = _list_values(f, raw, width, path, first_row, "has " + shown)
+    numbers = values.to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero((numbers < 0) | (numbers > 255) | (numbers != np.floor(numbers)))
+    if len(bad):
+        row = first_row + int(bad[0]) // width
+        raise ImportInputError(
+            path, f"holds {numbers[bad[0]]} at row {row}: a byte is an integer in [0, 255]", f.name
+        )
+    return fields.encode_binary(f, numbers.astype(np.uint8).reshape(len(raw), width))
 
 
 def _sparse(f: FieldSchema, raw: pa.Array, path: str, first_row: int) -> pa.Array:

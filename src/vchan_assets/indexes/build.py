@@ -12,6 +12,9 @@ Runs inside a Spark Python worker (one Spark task per build) or in the caller's 
 included. COSINE indexes hold normalized vectors and search them by inner product.
 A sparse field's index is not faiss's: `indexes.sparse` builds it (scipy.sparse), written
 to `index_files/{build}/{version}/index.sparse.npz` the same way.
+included. COSINE indexes hold normalized vectors and search them by inner product. Binary
+vectors' indexes (BIN_IVF_FLAT) are faiss's binary indexes (`indexes.binary`), written with
+`faiss.serialize_index_binary`; `load_index` tells the two kinds apart by faiss's header.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import pyarrow as pa
 
 from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
-from vchan_assets.indexes import sparse
+from vchan_assets.indexes import binary, sparse
 from vchan_assets.indexes.params import for_segment
-from vchan_assets.model import FieldIndex, FieldSchema, IndexType, MetricType, SegmentInfo
+from vchan_assets.model import BINARY_METRICS, FieldIndex, FieldSchema, IndexType, MetricType, SegmentInfo
 from vchan_assets.storage import Storage, StorageError
 from vchan_assets.storage.layout import index_file_key
 from vchan_assets.storage.rows import segment_vectors
@@ -82,7 +85,10 @@ def faiss_metric(metric: MetricType) -> int:
 
 
 def prepared(vectors: np.ndarray, metric: MetricType) -> np.ndarray:
-    """Vectors as faiss takes them: C-contiguous float32, normalized for COSINE."""
+    """Vectors as faiss takes them: C-contiguous float32, normalized for COSINE; binary
+    vectors (HAMMING, JACCARD) as their C-contiguous uint8 bytes."""
+    if metric in BINARY_METRICS:
+        return np.ascontiguousarray(vectors, dtype=np.uint8)
     out = np.array(vectors, dtype=np.float32, order="C", copy=True)
     if metric is MetricType.COSINE:
         faiss.normalize_L2(out)
@@ -92,6 +98,8 @@ def prepared(vectors: np.ndarray, metric: MetricType) -> np.ndarray:
 def new_index(index: FieldIndex, dim: int, rows: int) -> Any:
     """An empty faiss index of the index's type for a segment of `rows` rows."""
     p = for_segment(index.type, index.params, dim, rows)
+    if index.type is IndexType.BIN_IVF_FLAT:
+        return binary.new_ivf(dim, p.nlist)
     metric = faiss_metric(index.metric)
     built: Any
     if index.type is IndexType.HNSW:
@@ -144,7 +152,7 @@ def build(spec: BuildSpec, threads: int = 0) -> BuildOutput:
 
 
 def _faiss_blob(spec: BuildSpec, vectors: np.ndarray) -> Any:
-    """The faiss index of a segment's dense vectors, serialized (a uint8 array)."""
+    """The faiss index of a segment's dense or binary vectors, serialized (a uint8 array)."""
     assert spec.field.dim is not None
     data = prepared(vectors, spec.index.metric)
     try:
@@ -152,20 +160,21 @@ def _faiss_blob(spec: BuildSpec, vectors: np.ndarray) -> Any:
         if not index.is_trained:
             index.train(data)
         index.add(data)
-        return faiss.serialize_index(index)
+        return binary.serialize(index) if spec.field.is_binary_vector else faiss.serialize_index(index)
     except RuntimeError as exc:  # faiss's C++ exceptions
         raise IndexBuildError(spec.build_id, spec.segment.id, f"faiss: {exc}") from None
 
 
 def load_index(data: bytes, key: str = INDEX_FILE) -> Any:
-    """The index of a file `key` from its bytes: a faiss index, or a sparse field's
-    `InvertedIndex` (RuntimeError if they are not one)."""
+    """The index of a file `key` from its bytes: a faiss index (a binary one too), or a
+    sparse field's `InvertedIndex` (RuntimeError if they are not one)."""
     if key.endswith(sparse.SPARSE_INDEX_FILE):
         try:
             return sparse.InvertedIndex.from_bytes(data)
         except (ValueError, OSError, KeyError, EOFError) as exc:
             raise RuntimeError(f"not a sparse index file: {exc}") from None
-    return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    raw = np.frombuffer(data, dtype=np.uint8)
+    return binary.deserialize(raw) if binary.is_serialized_binary(raw) else faiss.deserialize_index(raw)
 
 
 # --- as Spark tasks ---------------------------------------------------------------------------

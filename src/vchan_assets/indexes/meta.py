@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from vchan_assets.datacoord.collections import CollectionNotFoundError, validate_name
 from vchan_assets.errors import DeclaredError
-from vchan_assets.indexes.params import build_params
+from vchan_assets.indexes.params import build_params, check_fits
 from vchan_assets.meta.allocator import IdAllocator, now_ts
 from vchan_assets.meta.errors import CasConflictError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
@@ -44,7 +44,6 @@ from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
-    FieldSchema,
     IndexType,
     MetricType,
     SegmentIndex,
@@ -130,18 +129,6 @@ def _enum(kind: type[IndexType] | type[MetricType], raw: object, what: str) -> A
         raise ValueError(f"unknown {what} {raw!r}: one of {', '.join(m.value for m in kind)}") from None
 
 
-def _fits_field(field: FieldSchema, kind: IndexType, metric: MetricType) -> None:
-    """Milvus' pairing: a sparse field takes the sparse index types with metric IP only; a
-    dense field takes the others."""
-    if field.is_sparse and not kind.is_sparse:
-        sparse_kinds = ", ".join(t.value for t in IndexType if t.is_sparse)
-        raise ValueError(f"a sparse float vector takes {sparse_kinds}, not {kind}")
-    if kind.is_sparse and not field.is_sparse:
-        raise ValueError(f"{kind} indexes a sparse float vector, not a {field.type_name}")
-    if field.is_sparse and metric is not MetricType.IP:
-        raise ValueError(f"a sparse float vector is indexed with metric IP only, not {metric}")
-
-
 def create_index(
     store: MetaStore,
     info: CollectionInfo,
@@ -169,7 +156,7 @@ def create_index(
     try:
         kind: IndexType = _enum(IndexType, index_type, "index type")
         metric_type: MetricType = _enum(MetricType, metric, "metric")
-        _fits_field(schema_field, kind, metric_type)
+        check_fits(schema_field, metric_type, kind)
         stored_params = build_params(kind, params or {}, schema_field.dim or 0)
     except ValueError as exc:
         raise invalid(str(exc)) from None

@@ -9,14 +9,20 @@ Build parameters (`vchan create-index --param name=value`, integers; the drop ra
 | IVF_FLAT | nlist [1, 65536]                             | 4 * sqrt(rows of the segment)      |
 | IVF_PQ   | nlist; m [1, dim], dividing dim; nbits [1, 16] | nlist as IVF_FLAT; m: the largest divisor of dim up to dim / 2; nbits 8 |
 | HNSW     | M [2, 2048]; efConstruction [1, 2^31 - 1]    | M 16, efConstruction 200           |
+| BIN_FLAT | none                                         | (nothing is built: searched exactly) |
+| BIN_IVF_FLAT | nlist [1, 65536]                         | as IVF_FLAT                        |
 | SPARSE_INVERTED_INDEX, SPARSE_WAND | drop_ratio_build [0, 1), a float | 0 (every value kept) |
+
+Float vectors take FLAT, IVF_FLAT, IVF_PQ and HNSW with L2, IP or COSINE; binary vectors
+take BIN_FLAT and BIN_IVF_FLAT with HAMMING or JACCARD; sparse vectors take
+SPARSE_INVERTED_INDEX and SPARSE_WAND with IP (`check_fits`), as Milvus.
 
 An index is trained on each segment's own vectors, so a build caps what the segment cannot
 train: nlist at rows / 39 and 2^nbits at rows / 39 (faiss asks for 39 training points per
 centroid). Segments under `MIN_ROWS_TO_BUILD` rows get no index files at all (as Milvus).
 
 Search parameters (`Catalog.search(..., params={...})`): `nprobe` [1, 65536] for IVF
-(default: nlist / 16, at least 16, at most nlist), `ef` [1, 32768] for HNSW (default:
+and BIN_IVF_FLAT (default: nlist / 16, at least 16, at most nlist), `ef` [1, 32768] for HNSW (default:
 max(64, k); at least k), `drop_ratio_search` [0, 1) for the sparse indexes (default 0: the
 search is exact). A parameter the index type does not take is an error.
 
@@ -30,7 +36,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vchan_assets.model import IndexParam, IndexType
+from vchan_assets.model import (
+    BINARY_INDEX_TYPES,
+    BINARY_METRICS,
+    FieldSchema,
+    IndexParam,
+    IndexType,
+    MetricType,
+)
 
 POINTS_PER_CENTROID = 39
 MAX_NLIST = 65536
@@ -69,6 +82,8 @@ BUILD_PARAMS: dict[IndexType, dict[str, Range | Ratio]] = {
     IndexType.HNSW: {"M": Range(2, 2048), "efConstruction": Range(1, 2**31 - 1)},
     IndexType.SPARSE_INVERTED_INDEX: {"drop_ratio_build": Ratio()},
     IndexType.SPARSE_WAND: {"drop_ratio_build": Ratio()},
+    IndexType.BIN_FLAT: {},
+    IndexType.BIN_IVF_FLAT: {"nlist": Range(1, MAX_NLIST)},
 }
 
 SEARCH_PARAMS: dict[IndexType, dict[str, Range | Ratio]] = {
@@ -78,7 +93,48 @@ SEARCH_PARAMS: dict[IndexType, dict[str, Range | Ratio]] = {
     IndexType.HNSW: {"ef": Range(1, 32768)},
     IndexType.SPARSE_INVERTED_INDEX: {"drop_ratio_search": Ratio()},
     IndexType.SPARSE_WAND: {"drop_ratio_search": Ratio()},
+    IndexType.BIN_FLAT: {},
+    IndexType.BIN_IVF_FLAT: {"nprobe": Range(1, MAX_NLIST)},
 }
+
+
+def check_fits(field: FieldSchema, metric: MetricType, kind: IndexType | None = None) -> None:
+    """ValueError when the metric (or the index type) is not one of the field's vectors:
+    IP (SPARSE_INVERTED_INDEX, SPARSE_WAND) for sparse vectors, HAMMING and JACCARD
+    (BIN_FLAT, BIN_IVF_FLAT) for binary vectors, the others for float vectors."""
+    if field.is_sparse or (kind is not None and kind.is_sparse):
+        _check_sparse_fits(field, metric, kind)
+        return
+    binary = field.is_binary_vector
+    what = "binary vector" if binary else "float vector"
+    if (metric in BINARY_METRICS) is not binary:
+        allowed = sorted(m.value for m in MetricType if (m in BINARY_METRICS) is binary)
+        raise ValueError(
+            f"metric {metric} is not for the {what} field {field.name!r}: one of {', '.join(allowed)}"
+        )
+    if kind is not None and (kind in BINARY_INDEX_TYPES) is not binary:
+        allowed = sorted(t.value for t in IndexType if (t in BINARY_INDEX_TYPES) is binary)
+        raise ValueError(
+            f"index type {kind} is not for the {what} field {field.name!r}: one of {', '.join(allowed)}"
+        )
+
+
+def _check_sparse_fits(field: FieldSchema, metric: MetricType, kind: IndexType | None) -> None:
+    if kind is not None and not kind.is_sparse:
+        sparse_kinds = ", ".join(t.value for t in IndexType if t.is_sparse)
+        raise ValueError(f"a sparse float vector takes {sparse_kinds}, not {kind}")
+    if not field.is_sparse:
+        raise ValueError(f"{kind} indexes a sparse float vector, not a {field.type_name}")
+    if metric is not MetricType.IP:
+        raise ValueError(f"a sparse float vector is indexed and searched with metric IP only, not {metric}")
+
+
+def default_metric(field: FieldSchema) -> MetricType:
+    """The metric of a search on a field without an index: HAMMING for binary vectors, IP
+    for sparse vectors, L2 for float vectors."""
+    if field.is_sparse:
+        return MetricType.IP
+    return MetricType.HAMMING if field.is_binary_vector else MetricType.L2
 
 
 def _checked(
@@ -131,7 +187,7 @@ def for_segment(kind: IndexType, params: tuple[IndexParam, ...], dim: int, rows:
     given = {p.name: int(p.value) for p in params}
     trainable = max(1, rows // POINTS_PER_CENTROID)
     nlist = min(given.get("nlist", default_nlist(rows)), trainable)
-    if kind is IndexType.IVF_FLAT:
+    if kind in (IndexType.IVF_FLAT, IndexType.BIN_IVF_FLAT):
         return SegmentBuildParams(nlist=nlist)
     if kind is IndexType.IVF_PQ:
         nbits = max(1, min(given.get("nbits", 8), int(math.log2(trainable)) if trainable > 1 else 1))

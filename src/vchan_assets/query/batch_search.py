@@ -11,7 +11,8 @@ errors) with the segments searched by Spark tasks:
 
 - the driver resolves T, pins the read, lists the segments served at T with their builds
   and deletes (`plan_search`) and collects the query vectors (the query DataFrame's
-  `id_column` and `vector_column`: an integer and an array of floats per row);
+  `id_column` and `vector_column`: an integer and an array of floats per row, or the bytes
+  of a binary vector);
 - `by="segment"` (the default): one Spark task per segment, each loading that segment's
   index once and searching every query; `by="query"`: one task per slice of the queries
   (as many as Spark's default parallelism), each searching every segment. A task keeps

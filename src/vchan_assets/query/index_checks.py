@@ -11,6 +11,10 @@ checks, usable without Dagster.
   exact search over the segment, at least the floor (VCHAN_INDEX_RECALL_FLOOR). IVF_PQ's
   recall is recorded, not judged: its codes are lossy by design. A sparse field's inverted
   index is exact (recall 1.0) unless built with `drop_ratio_build`.
+  recall is recorded, not judged: its codes are lossy by design. Binary indexes (HAMMING,
+  JACCARD) count a hit found when it is as near as the k-th exact one: their integer
+  Hamming distances tie often, and which of the tied rows an exact search returns is
+  arbitrary.
 
 Cost: the rows check loads each built index file of the vchannel; the recall check also
 reads each indexed segment's vector column group and searches `RECALL_SAMPLE` queries
@@ -28,6 +32,7 @@ import numpy as np
 
 from vchan_assets.datacoord.recovery import channel_segments
 from vchan_assets.datanode.checks import CheckOutcome
+from vchan_assets.indexes import binary
 from vchan_assets.indexes.build import faiss_metric, load_index, prepared
 from vchan_assets.indexes.meta import indexable, list_builds, list_indexes
 from vchan_assets.indexes.params import default_ef, default_nprobe
@@ -35,6 +40,7 @@ from vchan_assets.indexes.sparse import InvertedIndex, top_k
 from vchan_assets.indexes.sparse import segment_rows as sparse_segment_rows
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import (
+    BINARY_METRICS,
     MIN_ROWS_TO_BUILD,
     CollectionInfo,
     FieldIndex,
@@ -183,6 +189,8 @@ def recall_at(
 ) -> float:
     """recall@k of a faiss `index` over `vectors` (prepared) at the default search
     parameters, against exact search."""
+    if metric in BINARY_METRICS:
+        return binary_recall_at(index, vectors, queries, metric, k)
     exact = faiss.IndexFlat(vectors.shape[1], faiss_metric(metric))
     exact.add(vectors)
     _, truth = exact.search(queries, k)
@@ -192,15 +200,30 @@ def recall_at(
     )
 
 
+def binary_recall_at(
+    index: Any, vectors: np.ndarray, queries: np.ndarray, metric: MetricType, k: int
+) -> float:
+    """recall@k of a BIN_IVF_FLAT `index` at the default nprobe: the share of its hits
+    at most as far as each query's k-th nearest by exact search (ties count as found)."""
+    truth, _ = binary.nearest(queries, vectors, metric, k)
+    found, positions = binary.ivf_search(index, queries, k, default_nprobe(index.nlist), metric, None)
+    within = (found <= truth[:, -1:]) & (positions >= 0)
+    return float(within.sum() / (len(queries) * k))
+
+
 def search_default(
     index: Any, queries: np.ndarray, kind: IndexType, k: int, **params: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(distances, positions) of the k nearest by a segment index at the default search
-    parameters (or `ef` / `nprobe` given), as `Catalog.search` searches it."""
+    parameters (or `ef` / `nprobe` given), as `Catalog.search` searches it (a BIN_IVF_FLAT
+    index by HAMMING)."""
     search_params: Any
     if kind is IndexType.HNSW:
         search_params = _FAISS.SearchParametersHNSW()
         search_params.efSearch = params.get("ef", default_ef(k))
+    elif kind is IndexType.BIN_IVF_FLAT:
+        nprobe = params.get("nprobe", default_nprobe(index.nlist))
+        return binary.ivf_search(index, queries, k, nprobe, MetricType.HAMMING, None)
     else:
         search_params = _FAISS.SearchParametersIVF()
         nlist = faiss.extract_index_ivf(index).nlist

@@ -32,6 +32,12 @@ are sparse vectors as an insert takes them (dicts {index: value}, (indices, valu
 pairs, a scipy.sparse matrix), scored over the indices they share with a row
 (`indexes.sparse`: through a segment's inverted index, or exactly by the same product
 over the rows read); a row sharing none with a query is not a hit of it.
+product and COSINE the cosine similarity (larger is nearer), as Milvus reports them. Binary
+vectors (queries as (n, dim / 8) uint8 packed bits, or `bytes` each) are searched by
+HAMMING (the default) or JACCARD, smaller nearer (`indexes.binary`); a float metric on
+them, or a binary one on float vectors, is refused. A BIN_IVF_FLAT segment searched with a
+filter, or by JACCARD, probes its lists as faiss would and ranks their vectors here: faiss's
+binary IVF index takes no ID selector and measures Hamming distances only.
 `filter` is a pandas expression over the scalar fields (`"n > 3 and tag == 'a'"`, with
 Milvus' JSON paths and array functions: `meta["color"] == 'red'`, `array_contains(tags,
 'x')`; `query.filters`) or a `pyarrow.compute` expression (`pc.field("n") > 3`).
@@ -52,12 +58,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
-from vchan_assets.fields import Column, FieldValueError, decode_vectors
-from vchan_assets.indexes import sparse
+from vchan_assets.fields import Column, FieldValueError, binary_matrix, vector_matrix
+from vchan_assets.indexes import binary, sparse
 from vchan_assets.indexes.build import load_index, prepared
 from vchan_assets.indexes.engine import OURS, unreadable_reason
 from vchan_assets.indexes.meta import describe, list_indexes
-from vchan_assets.indexes.params import default_ef, default_nprobe, search_params
+from vchan_assets.indexes.params import check_fits, default_ef, default_metric, default_nprobe, search_params
 from vchan_assets.indexes.tasks import memory_dim, queue_rebuild
 from vchan_assets.meta.store import Decoded
 from vchan_assets.model import (
@@ -144,7 +150,8 @@ class SearchRequest:
     field: FieldSchema
     metric: MetricType
     k: int
-    queries: Any  # (nq, dim) float32, normalized for COSINE; a sparse field's: scipy CSR
+    # (nq, dim) float32, normalized for COSINE; binary: (nq, dim / 8) uint8; sparse: scipy CSR
+    queries: Any
     index: FieldIndex | None
     params: Mapping[str, int | float]
     filter: str | pc.Expression | None
@@ -157,7 +164,7 @@ class SearchRequest:
 
     @property
     def larger_is_nearer(self) -> bool:
-        return self.metric is not MetricType.L2
+        return self.metric.larger_is_nearer
 
 
 def search(
@@ -207,13 +214,20 @@ def check_request(
         return SearchError(info.name, reason)
 
     target = _vector_field(info, options.field, error)
-    queries = _sparse_queries(vectors, error) if target.is_sparse else _dense_queries(target, vectors, error)
+    if target.is_sparse:
+        queries = _sparse_queries(vectors, error)
+    elif target.is_binary_vector:
+        queries = _binary_queries(target, vectors, error)
+    else:
+        queries = _dense_queries(target, vectors, error)
     if indexes is None:
         indexes = [d.model for d in list_indexes(system.store, info.id)]
     found_index = next((i for i in indexes if i.field_id == target.field_id), None)
     chosen = _metric(options.metric, found_index, target)
-    if target.is_sparse and chosen is not MetricType.IP:
-        raise error(f"field {target.name!r} is a sparse vector: searched by IP only, not {chosen}")
+    try:
+        check_fits(target, chosen)
+    except ValueError as exc:
+        raise error(str(exc)) from None
     if found_index is not None and chosen is not found_index.metric:
         raise error(
             f"metric {chosen} does not match the index {describe(found_index)}: search with {found_index.metric}"
@@ -257,6 +271,7 @@ def check_request(
 
 
 def _dense_queries(target: FieldSchema, vectors: Any, error: Any) -> np.ndarray:
+    """Query vectors of a dense field: an (n, dim) float32 matrix."""
     assert target.dim is not None
     try:
         queries = np.asarray(vectors, dtype=np.float32)
@@ -292,6 +307,22 @@ def _sparse_queries(vectors: Any, error: Any) -> Any:
     return queries
 
 
+def _binary_queries(target: FieldSchema, vectors: Any, error: Any) -> np.ndarray:
+    """Query vectors of a binary field as `fields.binary_matrix` takes them (or one of
+    them: `bytes`, or a 1-d uint8 or bool array): an (n, dim / 8) uint8 matrix."""
+    if isinstance(vectors, bytes | bytearray):
+        vectors = [vectors]
+    elif isinstance(vectors, np.ndarray) and vectors.ndim == 1:
+        vectors = vectors.reshape(1, -1)
+    try:
+        queries = binary_matrix(target, vectors)
+    except FieldValueError as exc:
+        raise error(f"query vectors of the binary vector field {target.name!r}: {exc}") from None
+    if not len(queries):
+        raise error("no query vectors")
+    return queries
+
+
 def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldSchema:
     vectors = info.schema.vector_fields
     names = ", ".join(f.name for f in vectors)
@@ -309,13 +340,11 @@ def _vector_field(info: CollectionInfo, field: str | None, error: Any) -> FieldS
 
 
 def _metric(metric: MetricType | str | None, index: FieldIndex | None, field: FieldSchema) -> MetricType:
-    """The metric asked for (named already: `SearchOptions`), else the index's, else L2
-    (IP for a sparse field)."""
+    """The metric asked for (named already: `SearchOptions`), else the index's, else the
+    field's default (L2, HAMMING for binary vectors, IP for sparse ones)."""
     if metric is not None:
         return MetricType(metric)
-    if index is not None:
-        return index.metric
-    return MetricType.IP if field.is_sparse else MetricType.L2
+    return index.metric if index is not None else default_metric(field)
 
 
 # --- the parts of a read at T ---------------------------------------------------------------
@@ -504,7 +533,7 @@ def search_segment(
 
 def _vectors(field: FieldSchema, column: Column) -> Any:
     """A vector column as searched: a float32 matrix, or a sparse field's CSR matrix."""
-    return sparse.sparse_rows(column) if field.is_sparse else decode_vectors(field, column)
+    return sparse.sparse_rows(column) if field.is_sparse else vector_matrix(field, column)
 
 
 def _segment_vectors(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> Any:
@@ -523,9 +552,16 @@ def _indexed(request: SearchRequest, rows: pa.Table, index: Any, allowed: np.nda
         distances, positions = sparse.top_k(scores, request.k, None if allowed.all() else allowed)
         return _hits(request, rows, distances, positions)
     n = index.ntotal
+    assert request.index is not None
+    if request.field.is_binary_vector:  # BIN_IVF_FLAT: no ID selector in faiss (indexes.binary)
+        nprobe = int(request.params.get("nprobe", default_nprobe(index.nlist)))
+        chosen = None if allowed.all() else allowed
+        distances, positions = binary.ivf_search(
+            index, request.queries, min(request.k, n), nprobe, request.metric, chosen
+        )
+        return _hits(request, rows, distances, positions)
     packed = None if allowed.all() else np.packbits(allowed, bitorder="little")
     selector = None if packed is None else faiss.IDSelectorBitmap(n, faiss.swig_ptr(packed))
-    assert request.index is not None
     params: Any
     if request.index.type is IndexType.HNSW:
         params = _FAISS.SearchParametersHNSW()
@@ -570,6 +606,8 @@ def _exact(
     if request.field.is_sparse:
         return _exact_sparse(request, rows, vectors, positions)
     base = prepared(vectors[positions], request.metric)
+    if request.field.is_binary_vector:
+        return _exact_binary(request, rows, base, positions)
     out = []
     for start in range(0, len(base), EXACT_BLOCK):
         block = base[start : start + EXACT_BLOCK]
@@ -597,6 +635,22 @@ def _exact_sparse(
         scores = sparse.InvertedIndex.of(vectors[block]).scores(request.queries)
         distances, found = sparse.top_k(scores, request.k)
         out.append(_hits(request, rows, distances, np.where(found >= 0, block[found], -1)))
+    return out
+
+
+def _exact_binary(
+    request: SearchRequest, rows: pa.Table, base: np.ndarray, positions: np.ndarray
+) -> list[pa.Table]:
+    """`_exact` of binary vectors: HAMMING or JACCARD distances by `indexes.binary`, in
+    blocks bounded by their unpacked bits."""
+    assert request.field.dim is not None
+    step = min(EXACT_BLOCK, binary.block_rows(request.field.dim))
+    out = []
+    for start in range(0, len(base), step):
+        distances, best = binary.nearest(
+            request.queries, base[start : start + step], request.metric, request.k
+        )
+        out.append(_hits(request, rows, distances, positions[start + best]))
     return out
 
 

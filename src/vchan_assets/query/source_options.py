@@ -145,7 +145,8 @@ def spark_type(field: FieldSchema, vectors: str) -> SparkType:
     if field.is_sparse:  # map<bigint, float> whatever `vectors` asks: it is neither binary nor dense
         return MapType(LongType(), FloatType(), valueContainsNull=False)
     if field.is_vector:
-        return ArrayType(FloatType(), containsNull=False) if vectors == "array" else BinaryType()
+        as_floats = vectors == "array" and not field.is_binary_vector  # binary vectors: their bytes
+        return ArrayType(FloatType(), containsNull=False) if as_floats else BinaryType()
     if field.dtype is DataType.ARRAY:
         assert field.element_type is not None
         return ArrayType(_SCALARS[field.element_type])
@@ -184,11 +185,13 @@ def field_column(
     column: pa.Array | pa.ChunkedArray, field: FieldSchema, vectors: str
 ) -> pa.Array | pa.ChunkedArray:
     """A field's column (as binlogs and the log hold it) as the Spark schema expects it:
-    vectors as lists of floats or plain binary (`vectors`), the rest (sparse vectors
-    too: map<int64, float32>) as it is."""
+    vectors as lists of floats or plain binary (`vectors`; binary vectors always as their
+    packed bytes), the rest (sparse vectors too: map<int64, float32>) as it is."""
     if field.is_sparse:
         return column.cast(SPARSE_TYPE)  # (entries named as Spark's map, not after the column)
     if not field.is_vector:
         return column
+    if field.is_binary_vector:
+        return column.cast(pa.binary())
     assert field.dim is not None
     return vectors_as_lists(column, field.dim, field) if vectors == "array" else column.cast(pa.binary())

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from vchan_assets.fields import decode_vectors
+from vchan_assets.fields import arrow_type, vector_matrix
 from vchan_assets.model import FieldSchema, SegmentInfo, SegmentLevel, SegmentState
 from vchan_assets.storage import Storage
 
@@ -71,13 +71,14 @@ def float_vectors(column: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
 
 def segment_vectors(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> np.ndarray:
     """The vectors of one field of an L1 segment, in the segment's row order (its column
-    group is aligned with group 0), as a (rows, dim) float32 matrix (float16 and bfloat16
-    vectors widened)."""
+    group is aligned with group 0), as `fields.vector_matrix` reads them: a (rows, dim)
+    float32 matrix (float16 and bfloat16 vectors widened), or binary vectors' (rows, dim / 8)
+    uint8 bytes."""
     assert field.dim is not None
     found = segment_column(storage, seg, field)
     if found is None:
-        return np.empty((0, field.dim), dtype="<f4")
-    return decode_vectors(field, found)
+        return vector_matrix(field, pa.nulls(0, arrow_type(field)))
+    return vector_matrix(field, found)
 
 
 def segment_column(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> pa.ChunkedArray | None:

@@ -246,7 +246,9 @@ class Producer:
     ) -> dict[str, ChannelAppend]:
         """Insert rows (every field of the schema; vectors as float arrays (n, dim), lists,
         fixed_size_list, or fixed_size_binary as the field stores them: dim * 4 bytes, dim * 2
-        for float16 and bfloat16 vectors; sparse vectors as `fields.sparse_array` takes them:
+        for float16 and bfloat16 vectors; binary vectors as an (n, dim / 8) uint8 matrix of
+        packed bits, an (n, dim) bool matrix, `bytes` per row or the stored
+        fixed_size_binary(dim / 8); sparse vectors as `fields.sparse_array` takes them:
         {index: value} dicts, (indices, values) pairs, a scipy.sparse matrix). Returns per channel what
         was appended; each channel's batch ends with a time tick. In a collection with a
         partition key, each row goes to the hidden partition its key's hash picks
@@ -620,16 +622,20 @@ def _scalar_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
 
 
 def _vector_array(raw: Any, field: FieldSchema) -> pa.Array | pa.ChunkedArray:
+    """Dense vectors as an (n, dim) matrix of floats, lists of floats or the stored bytes;
+    binary vectors as `fields.binary_matrix` takes them, or the stored bytes."""
     assert field.dim is not None
     dim = field.dim
-    target = fields.arrow_type(field)  # fixed_size_binary of dim values of the field's width
+    target = fields.arrow_type(field)  # fixed_size_binary of one vector's bytes
     if isinstance(raw, pa.ChunkedArray):
         if raw.type.equals(target):
             return raw  # no copy
         raw = raw.combine_chunks()
+    if isinstance(raw, pa.Array) and raw.type.equals(target):
+        return raw
+    if field.is_binary_vector:
+        return fields.encode_binary(field, fields.binary_matrix(field, raw))
     if isinstance(raw, pa.Array):
-        if raw.type.equals(target):
-            return raw
         if (
             pa.types.is_fixed_size_list(raw.type)
             or pa.types.is_list(raw.type)
@@ -665,6 +671,10 @@ def generate_rows(schema: CollectionSchema, n: int, start_pk: int = 0, seed: int
             )
         elif field.is_sparse:
             columns[field.name] = fields.random_sparse(rng, n)
+        elif field.is_binary_vector:
+            columns[field.name] = fields.encode_binary(
+                field, rng.integers(0, 256, (n, field.vector_bytes), dtype=np.uint8)
+            )
         elif field.is_vector:
             assert field.dim is not None
             columns[field.name] = fields.encode_vectors(field, rng.random((n, field.dim), dtype=np.float32))
