@@ -3,7 +3,7 @@ the dynamic field, through every path: produced into, deleted from, synced, sort
 compacted, imported into, read with pandas, Spark and the change stream, indexed and
 searched. Real etcd, real files, a real local Spark. Each type's own rules have their own
 tests (test_scalar_types, test_varchar_pk, test_half_vectors, test_partition_key,
-lifecycle/test_ttl); this one is that they hold together."""
+lifecycle/test_ttl, test_binary_vectors, test_sparse_vectors); this one is that they hold together."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ EVERY = CollectionSchema.build(
         "f32": DIM,
         "f16": f"float16_vector({DIM})",
         "bf16": f"bfloat16_vector({DIM})",
+        "fp": "binary_vector(64)",
         "sp": "sparse_float_vector",
     },
     {
@@ -63,6 +64,7 @@ INDEXES = {
     "f32": ("IVF_FLAT", "L2", {"nlist": 8}),
     "f16": ("HNSW", "L2", {}),
     "bf16": ("IVF_FLAT", "COSINE", {"nlist": 8}),
+    "fp": ("BIN_IVF_FLAT", "HAMMING", {"nlist": 8}),
 }
 
 
@@ -125,7 +127,7 @@ def test_a_collection_of_every_type_is_produced_synced_compacted_imported_read_s
     by_doc = {doc: i for i, doc in enumerate(rows["doc"].to_pylist())}
     wanted = sorted(live)[:3]
     for name in INDEXES:
-        queries = fields.decode_vectors(EVERY.field(name), rows[name].take([by_doc[d] for d in wanted]))
+        queries = fields.vector_matrix(EVERY.field(name), rows[name].take([by_doc[d] for d in wanted]))
         hits = Catalog(system).search(info.name, queries, k=1, field=name, output_fields=["tenant", "j"])
         assert hits.sort_values("query")["doc"].tolist() == wanted, name
     # The sparse field through its inverted index: the best inner product over the live rows.
@@ -140,7 +142,8 @@ def test_a_collection_of_every_type_is_produced_synced_compacted_imported_read_s
     best = table["doc"][int(np.argmax(scores.toarray().ravel()))].as_py()
     assert Catalog(system).search(info.name, query, k=1, field="sp")["doc"].tolist() == [best]
     # A search within one tenant opens its partition only and returns that tenant's rows.
-    one = Catalog(system).search(info.name, queries[:1], k=20, field="f32", filter="tenant == 't3'")
+    near = fields.vector_matrix(EVERY.field("f32"), rows["f32"].take([by_doc[wanted[0]]]))
+    one = Catalog(system).search(info.name, near, k=20, field="f32", filter="tenant == 't3'")
     assert len(one) == 20 and set(
         table.filter(pc.is_in(table["doc"], pa.array(one["doc"])))["tenant"].to_pylist()
     ) == {"t3"}
