@@ -4,6 +4,7 @@ files."""
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -18,10 +19,10 @@ from vchan_assets.fields import vchannel_index
 from vchan_assets.imports.checks import check_no_existing_pks, check_rows_match_files
 from vchan_assets.imports.files import FileSource
 from vchan_assets.imports.jobs import KEY_PARTITIONS, ImportState
-from vchan_assets.model import CollectionInfo, CollectionSchema, SegmentLevel
+from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, SegmentLevel
 from vchan_assets.query.filters import key_partitions_of
 from vchan_assets.system import System
-from vchan_assets.testing.harness import segments
+from vchan_assets.testing.harness import VCHAN, cli_env, segments
 from vchan_assets.testing.import_files import run_import, write_parquet
 from vchan_assets.testing.steps import sync_all
 from vchan_assets.wal.producer import Producer, generate_rows
@@ -169,3 +170,26 @@ def test_a_plain_import_of_live_pks_in_other_partitions_fails_its_overlap_check(
     overlap = check_no_existing_pks(system.store, system.storage, job)
     assert not overlap.passed and overlap.metadata["overlap"] == 20
     assert "already live in the collection" in overlap.description
+
+
+def test_the_cli_creates_a_partition_key_collection_of_num_partitions_and_a_sparse_field(
+    system: System,
+) -> None:
+    """`--num-partitions` was parsed and then not passed on: every such collection got 16."""
+
+    def create(name: str, *args: str) -> CollectionInfo:
+        made = subprocess.run(
+            [str(VCHAN), "create-collection", "--collection", name, *args],
+            env=cli_env(system.settings),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert made.returncode == 0, made.stderr
+        return Catalog(system).collection(name)
+
+    keyed = ("--scalars", "tenant:varchar(16),n:int64", "--partition-key", "tenant", "--num-partitions", "4")
+    info = create(f"cli{uuid.uuid4().hex[:6]}", *keyed)
+    assert info.partition_names == ("_default_0", "_default_1", "_default_2", "_default_3")
+    sparse = create(f"cli{uuid.uuid4().hex[:6]}", "--vector-type", "sparse")
+    assert sparse.schema.field("vector").dtype is DataType.SPARSE_FLOAT_VECTOR

@@ -23,10 +23,10 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vector", default="vector", help="name of the vector field (default: vector)")
     parser.add_argument(
         "--vector-type",
-        choices=("float", "float16", "bfloat16", "binary"),
+        choices=("float", "float16", "bfloat16", "binary", "sparse"),
         default="float",
         help="values of the vector field: float32 (default), float16 / bfloat16 (half the bytes), "
-        "or binary (--dim bits, a multiple of 8)",
+        "binary (--dim bits, a multiple of 8), or sparse (sparse_float_vector: no --dim)",
     )
     parser.add_argument(
         "--pk",
@@ -65,17 +65,20 @@ def _create_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--if-not-exists", action="store_true", help="succeed if the collection exists")
 
 
+def _vector_spec(kind: str, dim: int) -> int | str:
+    """The vector field of `--vector-type` as `CollectionSchema.build` takes it."""
+    if kind == "float":
+        return dim
+    return "sparse_float_vector" if kind == "sparse" else f"{kind}_vector({dim})"
+
+
 @command("create-collection", "create a collection and its vchannels", _create_collection_args)
 def create_collection(args: argparse.Namespace, settings: Settings) -> int:
     try:
         pk, _, pk_type = args.pk.partition(":")
         schema = CollectionSchema.build(
             pk,
-            {
-                args.vector: args.dim
-                if args.vector_type == "float"
-                else f"{args.vector_type}_vector({args.dim})"
-            },
+            {args.vector: _vector_spec(args.vector_type, args.dim)},
             scalars(args.scalars),
             pk_type or "int64",
             dynamic=args.dynamic,
@@ -91,6 +94,7 @@ def create_collection(args: argparse.Namespace, settings: Settings) -> int:
                 names(args.partitions),
                 num_channels=args.shards,
                 ttl_seconds=args.ttl,
+                num_partitions=args.num_partitions,
             )
         except CollectionExistsError:
             if not args.if_not_exists:
