@@ -144,13 +144,11 @@ def _positions(keys: np.ndarray, m: int, k: int) -> list[np.ndarray]:
 
 
 def _text(pks: np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Array | None:
-    """VarChar pks as one Arrow string array (None: int64 pks)."""
-    if isinstance(pks, pa.ChunkedArray):
-        pks = pks.combine_chunks()
-    if isinstance(pks, pa.Array):
+    """VarChar pks as one Arrow string array (None: int64 pks, left as they are)."""
+    if isinstance(pks, pa.Array | pa.ChunkedArray):
         if pa.types.is_integer(pks.type):
             return None
-        return pks.cast(pa.large_string())
+        return pks.combine_chunks() if isinstance(pks, pa.ChunkedArray) else pks
     if pks.dtype.kind in "iu":
         return None
     return pa.array(pks.tolist(), pa.large_string())
