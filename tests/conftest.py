@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["vchan_assets.testing.fixtures"]
+pytest_plugins = ["vchan_assets.testing.fixtures", "vchan_assets.testing.cpu_report"]
 
 
 # --- the fast lane: the `integration` marker ----------------------------------------------
