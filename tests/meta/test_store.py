@@ -380,6 +380,65 @@ def test_a_listing_at_a_compacted_revision_raises_naming_the_prefix_and_revision
     assert gone.value.prefix == prefix and gone.value.revision == old
 
 
+def _counting_calls(store: MetaStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The operations `store` sends to etcd from now on (each request goes through `_call`)."""
+    calls: list[str] = []
+    call = store._call
+
+    def counted(operation: str) -> object:
+        calls.append(operation)
+        return call(operation)
+
+    monkeypatch.setattr(store, "_call", counted)
+    return calls
+
+
+def test_several_prefixes_are_listed_in_one_round_trip_and_a_long_one_paged_on_at_its_revision(
+    store: MetaStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first page of every prefix comes in one transaction (PAGE_KEYS keys between
+    them); a prefix with more is read on in pages at that transaction's revision, so a write
+    landing meanwhile is in no list."""
+    monkeypatch.setattr(store_module, "PAGE_KEYS", 40)  # 10 keys a prefix in the first pages
+    root = store.keys.root + "/first"
+    prefixes = [f"{root}/a/", f"{root}/b/", f"{root}/c/", f"{root}/d/"]
+    for prefix, count in zip(prefixes, (3, 25, 0, 4), strict=True):
+        _write_keys(store, prefix, count)
+    revision = store.revision()
+    get_range = store.client.get_range_response
+
+    def page_after_a_write(*args: object, **kwargs: object) -> object:
+        store.put(f"{root}/a/9999", {"v": 1, "i": 9999})
+        store.put(f"{root}/b/9999", {"v": 1, "i": 9999})
+        return get_range(*args, **kwargs)
+
+    monkeypatch.setattr(store.client, "get_range_response", page_after_a_write)
+    calls = _counting_calls(store, monkeypatch)
+    listed, at = store.list_prefixes_at(prefixes)
+
+    assert at == revision
+    assert [len(items) for items in listed] == [3, 25, 0, 4]
+    assert [kv.key for kv in listed[1]] == [f"{root}/b/{i:04d}" for i in range(25)]
+    lists = [c for c in calls if c.startswith("list")]
+    assert len(lists) == 2, lists  # the four first pages, then the rest of b/ in one page
+    monkeypatch.setattr(store.client, "get_range_response", get_range)
+    assert listed == [store.list_prefix(p, revision=revision).items for p in prefixes]
+
+
+def test_first_pages_of_values_near_the_bound_over_the_receive_limit_are_read_with_fewer_keys(
+    store: MetaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = store.keys.root + "/wide-first"
+    prefixes = [f"{root}/{name}/" for name in "xyz"]
+    for at, prefix in enumerate(prefixes):  # 6 MiB in all, 2 MiB a prefix
+        for i in range(2):
+            store.put(f"{prefix}{i}", bytes([at * 2 + i]) * MAX_VALUE_BYTES)
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        listed = store.list_prefixes(prefixes)
+    assert [[kv.value[0] for kv in items] for items in listed] == [[0, 1], [2, 3], [4, 5]]
+    assert "first pages of 3 prefixes over the receive limit" in caplog.text
+
+
 def test_a_value_over_the_bound_is_refused_at_write_naming_key_and_size(store: MetaStore) -> None:
     key = store.keys.root + "/big"
     value = b"x" * (MAX_VALUE_BYTES + 1)

@@ -9,7 +9,8 @@ Every call has the settings' timeout, so an etcd that is down gives a
 Reads of a prefix are paged, as Milvus' `WalkWithPrefix`: `PAGE_KEYS` keys a range
 request, each page from the last key + NUL, every page at the revision of the first, so a
 caller gets one snapshot of a prefix of any size and no response nears gRPC's 4 MiB
-receive limit. Keys that share no prefix (an index's targets) are read at one revision in
+receive limit; a listing of several prefixes asks for their first pages in one read-only
+transaction (one round trip for a small collection's segments, indexes and builds). Keys that share no prefix (an index's targets) are read at one revision in
 transactions of range requests (`get_at`). Every key and byte etcd returns to a read is
 counted (`keys_read`, `bytes_read`). Writes are bounded: a value over `MAX_VALUE_BYTES`
 and a transaction over etcd's `MAX_TXN_OPS` operations or `MAX_REQUEST_BYTES` are refused
@@ -394,15 +395,18 @@ class MetaStore:
         return out
 
     def _range_txn(self, keys: Sequence[str], revision: int) -> Any:
-        """One transaction of a range request per key, each at `revision`. (The client's
-        `transaction` builds its ranges without a revision: the request is built here, and
-        a gRPC error goes through the client's handling, which marks a failed endpoint.)"""
-        ops = [
-            etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode(), revision=revision))
-            for k in keys
-        ]
+        """One transaction of a range request per key, each at `revision`."""
+        ranges = [etcdrpc.RangeRequest(key=k.encode(), revision=revision) for k in keys]
+        return self._read_txn(ranges, f"get {len(keys)} keys from {keys[0]} at revision {revision}")
+
+    def _read_txn(self, ranges: Sequence[Any], operation: str) -> Any:
+        """One read-only transaction of `ranges` (etcd's RangeRequests), answered at one
+        revision. (The client's `transaction` builds its ranges without a revision or limit:
+        the request is built here, and a gRPC error goes through the client's handling,
+        which marks a failed endpoint.)"""
+        ops = [etcdrpc.RequestOp(request_range=r) for r in ranges]
         client = self.client
-        with self._call(f"get {len(keys)} keys from {keys[0]} at revision {revision}"):
+        with self._call(operation):
             try:
                 return client.kvstub.Txn(
                     etcdrpc.TxnRequest(success=ops),
@@ -449,9 +453,18 @@ class MetaStore:
             at = revision
             found: list[list[KeyValue]] = []
             try:
-                for prefix in prefixes:
-                    items, at = self._walk_prefix(prefix, at, keys_only)
-                    found.append(items)
+                first = self._first_pages(prefixes, at, keys_only) if len(prefixes) > 1 else None
+                if first is not None:
+                    pages, at = first
+                for i, prefix in enumerate(prefixes):
+                    page, more = pages[i] if first is not None else ([], True)
+                    if more:
+                        start = page[-1].key.encode() + b"\x00" if page else None
+                        if page:
+                            failpoint("meta_mid_walk")  # a page read, more to come
+                        rest, at = self._walk_prefix(prefix, at, keys_only, start)
+                        page = [*page, *rest]
+                    found.append(page)
             except RevisionCompactedError as exc:
                 if revision is not None or restart == WALK_RESTARTS:
                     raise
@@ -460,10 +473,60 @@ class MetaStore:
             return found, at if at is not None else self.revision()
         raise AssertionError("unreachable: the last restart raises")
 
-    def _walk_prefix(self, prefix: str, revision: int | None, keys_only: bool) -> tuple[list[KeyValue], int]:
-        """One prefix in pages at `revision` (None: the first page's)."""
+    def _first_pages(
+        self, prefixes: Sequence[str], revision: int | None, keys_only: bool
+    ) -> tuple[list[tuple[list[KeyValue], bool]], int] | None:
+        """The first page of each of `prefixes` in one read-only transaction (one round trip
+        where a small listing of several prefixes took one each), PAGE_KEYS keys between them,
+        and the revision etcd answered at: per prefix, its keys and whether it has more. A
+        response over the receive limit is asked again with half as many keys a prefix; None
+        (the caller pages each prefix alone) when even one key each is too large, or when
+        etcd takes fewer operations in a transaction (--max-txn-ops)."""
+        if len(prefixes) > MAX_TXN_OPS:
+            return None
+        limit = max(1, PAGE_KEYS // len(prefixes))
+        while True:
+            ranges = [
+                etcdrpc.RangeRequest(
+                    key=etcd3.utils.to_bytes(prefix),
+                    range_end=_range_end(prefix),
+                    limit=limit,
+                    revision=revision or 0,
+                    keys_only=keys_only,
+                )
+                for prefix in prefixes
+            ]
+            try:
+                resp = self._read_txn(ranges, f"list {len(prefixes)} prefixes from {prefixes[0]}")
+            except MetaError as exc:
+                cause = exc.__cause__
+                if cause is not None and is_compacted(cause) and revision is not None:
+                    raise RevisionCompactedError(prefixes[0], revision) from cause
+                if too_many_ops(exc) or (cause is not None and _too_large(cause) and limit == 1):
+                    return None
+                if cause is None or not _too_large(cause):
+                    raise
+                limit //= 2
+                log.warning(
+                    "first pages of %s prefixes over the receive limit: %s keys a prefix",
+                    len(prefixes),
+                    limit,
+                )
+                continue
+            pages = []
+            for r in resp.responses:
+                kvs = r.response_range.kvs
+                self._count(kvs)
+                pages.append(([kv_of(kv) for kv in kvs], bool(r.response_range.more) and bool(kvs)))
+            return pages, int(resp.header.revision) if revision is None else revision
+
+    def _walk_prefix(
+        self, prefix: str, revision: int | None, keys_only: bool, start: bytes | None = None
+    ) -> tuple[list[KeyValue], int]:
+        """One prefix in pages at `revision` (None: the first page's), from `start` (the
+        prefix itself if None)."""
         items: list[KeyValue] = []
-        start, end = etcd3.utils.to_bytes(prefix), _range_end(prefix)
+        start, end = start or etcd3.utils.to_bytes(prefix), _range_end(prefix)
         while True:
             resp = self._page(prefix, start, end, revision, keys_only)
             if revision is None:
