@@ -425,6 +425,35 @@ def test_several_prefixes_are_listed_in_one_round_trip_and_a_long_one_paged_on_a
     assert listed == [store.list_prefix(p, revision=revision).items for p in prefixes]
 
 
+def test_get_many_reads_keys_in_one_round_trip_and_more_than_a_transaction_holds_at_one_revision(
+    store: MetaStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = store.keys.root + "/many-keys"
+    keys = [f"{root}/{i}" for i in range(MAX_TXN_OPS + 2)]
+    store.txn({}, {k: b"old" for k in keys[:100]})
+    store.txn({}, {k: b"old" for k in keys[100:]})
+    calls = _counting_calls(store, monkeypatch)
+    few = store.get_many([keys[0], f"{root}/absent", keys[1]])
+    assert [kv.value if kv else None for kv in few] == [b"old", None, b"old"]
+    assert len(calls) == 1, calls
+
+    range_txn = store._range_txn
+
+    def write_after_the_first_batch(batch: list[str], revision: int) -> object:
+        answer = range_txn(batch, revision)
+        store.put(keys[-1], b"new")  # lands between the two transactions
+        return answer
+
+    monkeypatch.setattr(store, "_range_txn", write_after_the_first_batch)
+    found = store.get_many(keys)
+    assert len(found) == len(keys) and all(kv is not None and kv.value == b"old" for kv in found)
+
+    store.put(f"{root}/bad", b"{not json")
+    with pytest.raises(MalformedValueError) as bad:
+        store.get_models([f"{root}/absent", f"{root}/bad"], MsgPosition)
+    assert bad.value.key == f"{root}/bad"
+
+
 def test_first_pages_of_values_near_the_bound_over_the_receive_limit_are_read_with_fewer_keys(
     store: MetaStore, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -367,32 +367,45 @@ class MetaStore:
         self.keys_read += len(kvs)
         self.bytes_read += sum(len(kv.key) + len(kv.value) for kv in kvs)
 
-    def get_at(self, keys: Sequence[str], revision: int) -> list[KeyValue | None]:
+    def get_at(self, keys: Sequence[str], revision: int | None) -> list[KeyValue | None]:
         """Each of `keys` as etcd held it at `revision` (None: absent then), in order: range
         requests in read-only transactions of at most MAX_TXN_OPS (etcd answers a
         transaction at one revision; each range also names `revision`, so every batch reads
         the same snapshot). A batch whose response passes the receive limit, or that an etcd
-        with a lower --max-txn-ops refuses, is asked again in halves.
+        with a lower --max-txn-ops refuses, is asked again in halves. `revision` None: now
+        (the first batch's revision, then that one: `get_many`).
         RevisionCompactedError if etcd compacted `revision`."""
         out: list[KeyValue | None] = []
         size = MAX_TXN_OPS
         while len(out) < len(keys):
             batch = keys[len(out) : len(out) + size]
             try:
-                resp = self._range_txn(batch, revision)
+                resp = self._range_txn(batch, revision or 0)
             except MetaError as exc:
                 cause = exc.__cause__
-                if cause is not None and is_compacted(cause):
+                if cause is not None and is_compacted(cause) and revision is not None:
                     raise RevisionCompactedError(batch[0], revision) from cause
                 if len(batch) == 1 or cause is None or not (_too_large(cause) or too_many_ops(exc)):
                     raise
                 size = len(batch) // 2
                 continue
+            revision = revision or int(resp.header.revision)
             for r in resp.responses:
                 kvs = r.response_range.kvs
                 self._count(kvs)
                 out.append(kv_of(kvs[0]) if kvs else None)
         return out
+
+    def get_many(self, keys: Sequence[str]) -> list[KeyValue | None]:
+        """Each of `keys` now (None: absent), in order, at one revision: one round trip for
+        up to MAX_TXN_OPS keys where a get each took one each (`get_at`)."""
+        return self.get_at(keys, None)
+
+    def get_models(self, keys: Sequence[str], model: type[M]) -> list[Decoded[M] | None]:
+        """`get_many`, each value decoded (a malformed one raises, naming its key)."""
+        return [
+            None if kv is None else Decoded(decode(kv.key, kv.value, model), kv) for kv in self.get_many(keys)
+        ]
 
     def _range_txn(self, keys: Sequence[str], revision: int) -> Any:
         """One transaction of a range request per key, each at `revision`."""

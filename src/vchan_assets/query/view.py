@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from vchan_assets.datacoord.recovery import channel_checkpoint, start_position
+from vchan_assets.datacoord.recovery import start_position
 from vchan_assets.indexes.meta import list_indexes
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
@@ -254,11 +254,9 @@ def read_checkpoints(store: MetaStore, vchannels: Iterable[str]) -> dict[str, Ms
     segment and not in the log after the checkpoint either (lost to the read). Read first,
     the checkpoint is at worst behind the segments: the rows between are in both, and the
     log tail skips those at or below their segment's dml position."""
-    out: dict[str, MsgPosition | None] = {}
-    for vchannel in vchannels:
-        found = channel_checkpoint(store, vchannel)
-        out[vchannel] = found.model if found else None
-    return out
+    vchannels = list(vchannels)
+    found = store.get_models([store.keys.channel_checkpoint(v) for v in vchannels], MsgPosition)
+    return {v: d.model if d else None for v, d in zip(vchannels, found, strict=True)}
 
 
 def read_query_view(
