@@ -158,3 +158,31 @@ def test_vchannel_names_are_safe_as_path_and_key_segments() -> None:
 
     assert names == ("team-a-prod-dml_0_449v0", "team-a-prod-dml_1_449v1")
     assert all(re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names)
+
+
+def test_a_name_read_again_costs_one_round_trip_and_follows_a_drop_and_a_new_collection(
+    catalog: CollectionRegistry, store: MetaStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name's key and the record it named last time are read together; a record that
+    changed (a partition), a dropped name and a name given to a new collection are seen at
+    once, from any registry of the process."""
+    first = catalog.create("named", SCHEMA)
+    assert catalog.find("named") == first
+    calls: list[str] = []
+    call = store._call
+
+    def counted(operation: str) -> object:
+        calls.append(operation)
+        return call(operation)
+
+    monkeypatch.setattr(store, "_call", counted)
+    assert CollectionRegistry(store).get_by_name("named") == first
+    assert len(calls) == 1, calls
+    monkeypatch.setattr(store, "_call", call)
+
+    catalog.create_partition("named", "p1")
+    assert "p1" in CollectionRegistry(store).get_by_name("named").partition_names
+    catalog.drop("named")
+    assert CollectionRegistry(store).find("named") is None
+    second = catalog.create("named", SCHEMA, num_channels=1)
+    assert CollectionRegistry(store).get_by_name("named") == second != first

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from vchan_assets.errors import DeclaredError
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.codec import decode_dict, encode
+from vchan_assets.meta.codec import decode, decode_dict, encode
 from vchan_assets.meta.errors import CasConflictError, MalformedValueError, MetaError
 from vchan_assets.meta.retry import retry_on_conflict
 from vchan_assets.meta.store import MetaStore
@@ -158,15 +158,26 @@ class CollectionRegistry:
         return found.model
 
     def find(self, name: str) -> CollectionInfo | None:
-        """The live collection called `name`, or None."""
+        """The live collection called `name`, or None. The name's key and the record of the
+        collection it named last time in this process are read together (one round trip);
+        the record is read again only when the name points elsewhere now."""
         validate_name("collection", name)
-        kv = self.store.get(self._name_key(name))
-        if kv is None:
+        name_key = self._name_key(name)
+        hint = (self.store.endpoints, name_key)
+        last = _LAST_ID.get(hint)
+        keys = [name_key] if last is None else [name_key, self.store.keys.collection(last)]
+        named, *record = self.store.get_many(keys)
+        if named is None:
             return None
-        try:
-            return self.get(_collection_id(kv.key, kv.value))
-        except CollectionNotFoundError:
-            return None
+        collection_id = _collection_id(named.key, named.value)
+        _LAST_ID[hint] = collection_id
+        if collection_id != last or not record or record[0] is None:
+            try:
+                return self.get(collection_id)
+            except CollectionNotFoundError:
+                return None
+        info = decode(record[0].key, record[0].value, CollectionInfo)
+        return None if info.dropped_at else info
 
     def get_by_name(self, name: str) -> CollectionInfo:
         found = self.find(name)
@@ -348,6 +359,10 @@ class CollectionRegistry:
             return new
 
         return retry_on_conflict(f"update of collection {collection_id}", attempt)
+
+
+# (etcd endpoints, name key) -> the collection id the name pointed to at its last read here.
+_LAST_ID: dict[tuple[tuple[str, ...], str], int] = {}
 
 
 def _collection_id(key: str, raw: bytes) -> int:
