@@ -19,6 +19,7 @@ from vchan_assets.datacoord.collections import (
 )
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, CollectionSchema, MsgPosition
+from vchan_assets.testing.steps import requests
 
 SCHEMA = CollectionSchema.build("id", {"vector": 8}, {"age": "int64", "label": "string"})
 
@@ -161,24 +162,16 @@ def test_vchannel_names_are_safe_as_path_and_key_segments() -> None:
 
 
 def test_a_name_read_again_costs_one_round_trip_and_follows_a_drop_and_a_new_collection(
-    catalog: CollectionRegistry, store: MetaStore, monkeypatch: pytest.MonkeyPatch
+    catalog: CollectionRegistry, store: MetaStore
 ) -> None:
     """The name's key and the record it named last time are read together; a record that
     changed (a partition), a dropped name and a name given to a new collection are seen at
     once, from any registry of the process."""
     first = catalog.create("named", SCHEMA)
     assert catalog.find("named") == first
-    calls: list[str] = []
-    call = store._call
-
-    def counted(operation: str) -> object:
-        calls.append(operation)
-        return call(operation)
-
-    monkeypatch.setattr(store, "_call", counted)
-    assert CollectionRegistry(store).get_by_name("named") == first
-    assert len(calls) == 1, calls
-    monkeypatch.setattr(store, "_call", call)
+    found: list[CollectionInfo] = []
+    sent = requests(store, lambda: found.append(CollectionRegistry(store).get_by_name("named")))
+    assert found == [first] and len(sent) == 1, sent
 
     catalog.create_partition("named", "p1")
     assert "p1" in CollectionRegistry(store).get_by_name("named").partition_names

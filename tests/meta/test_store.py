@@ -29,6 +29,7 @@ from vchan_assets.meta.errors import (
 )
 from vchan_assets.meta.store import MAX_REQUEST_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES, MetaStore
 from vchan_assets.model import ChannelLease, MsgPosition
+from vchan_assets.testing.steps import requests
 
 
 @pytest.fixture
@@ -380,19 +381,6 @@ def test_a_listing_at_a_compacted_revision_raises_naming_the_prefix_and_revision
     assert gone.value.prefix == prefix and gone.value.revision == old
 
 
-def _counting_calls(store: MetaStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The operations `store` sends to etcd from now on (each request goes through `_call`)."""
-    calls: list[str] = []
-    call = store._call
-
-    def counted(operation: str) -> object:
-        calls.append(operation)
-        return call(operation)
-
-    monkeypatch.setattr(store, "_call", counted)
-    return calls
-
-
 def test_several_prefixes_are_listed_in_one_round_trip_and_a_long_one_paged_on_at_its_revision(
     store: MetaStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -413,8 +401,9 @@ def test_several_prefixes_are_listed_in_one_round_trip_and_a_long_one_paged_on_a
         return get_range(*args, **kwargs)
 
     monkeypatch.setattr(store.client, "get_range_response", page_after_a_write)
-    calls = _counting_calls(store, monkeypatch)
-    listed, at = store.list_prefixes_at(prefixes)
+    answers = []
+    calls = requests(store, lambda: answers.append(store.list_prefixes_at(prefixes)))
+    [(listed, at)] = answers
 
     assert at == revision
     assert [len(items) for items in listed] == [3, 25, 0, 4]
@@ -432,8 +421,9 @@ def test_get_many_reads_keys_in_one_round_trip_and_more_than_a_transaction_holds
     keys = [f"{root}/{i}" for i in range(MAX_TXN_OPS + 2)]
     store.txn({}, {k: b"old" for k in keys[:100]})
     store.txn({}, {k: b"old" for k in keys[100:]})
-    calls = _counting_calls(store, monkeypatch)
-    few = store.get_many([keys[0], f"{root}/absent", keys[1]])
+    got = []
+    calls = requests(store, lambda: got.append(store.get_many([keys[0], f"{root}/absent", keys[1]])))
+    [few] = got
     assert [kv.value if kv else None for kv in few] == [b"old", None, b"old"]
     assert len(calls) == 1, calls
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Literal
 
@@ -173,6 +174,24 @@ def reads(store: MetaStore, action: Callable[[], object]) -> tuple[int, int]:
     keys, size = store.keys_read, store.bytes_read
     action()
     return store.keys_read - keys, store.bytes_read - size
+
+
+def requests(store: MetaStore, action: Callable[[], object]) -> list[str]:
+    """The requests `store` sent to etcd while `action` ran, each named by its operation
+    (every request goes through `MetaStore._call`)."""
+    sent: list[str] = []
+    call = store._call
+
+    def counted(operation: str) -> AbstractContextManager[None]:
+        sent.append(operation)
+        return call(operation)
+
+    store._call = counted  # type: ignore[method-assign,assignment]
+    try:
+        action()
+    finally:
+        del store._call  # the class's method again
+    return sent
 
 
 def live(store: MetaStore, info: CollectionInfo) -> list[SegmentInfo]:
