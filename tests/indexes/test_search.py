@@ -33,7 +33,7 @@ from vchan_assets.testing.index_data import (
     new_data,
     sorted_segments,
 )
-from vchan_assets.testing.steps import sync_all
+from vchan_assets.testing.steps import requests, sync_all
 from vchan_assets.wal.producer import Producer
 
 K = 10
@@ -98,6 +98,22 @@ def test_back_to_back_searches_share_one_read_pin_and_a_search_in_the_past_takes
     past = decode(pin.key, pin.value, ReadPin).as_of - 1
     catalog.search(data.info.name, QUERIES[:2], k=K, as_of=past)  # before the pin's time
     assert len(system.store.list_prefix(pins).items) == 2
+
+
+def test_a_repeated_search_plans_in_four_etcd_requests(system: System, data: Data) -> None:
+    """A search's planning cost is its etcd round trips: the collection by name (with the
+    record it named last time), "now" from the timestamp oracle, every vchannel's checkpoint
+    in one transaction, then the segments, indexes and builds listed in one (their first
+    pages); the read pin is shared by back-to-back searches. Eight before on this collection
+    of one vchannel: a request for the name, one for the record, one per vchannel and one per
+    listed prefix (live and dropped segments, indexes, builds)."""
+    indexed(system, data)
+    catalog = Catalog(system)
+    first = catalog.search(data.info.name, QUERIES[:2], k=K)
+    found: list[pd.DataFrame] = []
+    sent = requests(system.store, lambda: found.append(catalog.search(data.info.name, QUERIES[:2], k=K)))
+    assert found[0].equals(first)
+    assert len(sent) == 4, sent
 
 
 def test_hnsw_returns_the_exact_distances(system: System, data: Data) -> None:
