@@ -18,6 +18,7 @@ import psycopg2
 import pytest
 
 from vchan_assets.config import Settings
+from vchan_assets.defs.sync.jobs import LOOP_JOB
 from vchan_assets.deploy.postgres import PostgresServer
 from vchan_assets.deploy.service import DagsterService, daemon_state, graphql
 from vchan_assets.deploy.supervisor import Supervisor
@@ -103,10 +104,16 @@ def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed
     try:
         wait_until(lambda: owners(d.store, list(info.vchannels)), 90, "the channels watched")
         with dg.DagsterInstance.from_config(str(d.home)) as instance:
+            # Syncing: a sync run (a channel's first, its watch) or a node's sync loop run in
+            # flight. The watch runs may be over by the time the channels are owned, and the
+            # loops then sync every later change with no run of its own.
             wait_until(
-                lambda: bool(instance.get_run_records(dg.RunsFilter(job_name="sync", statuses=IN_FLIGHT))),
-                60,
-                "a sync run in flight",
+                lambda: any(
+                    instance.get_run_records(dg.RunsFilter(job_name=job, statuses=IN_FLIGHT))
+                    for job in ("sync", LOOP_JOB)
+                ),
+                120,
+                "a sync run or a sync loop run in flight",
             )
         port = d.postgres.port
         d.postgres.kill()
