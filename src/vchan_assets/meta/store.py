@@ -10,11 +10,12 @@ Reads of a prefix are paged, as Milvus' `WalkWithPrefix`: `PAGE_KEYS` keys a ran
 request, each page from the last key + NUL, every page at the revision of the first, so a
 caller gets one snapshot of a prefix of any size and no response nears gRPC's 4 MiB
 receive limit; a listing of several prefixes asks for their first pages in one read-only
-transaction (one round trip for a small collection's segments, indexes and builds). Keys that share no prefix (an index's targets) are read at one revision in
-transactions of range requests (`get_at`). Every key and byte etcd returns to a read is
-counted (`keys_read`, `bytes_read`). Writes are bounded: a value over `MAX_VALUE_BYTES`
-and a transaction over etcd's `MAX_TXN_OPS` operations or `MAX_REQUEST_BYTES` are refused
-before they are sent, with an error naming them.
+transaction (one round trip for a small collection's segments, indexes and builds). Keys
+that share no prefix (an index's targets, a collection's checkpoints) are read at one
+revision in transactions of range requests (`get_at`, `get_many`). Every key and byte etcd
+returns to a read is counted (`keys_read`, `bytes_read`). Writes are bounded: a value over
+`MAX_VALUE_BYTES` and a transaction over etcd's `MAX_TXN_OPS` operations or
+`MAX_REQUEST_BYTES` are refused before they are sent, with an error naming them.
 """
 
 from __future__ import annotations

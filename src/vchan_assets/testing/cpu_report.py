@@ -1,12 +1,12 @@
 """Where a test run's CPU goes: a pytest plugin that charges each test the CPU seconds its
 process tree spent while it ran (setup, call and teardown), children and JVMs included.
 
-On this 2-core machine the suite is CPU-bound (two lanes keep the load at 5-10), so a test's
+On a 2-core machine the suite is CPU-bound (two lanes keep the load at 10 and more), so a test's
 wall time says little about what it costs the others: its CPU seconds do. Enabled by
 `VCHAN_TEST_CPU=<directory>` (each lane of `make test` inherits it): each pytest process
-writes its report there as `cpu-<pid>.json` (one record per test: node id, CPU and wall seconds, with a module fixture's
-start charged to the first test that used it) and the 25 costliest tests and modules are
-printed at the end of the run.
+writes its report there as `cpu-<pid>.json` (one record per test: node id, CPU and wall
+seconds, with a module fixture's start charged to the first test that used it) and prints
+the 25 costliest tests and modules at the end of the run.
 
 The tree is the pytest process and its live descendants (`psutil`), each counted with the
 children it already reaped; a process that was started and reaped within the test is in its
