@@ -21,6 +21,7 @@ EXTRA_VARIABLES = {
     "VCHAN_SPARK_DRIVER_MEMORY": "Spark driver memory (spark/session.py)",
     "VCHAN_FAILPOINT": "the commit step at which a process kills itself (failpoints.py)",
     "VCHAN_FAILPOINT_MARKER": "a file written when a failpoint is reached (failpoints.py)",
+    "VCHAN_TEST_CPU": "where a test run reports each test's CPU seconds (testing/cpu_report.py)",
 }
 
 
