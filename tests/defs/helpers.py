@@ -10,12 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
+import yaml
 
 from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datacoord import datacoord_sensor
 from vchan_assets.defs.cluster.datanodes import NodeCursor, datanode_sensor
 from vchan_assets.defs.resources import VchanResource
-from vchan_assets.deploy.service import DagsterService
+from vchan_assets.deploy.service import INSTANCE_CONFIG, DagsterService
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionSchema
 from vchan_assets.storage import Storage
@@ -23,6 +24,18 @@ from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64", "s": "string"})
+
+# Run monitoring fails a run whose process has not started within this many seconds
+# (dagster.yaml): on a loaded machine a run's start takes up to that long.
+RUN_START_TIMEOUT: int = yaml.safe_load(INSTANCE_CONFIG.read_text())["run_monitoring"][
+    "start_timeout_seconds"
+]
+
+
+def after_a_run_start(work: float) -> float:
+    """The bound of a wait for something a run must do: its start (up to run monitoring's
+    start timeout), then `work` seconds."""
+    return RUN_START_TIMEOUT + work
 
 
 NODE1 = datanode_sensor("1", min_session_ttl=0)

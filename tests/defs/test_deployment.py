@@ -55,7 +55,7 @@ from vchan_assets.testing.harness import PausableLoad, all_synced, exactly_once,
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .browser import FLAGS, chromium
-from .helpers import SCHEMA, live_settings, running
+from .helpers import SCHEMA, after_a_run_start, live_settings, running
 
 wait_until = partial(waiting.wait_until, interval=0.25)  # many of its conditions ask the webserver
 ARTIFACTS = REPO / "test-artifacts"
@@ -118,7 +118,7 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
         return True
 
     try:
-        wait_until(committed, 150, "both checkpoints to reach the log head")
+        wait_until(committed, after_a_run_start(120), "both checkpoints to reach the log head")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {_where_syncs_stand(deployment, list(deployment.heads))}") from None
     instance = deployment.instance
@@ -138,7 +138,7 @@ def test_sensors_watch_and_sync_every_channel_and_the_checks_pass(deployment: De
     # states and, if they do not finish, says which were left in which state.
     wait_until(
         lambda: all(r.status in finished for r in instance.get_runs(dg.RunsFilter(job_name="sync"))),
-        240,
+        after_a_run_start(120),
         "the sync runs to finish",
         describe=sync_runs,
     )
@@ -186,7 +186,9 @@ def test_the_query_view_of_every_vchannel_is_materialized_on_the_live_stack_with
         return out
 
     wait_until(
-        lambda: sum(served().values()) == ROWS - DELETES, 150, "a view of each vchannel serving every row"
+        lambda: sum(served().values()) == ROWS - DELETES,
+        after_a_run_start(120),
+        "a view of each vchannel serving every row",
     )
     checks = [
         record.dagster_event.event_specific_data
@@ -309,7 +311,11 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
     `channel_checkpoints` for that partition reports the checkpoint etcd has, its checks
     passed. (After the query view test: these rows are more than it counts.)"""
     instance, store = deployment.instance, deployment.store
-    wait_until(lambda: _owners_settled(deployment), 180, "every channel watched by a node whose loop runs")
+    wait_until(
+        lambda: _owners_settled(deployment),
+        after_a_run_start(120),
+        "every channel watched by a node whose loop runs",
+    )
     appended = deployment.producer.insert(
         deployment.collection.name, generate_rows(SCHEMA, 100, start_pk=ROWS + 5_001, seed=5)
     )
@@ -335,7 +341,7 @@ def test_the_nodes_sync_loops_report_every_later_sync_with_passing_checks(deploy
     try:
         wait_until(
             lambda: all(reported_by_a_loop(v, a.position.offset) for v, a in appended.items()),
-            240,
+            after_a_run_start(120),
             "the loops' materializations at the checkpoints past the new rows",
         )
     except AssertionError as exc:
@@ -506,7 +512,7 @@ def test_numeric_sync_metadata_is_typed_so_the_ui_plots_it(deployment: Deploymen
     per partition: rows, bytes and seconds of every sync must arrive typed that way."""
     wait_until(
         lambda: graphql(deployment.url, MATERIALIZATION_METADATA)["assetOrError"]["assetMaterializations"],
-        150,
+        after_a_run_start(120),
         "a binlogs materialization",
     )
     mats = graphql(deployment.url, MATERIALIZATION_METADATA)["assetOrError"]["assetMaterializations"]
@@ -528,7 +534,7 @@ def test_the_binlogs_asset_page_plots_rows_bytes_and_seconds(deployment: Deploym
     of the syncs. Text metadata would have no chart. Screenshot in test-artifacts/."""
     wait_until(
         lambda: graphql(deployment.url, MATERIALIZATION_METADATA)["assetOrError"]["assetMaterializations"],
-        150,
+        after_a_run_start(120),
         "a binlogs materialization",
     )
     ARTIFACTS.mkdir(exist_ok=True)
@@ -681,7 +687,7 @@ def test_the_ui_shows_automation_freshness_checks_and_the_hand_off_assets(deploy
         return any(r is not None and r.tags.get("dagster/sensor_name") == "vchan_automation" for r in runs)
 
     try:
-        wait_until(automated, 240, "segment_table materialized by the automation sensor")
+        wait_until(automated, after_a_run_start(120), "segment_table materialized by the automation sensor")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_automation_trace(instance, 'segment_table')}") from None
     nodes = {"/".join(n["assetKey"]["path"]): n for n in graphql(url, HEALTH)["assetNodes"]}
@@ -808,7 +814,11 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
     store, settings = deployment.store, deployment.settings
     storage = Storage.from_settings(settings)
     info = deployment.producer.create_collection("chaos", HARNESS_SCHEMA, [], num_channels=2)
-    wait_until(lambda: owners(store, list(info.vchannels)), 90, "the chaos collection's channels watched")
+    wait_until(
+        lambda: owners(store, list(info.vchannels)),
+        after_a_run_start(60),
+        "the chaos collection's channels watched",
+    )
     rng = random.Random(CHAOS_SEED)
     load = PausableLoad(deployment.producer, info, rows=40, period=0.2)
     faults: Counter[str] = Counter()
@@ -830,7 +840,9 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
         load.stop()
     deployment.producer.time_tick(info.name)
     wait_until(
-        lambda: all_synced(store, storage, [info]), 240, f"every channel caught up after {dict(faults)}"
+        lambda: all_synced(store, storage, [info]),
+        after_a_run_start(120),
+        f"every channel caught up after {dict(faults)}",
     )
     tally = exactly_once(store, storage, info, load.produced)
     print(f"chaos under Dagster: {dict(faults)}; {tally.describe()}")  # shown with pytest -rP
@@ -842,7 +854,11 @@ def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_noth
         return run is not None and run.status == dg.DagsterRunStatus.FAILURE
 
     for run_id in orphaned:
-        wait_until(lambda r=run_id: failed(r), 60, f"the loop run {run_id} orphaned by a daemon kill failed")
+        wait_until(
+            lambda r=run_id: failed(r),
+            after_a_run_start(30),
+            f"the loop run {run_id} orphaned by a daemon kill failed",
+        )
 
 
 def test_a_webserver_killed_9_is_started_again_by_vchan_up_and_serves_the_same_history(
@@ -900,7 +916,7 @@ def test_vchan_down_makes_the_dagster_hosted_nodes_leave_at_once(deployment: Dep
         sessions = dagster_sessions()
         return bool(sessions) and all(str(n) in with_loop for n in sessions)
 
-    wait_until(looping, 180, "every node's sync loop op running")
+    wait_until(looping, after_a_run_start(120), "every node's sync loop op running")
     nodes = dagster_sessions()
     stopped = time.monotonic()
     deployment.service.stop(stop_spark=False)

@@ -29,7 +29,7 @@ from vchan_assets.testing import waiting
 from vchan_assets.testing.harness import SCHEMA, PausableLoad, all_synced, exactly_once, owners
 from vchan_assets.wal.producer import Producer
 
-from .helpers import live_settings, running
+from .helpers import after_a_run_start, live_settings, running
 
 wait_until = partial(waiting.wait_until, interval=0.25)  # some of its conditions ask the webserver
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
@@ -102,7 +102,9 @@ def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed
     load = PausableLoad(d.producer, info, rows=40, period=0.2)
     load.start()
     try:
-        wait_until(lambda: owners(d.store, list(info.vchannels)), 90, "the channels watched")
+        wait_until(
+            lambda: owners(d.store, list(info.vchannels)), after_a_run_start(60), "the channels watched"
+        )
         with dg.DagsterInstance.from_config(str(d.home)) as instance:
             # Syncing: a sync run (a channel's first, its watch) or a node's sync loop run in
             # flight. The watch runs may be over by the time the channels are owned, and the
@@ -112,7 +114,7 @@ def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed
                     instance.get_run_records(dg.RunsFilter(job_name=job, statuses=IN_FLIGHT))
                     for job in ("sync", LOOP_JOB)
                 ),
-                120,
+                after_a_run_start(60),
                 "a sync run or a sync loop run in flight",
             )
         port = d.postgres.port
@@ -128,13 +130,17 @@ def test_the_deployment_runs_on_postgres_and_a_kill_9_of_it_under_load_is_healed
     finally:
         load.stop()
     d.producer.time_tick(info.name)
-    wait_until(lambda: all_synced(d.store, storage, [info]), 240, "every channel caught up after the kill")
+    wait_until(
+        lambda: all_synced(d.store, storage, [info]),
+        after_a_run_start(120),
+        "every channel caught up after the kill",
+    )
     tally = exactly_once(d.store, storage, info, load.produced)
     assert tally.ok, tally.describe()
     with dg.DagsterInstance.from_config(str(d.home)) as instance:
         wait_until(
             lambda: not instance.get_run_records(dg.RunsFilter(job_name="sync", statuses=IN_FLIGHT)),
-            120,
+            after_a_run_start(60),
             "no sync run left in flight",
         )
     supervisor.step()  # whatever the outage took down is healed

@@ -9,7 +9,7 @@ run monitoring only checks worker health for launchers that support it (Kubernet
 Docker, ECS), not for the default launcher, so this sensor does it for runs on this host:
 a STARTING or STARTED run whose process (the pid of its "Started process for run" engine
 event) is gone is reported failed. (A run killed before its process even started has no
-pid: run monitoring's start timeout in dagster.yaml, 60 s, fails it.) The work it did is
+pid: run monitoring's start timeout in dagster.yaml, 180 s, fails it.) The work it did is
 safe either way: a sync either committed its etcd transaction or left nothing, and the
 sensor that requested it asks again (a retry run key).
 """
