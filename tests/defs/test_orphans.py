@@ -1,22 +1,29 @@
-"""A STARTED run whose worker process died is marked failed and frees its vchannel.
+"""A STARTED run whose worker process died is marked failed and frees its vchannel; a run
+whose process never started is failed by run monitoring's start timeout, a slow start is not.
 
 A real Dagster instance and real processes: the run's worker is a process that reported its
 pid the way Dagster's run worker does, then was killed -9."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import dagster as dg
-from dagster._core.events import EngineEventData
+import pytest
+from dagster._core.events import DagsterEvent, DagsterEventType, EngineEventData
 from dagster._core.storage.dagster_run import DagsterRun
+from dagster._daemon.monitoring import run_monitoring
 
 from vchan_assets.defs.orphans import fail_orphaned_runs, orphaned_runs_sensor
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, sync_job
 from vchan_assets.defs.sync.sensor import busy_channels
+from vchan_assets.deploy.service import INSTANCE_CONFIG
 
 
 def started_run(
@@ -79,3 +86,36 @@ def test_a_started_run_that_has_not_reported_its_pid_yet_is_left_alone(instance:
     assert fail_orphaned_runs(instance) == []
     current = instance.get_run_by_id(run.run_id)
     assert current is not None and current.status == dg.DagsterRunStatus.STARTED
+
+
+def test_run_monitoring_lets_a_slow_start_go_on_and_fails_a_run_that_never_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's start (its process, the instance, the import of the definitions: ~5 CPU s)
+    took 60-100 s of wall time on the two cores of a loaded machine, and run monitoring's
+    start timeout, then 60 s, failed such healthy starts (START_TIMEOUT) over and over. Run
+    monitoring as the daemon runs it, on this project's dagster.yaml, its clock moved on: a
+    run 90 s into its start goes on; one 190 s in (its daemon killed mid-launch) is failed."""
+    shutil.copy(INSTANCE_CONFIG, tmp_path / "dagster.yaml")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        run = instance.add_run(DagsterRun(job_name=sync_job.name, status=dg.DagsterRunStatus.NOT_STARTED))
+        starting = DagsterEvent(
+            event_type_value=DagsterEventType.PIPELINE_STARTING.value, job_name=run.job_name
+        )
+        instance.report_dagster_event(starting, run_id=run.run_id)
+        launched = instance.get_run_stats(run.run_id).launch_time
+        assert launched is not None
+
+        def monitor_at(seconds: float) -> dg.DagsterRunStatus:
+            monkeypatch.setattr(run_monitoring, "get_current_timestamp", lambda: launched + seconds)
+            (record,) = instance.get_run_records(dg.RunsFilter(run_ids=[run.run_id]))
+            if record.dagster_run.status == dg.DagsterRunStatus.STARTING:
+                run_monitoring.monitor_starting_run(instance, record, logging.getLogger(__name__))
+            current = instance.get_run_by_id(run.run_id)
+            assert current is not None
+            return current.status
+
+        assert monitor_at(90) == dg.DagsterRunStatus.STARTING
+        assert monitor_at(190) == dg.DagsterRunStatus.FAILURE
+        failed = instance.get_run_by_id(run.run_id)
+        assert failed is not None and failed.tags.get("dagster/failure_reason") == "START_TIMEOUT"
