@@ -24,6 +24,7 @@ BENCHMARKS = (
     "scale",
     "overload",
     "clock",
+    "sensor_ticks",
 )
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import yaml
 from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datacoord import datacoord_sensor
 from vchan_assets.defs.cluster.datanodes import NodeCursor, datanode_sensor
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 from vchan_assets.deploy.service import INSTANCE_CONFIG, DagsterService
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionSchema
@@ -42,10 +42,16 @@ NODE1 = datanode_sensor("1", min_session_ttl=0)
 NODE2 = datanode_sensor("2", min_session_ttl=0)
 
 
+def sensor_resources(vchan: VchanResource) -> dict[str, object]:
+    """The resources of a sensor evaluated on `vchan`'s settings."""
+    return {"vchan_env": VchanEnvResource.from_settings(vchan.settings())}
+
+
 def evaluate(
     sensor: dg.SensorDefinition, instance: dg.DagsterInstance, vchan: VchanResource, cursor: str | None = None
 ) -> dg.SensorResult:
-    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources={"vchan": vchan})
+    """One tick of `sensor` on `vchan`'s settings (given to it as its `vchan_env`)."""
+    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=sensor_resources(vchan))
     result = sensor(context)
     assert isinstance(result, dg.SensorResult)
     return result

@@ -45,7 +45,7 @@ def test_the_definitions_load_with_every_asset_sensor_job_and_resource() -> None
         repository.has_job(job)
         for job in ("sync", "lifecycle", "bulk_import", "sort", "query_view", "segment_index")
     )
-    assert set(repository.get_top_level_resources()) == {"vchan", "pyspark", "teardown"}
+    assert set(repository.get_top_level_resources()) == {"vchan", "vchan_env", "pyspark", "teardown"}
 
 
 def test_loading_the_definitions_leaves_the_process_environment_alone() -> None:

@@ -18,6 +18,8 @@ from vchan_assets.testing.import_files import assert_imported_once, rows, visibl
 from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
+from .helpers import sensor_resources
+
 
 def _materialize(
     instance: dg.DagsterInstance, vchan: VchanResource, job_id: int
@@ -43,7 +45,7 @@ def test_the_sensor_requests_a_run_per_pending_job_and_the_asset_imports_it_with
         info.name, [write_parquet(tmp_path / "a.parquet", data)], store=system.store, settings=dsettings
     )
 
-    tick = import_sensor(dg.build_sensor_context(instance=instance, resources={"vchan": vchan}))
+    tick = import_sensor(dg.build_sensor_context(instance=instance, resources=sensor_resources(vchan)))
     assert [r.partition_key for r in tick.run_requests] == [str(job_id)]
     assert tick.dynamic_partitions_requests[0].partition_keys == [str(job_id)]
 
@@ -55,7 +57,7 @@ def test_the_sensor_requests_a_run_per_pending_job_and_the_asset_imports_it_with
     checks = result.get_asset_check_evaluations()
     assert len(checks) == 2 and all(c.passed for c in checks), [c.description for c in checks]
     assert_imported_once(visible(system, info), data)
-    again = import_sensor(dg.build_sensor_context(instance=instance, resources={"vchan": vchan}))
+    again = import_sensor(dg.build_sensor_context(instance=instance, resources=sensor_resources(vchan)))
     assert not again.run_requests, "a Completed job is not requested again"
 
 

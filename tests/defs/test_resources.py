@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import VARIABLES, ConfigError, Settings
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 
 
 def test_the_resource_has_one_field_per_setting() -> None:
@@ -41,3 +41,28 @@ def test_a_bad_resource_field_names_its_variable() -> None:
         VchanResource(session_ttl="soon").settings()
 
     assert bad.value.variable == "VCHAN_SESSION_TTL"
+
+
+def test_the_sensors_resource_reads_the_settings_of_the_environment_or_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`vchan_env` (the sensors') has the settings `vchan` (the runs') has in the same code
+    server: the process environment's; given settings, only those."""
+    monkeypatch.setenv("VCHAN_SESSION_TTL", "33")
+    monkeypatch.setenv("VCHAN_ROOT", "envroot")
+    assert VchanEnvResource().settings() == VchanResource.from_env().settings()
+    assert VchanEnvResource().settings().session_ttl == 33.0
+
+    mine = Settings.from_env({"VCHAN_ROOT": "mine", "VCHAN_HOME": "/tmp/mine"})
+    given = VchanEnvResource.from_settings(mine).settings()
+    assert given == mine and given.session_ttl == Settings.from_env({}).session_ttl
+
+    monkeypatch.setenv("VCHAN_SESSION_TTL", "soon")
+    with pytest.raises(ConfigError, match="VCHAN_SESSION_TTL"):
+        VchanEnvResource().settings()
+
+
+def test_the_sensors_resource_has_one_field_so_dagster_builds_it_at_every_tick_cheaply() -> None:
+    """Dagster builds a sensor's resources at every evaluation; the cost of a
+    ConfigurableResource grows with its fields (bench/sensor_ticks.py measures both)."""
+    assert list(VchanEnvResource.model_fields) == ["env"]

@@ -2,8 +2,9 @@
 
 Wiring only: the assets, job and sensors of each domain (`defs/sync`, `defs/cluster`,
 `defs/lifecycle`, `defs/query`, `defs/imports`, `defs/indexes`), the freshness check and its
-sensor (`defs/health`), the declarative automation sensor (`defs/automation`) and the two resources. The
-settings are read once per load.
+sensor (`defs/health`), the declarative automation sensor (`defs/automation`) and the
+resources (`vchan` for runs, `vchan_env` for sensors: defs/resources.py). The settings are
+read once per load.
 
 Every job runs its steps in the run's own process (`in_process_executor`), also the jobs
 Dagster makes itself: the implicit asset job of the automation sensor's `segment_table` runs
@@ -30,7 +31,7 @@ from vchan_assets.defs.lifecycle.assets import (
     sorted_segments,
 )
 from vchan_assets.defs.query.assets import query_view_job, query_view_sensor, visible_segments
-from vchan_assets.defs.resources import VchanResource, pyspark_resource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource, pyspark_resource
 from vchan_assets.defs.sensors import all_sensors
 from vchan_assets.defs.sync.assets import segment_table, sync_vchannel
 from vchan_assets.defs.sync.jobs import sync_job
@@ -63,6 +64,7 @@ def build_definitions(settings: Settings) -> dg.Definitions:
         executor=dg.in_process_executor,
         resources={
             "vchan": VchanResource.from_env(),
+            "vchan_env": VchanEnvResource(),
             "pyspark": pyspark_resource(settings),
             "teardown": AtTeardown(),
         },

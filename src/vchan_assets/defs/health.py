@@ -19,14 +19,14 @@ import dagster as dg
 
 from vchan_assets.datanode.checks import CheckOutcome, check_checkpoints_fresh
 from vchan_assets.defs.checks import typed
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 from vchan_assets.defs.sync.assets import CHANNEL_CHECKPOINTS
 
 CHECK_NAME = "checkpoints_fresh"
 FRESHNESS_INTERVAL = 60  # seconds between evaluations by the sensor
 
 
-def freshness(vchan: VchanResource) -> CheckOutcome:
+def freshness(vchan: VchanResource | VchanEnvResource) -> CheckOutcome:
     """The check's outcome now, over every vchannel of every collection."""
     with vchan.open() as runtime:
         backlogs = [runtime.status(v, info).backlog for v, info in runtime.vchannels().items()]
@@ -52,9 +52,9 @@ def checkpoints_fresh(vchan: VchanResource) -> dg.AssetCheckResult:
 
 
 @dg.sensor(minimum_interval_seconds=FRESHNESS_INTERVAL, default_status=dg.DefaultSensorStatus.RUNNING)
-def checkpoint_freshness_sensor(vchan: VchanResource) -> dg.SensorResult:
+def checkpoint_freshness_sensor(vchan_env: VchanEnvResource) -> dg.SensorResult:
     """Evaluate `checkpoints_fresh` and report it (an asset check evaluation, no run)."""
-    outcome = freshness(vchan)
+    outcome = freshness(vchan_env)
     evaluation = dg.AssetCheckEvaluation(
         asset_key=CHANNEL_CHECKPOINTS.key,
         check_name=CHECK_NAME,

@@ -20,7 +20,7 @@ import time
 
 import dagster as dg
 
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ def prune_runs(instance: dg.DagsterInstance, before: float, limit: int = PRUNE_B
 
 
 @dg.sensor(minimum_interval_seconds=RETENTION_SENSOR_INTERVAL, default_status=dg.DefaultSensorStatus.RUNNING)
-def retention_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SkipReason:
+def retention_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SkipReason:
     """Delete finished runs (and their event logs) older than VCHAN_DAGSTER_RETENTION_DAYS."""
-    days = vchan.settings().dagster_retention_days
+    days = vchan_env.settings().dagster_retention_days
     deleted = prune_runs(context.instance, time.time() - days * DAY)
     if deleted:
         log.info("deleted %d runs older than %s days", len(deleted), days)

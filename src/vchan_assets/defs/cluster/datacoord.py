@@ -26,7 +26,7 @@ import dagster as dg
 from vchan_assets.datacoord.coordinator import CoordinatorTick, DataCoordinator
 from vchan_assets.defs.cluster.cursor import SensorCursor
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS, SESSION_TTL_FLOOR
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.meta.errors import NotLeaderError
 from vchan_assets.meta.segment_cache import shared_segment_cache
@@ -126,10 +126,10 @@ def coordinator_sensor(min_session_ttl: float = SESSION_TTL_FLOOR) -> dg.SensorD
         minimum_interval_seconds=COORDINATOR_SENSOR_INTERVAL,
         default_status=dg.DefaultSensorStatus.RUNNING,
     )
-    def _sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+    def _sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
         """DataCoord (elected, like `vchan datacoord`): assign channels to live DataNodes,
         reassign those of dead nodes, seal segments by policy, recover Flushing segments."""
-        with vchan.open() as runtime:
+        with vchan_env.open() as runtime:
             step = coordinate(
                 runtime, CoordinatorCursor.parse(context.cursor), min_session_ttl=min_session_ttl
             )

@@ -50,7 +50,7 @@ from vchan_assets.datanode.channel import NodeContext
 from vchan_assets.datanode.node import is_end_state, watch_channel
 from vchan_assets.defs.cluster.cursor import SensorCursor
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, DAGSTER_ADDRESS, NODE_TAG, REASON_TAG, sync_job
@@ -235,8 +235,8 @@ def datanode_sensor(slot: str, min_session_ttl: float = SESSION_TTL_FLOOR) -> dg
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"DataNode slot {slot}: keeps the node's session alive, watches channelwatch/<node>/.",
     )
-    def _sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
-        with vchan.open() as runtime:
+    def _sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
+        with vchan_env.open() as runtime:
             tick = DagsterDataNode(runtime, slot, min_session_ttl).tick(NodeCursor.parse(context.cursor))
             loop_seconds = runtime.settings.dagster_sync_loop
         if tick.relisted:

@@ -9,7 +9,7 @@ import time
 import dagster as dg
 
 from vchan_assets.defs.checks import asset_checks, check_result, typed
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 from vchan_assets.imports.checks import check_no_existing_pks, check_rows_match_files
 from vchan_assets.imports.executor import ImportExecutor
 from vchan_assets.imports.files import FileSource
@@ -80,10 +80,10 @@ import_job = dg.define_asset_job(
 
 
 @dg.sensor(job=import_job, minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING)
-def import_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+def import_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """DataCoord automation: a run for every Pending job, and for a job without progress
     for VCHAN_IMPORT_TIMEOUT (its executor died); one run per job and attempt."""
-    with vchan.open() as runtime:
+    with vchan_env.open() as runtime:
         settings = runtime.settings
         jobs = [d.model for d in list_jobs(runtime.store)]
     now = time.time()

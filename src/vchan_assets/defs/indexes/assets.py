@@ -24,7 +24,7 @@ from vchan_assets.datacoord.tasks import held_back, list_tasks
 from vchan_assets.defs.checks import asset_checks, check_result, typed
 from vchan_assets.defs.lifecycle.assets import LIFECYCLE_GROUP, SORTED_SEGMENTS, lifecycle_elsewhere
 from vchan_assets.defs.partitions import VCHANNELS, vchannels
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.tasks import log_held, task_metadata
 from vchan_assets.indexes.engine import reader_session
@@ -123,13 +123,13 @@ INDEX_RUN_TAGS = {"vchan/index": "segment_indexes", "dagster/priority": "-1"}
 
 
 @dg.sensor(job=index_job, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
-def index_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+def index_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """A `segment_indexes` run for each vchannel whose sorted segments lack a build of a
     live index, whose builds wait Unissued, or whose failed builds' task may run again
     (`builds_due`: a task backing off or Failed waits for its time); run key: newest such
     segment, count and their tasks' newest etcd revision. None while a `vchan datacoord`
     process leads the election (its scheduler runs the builds)."""
-    with vchan.open() as runtime:
+    with vchan_env.open() as runtime:
         elsewhere = lifecycle_elsewhere(runtime.store)
         waiting: dict[str, tuple[int, int, int]] = {}
         if not elsewhere:

@@ -36,7 +36,7 @@ from vchan_assets.defs.checks import (
 )
 from vchan_assets.defs.cluster.datanodes import DAGSTER_ADDRESS
 from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels, vchannels_run_request
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
 from vchan_assets.defs.sync.sensor import IN_FLIGHT
@@ -187,7 +187,7 @@ sort_job = dg.GraphDefinition(name="sort", node_defs=[sort_segments]).to_job(
     minimum_interval_seconds=SORT_SENSOR_INTERVAL,
     default_status=dg.DefaultSensorStatus.RUNNING,
 )
-def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+def sort_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """Sort right after flush: one `sort` run for every vchannel with newly flushed unsorted
     segments whose sort task may run now (`sorts_due`: one backing off after a failed
     attempt, or Failed, waits for its time), none while a sort run is queued or running;
@@ -198,7 +198,7 @@ def sort_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg
     attempt, so what waits changed (or backs off)."""
     if context.instance.get_runs_count(dg.RunsFilter(job_name=sort_job.name, statuses=IN_FLIGHT)):
         return dg.SensorResult(skip_reason="a sort run is queued or running")
-    with vchan.open() as runtime:
+    with vchan_env.open() as runtime:
         elsewhere = lifecycle_elsewhere(runtime.store)
         due = [] if elsewhere else sorts_due(runtime.store, time.time())
         known = set(context.instance.get_dynamic_partitions(VCHANNELS))
@@ -305,14 +305,14 @@ lifecycle_job = dg.define_asset_job(
 
 
 @dg.sensor(job=lifecycle_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
-def lifecycle_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+def lifecycle_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """DataCoord automation: a lifecycle run every VCHAN_LIFECYCLE_INTERVAL (one at a time),
     unless a `vchan datacoord` process leads the election (it runs the same step)."""
-    with vchan.open() as runtime:
+    with vchan_env.open() as runtime:
         elsewhere = lifecycle_elsewhere(runtime.store)
     if elsewhere:
         return dg.SensorResult(skip_reason=elsewhere)
-    interval = vchan.settings().lifecycle_interval
+    interval = vchan_env.settings().lifecycle_interval
     last = float(context.cursor or 0)
     now = time.time()
     if now - last < interval:

@@ -36,7 +36,7 @@ from vchan_assets.defs.checks import (
 )
 from vchan_assets.defs.lifecycle.assets import COMPACTED_SEGMENTS, LIFECYCLE_GROUP, SORTED_SEGMENTS
 from vchan_assets.defs.partitions import VCHANNELS, VchannelsConfig, vchannels, vchannels_run_request
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource, VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SEGMENTS
 from vchan_assets.defs.sync.sensor import IN_FLIGHT
@@ -146,7 +146,7 @@ query_view_job = dg.GraphDefinition(name="query_view", node_defs=[query_views]).
     minimum_interval_seconds=VIEW_SENSOR_INTERVAL,
     default_status=dg.DefaultSensorStatus.RUNNING,
 )
-def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+def query_view_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """One view run for the vchannels whose segment meta changed since the sensor last asked
     for their view (the cursor: each vchannel's newest revision and count of segment meta),
     none while a view run is queued or running: the view runs grow with time (one per
@@ -159,7 +159,7 @@ def query_view_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource)
     seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
     for v in _last_failed_views(instance):
         seen.pop(v, None)
-    with vchan.open() as runtime:
+    with vchan_env.open() as runtime:
         changed = view_revisions(runtime.store)
         live = set(runtime.vchannels())
     known = set(instance.get_dynamic_partitions(VCHANNELS)) & live

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import dagster as dg
 
 from vchan_assets.defs.partitions import VCHANNELS, retry_key, vchannels
-from vchan_assets.defs.resources import VchanResource
+from vchan_assets.defs.resources import VchanEnvResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, sync_run_config
 from vchan_assets.defs.sync.jobs import (
@@ -131,10 +131,10 @@ def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
     minimum_interval_seconds=SYNC_SENSOR_INTERVAL,
     default_status=dg.DefaultSensorStatus.RUNNING,
 )
-def sync_sensor(context: dg.SensorEvaluationContext, vchan: VchanResource) -> dg.SensorResult:
+def sync_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """Request a sync of a vchannel partition when a sync policy fires."""
     looping = looping_nodes(context.instance)
-    with vchan.open() as runtime:
+    with vchan_env.open() as runtime:
         plans = plan_syncs(runtime, busy_channels(context.instance))
     plans = [p for p in plans if p.lease.node_id not in looping]
     plans = [replace(p, run_key=retry_key(context.instance, p.run_key)) for p in plans]
