@@ -131,13 +131,13 @@ def sensor_ticks(settings: Settings, ticks: int) -> list[float]:
     import dagster as dg
 
     from vchan_assets.defs.cluster.datacoord import datacoord_sensor
-    from vchan_assets.defs.resources import VchanResource
+    from vchan_assets.defs.resources import VchanEnvResource
 
-    vchan = VchanResource.from_settings(settings)
+    vchan_env = VchanEnvResource.from_settings(settings)
     seconds = []
     with dg.DagsterInstance.ephemeral() as instance:
         for _ in range(ticks):
-            context = dg.build_sensor_context(instance=instance, resources={"vchan": vchan})
+            context = dg.build_sensor_context(instance=instance, resources={"vchan_env": vchan_env})
             started = time.perf_counter()
             datacoord_sensor(context)
             seconds.append(time.perf_counter() - started)

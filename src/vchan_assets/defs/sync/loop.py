@@ -253,7 +253,7 @@ class AtTeardown(dg.ConfigurableResource):
     also when it was interrupted while Dagster (not the op) was running, where the op's
     generator sees nothing until it is closed, after the run. Resource `teardown` of the
     definitions; a resource of its own, as one with a teardown cannot be given to
-    `build_sensor_context` outside a `with` (as the sensors' `vchan` is)."""
+    `build_sensor_context` outside a `with` (as the sensors' `vchan_env` is)."""
 
     _callbacks: list[Callable[[], None]] = PrivateAttr(default_factory=list)
 
