@@ -64,15 +64,15 @@ def main() -> None:
     with bench_system("vchan-bench-ticks-") as (_, system), dg.DagsterInstance.ephemeral() as instance:
         settings = system.settings
         Producer(system).create_collection("ticks", SCHEMA, num_channels=2)
-        resources: dict[str, object] = {
-            "vchan": VchanResource.from_settings(settings),
-            "vchan_env": VchanEnvResource.from_settings(settings),
-        }
+        # Each evaluation builds only the resource its sensor takes, as the code server does.
+        runs = {"vchan": VchanResource.from_settings(settings)}
+        sensors = {"vchan_env": VchanEnvResource.from_settings(settings)}
         nodes = [datanode_sensor("1", min_session_ttl=0), datanode_sensor("2", min_session_ttl=0)]
         cursors: dict[str, str | None] = {node.name: None for node in nodes}
         coordinator: dict[str, str | None] = {"cursor": None}
 
         def tick(sensor: dg.SensorDefinition, cursor: str | None = None) -> object:
+            resources = runs if sensor is opens_with_vchan else sensors
             context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources)
             return sensor(context)
 

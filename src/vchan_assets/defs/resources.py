@@ -367,14 +367,15 @@ class VchanEnvResource(dg.ConfigurableResource):
     """The vchan system for the sensors: the settings `vchan` has, read from the code
     server's VCHAN_* environment at each evaluation, with no field per setting.
 
-    Dagster builds a sensor's resources at every evaluation, and building `VchanResource`
-    (one field per setting) costs ~65-90 ms of CPU: pydantic and Dagster's config schema go
-    over its fields once per field. With four sensors ticking every second that was most of
-    what the code server of an idle `vchan up` spent (~0.3 of a core). This resource builds
-    in ~5 ms. Runs and assets keep `vchan`, whose fields the UI shows with their sources.
+    Dagster builds a sensor's resources at every evaluation, and the build of
+    `VchanResource` (one field per setting) goes over its fields once per field in pydantic
+    and Dagster's config schema: measured by `bench.sensor_ticks`, a tick's resource and its
+    opening of the system cost 110 ms of CPU with `vchan`, 35 ms with this resource. Runs
+    and assets keep `vchan`, whose fields the UI shows with their sources.
     """
 
-    env: dict[str, str] | None = Field(
+    # Not named `env`: Dagster reads a config value {"env": NAME} as the variable NAME.
+    variables: dict[str, str] | None = Field(
         default=None,
         description="VCHAN_* variables to read instead of the code server's environment (unset in a deployment)",
     )
@@ -382,12 +383,12 @@ class VchanEnvResource(dg.ConfigurableResource):
     @classmethod
     def from_settings(cls, settings: Settings) -> VchanEnvResource:
         """`settings`, whatever the process environment holds."""
-        return cls(env=settings.to_env())
+        return cls(variables=settings.to_env())
 
     def settings(self) -> Settings:
-        """The settings of `env`, or of the process environment, validated by
+        """The settings of `variables`, or of the process environment, validated by
         `Settings.from_env` (ConfigError on a bad value)."""
-        return Settings.from_env(os.environ if self.env is None else self.env)
+        return Settings.from_env(os.environ if self.variables is None else self.variables)
 
     @contextmanager
     def open(self) -> Iterator[VchanRuntime]:
