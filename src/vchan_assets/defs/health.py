@@ -19,14 +19,14 @@ import dagster as dg
 
 from vchan_assets.datanode.checks import CheckOutcome, check_checkpoints_fresh
 from vchan_assets.defs.checks import typed
-from vchan_assets.defs.resources import VchanEnvResource, VchanResource
+from vchan_assets.defs.resources import OpensSystem, VchanEnvResource, VchanResource
 from vchan_assets.defs.sync.assets import CHANNEL_CHECKPOINTS
 
 CHECK_NAME = "checkpoints_fresh"
 FRESHNESS_INTERVAL = 60  # seconds between evaluations by the sensor
 
 
-def freshness(vchan: VchanResource | VchanEnvResource) -> CheckOutcome:
+def freshness(vchan: OpensSystem) -> CheckOutcome:
     """The check's outcome now, over every vchannel of every collection."""
     with vchan.open() as runtime:
         backlogs = [runtime.status(v, info).backlog for v, info in runtime.vchannels().items()]

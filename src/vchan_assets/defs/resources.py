@@ -27,7 +27,20 @@ from vchan_assets.defs.runtime import VchanRuntime, open_runtime
 from vchan_assets.spark.session import spark_conf
 
 
-class VchanResource(dg.ConfigurableResource):
+class OpensSystem:
+    """What both resources of the system do with their settings: open it for a run or a
+    sensor tick (`VchanRuntime`, closed when the block ends)."""
+
+    def settings(self) -> Settings:
+        raise NotImplementedError
+
+    @contextmanager
+    def open(self) -> Iterator[VchanRuntime]:
+        with open_runtime(self.settings()) as runtime:
+            yield runtime
+
+
+class VchanResource(OpensSystem, dg.ConfigurableResource):
     """The vchan system: etcd, object storage, Spark and every other setting.
 
     One field per row of the settings table (`settings.toml`, `config.VARIABLES`), named like
@@ -357,13 +370,8 @@ class VchanResource(dg.ConfigurableResource):
             {var.name: str(value) for var in VARIABLES if (value := getattr(self, var.field))}
         )
 
-    @contextmanager
-    def open(self) -> Iterator[VchanRuntime]:
-        with open_runtime(self.settings()) as runtime:
-            yield runtime
 
-
-class VchanEnvResource(dg.ConfigurableResource):
+class VchanEnvResource(OpensSystem, dg.ConfigurableResource):
     """The vchan system for the sensors: the settings `vchan` has, read from the code
     server's VCHAN_* environment at each evaluation, with no field per setting.
 
@@ -389,11 +397,6 @@ class VchanEnvResource(dg.ConfigurableResource):
         """The settings of `variables`, or of the process environment, validated by
         `Settings.from_env` (ConfigError on a bad value)."""
         return Settings.from_env(os.environ if self.variables is None else self.variables)
-
-    @contextmanager
-    def open(self) -> Iterator[VchanRuntime]:
-        with open_runtime(self.settings()) as runtime:
-            yield runtime
 
 
 def pyspark_resource(settings: Settings) -> PySparkResource:
