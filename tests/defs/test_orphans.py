@@ -1,5 +1,6 @@
-"""A STARTED run whose worker process died is marked failed and frees its vchannel; a run
-whose process never started is failed by run monitoring's start timeout, a slow start is not.
+"""A STARTED run whose worker process died is marked failed and frees its vchannel; so is a
+STARTING run whose code server died before it started the process. Run monitoring's start
+timeout fails a run that never started, and leaves a slow start alone.
 
 A real Dagster instance and real processes: the run's worker is a process that reported its
 pid the way Dagster's run worker does, then was killed -9."""
