@@ -71,10 +71,7 @@ class PkStats:
             found = pc.min_max(text)
             bounds = (found["min"].as_py(), found["max"].as_py()) if len(text) else (0, 0)
             hashed = text_keys(text)
-        n = max(int(len(hashed)), 1)
-        needed = max(64, int(math.ceil(-n * math.log(fpr) / (math.log(2) ** 2))))
-        k = max(1, round(needed / n * math.log(2)))
-        m = 1 << (needed - 1).bit_length()  # a power of two: positions by mask, not modulo
+        m, k = bloom_size(max(int(len(hashed)), 1), fpr)
         # One flag per bit, packed at the end (bit i is bit i % 8 of byte i // 8): an indexed
         # store per position instead of np.bitwise_or.at, several times slower per pk.
         flags = np.zeros(m, dtype=bool)
@@ -131,6 +128,20 @@ class PkStats:
             base64.b64decode(d["bits"]),
             d.get("hash", SIPHASH),
         )
+
+
+def bloom_size(n: int, fpr: float = FALSE_POSITIVE_RATE) -> tuple[int, int]:
+    """(m bits, k hash functions) of a bloom filter over `n` keys at false-positive rate
+    `fpr`. m is the optimal size rounded up to a power of two (positions by mask, not
+    modulo), so it has up to twice the bits the rate needs; k is then the fewest hash
+    functions that meet the rate in those bits (4-6 for most n, not the 10 of the unrounded
+    size): fewer positions to compute and set, at the same false-positive bound. A file
+    states its own m and k; readers use them."""
+    needed = max(64, math.ceil(-n * math.log(fpr) / (math.log(2) ** 2)))
+    m = 1 << (needed - 1).bit_length()
+    most = max(1, round(needed / n * math.log(2)))  # the optimum of the unrounded size
+    k = next((k for k in range(1, most) if (1 - math.exp(-k * n / m)) ** k <= fpr), most)
+    return m, k
 
 
 def _positions(keys: np.ndarray, m: int, k: int) -> list[np.ndarray]:
