@@ -72,7 +72,7 @@ from vchan_assets.model import (
 )
 from vchan_assets.spark import Engine
 from vchan_assets.storage import Storage
-from vchan_assets.storage.rows import DELETE_COLUMNS, delete_paths, read_files
+from vchan_assets.storage.rows import DELETE_COLUMNS, delete_paths, delete_paths_by_partition, read_files
 from vchan_assets.system import System
 
 log = logging.getLogger(__name__)
@@ -160,15 +160,21 @@ def mix_candidates(
         )
         out += [Candidate(CompactionType.MIX, (d,), "delete ratio") for d in heavy]
         rewritten = {d.model.id for d in heavy}
-        expired = [
-            d
-            for d in members
-            if d.model.id not in rewritten and (expired_ratio or {}).get(d.model.id, 0.0) > delete_threshold
-        ]
+        expired = (
+            [
+                d
+                for d in members
+                if d.model.id not in rewritten and expired_ratio.get(d.model.id, 0.0) > delete_threshold
+            ]
+            if expired_ratio
+            else []
+        )
         out += [Candidate(CompactionType.MIX, (d,), "expired rows (TTL)") for d in expired]
         rewritten |= {d.model.id for d in expired}
         below = small_proportion * max_rows
-        small = [d for d in members if d.model.num_rows < below and d.model.id not in rewritten]
+        small = [d for d in members if d.model.num_rows < below]
+        if rewritten:
+            small = [d for d in small if d.model.id not in rewritten]
         for tier in size_tiers(small, tier_factor):
             for batch in _pack(_by_id(tier), max_rows) if len(tier) > 1 else []:
                 if len(batch) > 1:
@@ -210,12 +216,13 @@ def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int
     """Per Flushed segment: the deletes of its partition that may hit it (pk range and
     bloom filter of its stats logs) over its rows: an upper estimate, as Milvus'."""
     out: dict[int, float] = {}
+    paths = delete_paths_by_partition(segments)  # (one pass: most partitions have none)
     by_partition: dict[int, Any] = {}
     for seg in segments:
-        if not compactable(seg) or not seg.statslogs:
+        if seg.partition_id not in paths or not compactable(seg) or not seg.statslogs:
             continue
         if seg.partition_id not in by_partition:
-            deletes = read_files(storage, delete_paths(segments, seg.partition_id), columns=DELETE_COLUMNS)
+            deletes = read_files(storage, paths[seg.partition_id], columns=DELETE_COLUMNS)
             by_partition[seg.partition_id] = None if deletes is None else deletes["pk"].to_numpy()
         pks = by_partition[seg.partition_id]
         if pks is None:
@@ -330,7 +337,7 @@ class CompactionTrigger:
         busy = busy_segments(list_plans(self.store))
         if kind is not CompactionType.L0:  # what their sort failed on would fail these plans too
             busy = busy | set(held)
-        free = [d for d in found if d.model.id not in busy]
+        free = [d for d in found if d.model.id not in busy] if busy else found
         if flushed_before is not None and kind is not CompactionType.L0:  # fresh flushes: the stats task's
             free = [
                 d

@@ -114,13 +114,16 @@ def delete_paths(segments: Sequence[SegmentInfo], partition_id: int) -> list[str
     nor still Importing (an upsert's deletes apply once its job commits, with its rows: a
     read or a compaction that applied them before would lose the rows they replace if
     the import then fails)."""
-    return [
-        b.path
-        for seg in segments
-        if seg.partition_id == partition_id
-        and seg.state not in (SegmentState.DROPPED, SegmentState.IMPORTING)
-        for b in seg.deltalogs
-    ]
+    return delete_paths_by_partition(segments).get(partition_id, [])
+
+
+def delete_paths_by_partition(segments: Sequence[SegmentInfo]) -> dict[int, list[str]]:
+    """`delete_paths` of every partition that has any, in one pass over `segments`."""
+    out: dict[int, list[str]] = {}
+    for seg in segments:
+        if seg.deltalogs and seg.state not in (SegmentState.DROPPED, SegmentState.IMPORTING):
+            out.setdefault(seg.partition_id, []).extend(b.path for b in seg.deltalogs)
+    return out
 
 
 def apply_deletes_to(rows: pa.Table, deletes: pa.Table, pk: str) -> pa.Table:
