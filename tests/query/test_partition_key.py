@@ -21,10 +21,11 @@ from vchan_assets.imports.files import FileSource
 from vchan_assets.imports.jobs import KEY_PARTITIONS, ImportState
 from vchan_assets.model import CollectionInfo, CollectionSchema, DataType, SegmentLevel
 from vchan_assets.query.filters import key_partitions_of
+from vchan_assets.storage import StorageError
 from vchan_assets.system import System
 from vchan_assets.testing.harness import VCHAN, cli_env, segments
 from vchan_assets.testing.import_files import run_import, write_parquet
-from vchan_assets.testing.steps import sync_all
+from vchan_assets.testing.steps import reads, sync_all, write_segments
 from vchan_assets.wal.producer import Producer, generate_rows
 
 TENANTS = CollectionSchema.build(
@@ -85,6 +86,32 @@ def test_reads_and_searches_on_a_key_open_only_its_partition(
     assert len(hits) == 40 and set(hits["tenant"]) == {"t3"}
     with pytest.raises(Exception):  # noqa: B017 (the point: a whole read touches the files removed)
         catalog.read_collection(info.name)
+
+
+def test_a_search_on_a_key_lists_only_its_partitions_meta(
+    system: System, tenants: tuple[CollectionInfo, pa.Table]
+) -> None:
+    """The plan of a search pruned by the key lists the kept partition's segments, dropped
+    records and index builds, not the collection's: 300 segments written to another
+    partition (meta only: their files do not exist) add no key to what it reads."""
+    info, _ = tenants
+    other = info.partitions[0]
+    tenant = next(f"t{i}" for i in range(10) if key_partitions_of(info, f"tenant == 't{i}'") != {other})
+    catalog = Catalog(system)
+
+    def search() -> pa.Table:
+        query = np.ones(4, dtype=np.float32)
+        return catalog.search(info.name, query, k=50, filter=f"tenant == '{tenant}'", as_arrow=True)
+
+    before = search()
+    keys_before, _ = reads(system.store, search)
+    write_segments(system.store, info, info.vchannels[0], 300, first=50_000_000)
+    assert {s.partition_id for s in segments(system.store, info) if s.id >= 50_000_000} == {other}
+    keys_after, _ = reads(system.store, search)
+    assert keys_after <= keys_before + 2, (keys_before, keys_after)  # not the 300 segments
+    assert search().equals(before) and before.num_rows >= 39  # (40 rows a tenant, pks 0 and 1 deleted)
+    with pytest.raises(StorageError, match="50000000"):  # an unpruned search lists them, opens them
+        catalog.search(info.name, np.ones(4, dtype=np.float32), k=5)
 
 
 def test_a_partition_key_collection_has_no_partitions_of_its_own(

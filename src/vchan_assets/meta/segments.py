@@ -306,14 +306,32 @@ class SegmentMeta:
         return self.store.keys.segment(collection, partition, segment)
 
     def list_with(
-        self, collection: int, prefixes: Sequence[str], skip_malformed: bool = False
+        self,
+        collection: int,
+        prefixes: Sequence[str],
+        skip_malformed: bool = False,
+        partitions: tuple[Sequence[int], Sequence[str]] | None = None,
     ) -> tuple[builtins.list[Decoded[SegmentInfo]], builtins.list[builtins.list[KeyValue]]]:
         """The collection's segments, the Dropped ones included (a read at a past timestamp
         serves a segment dropped after it), and the keys under each of `prefixes`, all read
-        at one revision (a read's segments and the indexes of those very segments)."""
-        live, dropped, *others = self.store.list_prefixes(
-            [self.prefix(collection), self.dropped_prefix(collection), *prefixes]
-        )
+        at one revision (a read's segments and the indexes of those very segments).
+        `partitions`: (partition ids, the collection's vchannels): only those partitions'
+        segments, read by their own ranges (a partition's live range, and its range in each
+        vchannel's dropped records), not the collection's."""
+        if partitions is None:
+            ranges = [[self.prefix(collection)], [self.dropped_prefix(collection)]]
+        else:
+            ids, vchannels = partitions
+            family = self.store.keys.dropped_segment
+            ranges = [
+                [self.prefix(collection, p) for p in ids],
+                [family.under(collection, v, p) for v in vchannels for p in ids],
+            ]
+        listed = self.store.list_prefixes([*ranges[0], *ranges[1], *prefixes])
+        split = len(ranges[0]) + len(ranges[1])
+        live = [kv for items in listed[: len(ranges[0])] for kv in items]
+        dropped = [kv for items in listed[len(ranges[0]) : split] for kv in items]
+        others = listed[split:]
         gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)  # (not the cache's)
         found = [*self._select(live, None, None, skip_malformed), *gone]
         return sorted(found, key=lambda d: self._live_key_of(d.kv.key)), others

@@ -37,7 +37,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -226,21 +226,37 @@ class MetaAt:
     builds: list[Decoded[SegmentIndex]]  # every segment index build (when asked for)
 
 
-def meta_at(store: MetaStore, info: CollectionInfo, ts: int, builds: bool = False) -> MetaAt:
+def meta_at(
+    store: MetaStore,
+    info: CollectionInfo,
+    ts: int,
+    builds: bool = False,
+    partitions: Collection[int] | None = None,
+) -> MetaAt:
     """The collection's segment meta as it stood at `ts` (`segments_at`) and the query views
     over it (a mix output replaces its inputs if it was ready at `ts`: `view.index_ready`).
     The channel checkpoints are read first (`view.read_checkpoints`: a sync committing in
     between would otherwise lose rows), then the segments, the live indexes and (`builds`)
     the index builds at one revision (`SegmentMeta.list_with`, paged reads), so the indexes
-    and builds a search uses are those of the segments it lists."""
+    and builds a search uses are those of the segments it lists. `partitions`: only the
+    segments and builds of those partitions are read (a search that a filter on the
+    partition key prunes reads its partitions' keys, not the collection's: their views hold
+    only those partitions' segments)."""
     checkpoints = read_checkpoints(store, info.vchannels)
     failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
     keys = store.keys
-    prefixes = [keys.field_index.under(info.id), *([keys.segment_index.under(info.id)] if builds else [])]
-    listed, others = SegmentMeta(store).list_with(info.id, prefixes, skip_malformed=True)
+    chosen = None if partitions is None else sorted(partitions)
+    if chosen is None:
+        build_ranges = [keys.segment_index.under(info.id)]
+    else:
+        build_ranges = [keys.segment_index.under(info.id, p) for p in chosen]
+    prefixes = [keys.field_index.under(info.id), *(build_ranges if builds else [])]
+    listed, others = SegmentMeta(store).list_with(
+        info.id, prefixes, True, None if chosen is None else (chosen, info.vchannels)
+    )
     segments = segments_at([d.model for d in listed], ts)
     indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
-    found = store.decode_models(others[1], SegmentIndex, True) if builds else []
+    found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)
     views = collection_views(store, info, segments, checkpoints, ts, indexes)
     return MetaAt(segments, views, indexes, found)
 

@@ -47,17 +47,15 @@ import pyarrow.compute as pc
 from vchan_assets.datacoord.read_pins import pin_or_lost, shared_pin
 from vchan_assets.indexes.engine import OURS
 from vchan_assets.model import CollectionInfo, IndexEngine
-from vchan_assets.query.asof import meta_at, replanned, resolve_as_of
+from vchan_assets.query.asof import replanned, resolve_as_of
 from vchan_assets.query.search import (
     Fallback,
     SearchError,
-    SearchPlan,
     SearchRequest,
     SegmentPart,
-    check_request,
     finish,
     merge_hits,
-    plan_search,
+    planned,
     search_segment,
 )
 from vchan_assets.query.search_options import SearchOptions
@@ -177,13 +175,9 @@ def search_table(
     options = options or SearchOptions()
     ts = resolve_as_of(system.store, system.settings, options.as_of)
 
-    def planned() -> tuple[SearchRequest, SearchPlan]:
-        meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
-        request = check_request(system, info, vectors, options, meta.indexes)
-        return request, plan_search(system, info, request, meta, ts)
-
     with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        request, plan = replanned(planned)  # the log tails are read while planning
+        # (the log tails are read while planning)
+        request, plan = replanned(lambda: planned(system, info, vectors, options, ts))
         slices = max(1, int(spark.conf.get("spark.default.parallelism", "0") or 0) or _cores(spark))
         tasks = plan_tasks(plan.parts, request.queries.shape[0], by, slices)
         inputs = TaskInputs(system.storage, request, engine, tuple(tasks))

@@ -183,13 +183,9 @@ def search(
     options = options or SearchOptions()
     ts = resolve_as_of(system.store, system.settings, options.as_of)
 
-    def planned() -> tuple[SearchRequest, SearchPlan]:
-        meta = meta_at(system.store, info, ts, builds=True)  # checkpoints before segments
-        request = check_request(system, info, vectors, options, meta.indexes)
-        return request, plan_search(system, info, request, meta, ts)
-
     with shared_pin(system.store, system.settings, info.id, ts) as pin, pin_or_lost(system.store, pin):
-        request, plan = replanned(planned)  # the log tails are read while planning
+        # (the log tails are read while planning)
+        request, plan = replanned(lambda: planned(system, info, vectors, options, ts))
         hits = plan.tail_hits(request)
         fallbacks = []
         for part in plan.parts:
@@ -378,6 +374,18 @@ class SearchPlan:
             allowed = _allowed(request, rows, deletes, self.ts, self.expired_before)
             hits += _exact(request, rows, _vectors(request.field, rows[request.field.name]), allowed)
         return hits
+
+
+def planned(
+    system: System, info: CollectionInfo, vectors: Any, options: SearchOptions, ts: int
+) -> tuple[SearchRequest, SearchPlan]:
+    """The search checked and planned from the meta listed at `ts` (the checkpoints before
+    the segments: `meta_at`). A filter on the partition key lists only the partitions it
+    keeps: their segments, their dropped records and their index builds."""
+    partitions = key_partitions_of(info, options.filter)
+    meta = meta_at(system.store, info, ts, builds=True, partitions=partitions)
+    request = check_request(system, info, vectors, options, meta.indexes)
+    return request, plan_search(system, info, request, meta, ts)
 
 
 def plan_search(
