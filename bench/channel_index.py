@@ -4,9 +4,10 @@ segment index against the collection's listing filtered (what every sync did bef
     .venv/bin/python -m bench.channel_index [--sizes 1000 20000 100000] [--old-up-to 20000]
         [--plan-up-to 100000]
 
-A collection of 2 vchannels on a real etcd: vchannel A holds 1 flushed segment of 200 rows
-(synced), vchannel B holds N synthetic flushed segments (realistic values, ~1.9 KB each,
-written straight to etcd with their index entries). For each N, on A:
+A collection of 2 vchannels and 2 partitions on a real etcd: 200 rows in `_default` and 200
+in a second partition, flushed and synced (a segment of each partition on each vchannel);
+then vchannel B gets N synthetic flushed segments in `_default` (realistic values, ~1.9 KB
+each, written straight to etcd with their index entries). For each N, on A:
 
 - its listing, `SegmentMeta(store).list(collection, vchannel=A)`: the keys and bytes etcd
   returned (`MetaStore.keys_read`, `bytes_read`) and the seconds;
@@ -16,7 +17,10 @@ written straight to etcd with their index entries). For each N, on A:
 - through the index only, for N up to `--plan-up-to`: a search's plan of the collection
   (`meta_at` at a new timestamp: every live segment of both vchannels, the Dropped ones and
   the index builds, at one revision): the same figures. A search covers every segment of the
-  collection, so this one grows with N.
+  collection, so this one grows with N;
+- the same plan pruned to one partition (`meta_at(..., partitions=...)`, what a search whose
+  filter names a partition key's value plans): the collection's second partition holds 200
+  rows (synced with A's) and none of B's N segments, which are in `_default`.
 
 Both through the index, and for N up to `--old-up-to` through the collection's listing
 (the index's mark removed: how a stack without the index reads). The target:
@@ -43,7 +47,10 @@ from vchan_assets.query.view import read_query_view
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
 from vchan_assets.testing.steps import sync_all, write_segments
-from vchan_assets.wal.producer import Producer
+from vchan_assets.wal.producer import Producer, generate_rows
+
+# The partition the pruned plan reads: 200 rows, none of B's segments.
+TENANT = "tenant"
 
 
 def measured(store: MetaStore, work: Any) -> tuple[int, int, float]:
@@ -56,9 +63,12 @@ def measured(store: MetaStore, work: Any) -> tuple[int, int, float]:
 def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, Any]]:
     store = system.store
     producer = Producer(system)
-    info = producer.create_collection(f"c{uuid.uuid4().hex[:6]}", SCHEMA, num_channels=2)
+    info = producer.create_collection(
+        f"c{uuid.uuid4().hex[:6]}", SCHEMA, partitions=("_default", TENANT), num_channels=2
+    )
     a, b = info.vchannels
     produce(producer, info.name, Produced(), 200, start_pk=0)
+    producer.insert(info.name, generate_rows(SCHEMA, 200, start_pk=500_000), partition=TENANT)
     producer.flush(info.name)
     sync_all(system, info)
     started = time.perf_counter()
@@ -89,6 +99,20 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
             if plan and path == "index"
             else None
         )
+        pruned = (
+            measured(
+                store,
+                lambda: meta_at(
+                    store,
+                    info,
+                    resolve_as_of(store, system.settings, None),
+                    builds=True,
+                    partitions={info.partitions[1]},
+                ),
+            )
+            if plan and path == "index"
+            else None
+        )
         row = {
             "segments_on_b": n,
             "segment_meta_mib": round(meta_bytes / 2**20, 1),
@@ -105,6 +129,15 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
             **(
                 {"plan_keys": planned[0], "plan_bytes": planned[1], "plan_ms": round(planned[2] * 1000, 1)}
                 if planned
+                else {}
+            ),
+            **(
+                {
+                    "pruned_plan_keys": pruned[0],
+                    "pruned_plan_bytes": pruned[1],
+                    "pruned_plan_ms": round(pruned[2] * 1000, 1),
+                }
+                if pruned
                 else {}
             ),
             "load_1m": round(os.getloadavg()[0], 1),
@@ -136,7 +169,12 @@ def main() -> None:
     smallest, largest = min(by_size), max(by_size)
     ratios = {
         f"{what}_ratio_largest_over_smallest": round(by_size[largest][key] / by_size[smallest][key], 3)
-        for what, key in (("sync", "sync_ms"), ("view", "view_ms"), ("plan", "plan_ms"))
+        for what, key in (
+            ("sync", "sync_ms"),
+            ("view", "view_ms"),
+            ("plan", "plan_ms"),
+            ("pruned_plan", "pruned_plan_ms"),
+        )
         if key in by_size[largest] and key in by_size[smallest]
     }
     print(f"A at {largest:,} / at {smallest:,} segments on B: {ratios}")
