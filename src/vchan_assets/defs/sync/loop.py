@@ -32,10 +32,13 @@ session and graceful stop came to be as they are: docs/dagster.md.
 import contextlib
 import faulthandler
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
+from typing import Any, TypeVar
 
 import dagster as dg
 from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
@@ -54,6 +57,7 @@ from vchan_assets.meta.errors import LeaseLostError, MetaError, SyncSupersededEr
 from vchan_assets.model import NodeSession, SessionState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LOOP_RUNNING = "sync loop running"  # the loop run's log line once it syncs (sessions up)
 LOOP_POLL_SECONDS = 0.5  # between two looks at the node's channels when none needed a sync
@@ -82,6 +86,51 @@ class LoopConfig(dg.Config):
     poll_seconds: float = LOOP_POLL_SECONDS
 
 
+class DaemonWorker:
+    """One daemon thread that runs the calls submitted to it in order: a one-thread
+    executor that the process's exit does not wait for. Python joins the threads of every
+    `ThreadPoolExecutor` at exit, so a report or an abandoned sync stuck in an etcd or Spark
+    call kept a leaving loop's run worker alive long after its node had left; what such a
+    call would have done is dropped by `leave` (reports) or fenced by the channel lease
+    (a sync), as when the process is killed."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the caller's to see, through its future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """No more calls after those queued (`cancel_futures`: those not started are
+        cancelled); `wait`: until the thread has run them."""
+        while cancel_futures:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+
 class NodeSyncLoop:
     """The loop's body without Dagster's op around it: `step()` syncs every channel of the
     node whose sync policy fires, `ready()` returns the events of the syncs reported so far."""
@@ -106,11 +155,11 @@ class NodeSyncLoop:
         # A sync's report (its metadata and four checks, two of which read every binlog of the
         # channel) is made on this thread, in sync order, so the loop goes back to its channels
         # right after each commit: a change that lands meanwhile does not wait for the checks.
-        self.reports = ThreadPoolExecutor(1, thread_name_prefix="sync reports")
+        self.reports = DaemonWorker("sync reports")
         self.pending: deque[Future[list[ReportedEvent]]] = deque()
         # Each sync runs on this thread while the op's thread waits for it: a signal (raised
         # in the op's thread) interrupts the wait, not the sync (`leave`).
-        self.syncer = ThreadPoolExecutor(1, thread_name_prefix="node sync")
+        self.syncer = DaemonWorker("node sync")
         self.in_flight: Future[SyncResult] | None = None
         self.closed = False
 
