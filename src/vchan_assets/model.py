@@ -755,6 +755,23 @@ class SegmentInfo(Record):
         return sum(b.size_bytes for g in self.binlogs for b in g.logs)
 
     @cached_property
+    def summary_row(self) -> tuple[tuple[str, SegmentState, SegmentLevel], tuple[int, ...]]:
+        """Its group in the DataCoord's segment summary, (vchannel, state, level), and what
+        it adds to the group's counts: segments, rows, insert binlog bytes, sorted,
+        invisible, compacted (computed once per decoded record: the summary adds them up
+        over every segment at each reload, most of them unchanged since the last)."""
+        invisible = self.is_invisible and self.state is not SegmentState.DROPPED
+        counts = (
+            1,
+            self.num_rows,
+            self.binlog_bytes,
+            int(self.is_sorted),
+            int(invisible),
+            int(bool(self.compaction_from)),
+        )
+        return (self.vchannel, self.state, self.level), counts
+
+    @cached_property
     def flush_to_sorted(self) -> float | None:
         """Seconds from the flush that left it invisible to the commit of the sort that
         replaced it (None unless its sort replaced it)."""

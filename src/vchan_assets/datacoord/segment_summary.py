@@ -54,6 +54,7 @@ LATENCY_RATIO = 2 ** (1 / 16)
 LATENCY_FLOOR = 0.01  # seconds
 
 COUNTS = ("segments", "rows", "binlog_bytes", "sorted", "invisible", "compacted")
+INVISIBLE = COUNTS.index("invisible")
 
 
 def latency_bucket(seconds: float) -> int:
@@ -88,31 +89,35 @@ def summarize(
     segments: Iterable[SegmentInfo], collections: Iterable[int], revision: int, now: float
 ) -> dict[int, SegmentSummary]:
     """The summary of each collection of `collections` and of each the segments belong to."""
-    # per collection, per (vchannel, state, level): the COUNTS in their order, in plain lists
-    # (this runs over every segment at each reload that saw a change)
-    groups: dict[int, dict[tuple[str, SegmentState, SegmentLevel], list[int]]] = {c: {} for c in collections}
+    # per collection, per (vchannel, state, level): each segment's counts, added up column
+    # by column at the end (this runs over every segment at each reload that saw a change;
+    # each record's row is computed once per version: `SegmentInfo.summary_row`)
+    rows: dict[int, dict[tuple[str, SegmentState, SegmentLevel], list[tuple[int, ...]]]] = {
+        c: {} for c in collections
+    }
     waiting: dict[int, list[InvisibleSegment]] = {}
     latency: dict[int, Counter[int]] = {}
     for seg in segments:
-        invisible = seg.is_invisible and seg.state is not SegmentState.DROPPED
-        key = (seg.vchannel, seg.state, seg.level)
-        by = groups.setdefault(seg.collection_id, {})
-        counts = by.get(key)
-        if counts is None:
-            counts = by[key] = [0] * len(COUNTS)
-        counts[0] += 1
-        counts[1] += seg.num_rows
-        counts[2] += seg.binlog_bytes
-        counts[3] += seg.is_sorted
-        counts[4] += invisible
-        counts[5] += bool(seg.compaction_from)
-        if invisible and seg.flushed_at is not None:
+        key, counts = seg.summary_row
+        by = rows.get(seg.collection_id)
+        if by is None:
+            by = rows[seg.collection_id] = {}
+        group = by.get(key)
+        if group is None:
+            by[key] = [counts]
+        else:
+            group.append(counts)
+        if counts[INVISIBLE] and seg.flushed_at is not None:
             waiting.setdefault(seg.collection_id, []).append(
                 InvisibleSegment(seg.id, seg.vchannel, seg.flushed_at)
             )
         took = seg.flush_to_sorted
         if took is not None:
             latency.setdefault(seg.collection_id, Counter())[latency_bucket(took)] += 1
+    groups = {
+        cid: {key: [sum(column) for column in zip(*group, strict=True)] for key, group in by.items()}
+        for cid, by in rows.items()
+    }
     return {
         cid: SegmentSummary(
             cid,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,44 +142,53 @@ def mix_candidates(
     waits until enough smaller ones grew to its size). A segment with more deleted rows
     than the threshold, or more rows a TTL expired (`expired_ratio`), is rewritten alone,
     those rows' bytes reclaimed."""
-    groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
-    for d in segments:
-        if compactable(d.model):
-            groups[(d.model.partition_id, d.model.vchannel)].append(d)
+    if manual:
+        return [
+            Candidate(CompactionType.MIX, tuple(b), "manual")
+            for members in _by_partition_and_vchannel(d for d in segments if compactable(d.model))
+            for b in _pack(_by_id(members), max_rows)
+        ]
+    below = small_proportion * max_rows
+    heavy_ids = {i for i, ratio in delete_ratio.items() if ratio > delete_threshold}
+    expired_ids = {i for i, ratio in (expired_ratio or {}).items() if ratio > delete_threshold} - heavy_ids
+    # One pass over the collection for the segments a rule can pick (at each step: most
+    # segments are none of them), then the rules group by group.
+    picked = (
+        d
+        for d in segments
+        if (d.model.num_rows < below or d.model.id in heavy_ids or d.model.id in expired_ids)
+        and compactable(d.model)
+    )
     out = []
-    for members in groups.values():
-        if manual:
-            out += [
-                Candidate(CompactionType.MIX, tuple(b), "manual") for b in _pack(_by_id(members), max_rows)
-            ]
-            continue
-        heavy = (
-            [d for d in members if delete_ratio.get(d.model.id, 0.0) > delete_threshold]
-            if delete_ratio
-            else []
-        )
-        out += [Candidate(CompactionType.MIX, (d,), "delete ratio") for d in heavy]
-        rewritten = {d.model.id for d in heavy}
-        expired = (
-            [
-                d
-                for d in members
-                if d.model.id not in rewritten and expired_ratio.get(d.model.id, 0.0) > delete_threshold
-            ]
-            if expired_ratio
-            else []
-        )
-        out += [Candidate(CompactionType.MIX, (d,), "expired rows (TTL)") for d in expired]
-        rewritten |= {d.model.id for d in expired}
-        below = small_proportion * max_rows
-        small = [d for d in members if d.model.num_rows < below]
-        if rewritten:
-            small = [d for d in small if d.model.id not in rewritten]
+    for members in _by_partition_and_vchannel(picked):
+        out += [
+            Candidate(CompactionType.MIX, (d,), "delete ratio") for d in members if d.model.id in heavy_ids
+        ]
+        out += [
+            Candidate(CompactionType.MIX, (d,), "expired rows (TTL)")
+            for d in members
+            if d.model.id in expired_ids
+        ]
+        small = [
+            d
+            for d in members
+            if d.model.num_rows < below and d.model.id not in heavy_ids and d.model.id not in expired_ids
+        ]
         for tier in size_tiers(small, tier_factor):
             for batch in _pack(_by_id(tier), max_rows) if len(tier) > 1 else []:
                 if len(batch) > 1:
                     out.append(Candidate(CompactionType.MIX, tuple(batch), "small segments of one size tier"))
     return out
+
+
+def _by_partition_and_vchannel(
+    segments: Iterable[Decoded[SegmentInfo]],
+) -> Iterable[list[Decoded[SegmentInfo]]]:
+    """The segments grouped by (partition, vchannel), each group in the order given."""
+    groups: dict[tuple[int, str], list[Decoded[SegmentInfo]]] = defaultdict(list)
+    for d in segments:
+        groups[(d.model.partition_id, d.model.vchannel)].append(d)
+    return groups.values()
 
 
 def _by_id(members: Sequence[Decoded[SegmentInfo]]) -> list[Decoded[SegmentInfo]]:
@@ -199,7 +208,7 @@ def _pack(members: list[Decoded[SegmentInfo]], max_rows: int) -> list[list[Decod
     return batches
 
 
-def expired_ratios(segments: Sequence[SegmentInfo], expire_before: int) -> dict[int, float]:
+def expired_ratios(segments: Iterable[SegmentInfo], expire_before: int) -> dict[int, float]:
     """Per segment: the share of its rows a TTL expired, from its insert binlogs' timestamp
     ranges (a binlog counts once its newest row expired: no file is read)."""
     if not expire_before:
@@ -217,6 +226,8 @@ def delete_ratios(storage: Storage, segments: Sequence[SegmentInfo]) -> dict[int
     bloom filter of its stats logs) over its rows: an upper estimate, as Milvus'."""
     out: dict[int, float] = {}
     paths = delete_paths_by_partition(segments)  # (one pass: most partitions have none)
+    if not paths:
+        return out
     by_partition: dict[int, Any] = {}
     for seg in segments:
         if seg.partition_id not in paths or not compactable(seg) or not seg.statslogs:
@@ -358,7 +369,7 @@ class CompactionTrigger:
                 self.settings.compaction_delete_ratio,
                 manual,
                 self.settings.compaction_tier_factor,
-                expired_ratios([d.model for d in free], expire_before),
+                expired_ratios((d.model for d in free), expire_before),  # (no pass without a TTL)
             )
         else:
             checkpoints = {v: channel_checkpoint(self.store, v) for v in collection.vchannels}
