@@ -6,6 +6,7 @@ gone, a listing fails as it does without the cache instead of answering from a s
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -177,6 +178,33 @@ def test_the_datacoords_reload_seal_and_lifecycle_scans_read_no_segment_value_fr
         assert cached.bytes_read - read < meta_bytes / 10, "segment values were read from etcd"
     finally:
         coordinator.election.resign()
+
+
+def test_the_first_reload_of_a_load_freezes_the_decoded_records_out_of_garbage_collection(
+    settings: Settings, store: MetaStore, cached: MetaStore, producer: Producer
+) -> None:
+    """A full garbage collection walks every tracked object, and the decoded meta of
+    100,000 segments is millions of them (2 s a pass): the DataCoord's first reload of a
+    load, which decodes every record, moves them out of the collector's sight. A record
+    decoded later (a change) is collected as usual until the next load."""
+    info = new_collection(producer)
+    write_segments(store, info, info.vchannels[0], 20, first=1_000)
+    coordinator = DataCoordinator(settings, cached, reload_interval=0.0)
+    assert coordinator.election.campaign(timeout=5.0)
+    try:
+        coordinator.tick()  # (the term's first reload: at activation)
+        loaded = [d.model for d in SegmentMeta(cached).list(info.id)]
+        assert len(loaded) == 20
+        tracked = {id(o) for o in gc.get_objects()}  # the collector's generations, not the frozen one
+        assert not any(id(seg) in tracked for seg in loaded), "the loaded records are still collected"
+
+        write_segments(store, info, info.vchannels[1], 1, first=2_000)
+        assert coordinator.tick().reloaded
+        (new,) = [d.model for d in SegmentMeta(cached).list(info.id, vchannel=info.vchannels[1])]
+        assert any(o is new for o in gc.get_objects()), "a record decoded after the load was frozen"
+    finally:
+        coordinator.election.resign()
+        gc.unfreeze()
 
 
 def test_a_cached_reload_repairs_the_index_entries_of_what_changed_without_listing_the_index(

@@ -24,6 +24,7 @@ rather than after a build of minutes whose commit its ended term would refuse an
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -72,6 +73,7 @@ class MetaReloader:
     # last reload, so the next repairs only what was created or deleted since (a full
     # repair at the first reload of a term and every FULL_REPAIR_EVERY reloads).
     entries: dict[str, str] | None = None
+    frozen_load: int = 0  # the segment cache's load whose records were last frozen
 
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded (also when only a collection lacked
@@ -92,7 +94,29 @@ class MetaReloader:
         segment_summary.write_summaries(self.store, found, listing.revision)
         self.seen = seen
         self.reloads += 1
+        self._freeze_loaded()
         return True
+
+    def _freeze_loaded(self) -> None:
+        """After the first reload of each segment cache load, which decoded every record:
+        garbage collected, then every object left moved out of the collector's sight
+        (`gc.freeze`). A full collection walks every tracked object, and the decoded meta
+        of 100,000 segments is millions of them: 2 s a pass on the machine of BENCHMARKS.md,
+        a DataCoord step stalled whenever allocations tripped one. The records hold no
+        reference cycles, so reference counting still frees each when a later version or
+        a relist replaces it; the frozen generation only shrinks from there."""
+        cache = self.store.segment_cache
+        if cache is None or cache.loads == self.frozen_load:
+            return
+        started = time.monotonic()
+        gc.collect()
+        gc.freeze()
+        self.frozen_load = cache.loads
+        log.info(
+            "segment meta frozen out of garbage collection: %d objects (%.2fs)",
+            gc.get_freeze_count(),
+            time.monotonic() - started,
+        )
 
     def _repair_from_cache(self, door: SegmentMeta, listing: Snapshot) -> None:
         if self.entries is None or self.reloads % FULL_REPAIR_EVERY == 0:

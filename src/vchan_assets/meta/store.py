@@ -208,6 +208,8 @@ class Fence:
 class SegmentCopy(Protocol):
     """Segment meta held in memory, as fresh as etcd (`meta.segment_cache.SegmentCache`)."""
 
+    loads: int  # the loads of the prefixes so far (the first, then each after a compaction)
+
     def snapshot(self, prefix: str) -> Snapshot | None:
         """The keys under `prefix` in key order, or None when the copy cannot prove it is
         current (the caller reads etcd)."""
