@@ -185,7 +185,10 @@ class _Lineage:
 
     def resolve(self, pending: set[int]) -> set[int]:
         for seg_id in sorted(self.flushed | pending):
-            self._serve(seg_id, pending)
+            if self.own[seg_id].compaction_from:
+                self._serve(seg_id, pending)
+            else:  # (most segments: no lineage to resolve, never pending)
+                self.served.add(seg_id)
         return self.served
 
     def _serve(self, seg_id: int, pending: set[int]) -> None:
