@@ -21,6 +21,10 @@ each, written straight to etcd with their index entries). For each N, on A:
 - the same plan pruned to one partition (`meta_at(..., partitions=...)`, what a search whose
   filter names a partition key's value plans): the collection's second partition holds 200
   rows (synced with A's) and none of B's N segments, which are in `_default`.
+- the whole plan again through a store that holds the segment meta in memory
+  (`Catalog.hold_segment_meta`, the DataCoord's `SegmentCache`): the copy's load, then a
+  plan (which decodes every record once), then the one measured, what a catalog serving
+  repeated searches pays for each.
 
 Both through the index, and for N up to `--old-up-to` through the collection's listing
 (the index's mark removed: how a stack without the index reads). The target:
@@ -40,6 +44,7 @@ from typing import Any
 
 from bench import bench_system, write_report
 from vchan_assets.datanode.sync import SyncTask
+from vchan_assets.meta.segment_cache import SegmentCache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.query.asof import meta_at, resolve_as_of
@@ -113,6 +118,7 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
             if plan and path == "index"
             else None
         )
+        held = held_plan(system, info) if plan and path == "index" else None
         row = {
             "segments_on_b": n,
             "segment_meta_mib": round(meta_bytes / 2**20, 1),
@@ -140,12 +146,43 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
                 if pruned
                 else {}
             ),
+            **(
+                {
+                    "held_plan_keys": held[0],
+                    "held_plan_bytes": held[1],
+                    "held_plan_ms": round(held[2] * 1000, 1),
+                    "held_load_s": round(held[3], 2),
+                }
+                if held
+                else {}
+            ),
             "load_1m": round(os.getloadavg()[0], 1),
         }
         print(f"    {row}", flush=True)
         rows.append(row)
     store.put(mark, marker.value)
     return rows
+
+
+def held_plan(system: System, info: Any) -> tuple[int, int, float, float]:
+    """(keys, bytes, seconds) of the collection's plan through a store holding the segment
+    cache, after a first plan that decoded every record, and the seconds the copy took to load."""
+    store = MetaStore.connect(system.settings)
+    started = time.perf_counter()
+    cache = SegmentCache(store).start()
+    try:
+        assert cache.wait_loaded(600), "the segment cache did not load"
+        store.segment_cache = cache
+        load = time.perf_counter() - started
+
+        def plan() -> None:
+            meta_at(store, info, resolve_as_of(store, system.settings, None), builds=True)
+
+        plan()
+        return (*measured(store, plan), load)
+    finally:
+        cache.stop()
+        store.close()
 
 
 def main() -> None:
@@ -174,6 +211,7 @@ def main() -> None:
             ("view", "view_ms"),
             ("plan", "plan_ms"),
             ("pruned_plan", "pruned_plan_ms"),
+            ("held_plan", "held_plan_ms"),
         )
         if key in by_size[largest] and key in by_size[smallest]
     }

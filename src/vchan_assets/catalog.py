@@ -49,7 +49,8 @@ from vchan_assets.imports.jobs import list_jobs
 from vchan_assets.indexes.meta import collection_progress
 from vchan_assets.lifecycle.plans import list_plans
 from vchan_assets.meta.channelwatch import REMAINING, WatchListing, list_watches
-from vchan_assets.meta.errors import SegmentNotFoundError
+from vchan_assets.meta.errors import MetaUnavailableError, SegmentNotFoundError
+from vchan_assets.meta.segment_cache import SegmentCache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.model import (
     DYNAMIC_FIELD,
@@ -106,6 +107,7 @@ class Catalog:
         self._stack = stack  # a Stack this catalog opened (closed by close())
         self._readers: dict[str, WalReader] = {}
         self._reader_session: Any = None  # stating the index engine versions it reads (first search)
+        self._segment_cache: SegmentCache | None = None  # started by hold_segment_meta()
 
     # --- construction -------------------------------------------------------------------
 
@@ -119,7 +121,35 @@ class Catalog:
         stack = Stack.open(settings)
         return cls(stack, stack)
 
+    def hold_segment_meta(self, timeout: float = 600.0) -> Catalog:
+        """Hold every collection's segment meta in memory, following etcd, as the DataCoord
+        does (`meta.segment_cache.SegmentCache`: loaded once in pages, then one watch; a read
+        first proves the copy current with etcd, two progress round trips). For a catalog
+        that serves many searches or reads of large collections: a search's plan then reads
+        the collection's index keys and channel checkpoints from etcd, not its segment
+        values (at 100,000 segments, 184 MB a plan). Costs the load (about 20 s and 900 MB
+        of memory at 100,000 segments) and the memory while held; released by `close`.
+        A copy that cannot prove it is current (etcd unreachable, its stream down) is not
+        used: the reads list etcd as without it. Raises MetaUnavailableError if the first
+        load takes longer than `timeout` seconds."""
+        if self._segment_cache is not None:
+            return self
+        cache = SegmentCache(self.store).start()
+        if not cache.wait_loaded(timeout):
+            cache.stop()
+            raise MetaUnavailableError(
+                tuple(self.settings.etcd_endpoints or ("embedded",)),
+                f"the load of segment meta under {self.store.keys.segment.prefix}",
+                f"not loaded in {timeout:.0f}s",
+            )
+        self.store.segment_cache = self._segment_cache = cache
+        return self
+
     def close(self) -> None:
+        if self._segment_cache is not None:
+            self.store.segment_cache = None
+            self._segment_cache.stop()
+            self._segment_cache = None
         if self._reader_session is not None:
             self._reader_session.close()
             self._reader_session = None

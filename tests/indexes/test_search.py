@@ -20,6 +20,7 @@ from vchan_assets.indexes.meta import create_index, list_builds
 from vchan_assets.indexes.step import IndexBuilder
 from vchan_assets.indexes.tasks import IndexTasks
 from vchan_assets.meta.codec import decode
+from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ReadPin, SegmentIndex, SegmentIndexState
 from vchan_assets.query.search import IndexFallbackWarning, SearchError
 from vchan_assets.system import System
@@ -33,7 +34,7 @@ from vchan_assets.testing.index_data import (
     new_data,
     sorted_segments,
 )
-from vchan_assets.testing.steps import requests, sync_all
+from vchan_assets.testing.steps import reads, requests, sync_all
 from vchan_assets.wal.producer import Producer
 
 K = 10
@@ -114,6 +115,35 @@ def test_a_repeated_search_plans_in_four_etcd_requests(system: System, data: Dat
     sent = requests(system.store, lambda: found.append(catalog.search(data.info.name, QUERIES[:2], k=K)))
     assert found[0].equals(first)
     assert len(sent) == 4, sent
+
+
+def test_a_catalog_holding_segment_meta_plans_from_it_and_sees_another_clients_sync_at_once(
+    system: System, producer: Producer, data: Data
+) -> None:
+    """`Catalog.hold_segment_meta`: a search plans from the segment meta held in memory (the
+    DataCoord's copy, following etcd) and reads no segment value from etcd, with the same
+    hits as a catalog that lists etcd; a segment another client syncs is searched by the
+    next call."""
+    indexed(system, data)
+    plain = Catalog(system)
+    store = MetaStore.connect(system.settings)
+    held = Catalog(replace(system, store=store)).hold_segment_meta(timeout=30)
+    try:
+        expected = plain.search(data.info.name, QUERIES[:5], k=K)
+        assert held.search(data.info.name, QUERIES[:5], k=K).equals(expected)
+        segments = len(system.store.list_prefix(system.store.keys.segment.under(data.info.id)).items)
+        assert segments >= 3
+        listed = reads(system.store, lambda: plain.search(data.info.name, QUERIES[:5], k=K))
+        from_memory = reads(store, lambda: held.search(data.info.name, QUERIES[:5], k=K))
+        assert from_memory[0] <= listed[0] - segments, (from_memory, listed)
+
+        insert(producer, data, 300, start_pk=50_000)
+        sync_all(system, data.info)  # another client's: a growing segment with binlogs
+        frame = held.search(data.info.name, data.vectors[-1][:3], k=1)
+        assert frame["pk"].tolist() == [50_000, 50_001, 50_002]
+    finally:
+        held.close()
+    assert store.segment_cache is None  # released
 
 
 def test_hnsw_returns_the_exact_distances(system: System, data: Data) -> None:

@@ -163,10 +163,25 @@ class SegmentCache:
         """The records under each of `prefixes` (each list in key order), all of one state
         of the copy (a segment being moved from the live family to the dropped one is in
         exactly one of them), as fresh as `snapshot` (None as it); `live_only` as `decoded`."""
+        found = self._decoded_state(prefixes, skip_malformed, live_only)
+        return None if found is None else found[0]
+
+    def decoded_at(
+        self, prefixes: Sequence[str], skip_malformed: bool
+    ) -> tuple[list[list[Decoded[SegmentInfo]]], int] | None:
+        """`decoded_many`, and the etcd revision that state of the copy stands at: every
+        event up to it applied, none after (a reader reads its other keys at it, for one
+        snapshot of etcd: `SegmentMeta.list_with`)."""
+        return self._decoded_state(prefixes, skip_malformed, live_only=False)
+
+    def _decoded_state(
+        self, prefixes: Sequence[str], skip_malformed: bool, live_only: bool
+    ) -> tuple[list[list[Decoded[SegmentInfo]]], int] | None:
         if not self._fresh():
             return None
         malformed: list[KeyValue] = []
         with self._cond:
+            revision = self._revision
             keys, aligned = self._aligned_records()
             found = []
             for prefix in prefixes:
@@ -178,9 +193,9 @@ class SegmentCache:
                 if self._malformed:
                     malformed += [self._kvs[keys[i]] for i in range(first, last) if aligned[i] is None]
         if not malformed:
-            return found  # type: ignore[return-value]  # (no None in them)
+            return found, revision  # type: ignore[return-value]  # (no None in them)
         self.store.decode_models(malformed, SegmentInfo, skip_malformed)  # raises, or logs and counts
-        return [[d for d in part if d is not None] for part in found]
+        return [[d for d in part if d is not None] for part in found], revision
 
     def _bounds(self, keys: list[str], prefix: str) -> tuple[int, int]:
         """Where the keys under `prefix` are in `keys` (sorted)."""

@@ -68,6 +68,13 @@ from vchan_assets.model import SegmentInfo, SegmentState
 
 log = logging.getLogger(__name__)
 
+# `SegmentMeta._held_with`: the live segments, the Dropped ones, the keys under each prefix.
+_HeldWith = tuple[
+    builtins.list[Decoded[SegmentInfo]],
+    builtins.list[Decoded[SegmentInfo]],
+    builtins.list[builtins.list[KeyValue]],
+]
+
 # The version of the per-vchannel index the mark states; a mark of a lower version is
 # backfilled again.
 CHANNEL_INDEX_VERSION = 1
@@ -327,14 +334,40 @@ class SegmentMeta:
                 [self.prefix(collection, p) for p in ids],
                 [family.under(collection, v, p) for v in vchannels for p in ids],
             ]
-        listed = self.store.list_prefixes([*ranges[0], *ranges[1], *prefixes])
-        split = len(ranges[0]) + len(ranges[1])
-        live = [kv for items in listed[: len(ranges[0])] for kv in items]
-        dropped = [kv for items in listed[len(ranges[0]) : split] for kv in items]
-        others = listed[split:]
-        gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)  # (not the cache's)
-        found = [*self._select(live, None, None, skip_malformed), *gone]
-        return sorted(found, key=lambda d: self._live_key_of(d.kv.key)), others
+        held = self._held_with(ranges, prefixes, skip_malformed)
+        if held is not None:
+            live, gone, others = held
+        else:
+            listed = self.store.list_prefixes([*ranges[0], *ranges[1], *prefixes])
+            split = len(ranges[0]) + len(ranges[1])
+            live_kvs = [kv for items in listed[: len(ranges[0])] for kv in items]
+            dropped = [kv for items in listed[len(ranges[0]) : split] for kv in items]
+            others = listed[split:]
+            gone = self.store.decode_models(dropped, SegmentInfo, skip_malformed)  # (not the cache's)
+            live = self._select(live_kvs, None, None, skip_malformed)
+        if not gone and len(ranges[0]) == 1:
+            return live, others  # (one range, in key order already)
+        return sorted([*live, *gone], key=lambda d: self._live_key_of(d.kv.key)), others
+
+    def _held_with(
+        self, ranges: Sequence[Sequence[str]], prefixes: Sequence[str], skip_malformed: bool
+    ) -> _HeldWith | None:
+        """`list_with` from the process's segment cache: the segments of the live `ranges[0]`
+        and the dropped `ranges[1]` as the copy holds them, and the keys under `prefixes`
+        read from etcd at the revision that copy stands at (one snapshot). None without a
+        cache, when it cannot prove it is current, or when etcd compacted that revision
+        since (the caller reads etcd)."""
+        cache = self.store.segment_cache
+        held = None if cache is None else cache.decoded_at([*ranges[0], *ranges[1]], skip_malformed)
+        if held is None:
+            return None
+        parts, revision = held
+        try:
+            others = self.store.list_prefixes(prefixes, revision=revision)
+        except RevisionCompactedError:
+            return None
+        live, gone = parts[: len(ranges[0])], parts[len(ranges[0]) :]
+        return [d for part in live for d in part], [d for part in gone for d in part], others
 
     def segment_keys(self) -> Snapshot:
         """Every segment key (keys only, paged at one revision; from the segment cache,

@@ -228,6 +228,12 @@ class SegmentCopy(Protocol):
     ) -> list[list[Decoded[SegmentInfo]]] | None:
         """`decoded` of each of `prefixes`, all from one state of the copy, or None."""
 
+    def decoded_at(
+        self, prefixes: Sequence[str], skip_malformed: bool
+    ) -> tuple[list[list[Decoded[SegmentInfo]]], int] | None:
+        """`decoded_many`, and the etcd revision that state of the copy stands at (other
+        keys read at it make one snapshot with these), or None."""
+
 
 class MetaStore:
     """Typed access to etcd: reads with revisions, CAS, lease-guarded transactions.
@@ -448,10 +454,13 @@ class MetaStore:
         [items], at = self._walk([prefix], revision, keys_only)
         return Snapshot(items, at)
 
-    def list_prefixes(self, prefixes: Sequence[str], keys_only: bool = False) -> list[list[KeyValue]]:
+    def list_prefixes(
+        self, prefixes: Sequence[str], keys_only: bool = False, revision: int | None = None
+    ) -> list[list[KeyValue]]:
         """The keys under each of `prefixes` (each list in key order), every prefix read in
-        pages at the same revision: one snapshot of all of them."""
-        found, _ = self._walk(prefixes, keys_only=keys_only)
+        pages at the same revision: one snapshot of all of them. `revision`: at that one
+        (RevisionCompactedError if etcd compacted it), else at the first page's."""
+        found, _ = self._walk(prefixes, revision=revision, keys_only=keys_only)
         return found
 
     def list_prefixes_at(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
