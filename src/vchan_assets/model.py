@@ -755,6 +755,16 @@ class SegmentInfo(Record):
         return sum(b.size_bytes for g in self.binlogs for b in g.logs)
 
     @cached_property
+    def file_paths(self) -> tuple[str, ...]:
+        """Every file its meta names: insert, delta and stats logs (computed once per decoded
+        record: garbage collection gathers them over every segment at each pass)."""
+        return (
+            *(b.path for g in self.binlogs for b in g.logs),
+            *(b.path for b in self.deltalogs),
+            *(b.path for b in self.statslogs),
+        )
+
+    @cached_property
     def summary_row(self) -> tuple[tuple[str, SegmentState, SegmentLevel], tuple[int, ...]]:
         """Its group in the DataCoord's segment summary, (vchannel, state, level), and what
         it adds to the group's counts: segments, rows, insert binlog bytes, sorted,

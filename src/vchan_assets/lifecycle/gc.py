@@ -69,12 +69,8 @@ class GcReport:
         return len(self.orphans) + len(self.segment_files) + len(self.wal_files) + len(self.index_files)
 
 
-def segment_paths(seg: SegmentInfo) -> list[str]:
-    return [
-        *(b.path for b in seg.binlog_files),
-        *(b.path for b in seg.deltalogs),
-        *(b.path for b in seg.statslogs),
-    ]
+def segment_paths(seg: SegmentInfo) -> tuple[str, ...]:
+    return seg.file_paths
 
 
 def dropped_since(seg: SegmentInfo) -> float:
@@ -176,10 +172,12 @@ class GarbageCollector:
         return found
 
     def _orphans(self, found: list[Decoded[SegmentInfo]], busy: set[int], report: GcReport) -> None:
-        named = {p for d in found for p in segment_paths(d.model)}
+        named: set[str] | None = None  # every file meta names (gathered at the first file listed)
         oldest = self.clock() - self.settings.gc_missing_tolerance
         for root in BINLOG_ROOTS:
             for info in self.storage.list_files(root + "/"):
+                if named is None:
+                    named = {p for d in found for p in d.model.file_paths}
                 key = self.storage.key_of(info.path)
                 owner = segment_of(key)
                 if key in named or (owner and owner[2] in busy):
@@ -189,15 +187,18 @@ class GarbageCollector:
                 self.delete(key, int(info.size or 0), report, report.orphans)
 
     def _dropped(self, found: list[Decoded[SegmentInfo]], report: GcReport) -> None:
-        live = {p for d in found if d.model.state is not SegmentState.DROPPED for p in segment_paths(d.model)}
-        pins = pinned_horizons(self.store)  # running reads may open these
         # A read at a timestamp within the time-travel window may serve a dropped segment
         # again (query.asof.segments_at): its files stay at least that long.
         oldest = self.clock() - max(self.settings.gc_drop_tolerance, self.settings.time_travel)
+        due = [d for d in found if d.model.state is SegmentState.DROPPED and dropped_since(d.model) <= oldest]
+        if not due:
+            return
+        live = {p for d in found if d.model.state is not SegmentState.DROPPED for p in d.model.file_paths}
+        pins = pinned_horizons(self.store)  # running reads may open these
         held = self._inputs_served(found, oldest)
-        for d in found:
+        for d in due:
             seg = d.model
-            if seg.state is not SegmentState.DROPPED or dropped_since(seg) > oldest or is_pinned(seg, pins):
+            if is_pinned(seg, pins):
                 continue
             if seg.id in held:
                 continue
