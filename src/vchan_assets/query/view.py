@@ -300,10 +300,13 @@ def collection_views(
         checkpoints = read_checkpoints(store, info.vchannels)
     if segments is None:
         segments = collection_segments(store, info.id)
-    vchannels = list(info.vchannels)
-    vchannels += sorted({s.vchannel for s in segments} - set(vchannels))
+    # each view gets its own vchannel's segments (one pass here, not one per vchannel)
+    by_vchannel: dict[str, list[SegmentInfo]] = {v: [] for v in info.vchannels}
+    for seg in segments:
+        by_vchannel.setdefault(seg.vchannel, []).append(seg)
+    vchannels = [*info.vchannels, *sorted(by_vchannel.keys() - set(info.vchannels))]
     ready = index_ready(store, info.id, ts, indexes)
-    return [read_query_view(store, info, v, segments, checkpoints, ready) for v in vchannels]
+    return [read_query_view(store, info, v, by_vchannel[v], checkpoints, ready) for v in vchannels]
 
 
 def readable_ids(views: Iterable[QueryView]) -> set[int]:
