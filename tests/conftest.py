@@ -4,8 +4,9 @@ plugin `vchan_assets.testing.fixtures`; the steps they share are in `vchan_asset
 
 from __future__ import annotations
 
+import gc
 import sys
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,14 @@ def pytest_runtest_protocol(
         return (yield)
     finally:
         _pure_test.clear()
+
+
+# A DataCoord freezes its decoded segment meta out of the garbage collector at its first
+# reload (`gc.freeze`, datacoord/coordinator.py): in its own process, what it needs. In the
+# tests' one process that would freeze every object of the earlier tests too, whose cycles
+# would then never be collected: each test gives back what one froze.
+@pytest.fixture(autouse=True)
+def _unfrozen() -> Iterator[None]:
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()

@@ -203,8 +203,7 @@ def test_the_first_reload_of_a_load_freezes_the_decoded_records_out_of_garbage_c
         (new,) = [d.model for d in SegmentMeta(cached).list(info.id, vchannel=info.vchannels[1])]
         assert any(o is new for o in gc.get_objects()), "a record decoded after the load was frozen"
     finally:
-        coordinator.election.resign()
-        gc.unfreeze()
+        coordinator.election.resign()  # (tests/conftest.py unfreezes after each test)
 
 
 def test_a_cached_reload_repairs_the_index_entries_of_what_changed_without_listing_the_index(
