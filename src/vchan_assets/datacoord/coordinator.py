@@ -28,6 +28,7 @@ import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError, MetaError, NotLeaderError
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.session import Election
-from vchan_assets.meta.store import Fence, MetaStore, Snapshot
+from vchan_assets.meta.store import Fence, MetaStore, SegmentCopy, Snapshot
 from vchan_assets.meta.watch import EventKind, PrefixWatcher, WatchEvent
 from vchan_assets.model import ChannelWatchInfo, NodeSession, SessionState
 
@@ -73,7 +74,6 @@ class MetaReloader:
     # last reload, so the next repairs only what was created or deleted since (a full
     # repair at the first reload of a term and every FULL_REPAIR_EVERY reloads).
     entries: dict[str, str] | None = None
-    frozen_load: int = 0  # the segment cache's load whose records were last frozen
 
     def reload(self) -> bool:
         """Returns whether segment meta was reloaded (also when only a collection lacked
@@ -106,12 +106,12 @@ class MetaReloader:
         reference cycles, so reference counting still frees each when a later version or
         a relist replaces it; the frozen generation only shrinks from there."""
         cache = self.store.segment_cache
-        if cache is None or cache.loads == self.frozen_load:
+        if cache is None or _frozen_loads.get(cache) == cache.loads:
             return
         started = time.monotonic()
         gc.collect()
         gc.freeze()
-        self.frozen_load = cache.loads
+        _frozen_loads[cache] = cache.loads
         log.info(
             "segment meta frozen out of garbage collection: %d objects (%.2fs)",
             gc.get_freeze_count(),
@@ -131,6 +131,10 @@ class MetaReloader:
             del self.entries[key]
         self.entries.update(door.index_entries([kv for kv in listing.items if kv.key in created]))
 
+
+# Each segment cache's load whose records were frozen, by any reloader of the process (the
+# Dagster host makes a coordinator per sensor tick, over the one cache its process shares).
+_frozen_loads: weakref.WeakKeyDictionary[SegmentCopy, int] = weakref.WeakKeyDictionary()
 
 # Reloads between two full repairs of the per-vchannel index where the reload repairs only
 # what changed (a segment created and deleted between two reloads by a process of a version
