@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
-from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
+from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
@@ -110,7 +110,7 @@ def test_gc_deletes_the_dropped_records_and_their_files_after_the_tolerance(
 
     assert {s.id for s in dropped} <= set(report.dropped_segments)
     assert all(families(store, s) == (False, False) for s in dropped)
-    assert not any(system.storage.exists(p) for s in dropped for p in segment_paths(s))
+    assert not any(system.storage.exists(p) for s in dropped for p in s.file_paths)
     assert store.list_prefix(SegmentMeta(store).dropped_prefix(collection.id)).items == []
     assert_lifecycle_invariants(system, collection, produced)
 

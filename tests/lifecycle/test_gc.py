@@ -9,7 +9,7 @@ import uuid
 from dataclasses import replace
 
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
-from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
+from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionType, PlanState, list_plans
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, MsgPosition, SegmentState
@@ -56,7 +56,7 @@ def test_dropped_segments_files_then_meta_go_after_the_drop_tolerance_and_the_ch
     assert collector(system, at=compacted).run().dropped_segments == []  # dropped just now
     report = collector(system, ahead=LATER).run()
     assert {s.id for s in dropped} <= set(report.dropped_segments)
-    assert all(not storage.exists(p) for s in dropped for p in segment_paths(s))
+    assert all(not storage.exists(p) for s in dropped for p in s.file_paths)
     assert not {s.id for s in dropped} & {s.id for s in segments(store, collection)}
     assert_lifecycle_invariants(system, collection, produced)
 
@@ -77,7 +77,7 @@ def test_dropped_segment_beyond_the_checkpoint_is_kept(
     )
     report = collector(system, ahead=LATER).run()
     assert seg.id not in report.dropped_segments
-    assert all(storage.exists(p) for p in segment_paths(seg))
+    assert all(storage.exists(p) for p in seg.file_paths)
 
 
 def test_gc_never_deletes_a_file_named_by_live_meta_nor_one_a_running_plan_reserved(

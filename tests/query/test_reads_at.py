@@ -18,7 +18,7 @@ import pytest
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
-from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
+from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.meta.store import MetaStore
@@ -246,7 +246,7 @@ def test_a_read_at_t_before_a_compaction_still_sees_the_rows_it_removed(
     # GC keeps what a read in the window needs, even past its drop tolerance
     GarbageCollector(replace(system, settings=replace(travel.settings, gc_drop_tolerance=0.0))).run()
     dropped = [s for s in segments(store, collection) if s.state is SegmentState.DROPPED and s.binlogs]
-    assert dropped and all(storage.exists(p) for s in dropped for p in segment_paths(s))
+    assert dropped and all(storage.exists(p) for s in dropped for p in s.file_paths)
     assert pks(catalog, collection, as_of=t1) == expected_pks(produced)
 
 

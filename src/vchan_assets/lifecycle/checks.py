@@ -18,7 +18,6 @@ import pyarrow as pa
 
 from vchan_assets.datacoord.collections import CollectionRegistry
 from vchan_assets.datanode.checks import CheckOutcome, files_exist_outcome
-from vchan_assets.lifecycle.gc import segment_paths
 from vchan_assets.lifecycle.plans import CompactionPlan, CompactionType
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
@@ -118,7 +117,7 @@ def check_unique_live_pks(store: MetaStore, storage: Storage) -> CheckOutcome:
 
 
 def check_live_files_exist(store: MetaStore, storage: Storage) -> CheckOutcome:
-    paths = [p for s in _segments(store) if s.state is not SegmentState.DROPPED for p in segment_paths(s)]
+    paths = [p for s in _segments(store) if s.state is not SegmentState.DROPPED for p in s.file_paths]
     return files_exist_outcome(storage, paths, "files named by live segment meta", "files")
 
 

@@ -69,10 +69,6 @@ class GcReport:
         return len(self.orphans) + len(self.segment_files) + len(self.wal_files) + len(self.index_files)
 
 
-def segment_paths(seg: SegmentInfo) -> tuple[str, ...]:
-    return seg.file_paths
-
-
 def dropped_since(seg: SegmentInfo) -> float:
     """When the segment was dropped; older records lack it: their last flush or creation."""
     if seg.dropped_at:
@@ -205,7 +201,7 @@ class GarbageCollector:
             if not self._checkpoint_past(seg):
                 continue
             sizes = {b.path: b.size_bytes for b in (*seg.binlog_files, *seg.deltalogs, *seg.statslogs)}
-            for path in segment_paths(seg):
+            for path in seg.file_paths:
                 if path not in live:
                     self.delete(path, sizes[path], report, report.segment_files)
             failpoint("gc_after_files")

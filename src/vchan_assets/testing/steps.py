@@ -24,7 +24,7 @@ from vchan_assets.config import Settings
 from vchan_assets.datacoord.leases import grant_channel_lease
 from vchan_assets.datanode.sync import SyncTask
 from vchan_assets.lifecycle.compaction import CompactionExecutor, CompactionTrigger
-from vchan_assets.lifecycle.gc import GarbageCollector, segment_paths
+from vchan_assets.lifecycle.gc import GarbageCollector
 from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.meta.allocator import IdAllocator
 from vchan_assets.meta.codec import encode
@@ -242,7 +242,7 @@ def assert_lifecycle_invariants(system: System, info: CollectionInfo, produced: 
     keep = pa.array([pk in counts for pk in want["pk"].to_pylist()])
     for column in ("n", "s", "vec"):
         assert got[column].equals(want.filter(keep)[column]), f"column {column} changed"
-    missing = [p for s in live(system.store, info) for p in segment_paths(s) if not system.storage.exists(p)]
+    missing = [p for s in live(system.store, info) for p in s.file_paths if not system.storage.exists(p)]
     assert not missing, f"live meta names missing files: {missing[:3]}"
     assert_channel_index_complete(system.store)
 
