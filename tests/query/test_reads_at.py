@@ -23,6 +23,7 @@ from vchan_assets.lifecycle.plans import CompactionType, PlanState
 from vchan_assets.lifecycle.step import sort_step
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo, SegmentState, compose_ts, physical_ms
+from vchan_assets.query import asof
 from vchan_assets.query.asof import (
     READ_ATTEMPTS,
     LogMovedError,
@@ -194,6 +195,42 @@ def test_a_log_tail_whose_files_retention_removed_says_so_instead_of_reading_on(
     with pytest.raises(LogMovedError):
         replanned(lost)
     assert len(calls) == READ_ATTEMPTS  # planned again, then given up
+
+
+def kept_footers(system: System, collection: CollectionInfo) -> set[str]:
+    """The log files whose footers the kept tail readers of the collection hold."""
+    kept = asof._TAIL_READERS.found
+    return {
+        key
+        for v in collection.vchannels
+        if (system.storage, v, collection.id) in kept
+        for key in kept[(system.storage, v, collection.id)][0]._footers
+    }
+
+
+def test_reads_at_now_keep_their_log_readers_and_still_see_every_new_message(
+    system: System, settings: Settings, producer: Producer, collection: CollectionInfo
+) -> None:
+    """A read's log tail comes from a reader kept between reads (the footers of the files
+    it described are not read again): new files, a sync and log retention in between
+    change nothing a read returns, and the kept reader forgets the files its checkpoint
+    passed."""
+    produced = Produced()
+    catalog = Catalog(system)
+    produce(producer, collection.name, produced, 100, start_pk=0, deletes=5)  # only in the log
+    assert pks(catalog, collection) == expected_pks(produced)
+    described = kept_footers(system, collection)
+    assert described, "the read kept its tail's readers, with the footers they read"
+    produce(producer, collection.name, produced, 100, start_pk=1_000, deletes=5)
+    assert pks(catalog, collection) == expected_pks(produced)
+    assert described <= kept_footers(system, collection), "the first read's footers kept, not read again"
+    sync_all(system, collection)
+    time.sleep(0.05)
+    quick = replace(settings, wal_retention=0.001)
+    assert GarbageCollector(replace(system, settings=quick)).run().wal_files
+    produce(producer, collection.name, produced, 100, start_pk=2_000, deletes=5)
+    assert pks(catalog, collection) == expected_pks(produced)
+    assert not described & kept_footers(system, collection), "the files before the checkpoint forgotten"
 
 
 def test_a_read_at_t_sees_neither_later_inserts_nor_later_deletes(

@@ -62,6 +62,7 @@ from vchan_assets.model import (
 )
 from vchan_assets.query.view import QueryView, collection_views, read_checkpoints
 from vchan_assets.storage import Storage
+from vchan_assets.storage.cache import ReadCache
 from vchan_assets.wal.format import CorruptLogError, MsgType, user_fields
 from vchan_assets.wal.reader import WalFile, WalReader, read_log_file
 
@@ -71,6 +72,11 @@ R = TypeVar("R")
 # A read planned this many times, each losing its log tail to retention, gives up.
 READ_ATTEMPTS = 3
 
+# The log readers of reads' tails, by (storage, vchannel, collection), kept between reads:
+# each reader keeps the footers of the files it described, so a repeated read at "now" does
+# not open the same log files' footers again (a reader per read did: ~0.7 ms a vchannel).
+TAIL_READERS = 1024
+_TAIL_READERS: ReadCache[WalReader] = ReadCache(TAIL_READERS)
 # Hybrid timestamps are physical milliseconds << 18: anything below this is no such time.
 _SMALLEST_TS = compose_ts(1_000_000_000_000)  # 2001-09-09
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -309,7 +315,9 @@ class Tail:
     def _messages(self, storage: Storage, info: CollectionInfo, columns: list[str]) -> pa.Table:
         """The messages at or before `ts`: offset, msg_type, timestamp and `columns`,
         validated; log files that start after `ts` are not opened."""
-        reader = WalReader(storage, self.vchannel, info)
+        reader = _TAIL_READERS.get(
+            (storage, self.vchannel, info.id), lambda: WalReader(storage, self.vchannel, info)
+        )
         files = self._files(reader)
         failpoint("read_tail_listed")  # the tail's log files listed, none opened yet
         tables = []
@@ -340,6 +348,7 @@ class Tail:
         files after it: a sync moved the checkpoint past them since the read planned. Their
         rows are in segments the read did not list; reading on would silently lose them."""
         files = reader.files_after(self.after_offset)
+        reader.forget_before(self.after_offset)  # (a kept reader: not the files before the tail)
         if files and files[0].first_offset > self.after_offset + 1:
             raise LogMovedError(self.vchannel, self.after_offset, files[0].first_offset)
         return files

@@ -353,6 +353,13 @@ class WalReader:
                 f"the log has a gap: no file starts at offset {end_offset}, this one starts later",
             )
 
+    def forget_before(self, offset: int) -> None:
+        """Drop the cached footers of the files that end before `offset` (a reader kept
+        across reads whose checkpoint moved past them: log retention deletes them). The
+        file holding `offset` stays: a tail from a checkpoint at a file's end starts there."""
+        for key in [k for k, f in self._footers.items() if f.last_offset < offset]:
+            del self._footers[key]
+
     def keys(self) -> list[str]:
         """The names of the channel's log files in offset order, none opened (for an
         operator's tools: a damaged file is listed like any other)."""
