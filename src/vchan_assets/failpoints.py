@@ -22,8 +22,8 @@ sort planned yet), compaction_after_files, compaction_after_commit, compaction_b
 gc_after_files; by index builds: index_built (indexes/build.py, in the process that builds:
 a Spark Python worker, or the local engine's; the index file written, the outcome not
 returned) and index_after_files (indexes/step.py, in the committing process: the build's
-file written, the build not yet Finished); by reads: read_checkpointed (query/asof.py: channel
-checkpoints read, segment meta not listed yet), read_planned (query/reads.py: pinned,
+file written, the build not yet Finished); by reads: read_meta (query/asof.py: a read's timestamp
+taken, its channel checkpoints and segment meta not read yet), read_planned (query/reads.py: pinned,
 segments chosen, no file opened yet), read_tail_listed (query/asof.py: a log tail's files
 listed, none opened yet), stream_read (a change stream's task handed one log file's
 changes to Spark, more to come); by the per-vchannel segment index (meta/segments.py):

@@ -27,7 +27,7 @@ from vchan_assets.meta.errors import (
     TransactionTooLargeError,
     ValueTooLargeError,
 )
-from vchan_assets.meta.store import MAX_REQUEST_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES, MetaStore
+from vchan_assets.meta.store import MAX_REQUEST_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES, KeyValue, MetaStore
 from vchan_assets.model import ChannelLease, MsgPosition
 from vchan_assets.testing.steps import requests
 
@@ -191,6 +191,31 @@ def test_list_prefixes_reads_every_prefix_in_key_order_at_one_revision(store: Me
     assert a[0].value == b"again" and a[0].version == 2 and a[0].mod_revision == revision
     assert [kv.value for kv in b] == [b"many/b/2"] and empty == []
     assert a == store.list_prefix(f"{root}/many/a/").items
+
+
+@pytest.mark.parametrize(
+    "count", [3, MAX_TXN_OPS + 5], ids=["in the first pages' transaction", "over its operations"]
+)
+def test_exact_keys_are_read_in_the_snapshot_of_the_prefixes(store: MetaStore, count: int) -> None:
+    """`list_prefixes(exact=...)`: single keys (a read's channel checkpoints) at the
+    revision of the prefixes' listing, in the first pages' transaction while they fit in
+    one, else at that revision after it; a key under another key's name is not read."""
+    root = store.keys.root
+    store.put(f"{root}/ex/list/1", b"listed")
+    keys = [f"{root}/ex/key/{i}" for i in range(count)]
+    for key in keys[:-1]:
+        store.put(key, key.encode())
+    store.put(f"{root}/ex/key/{count - 2}0", b"under another key's name")
+    revision = store.put(f"{root}/ex/list/2", b"listed")
+
+    out: list[list[list[KeyValue]]] = []
+    sent = requests(store, lambda: out.append(store.list_prefixes([f"{root}/ex/list/"], exact=keys)))
+    listed, *found = out[0]
+
+    assert len(sent) == (1 if count <= MAX_TXN_OPS else 3), sent  # over it: the list, then two batches
+    assert [kv.mod_revision for kv in listed][-1] == revision
+    assert [[kv.value for kv in items] for items in found] == [[k.encode()] for k in keys[:-1]] + [[]]
+    assert all(kv.mod_revision <= revision for items in found for kv in items)
 
 
 def test_decoding_malformed_json_names_the_key() -> None:

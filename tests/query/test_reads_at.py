@@ -113,15 +113,17 @@ def test_a_sync_killed_between_segment_meta_and_checkpoint_reads_each_row_once(
     assert pks(Catalog(system), collection) == expected_pks(produced)
 
 
-def test_a_sync_committing_between_a_reads_checkpoints_and_its_segment_listing_loses_no_row(
+def test_a_sync_committing_after_a_read_took_its_timestamp_before_it_reads_meta_loses_no_row(
     system: System, settings: Settings, producer: Producer, collection: CollectionInfo, tmp_path: Path
 ) -> None:
+    """The read's checkpoints and segments are one snapshot taken after the sync: the rows
+    it moved into segments are read from there, once."""
     produced = Produced()
     produce(producer, collection.name, produced, 300, start_pk=0, deletes=20)  # only in the log
-    reader = stopped_read(settings, collection, tmp_path, "read_checkpointed")
+    reader = stopped_read(settings, collection, tmp_path, "read_meta")
     try:
         # Segment meta, then the checkpoint past every row: all of it after the read's
-        # checkpoints, before it lists segments.
+        # timestamp, before it reads its checkpoints and segments.
         sync_all(system, collection)
         assert any(s.binlogs for s in segments(system.store, collection))
     finally:

@@ -318,10 +318,12 @@ class SegmentMeta:
         prefixes: Sequence[str],
         skip_malformed: bool = False,
         partitions: tuple[Sequence[int], Sequence[str]] | None = None,
+        exact: Sequence[str] = (),
     ) -> tuple[builtins.list[Decoded[SegmentInfo]], builtins.list[builtins.list[KeyValue]]]:
         """The collection's segments, the Dropped ones included (a read at a past timestamp
-        serves a segment dropped after it), and the keys under each of `prefixes`, all read
-        at one revision (a read's segments and the indexes of those very segments).
+        serves a segment dropped after it), and the keys under each of `prefixes`, then each
+        of the `exact` keys (a list of its value or none), all read at one revision (a
+        read's segments, the indexes of those very segments, its channel checkpoints).
         `partitions`: (partition ids, the collection's vchannels): only those partitions'
         segments, read by their own ranges (a partition's live range, and its range in each
         vchannel's dropped records), not the collection's."""
@@ -334,11 +336,11 @@ class SegmentMeta:
                 [self.prefix(collection, p) for p in ids],
                 [family.under(collection, v, p) for v in vchannels for p in ids],
             ]
-        held = self._held_with(ranges, prefixes, skip_malformed)
+        held = self._held_with(ranges, prefixes, skip_malformed, exact)
         if held is not None:
             live, gone, others = held
         else:
-            listed = self.store.list_prefixes([*ranges[0], *ranges[1], *prefixes])
+            listed = self.store.list_prefixes([*ranges[0], *ranges[1], *prefixes], exact=exact)
             split = len(ranges[0]) + len(ranges[1])
             live_kvs = [kv for items in listed[: len(ranges[0])] for kv in items]
             dropped = [kv for items in listed[len(ranges[0]) : split] for kv in items]
@@ -350,7 +352,11 @@ class SegmentMeta:
         return sorted([*live, *gone], key=lambda d: self._live_key_of(d.kv.key)), others
 
     def _held_with(
-        self, ranges: Sequence[Sequence[str]], prefixes: Sequence[str], skip_malformed: bool
+        self,
+        ranges: Sequence[Sequence[str]],
+        prefixes: Sequence[str],
+        skip_malformed: bool,
+        exact: Sequence[str] = (),
     ) -> _HeldWith | None:
         """`list_with` from the process's segment cache: the segments of the live `ranges[0]`
         and the dropped `ranges[1]` as the copy holds them, and the keys under `prefixes`
@@ -363,7 +369,7 @@ class SegmentMeta:
             return None
         parts, revision = held
         try:
-            others = self.store.list_prefixes(prefixes, revision=revision)
+            others = self.store.list_prefixes(prefixes, revision=revision, exact=exact)
         except RevisionCompactedError:
             return None
         live, gone = parts[: len(ranges[0])], parts[len(ranges[0]) :]

@@ -455,12 +455,18 @@ class MetaStore:
         return Snapshot(items, at)
 
     def list_prefixes(
-        self, prefixes: Sequence[str], keys_only: bool = False, revision: int | None = None
+        self,
+        prefixes: Sequence[str],
+        keys_only: bool = False,
+        revision: int | None = None,
+        exact: Sequence[str] = (),
     ) -> list[list[KeyValue]]:
         """The keys under each of `prefixes` (each list in key order), every prefix read in
         pages at the same revision: one snapshot of all of them. `revision`: at that one
-        (RevisionCompactedError if etcd compacted it), else at the first page's."""
-        found, _ = self._walk(prefixes, revision=revision, keys_only=keys_only)
+        (RevisionCompactedError if etcd compacted it), else at the first page's. `exact`:
+        single keys read in the same snapshot (in the first pages' transaction when they
+        fit in it), each a list after the prefixes' of its value or none."""
+        found, _ = self._walk(prefixes, revision=revision, keys_only=keys_only, exact=exact)
         return found
 
     def list_prefixes_at(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
@@ -468,17 +474,22 @@ class MetaStore:
         return self._walk(prefixes)
 
     def _walk(
-        self, prefixes: Sequence[str], revision: int | None = None, keys_only: bool = False
+        self,
+        prefixes: Sequence[str],
+        revision: int | None = None,
+        keys_only: bool = False,
+        exact: Sequence[str] = (),
     ) -> tuple[list[list[KeyValue]], int]:
         """The keys under each prefix at one revision, and that revision (Milvus'
-        `WalkWithPrefix`). Without a `revision`, the first page's is used; if etcd compacts
-        it before the last page, the walk starts again at a fresh one (logged), at most
-        WALK_RESTARTS times."""
+        `WalkWithPrefix`), then each of the `exact` keys at that revision. Without a
+        `revision`, the first page's is used; if etcd compacts it before the last page, the
+        walk starts again at a fresh one (logged), at most WALK_RESTARTS times."""
         for restart in range(WALK_RESTARTS + 1):
             at = revision
             found: list[list[KeyValue]] = []
             try:
-                first = self._first_pages(prefixes, at, keys_only) if len(prefixes) > 1 else None
+                together = len(prefixes) + len(exact) > 1
+                first = self._first_pages(prefixes, at, keys_only, exact) if together else None
                 if first is not None:
                     pages, at = first
                 for i, prefix in enumerate(prefixes):
@@ -490,6 +501,12 @@ class MetaStore:
                         rest, at = self._walk_prefix(prefix, at, keys_only, start)
                         page = [*page, *rest]
                     found.append(page)
+                if first is not None:
+                    found += [page for page, _ in pages[len(prefixes) :]]
+                elif exact:
+                    if at is None:  # (no prefix: the keys alone, at the first batch's revision)
+                        at = self.revision()
+                    found += [[] if kv is None else [kv] for kv in self.get_at(exact, at)]
             except RevisionCompactedError as exc:
                 if revision is not None or restart == WALK_RESTARTS:
                     raise
@@ -499,17 +516,18 @@ class MetaStore:
         raise AssertionError("unreachable: the last restart raises")
 
     def _first_pages(
-        self, prefixes: Sequence[str], revision: int | None, keys_only: bool
+        self, prefixes: Sequence[str], revision: int | None, keys_only: bool, exact: Sequence[str] = ()
     ) -> tuple[list[tuple[list[KeyValue], bool]], int] | None:
         """The first page of each of `prefixes` in one read-only transaction (one round trip
         where a small listing of several prefixes took one each), PAGE_KEYS keys between them,
-        and the revision etcd answered at: per prefix, its keys and whether it has more. A
-        response over the receive limit is asked again with half as many keys a prefix; None
-        (the caller pages each prefix alone) when even one key each is too large, or when
-        etcd takes fewer operations in a transaction (--max-txn-ops)."""
-        if len(prefixes) > MAX_TXN_OPS:
+        and the revision etcd answered at: per prefix, its keys and whether it has more; then
+        each of the `exact` keys (its value or none, never more). A response over the
+        receive limit is asked again with half as many keys a prefix; None (the caller pages
+        each prefix alone) when even one key each is too large, or when etcd takes fewer
+        operations in a transaction (--max-txn-ops)."""
+        if len(prefixes) + len(exact) > MAX_TXN_OPS:
             return None
-        limit = max(1, PAGE_KEYS // len(prefixes))
+        limit = max(1, PAGE_KEYS // max(len(prefixes), 1))
         while True:
             ranges = [
                 etcdrpc.RangeRequest(
@@ -521,12 +539,21 @@ class MetaStore:
                 )
                 for prefix in prefixes
             ]
+            ranges += [
+                etcdrpc.RangeRequest(
+                    key=etcd3.utils.to_bytes(key), revision=revision or 0, keys_only=keys_only
+                )
+                for key in exact
+            ]
             try:
-                resp = self._read_txn(ranges, f"list {len(prefixes)} prefixes from {prefixes[0]}")
+                first = (prefixes or exact)[0]
+                resp = self._read_txn(
+                    ranges, f"list {len(prefixes)} prefixes and {len(exact)} keys from {first}"
+                )
             except MetaError as exc:
                 cause = exc.__cause__
                 if cause is not None and is_compacted(cause) and revision is not None:
-                    raise RevisionCompactedError(prefixes[0], revision) from cause
+                    raise RevisionCompactedError(first, revision) from cause
                 if too_many_ops(exc) or (cause is not None and _too_large(cause) and limit == 1):
                     return None
                 if cause is None or not _too_large(cause):

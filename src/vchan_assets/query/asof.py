@@ -49,18 +49,20 @@ from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
 from vchan_assets.indexes.meta import live_indexes
 from vchan_assets.meta.allocator import now_ts
+from vchan_assets.meta.codec import decode
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
+    MsgPosition,
     SegmentIndex,
     SegmentInfo,
     SegmentState,
     compose_ts,
     physical_ms,
 )
-from vchan_assets.query.view import QueryView, collection_views, read_checkpoints
+from vchan_assets.query.view import QueryView, collection_views
 from vchan_assets.storage import Storage
 from vchan_assets.storage.cache import ReadCache
 from vchan_assets.wal.format import CorruptLogError, MsgType, user_fields
@@ -241,15 +243,16 @@ def meta_at(
 ) -> MetaAt:
     """The collection's segment meta as it stood at `ts` (`segments_at`) and the query views
     over it (a mix output replaces its inputs if it was ready at `ts`: `view.index_ready`).
-    The channel checkpoints are read first (`view.read_checkpoints`: a sync committing in
-    between would otherwise lose rows), then the segments, the live indexes and (`builds`)
-    the index builds at one revision (`SegmentMeta.list_with`, paged reads), so the indexes
-    and builds a search uses are those of the segments it lists. `partitions`: only the
+    The channel checkpoints, the segments, the live indexes and (`builds`) the index builds
+    are read at one revision (`SegmentMeta.list_with`, paged reads; the checkpoints in the
+    first pages' transaction), so the indexes and builds a search uses are those of the
+    segments it lists, and no checkpoint is ahead of the segments listed with it (a sync
+    commits its segment meta before its checkpoint: a checkpoint read after the listing
+    could cover rows in neither; `view.read_checkpoints`). `partitions`: only the
     segments and builds of those partitions are read (a search that a filter on the
     partition key prunes reads its partitions' keys, not the collection's: their views hold
     only those partitions' segments)."""
-    checkpoints = read_checkpoints(store, info.vchannels)
-    failpoint("read_checkpointed")  # the checkpoints read, segment meta not listed yet
+    failpoint("read_meta")  # the read's timestamp taken; checkpoints and segment meta not read yet
     keys = store.keys
     chosen = None if partitions is None else sorted(partitions)
     if chosen is None:
@@ -258,8 +261,17 @@ def meta_at(
         build_ranges = [keys.segment_index.under(info.id, p) for p in chosen]
     prefixes = [keys.field_index.under(info.id), *(build_ranges if builds else [])]
     listed, others = SegmentMeta(store).list_with(
-        info.id, prefixes, True, None if chosen is None else (chosen, info.vchannels)
+        info.id,
+        prefixes,
+        True,
+        None if chosen is None else (chosen, info.vchannels),
+        exact=[keys.channel_checkpoint(v) for v in info.vchannels],
     )
+    others, found_checkpoints = others[: len(prefixes)], others[len(prefixes) :]
+    checkpoints = {
+        v: decode(items[0].key, items[0].value, MsgPosition) if items else None
+        for v, items in zip(info.vchannels, found_checkpoints, strict=True)
+    }
     segments = segments_at([d.model for d in listed], ts)
     indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
     found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)
