@@ -503,9 +503,7 @@ class MetaStore:
                     found.append(page)
                 if first is not None:
                     found += [page for page, _ in pages[len(prefixes) :]]
-                elif exact:
-                    if at is None:  # (no prefix: the keys alone, at the first batch's revision)
-                        at = self.revision()
+                elif exact:  # (at None, no prefix: the keys at the first batch's revision)
                     found += [[] if kv is None else [kv] for kv in self.get_at(exact, at)]
             except RevisionCompactedError as exc:
                 if revision is not None or restart == WALK_RESTARTS:

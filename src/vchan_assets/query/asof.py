@@ -49,20 +49,18 @@ from vchan_assets.errors import DeclaredError
 from vchan_assets.failpoints import failpoint
 from vchan_assets.indexes.meta import live_indexes
 from vchan_assets.meta.allocator import now_ts
-from vchan_assets.meta.codec import decode
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import Decoded, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
-    MsgPosition,
     SegmentIndex,
     SegmentInfo,
     SegmentState,
     compose_ts,
     physical_ms,
 )
-from vchan_assets.query.view import QueryView, collection_views
+from vchan_assets.query.view import QueryView, checkpoints_of, collection_views
 from vchan_assets.storage import Storage
 from vchan_assets.storage.cache import ReadCache
 from vchan_assets.wal.format import CorruptLogError, MsgType, user_fields
@@ -267,11 +265,8 @@ def meta_at(
         None if chosen is None else (chosen, info.vchannels),
         exact=[keys.channel_checkpoint(v) for v in info.vchannels],
     )
-    others, found_checkpoints = others[: len(prefixes)], others[len(prefixes) :]
-    checkpoints = {
-        v: decode(items[0].key, items[0].value, MsgPosition) if items else None
-        for v, items in zip(info.vchannels, found_checkpoints, strict=True)
-    }
+    others, at_keys = others[: len(prefixes)], others[len(prefixes) :]
+    checkpoints = checkpoints_of(info.vchannels, [items[0] if items else None for items in at_keys])
     segments = segments_at([d.model for d in listed], ts)
     indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
     found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)

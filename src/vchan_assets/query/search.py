@@ -703,7 +703,7 @@ def _best_by_rows(request: SearchRequest, hits: list[pa.Table], table: pa.Table)
     holds the same number of candidates for each query, query by query (what an index or
     an exact search gives when no row is left out) and the pk is an integer: the
     candidates laid out as one row per query and ordered row by row (a sort of each
-    query's few candidates, not of all of them: a third of the time at 1,000 queries).
+    query's few candidates, not of all of them: under half the time at 1,000 queries).
     None otherwise (the caller sorts the table)."""
     nq = request.queries.shape[0]
     if not pa.types.is_integer(table.schema.field(request.pk).type):

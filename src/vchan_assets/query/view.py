@@ -50,8 +50,9 @@ from dataclasses import dataclass, field
 
 from vchan_assets.datacoord.recovery import start_position
 from vchan_assets.indexes.meta import list_indexes
+from vchan_assets.meta.codec import decode
 from vchan_assets.meta.segments import SegmentMeta
-from vchan_assets.meta.store import MetaStore
+from vchan_assets.meta.store import KeyValue, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
@@ -258,8 +259,18 @@ def read_checkpoints(store: MetaStore, vchannels: Iterable[str]) -> dict[str, Ms
     the checkpoint is at worst behind the segments: the rows between are in both, and the
     log tail skips those at or below their segment's dml position."""
     vchannels = list(vchannels)
-    found = store.get_models([store.keys.channel_checkpoint(v) for v in vchannels], MsgPosition)
-    return {v: d.model if d else None for v, d in zip(vchannels, found, strict=True)}
+    return checkpoints_of(vchannels, store.get_many([store.keys.channel_checkpoint(v) for v in vchannels]))
+
+
+def checkpoints_of(
+    vchannels: Sequence[str], found: Sequence[KeyValue | None]
+) -> dict[str, MsgPosition | None]:
+    """vchannel -> its checkpoint, from the values of their keys read in that order (a
+    malformed one raises, naming its key)."""
+    return {
+        v: None if kv is None else decode(kv.key, kv.value, MsgPosition)
+        for v, kv in zip(vchannels, found, strict=True)
+    }
 
 
 def read_query_view(

@@ -356,9 +356,12 @@ class WalReader:
     def forget_before(self, offset: int) -> None:
         """Drop the cached footers of the files that end before `offset` (a reader kept
         across reads whose checkpoint moved past them: log retention deletes them). The
-        file holding `offset` stays: a tail from a checkpoint at a file's end starts there."""
-        for key in [k for k, f in self._footers.items() if f.last_offset < offset]:
-            del self._footers[key]
+        file holding `offset` stays: a tail from a checkpoint at a file's end starts there.
+        Safe beside other threads' reads through the same reader (a snapshot of the items;
+        a key another thread dropped first is skipped)."""
+        for key, described in list(self._footers.items()):
+            if described.last_offset < offset:
+                self._footers.pop(key, None)
 
     def keys(self) -> list[str]:
         """The names of the channel's log files in offset order, none opened (for an
