@@ -5,6 +5,7 @@ API and a real headless Chromium look at what it did."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -21,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import psutil
 import pytest
-from dagster._core.scheduler.instigation import InstigatorType
+from dagster._core.scheduler.instigation import InstigatorType, TickStatus
+from dagster._daemon.controller import RELOAD_WORKSPACE_INTERVAL
 
 from vchan_assets.catalog import Catalog
 from vchan_assets.config import Settings
@@ -43,7 +46,7 @@ from vchan_assets.deploy.service import (
 )
 from vchan_assets.lifecycle.sort_tasks import unsorted_segments
 from vchan_assets.meta.allocator import IdAllocator
-from vchan_assets.meta.embedded import pid_alive
+from vchan_assets.meta.embedded import pid_alive, read_record
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import ChannelWatchInfo, CollectionInfo, MsgPosition, NodeSession, WatchState
 from vchan_assets.status import collect_status
@@ -799,6 +802,55 @@ def _kill_and_restart_the_daemon(deployment: Deployment) -> list[str]:
     assert url == deployment.url and new_web == web and pid_alive(web)
     assert new_daemon != daemon and pid_alive(new_daemon)
     return orphaned
+
+
+def _daemon_code_servers(daemon: psutil.Process) -> set[int]:
+    """The pids of the code servers the daemon started (its `dagster api grpc` children)."""
+    servers = set()
+    for child in daemon.children():
+        with contextlib.suppress(psutil.Error):
+            if "api grpc" in " ".join(child.cmdline()):
+                servers.add(child.pid)
+    return servers
+
+
+def _last_good_tick(instance: dg.DagsterInstance, sensor: str) -> float:
+    """When the daemon last evaluated `sensor` without an error (0 if never)."""
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        if state.name == sensor:
+            ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=10)
+            good = [t.timestamp for t in ticks if t.status in (TickStatus.SUCCESS, TickStatus.SKIPPED)]
+            return max(good, default=0.0)
+    return 0.0
+
+
+def test_the_daemon_keeps_its_code_server_and_starts_a_new_one_when_it_is_killed(
+    deployment: Deployment,
+) -> None:
+    """Dagster's daemon replaces its code server every minute; `vchan up`'s keeps it while it
+    lives (and with it the DataCoord sensor's segment meta in memory): over more than that
+    minute it has one code server, the same one. Killed with -9, the code server is
+    replaced at the daemon's next check, and the sensors tick again through the new one."""
+    daemon = psutil.Process(int(read_record(deployment.service.state_file)["pids"][0]))
+    wait_until(lambda: len(_daemon_code_servers(daemon)) == 1, 60, "the daemon's code server")
+    [server] = _daemon_code_servers(daemon)
+    time.sleep(RELOAD_WORKSPACE_INTERVAL + 5)  # past the interval of Dagster's reload
+    assert _daemon_code_servers(daemon) == {server}, "the daemon started another code server"
+
+    os.kill(server, signal.SIGKILL)
+    killed = time.time()
+    wait_until(
+        lambda: _daemon_code_servers(daemon) - {server},
+        30,
+        "a new code server after the kill",
+        describe=lambda: _daemon_code_servers(daemon),
+    )
+    wait_until(
+        lambda: _last_good_tick(deployment.instance, "sync_sensor") > killed + 1,
+        60,
+        "a tick of the sync sensor through the new code server",
+        describe=lambda: _last_good_tick(deployment.instance, "sync_sensor") - killed,
+    )
 
 
 def test_chaos_kill_9_of_the_daemon_and_of_run_workers_loses_and_duplicates_nothing(

@@ -290,7 +290,10 @@ class DagsterService:
         spawned: dict[str, subprocess.Popen[bytes]] = {}
         if not pid_alive(daemon_pid):
             spawned["daemon"] = self._spawn(
-                [str(bin_dir / "dagster-daemon"), "run", "-w", str(self.workspace)], env, logs / "daemon.log"
+                # Dagster's daemon, keeping its code server while it lives (deploy/daemon.py)
+                [sys.executable, "-m", "vchan_assets.deploy.daemon", "run", "-w", str(self.workspace)],
+                env,
+                logs / "daemon.log",
             )
             daemon_pid = spawned["daemon"].pid
         if not pid_alive(web_pid):
