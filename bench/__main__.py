@@ -25,6 +25,7 @@ BENCHMARKS = (
     "overload",
     "clock",
     "sensor_ticks",
+    "idle_stack",
 )
 
 if __name__ == "__main__":

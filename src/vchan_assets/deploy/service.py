@@ -210,6 +210,10 @@ class DagsterService:
     # set, else SQLite files in dagster_home, or whatever storage an existing dagster.yaml
     # there names). Given, dagster.yaml is written with it at every start.
     storage: dict[str, Any] | None = None
+    # True: the daemon keeps its code server while it lives (deploy/daemon.py); False:
+    # Dagster's own `dagster-daemon`, which starts a new one every minute (picks up changed
+    # code without a restart).
+    keep_code_server: bool = True
 
     def __post_init__(self) -> None:
         if self.dagster_home is None:
@@ -290,8 +294,7 @@ class DagsterService:
         spawned: dict[str, subprocess.Popen[bytes]] = {}
         if not pid_alive(daemon_pid):
             spawned["daemon"] = self._spawn(
-                # Dagster's daemon, keeping its code server while it lives (deploy/daemon.py)
-                [sys.executable, "-m", "vchan_assets.deploy.daemon", "run", "-w", str(self.workspace)],
+                [*self._daemon_command(bin_dir), "run", "-w", str(self.workspace)],
                 env,
                 logs / "daemon.log",
             )
@@ -318,6 +321,11 @@ class DagsterService:
         self._wait_until_answering(spawned, logs, timeout)
         log.info("Dagster UI at %s (daemon pid %s, webserver pid %s)", self.url, daemon_pid, web_pid)
         return self.url
+
+    def _daemon_command(self, bin_dir: Path) -> list[str]:
+        if self.keep_code_server:
+            return [sys.executable, "-m", "vchan_assets.deploy.daemon"]
+        return [str(bin_dir / "dagster-daemon")]
 
     def missing(self, now: float | None = None) -> list[str]:
         """The services `start()` recorded that are no longer running, or hung (the daemon
