@@ -11,17 +11,24 @@ died or code that changed is picked up within a minute). For this deployment tha
   server every minute walks every segment of etcd again, once a minute.
 
 `vchan up` starts the daemon through `main()` here instead. It replaces the controller's
-freshness check: the workspace is reloaded when a code server of the daemon has exited (a
-kill -9, an OOM) or a code location failed to load, and then at the controller's next check
-(every 5 s) rather than up to a minute later; a live, loaded code server is kept for the
-daemon's life. New code is picked up by restarting the deployment (`vchan down`, `vchan up`).
+freshness check. The workspace is reloaded when a code server of the daemon has exited (a
+kill -9, an OOM), at the controller's next check (every 5 s) rather than up to a minute
+later, and each minute while a code location fails to load, as Dagster does. A live, loaded
+code server is kept for the daemon's life. New code is picked up by restarting the deployment (`vchan down`, `vchan up`).
+The check reads the registry of Dagster 1.13 (pinned in pyproject.toml). With a Dagster whose
+registry is laid out otherwise, the daemon logs a warning and reloads every minute, as
+Dagster's own daemon does.
 """
 
 from __future__ import annotations
 
+import logging
+
 from dagster._core.remote_representation.grpc_server_registry import ErrorRegistryEntry, GrpcServerRegistry
 from dagster._daemon import controller
 from dagster._daemon.cli import main as dagster_daemon_main
+
+log = logging.getLogger(__name__)
 
 _reload_every_interval = controller.DagsterDaemonController.check_workspace_freshness
 
@@ -46,7 +53,14 @@ def code_servers_need_reload(registry: GrpcServerRegistry | None, now: float) ->
 
 def _reload_when_needed(self: controller.DagsterDaemonController, last_workspace_update_time: float) -> float:
     now = controller.get_current_timestamp()
-    if not code_servers_need_reload(self._grpc_server_registry, now):
+    try:
+        needed = code_servers_need_reload(self._grpc_server_registry, now)
+    except AttributeError:  # a Dagster whose registry is laid out otherwise: its own check
+        log.warning(
+            "cannot tell whether the code servers live: reloading them as Dagster does", exc_info=True
+        )
+        return _reload_every_interval(self, last_workspace_update_time)
+    if not needed:
         return now
     # Dagster's own reload, as if its interval had passed: a reload that fails is retried at
     # the next check and raises once the workspace has been stale for Dagster's tolerance.
