@@ -24,7 +24,7 @@ from typing import Any
 import dagster as dg
 import psutil
 import pytest
-from dagster._core.scheduler.instigation import InstigatorType, TickStatus
+from dagster._core.scheduler.instigation import InstigatorTick, InstigatorType, TickStatus
 from dagster._daemon.controller import RELOAD_WORKSPACE_INTERVAL
 
 from vchan_assets.catalog import Catalog
@@ -617,6 +617,14 @@ def _check_passed(deployment: Deployment, asset: str, check: str) -> bool:
     return False
 
 
+def _sensor_ticks(instance: dg.DagsterInstance, sensor: str, limit: int) -> list[InstigatorTick]:
+    """The last `limit` ticks of `sensor`, newest first ([] if it never ticked)."""
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        if state.name == sensor:
+            return list(instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=limit))
+    return []
+
+
 def _check_trace(deployment: Deployment, asset: str, check: str) -> str:
     """What a check that never passed last looked like (each execution's run: its job, status
     and failure), and for the sort's check what would have run it: the sort runs, the sort
@@ -635,11 +643,9 @@ def _check_trace(deployment: Deployment, asset: str, check: str) -> str:
     for record in instance.get_run_records(dg.RunsFilter(job_name="sort"), limit=5):
         run = record.dagster_run
         lines.append(f"- sort run {run.run_id[:8]} {run.status.value} created {record.create_timestamp}")
-    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
-        if state.name == "sort_sensor":
-            for tick in instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=8):
-                reason = tick.skip_reason or tick.run_ids or tick.error
-                lines.append(f"- sort_sensor tick at {tick.timestamp:.0f}: {tick.status.value} {reason}")
+    for tick in _sensor_ticks(instance, "sort_sensor", 8):
+        reason = tick.skip_reason or tick.run_ids or tick.error
+        lines.append(f"- sort_sensor tick at {tick.timestamp:.0f}: {tick.status.value} {reason}")
     for record in instance.get_run_records(dg.RunsFilter(job_name=LOOP_JOB, statuses=IN_FLIGHT), limit=5):
         lines.append(f"- sync loop run {record.dagster_run.run_id[:8]} {record.dagster_run.status.value}")
     with VchanResource.from_settings(deployment.settings).open() as runtime:
@@ -816,12 +822,8 @@ def _daemon_code_servers(daemon: psutil.Process) -> set[int]:
 
 def _last_good_tick(instance: dg.DagsterInstance, sensor: str) -> float:
     """When the daemon last evaluated `sensor` without an error (0 if never)."""
-    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
-        if state.name == sensor:
-            ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=10)
-            good = [t.timestamp for t in ticks if t.status in (TickStatus.SUCCESS, TickStatus.SKIPPED)]
-            return max(good, default=0.0)
-    return 0.0
+    good = (TickStatus.SUCCESS, TickStatus.SKIPPED)
+    return max((t.timestamp for t in _sensor_ticks(instance, sensor, 10) if t.status in good), default=0.0)
 
 
 def test_the_daemon_keeps_its_code_server_and_starts_a_new_one_when_it_is_killed(

@@ -14,10 +14,10 @@ died or code that changed is picked up within a minute). For this deployment tha
 freshness check. The workspace is reloaded when a code server of the daemon has exited (a
 kill -9, an OOM), at the controller's next check (every 5 s) rather than up to a minute
 later, and each minute while a code location fails to load, as Dagster does. A live, loaded
-code server is kept for the daemon's life. New code is picked up by restarting the deployment (`vchan down`, `vchan up`).
-The check reads the registry of Dagster 1.13 (pinned in pyproject.toml). With a Dagster whose
-registry is laid out otherwise, the daemon logs a warning and reloads every minute, as
-Dagster's own daemon does.
+code server is kept for the daemon's life; new code is picked up by restarting the
+deployment (`vchan down`, `vchan up`). The check reads the registry of Dagster 1.13 (pinned
+in pyproject.toml); with a Dagster whose registry is laid out otherwise, the daemon logs a
+warning and reloads every minute, as Dagster's own daemon does.
 """
 
 from __future__ import annotations
