@@ -22,9 +22,11 @@ each, written straight to etcd with their index entries). For each N, on A:
   filter names a partition key's value plans): the collection's second partition holds 200
   rows (synced with A's) and none of B's N segments, which are in `_default`.
 - the whole plan again through a store that holds the segment meta in memory
-  (`Catalog.hold_segment_meta`, the DataCoord's `SegmentCache`): the copy's load, then a
-  plan (which decodes every record once), then the one measured, what a catalog serving
-  repeated searches pays for each.
+  (`Catalog.hold_segment_meta`, the DataCoord's `SegmentCache`): the copy's load, its
+  first plan (which decodes every record once), a plan with every vchannel planned again
+  (the plans kept between reads forgotten: `query.channel_plans`), a repeated plan (both
+  vchannels' plans kept) and a plan after a sync of 100 rows on A (A planned again, B's
+  kept: what a catalog serving repeated searches pays under ingest).
 
 Both through the index, and for N up to `--old-up-to` through the collection's listing
 (the index's mark removed: how a stack without the index reads). The target:
@@ -48,6 +50,7 @@ from vchan_assets.meta.segment_cache import SegmentCache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.query.asof import meta_at, resolve_as_of
+from vchan_assets.query.channel_plans import held_plans
 from vchan_assets.query.view import read_query_view
 from vchan_assets.system import System
 from vchan_assets.testing.harness import SCHEMA, Produced, produce
@@ -118,7 +121,7 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
             if plan and path == "index"
             else None
         )
-        held = held_plan(system, info) if plan and path == "index" else None
+        held = held_plan(system, info, producer) if plan and path == "index" else None
         row = {
             "segments_on_b": n,
             "segment_meta_mib": round(meta_bytes / 2**20, 1),
@@ -146,16 +149,7 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
                 if pruned
                 else {}
             ),
-            **(
-                {
-                    "held_plan_keys": held[0],
-                    "held_plan_bytes": held[1],
-                    "held_plan_ms": round(held[2] * 1000, 1),
-                    "held_load_s": round(held[3], 2),
-                }
-                if held
-                else {}
-            ),
+            **(held or {}),
             "load_1m": round(os.getloadavg()[0], 1),
         }
         print(f"    {row}", flush=True)
@@ -164,12 +158,17 @@ def one_size(system: System, n: int, old: bool, plan: bool) -> list[dict[str, An
     return rows
 
 
-def held_plan(system: System, info: Any) -> tuple[int, int, float, float]:
-    """(keys, bytes, seconds) of the collection's plan through a store holding the segment
-    cache, after a first plan that decoded every record, and the seconds the copy took to load."""
+def held_plan(system: System, info: Any, producer: Producer, repeats: int = 5) -> dict[str, Any]:
+    """The collection's plan through a store holding the segment cache: the seconds the copy
+    took to load, then (keys, bytes, ms) of its first plan (every record decoded, every
+    vchannel planned), of a plan with every vchannel planned again (the kept plans
+    forgotten: what each plan cost before they were kept), of a repeated plan (nothing
+    changed: both vchannels' plans kept) and of a plan after a sync of 100 rows on A (A
+    planned again, B's kept); the last two the median of `repeats`."""
     store = MetaStore.connect(system.settings)
     started = time.perf_counter()
     cache = SegmentCache(store).start()
+    a = info.vchannels[0]
     try:
         assert cache.wait_loaded(600), "the segment cache did not load"
         store.segment_cache = cache
@@ -178,8 +177,33 @@ def held_plan(system: System, info: Any) -> tuple[int, int, float, float]:
         def plan() -> None:
             meta_at(store, info, resolve_as_of(store, system.settings, None), builds=True)
 
-        plan()
-        return (*measured(store, plan), load)
+        def replanned() -> None:
+            held_plans(cache).clear()
+            plan()
+
+        def median(samples: list[tuple[int, int, float]]) -> tuple[int, int, float]:
+            return sorted(samples, key=lambda m: m[2])[len(samples) // 2]
+
+        first = measured(store, plan)
+        every = measured(store, replanned)
+        kept = median([measured(store, plan) for _ in range(repeats)])
+        after_sync = []
+        for i in range(repeats):
+            produce(producer, info.name, Produced(), 100, start_pk=5_000_000 + i * 1_000)
+            lease = system.store.read_lease(a)
+            assert lease is not None
+            SyncTask(system, info, a, lease, engine="local").run()
+            after_sync.append(measured(store, plan))
+        synced = median(after_sync)
+        figures = {"first": first, "every_vchannel": every, "kept": kept, "after_a_sync": synced}
+        return {
+            "held_load_s": round(load, 2),
+            **{
+                f"held_plan_{name}_{what}": round(value * 1000, 1) if what == "ms" else value
+                for name, m in figures.items()
+                for what, value in zip(("keys", "bytes", "ms"), m, strict=True)
+            },
+        }
     finally:
         cache.stop()
         store.close()
@@ -211,7 +235,9 @@ def main() -> None:
             ("view", "view_ms"),
             ("plan", "plan_ms"),
             ("pruned_plan", "pruned_plan_ms"),
-            ("held_plan", "held_plan_ms"),
+            ("held_plan_every_vchannel", "held_plan_every_vchannel_ms"),
+            ("held_plan_kept", "held_plan_kept_ms"),
+            ("held_plan_after_a_sync", "held_plan_after_a_sync_ms"),
         )
         if key in by_size[largest] and key in by_size[smallest]
     }

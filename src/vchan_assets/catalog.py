@@ -127,8 +127,10 @@ class Catalog:
         first proves the copy current with etcd, two progress round trips). For a catalog
         that serves many searches or reads of large collections: a search's plan then reads
         the collection's index keys and channel checkpoints from etcd, not its segment
-        values (at 100,000 segments, 184 MB a plan). Costs the load (about 20 s and 900 MB
-        of memory at 100,000 segments) and the memory while held; released by `close`.
+        values (at 100,000 segments, 184 MB a plan), and keeps each vchannel's part of it
+        until one of that vchannel's segments changes (`query.channel_plans`). Costs the
+        load (about 20 s and 900 MB of memory at 100,000 segments), a first search that
+        decodes every record, and the memory while held; released by `close`.
         A copy that cannot prove it is current (etcd unreachable, its stream down) is not
         used: the reads list etcd as without it. Raises MetaUnavailableError if the first
         load takes longer than `timeout` seconds."""

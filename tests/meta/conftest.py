@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 from vchan_assets.config import Settings
-from vchan_assets.meta.segment_cache import SegmentCache
-from vchan_assets.meta.store import MetaStore
 
 from .helpers import ChildNode
 
@@ -29,15 +27,3 @@ def spawn_node(settings: Settings) -> Iterator[Callable[..., ChildNode]]:
     yield spawn
     for child in children:
         child.cleanup()
-
-
-@pytest.fixture
-def cached(settings: Settings) -> Iterator[MetaStore]:
-    """A second client of the test's root, holding the segment cache (as `vchan datacoord`)."""
-    store = MetaStore.connect(settings)
-    cache = SegmentCache(store).start()
-    assert cache.wait_loaded(30), "the segment cache never loaded"
-    store.segment_cache = cache
-    yield store
-    cache.stop()
-    store.close()

@@ -30,6 +30,13 @@ or deleted sorts the keys again. Both families are held (as Milvus' `meta.go` ho
 segments until its GC removes them), so a listing with the Dropped segments is two slices
 of one consistent copy (`decoded_many`), not a read of the dropped family from etcd: the
 DataCoord's reload, which summarizes them, reads nothing from etcd but the progress answer.
+
+The records are also grouped by collection and vchannel (`channel_groups`), each group a
+mapping that is never changed once handed out: a change makes a new one with a new
+generation. A reader that derives something from a vchannel's segments (a search's plan:
+`query.channel_plans`) keeps it while the group's generation stands, and only the vchannels
+that changed are planned again, as Milvus' QueryCoord changes a channel's segment
+distribution only when that channel's segments change.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from etcd3.etcdrpc import rpc_pb2 as pb
 from vchan_assets.config import Settings
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.errors import MalformedValueError
-from vchan_assets.meta.store import Decoded, KeyValue, MetaStore, Snapshot, error_reason, kv_of
+from vchan_assets.meta.store import ChannelGroup, Decoded, KeyValue, MetaStore, Snapshot, error_reason, kv_of
 from vchan_assets.model import SegmentInfo, SegmentState
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,9 @@ class SegmentCache:
         # live-family keys whose record is Dropped (an older version left it there)
         self._unmoved: set[str] = set()
         self._changed: set[str] = set()
+        # collection -> vchannel -> its records (`channel_groups`), moved with `_aligned`
+        self._groups: dict[int, dict[str, ChannelGroup]] = {}
+        self._generation = 0  # the newest group's
         self._following = False  # the stream is open and the copy current up to it
         self._created = 0  # watches of the stream etcd confirmed
         self._progress = 0  # progress answers seen
@@ -174,6 +184,25 @@ class SegmentCache:
         snapshot of etcd: `SegmentMeta.list_with`)."""
         return self._decoded_state(prefixes, skip_malformed, live_only=False)
 
+    def channel_groups(
+        self, collection: int, prefixes: Sequence[str], skip_malformed: bool
+    ) -> tuple[dict[str, ChannelGroup], int] | None:
+        """The collection's records by vchannel (its live and dropped records: `prefixes`
+        are the collection's two ranges), as fresh as `snapshot` (None as it), and the
+        revision that state of the copy stands at. A malformed value under `prefixes`
+        raises naming its key, or is logged, counted and left out (`decoded`'s policy). No
+        pass over the records: the groups are kept as the copy changes."""
+        if not self._fresh():
+            return None
+        with self._cond:
+            revision = self._revision
+            self._aligned_records()
+            groups = dict(self._groups.get(collection, {}))
+            malformed = [self._kvs[k] for k in self._malformed if k.startswith(tuple(prefixes))]
+        if malformed:
+            self.store.decode_models(malformed, SegmentInfo, skip_malformed)  # raises, or logs and counts
+        return groups, revision
+
     def _decoded_state(
         self, prefixes: Sequence[str], skip_malformed: bool, live_only: bool
     ) -> tuple[list[list[Decoded[SegmentInfo]]], int] | None:
@@ -215,24 +244,29 @@ class SegmentCache:
             self._malformed = {k for k, d in zip(keys, self._aligned, strict=True) if d is None}
             self._unmoved = {k for k, d in zip(keys, self._aligned, strict=True) if self._is_unmoved(k, d)}
             self._changed.clear()
+            self._group_all(self._aligned)
             return keys, self._aligned
         keys, aligned = self._sorted, self._aligned
+        regroup = _Regroup(self)
         for key in self._changed:
             i = bisect.bisect_left(keys, key)
             held = i < len(keys) and keys[i] == key
             kv = self._kvs.get(key)
             if kv is None:
                 if held:
+                    regroup.remove(aligned[i])
                     del keys[i], aligned[i]
                 self._malformed.discard(key)
                 self._unmoved.discard(key)
                 continue
             record = self._record(kv)
             if held:
+                regroup.remove(aligned[i])
                 aligned[i] = record
             else:
                 keys.insert(i, key)
                 aligned.insert(i, record)
+            regroup.add(record)
             if record is None:
                 self._malformed.add(key)
             else:
@@ -242,7 +276,25 @@ class SegmentCache:
             else:
                 self._unmoved.discard(key)
         self._changed.clear()
+        regroup.publish()
         return keys, aligned
+
+    def _group_all(self, aligned: Sequence[Decoded[SegmentInfo] | None]) -> None:
+        """Every group made again from the records (after a load)."""
+        self._generation += 1
+        found: dict[int, dict[str, dict[str, Decoded[SegmentInfo]]]] = {}
+        for d in aligned:
+            if d is not None:
+                m = d.model
+                found.setdefault(m.collection_id, {}).setdefault(m.vchannel, {})[self.live_key(m)] = d
+        self._groups = {
+            c: {v: ChannelGroup(self._generation, records) for v, records in channels.items()}
+            for c, channels in found.items()
+        }
+
+    def live_key(self, seg: SegmentInfo) -> str:
+        """The segment's key in the live family (a group's key for either family's record)."""
+        return self.store.keys.segment(seg.collection_id, seg.partition_id, seg.id)
 
     def _is_unmoved(self, key: str, record: Decoded[SegmentInfo] | None) -> bool:
         """A Dropped record in the live family (left there by an older version)."""
@@ -443,6 +495,49 @@ class SegmentCache:
             requests.put(None)
         if call is not None:
             call.cancel()
+
+
+class _Regroup:
+    """The groups one read's changes touch, each copied once and published together with a
+    new generation (the groups handed out before are left as they were)."""
+
+    def __init__(self, cache: SegmentCache) -> None:
+        self.cache = cache
+        self.touched: dict[tuple[int, str], dict[str, Decoded[SegmentInfo]]] = {}
+
+    def _records(self, seg: SegmentInfo) -> dict[str, Decoded[SegmentInfo]]:
+        where = (seg.collection_id, seg.vchannel)
+        records = self.touched.get(where)
+        if records is None:
+            held = self.cache._groups.get(seg.collection_id, {}).get(seg.vchannel)
+            records = self.touched[where] = dict(held.records) if held is not None else {}
+        return records
+
+    def remove(self, d: Decoded[SegmentInfo] | None) -> None:
+        if d is None:
+            return
+        records = self._records(d.model)
+        key = self.cache.live_key(d.model)
+        if records.get(key) is d:  # (a segment moved between families: its other record stays)
+            del records[key]
+
+    def add(self, d: Decoded[SegmentInfo] | None) -> None:
+        if d is not None:
+            self._records(d.model)[self.cache.live_key(d.model)] = d
+
+    def publish(self) -> None:
+        if not self.touched:
+            return
+        cache = self.cache
+        cache._generation += 1
+        for (collection, vchannel), records in self.touched.items():
+            channels = cache._groups.setdefault(collection, {})
+            if records:
+                channels[vchannel] = ChannelGroup(cache._generation, records)
+            else:
+                channels.pop(vchannel, None)
+                if not channels:
+                    del cache._groups[collection]
 
 
 def _drain(requests: queue.Queue[Any]) -> Iterator[Any]:

@@ -63,7 +63,16 @@ from vchan_assets.meta.errors import (
     TransactionTooLargeError,
 )
 from vchan_assets.meta.keys import KeyFamily
-from vchan_assets.meta.store import WALK_RESTARTS, Decoded, KeyValue, MetaStore, Snapshot, Value, too_many_ops
+from vchan_assets.meta.store import (
+    WALK_RESTARTS,
+    ChannelGroup,
+    Decoded,
+    KeyValue,
+    MetaStore,
+    Snapshot,
+    Value,
+    too_many_ops,
+)
 from vchan_assets.model import SegmentInfo, SegmentState
 
 log = logging.getLogger(__name__)
@@ -368,12 +377,43 @@ class SegmentMeta:
         if held is None:
             return None
         parts, revision = held
-        try:
-            others = self.store.list_prefixes(prefixes, revision=revision, exact=exact)
-        except RevisionCompactedError:
+        others = self._others_at(revision, prefixes, exact)
+        if others is None:
             return None
         live, gone = parts[: len(ranges[0])], parts[len(ranges[0]) :]
         return [d for part in live for d in part], [d for part in gone for d in part], others
+
+    def held_channels(
+        self,
+        collection: int,
+        prefixes: Sequence[str],
+        skip_malformed: bool = False,
+        exact: Sequence[str] = (),
+    ) -> tuple[dict[str, ChannelGroup], builtins.list[builtins.list[KeyValue]]] | None:
+        """`list_with` by vchannel, from the process's segment cache: the collection's
+        records (both families) in groups by vchannel, each with the generation a reader
+        keeps what it derives from them by (`SegmentCache.channel_groups`), and the keys
+        under `prefixes`, then each of the `exact` keys, read from etcd at the revision
+        that copy stands at. None without a cache, when it cannot prove it is current, or
+        when etcd compacted that revision since: the caller uses `list_with`."""
+        cache = self.store.segment_cache
+        ranges = [self.prefix(collection), self.dropped_prefix(collection)]
+        held = None if cache is None else cache.channel_groups(collection, ranges, skip_malformed)
+        if held is None:
+            return None
+        groups, revision = held
+        others = self._others_at(revision, prefixes, exact)
+        return None if others is None else (groups, others)
+
+    def _others_at(
+        self, revision: int, prefixes: Sequence[str], exact: Sequence[str]
+    ) -> builtins.list[builtins.list[KeyValue]] | None:
+        """The keys under `prefixes`, then each of the `exact` keys, read at the revision a
+        held copy stands at; None when etcd compacted it since (the caller reads etcd)."""
+        try:
+            return self.store.list_prefixes(prefixes, revision=revision, exact=exact)
+        except RevisionCompactedError:
+            return None
 
     def segment_keys(self) -> Snapshot:
         """Every segment key (keys only, paged at one revision; from the segment cache,

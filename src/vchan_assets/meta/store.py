@@ -105,6 +105,17 @@ class Decoded(Generic[M]):
     kv: KeyValue
 
 
+@dataclass(frozen=True)
+class ChannelGroup:
+    """The segment records of one vchannel of one collection, of both families, as one state
+    of a `SegmentCopy` held them, by their live key (`keys.segment`): never changed once
+    handed out (a change to the vchannel's segments makes a new group, with a new
+    generation)."""
+
+    generation: int
+    records: Mapping[str, Decoded[SegmentInfo]]
+
+
 def kv_of(meta: Any) -> KeyValue:
     """A KeyValue of etcd's `mvccpb.KeyValue` (a range's, or a watch event's `kv`)."""
     return KeyValue(
@@ -233,6 +244,12 @@ class SegmentCopy(Protocol):
     ) -> tuple[list[list[Decoded[SegmentInfo]]], int] | None:
         """`decoded_many`, and the etcd revision that state of the copy stands at (other
         keys read at it make one snapshot with these), or None."""
+
+    def channel_groups(
+        self, collection: int, prefixes: Sequence[str], skip_malformed: bool
+    ) -> tuple[dict[str, ChannelGroup], int] | None:
+        """The collection's records by vchannel (`prefixes`: its two ranges) and the
+        revision that state of the copy stands at, or None."""
 
 
 class MetaStore:

@@ -37,8 +37,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -56,11 +56,11 @@ from vchan_assets.model import (
     FieldIndex,
     SegmentIndex,
     SegmentInfo,
-    SegmentState,
     compose_ts,
     physical_ms,
 )
-from vchan_assets.query.view import QueryView, checkpoints_of, collection_views
+from vchan_assets.query.channel_plans import channel_views, held_plans, segments_at
+from vchan_assets.query.view import QueryView, checkpoints_of, collection_views, read_checkpoints
 from vchan_assets.storage import Storage
 from vchan_assets.storage.cache import ReadCache
 from vchan_assets.wal.format import CorruptLogError, MsgType, user_fields
@@ -187,35 +187,9 @@ def replanned(read: Callable[[], R], attempts: int = READ_ATTEMPTS) -> R:
     raise AssertionError("unreachable")
 
 
-def segments_at(segments: Iterable[SegmentInfo], ts: int) -> list[SegmentInfo]:
-    """The segment meta as it stood at `ts` as far as compactions go: a segment a
-    compaction dropped after `ts` is live again (Flushed, as it was), and the outputs of
-    that compaction are left out. Other segments stay as they are: their rows are filtered
-    by timestamp."""
-    by_id = {s.id: s for s in segments}
-
-    def committed_after(seg: SegmentInfo) -> bool:
-        return any(dropped_after(p, ts) for i in seg.compaction_from if (p := by_id.get(i)))
-
-    out = []
-    for seg in by_id.values():
-        if seg.compaction_from and committed_after(seg):
-            continue  # made after `ts`
-        if seg.state is SegmentState.DROPPED and dropped_after(seg, ts):
-            seg = replace(seg, state=SegmentState.FLUSHED, dropped_at=None, dropped_ts=0)
-        out.append(seg)
-    return out
-
-
-def dropped_after(seg: SegmentInfo, ts: int) -> bool:
-    """The segment was dropped after `ts`: by the timestamp its compaction stamped (the
-    newest delete its outputs applied), else by the wall clock of the drop."""
-    if seg.dropped_ts:
-        return seg.dropped_ts > ts
-    return seg.dropped_at is not None and seg.dropped_at > physical_ms(ts) / 1000
-
-
-def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[SegmentInfo], list[QueryView]]:
+def views_at(
+    store: MetaStore, info: CollectionInfo, ts: int
+) -> tuple[Sequence[SegmentInfo], list[QueryView]]:
     """The collection's segment meta as it stood at `ts` and the query views over it
     (`meta_at`)."""
     found = meta_at(store, info, ts)
@@ -226,7 +200,7 @@ def views_at(store: MetaStore, info: CollectionInfo, ts: int) -> tuple[list[Segm
 class MetaAt:
     """What a read at T lists of a collection's meta (`meta_at`)."""
 
-    segments: list[SegmentInfo]  # as they stood at T (`segments_at`)
+    segments: Sequence[SegmentInfo]  # as they stood at T (`segments_at`), by vchannel
     views: list[QueryView]
     indexes: list[FieldIndex]  # the live indexes
     builds: list[Decoded[SegmentIndex]]  # every segment index build (when asked for)
@@ -258,12 +232,15 @@ def meta_at(
     else:
         build_ranges = [keys.segment_index.under(info.id, p) for p in chosen]
     prefixes = [keys.field_index.under(info.id), *(build_ranges if builds else [])]
+    exact = [keys.channel_checkpoint(v) for v in info.vchannels]
+    if chosen is None and (held := _held_meta_at(store, info, ts, prefixes, exact)) is not None:
+        return held
     listed, others = SegmentMeta(store).list_with(
         info.id,
         prefixes,
         True,
         None if chosen is None else (chosen, info.vchannels),
-        exact=[keys.channel_checkpoint(v) for v in info.vchannels],
+        exact=exact,
     )
     others, at_keys = others[: len(prefixes)], others[len(prefixes) :]
     checkpoints = checkpoints_of(info.vchannels, [items[0] if items else None for items in at_keys])
@@ -271,6 +248,30 @@ def meta_at(
     indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
     found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)
     views = collection_views(store, info, segments, checkpoints, ts, indexes)
+    order = {view.vchannel: i for i, view in enumerate(views)}
+    segments.sort(key=lambda seg: order[seg.vchannel])  # by vchannel, as a held plan lists them
+    return MetaAt(segments, views, indexes, found)
+
+
+def _held_meta_at(
+    store: MetaStore, info: CollectionInfo, ts: int, prefixes: Sequence[str], exact: Sequence[str]
+) -> MetaAt | None:
+    """`meta_at` of the whole collection from the process's segment cache: its records by
+    vchannel, the keys under `prefixes` and the `exact` checkpoint keys read at the copy's
+    revision, and each vchannel's plan kept from an earlier read where it still serves this
+    one (`channel_plans`). None without a cache or when it cannot prove it is current."""
+    cache = store.segment_cache
+    held = None if cache is None else SegmentMeta(store).held_channels(info.id, prefixes, True, exact)
+    if cache is None or held is None:
+        return None
+    groups, others = held
+    others, at_keys = others[: len(prefixes)], others[len(prefixes) :]
+    checkpoints = checkpoints_of(info.vchannels, [items[0] if items else None for items in at_keys])
+    if extra := [v for v in groups if v not in checkpoints]:  # a vchannel no longer the collection's
+        checkpoints = {**checkpoints, **read_checkpoints(store, extra)}
+    indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
+    found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)
+    segments, views = channel_views(held_plans(cache), info, groups, checkpoints, ts, indexes)
     return MetaAt(segments, views, indexes, found)
 
 

@@ -11,6 +11,7 @@ the catalog and the Spark data source (`spark_source`) read through these rules.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -88,7 +89,7 @@ def read_collection(
 def read_views(
     system: System,
     info: CollectionInfo,
-    segments: list[SegmentInfo],
+    segments: Sequence[SegmentInfo],
     views: list[QueryView],
     ts: int,
     apply_deletes: bool,

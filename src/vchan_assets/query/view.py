@@ -46,7 +46,8 @@ none.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 from vchan_assets.datacoord.recovery import start_position
 from vchan_assets.indexes.meta import list_indexes
@@ -80,15 +81,23 @@ class QueryView:
     l0: tuple[SegmentInfo, ...] = ()
     dropped: tuple[SegmentInfo, ...] = ()
 
-    # The ids of each class, for membership tests.
-    flushed_ids: frozenset[int] = field(init=False, repr=False, compare=False)
-    growing_ids: frozenset[int] = field(init=False, repr=False, compare=False)
-    l0_ids: frozenset[int] = field(init=False, repr=False, compare=False)
-    dropped_ids: frozenset[int] = field(init=False, repr=False, compare=False)
+    # The ids of each class, for membership tests (made at the first: a view kept between
+    # reads is copied with each read's checkpoint, `query.channel_plans`).
+    @cached_property
+    def flushed_ids(self) -> frozenset[int]:
+        return frozenset(s.id for s in self.flushed)
 
-    def __post_init__(self) -> None:
-        for kind in ("flushed", "growing", "l0", "dropped"):
-            object.__setattr__(self, f"{kind}_ids", frozenset(s.id for s in getattr(self, kind)))
+    @cached_property
+    def growing_ids(self) -> frozenset[int]:
+        return frozenset(s.id for s in self.growing)
+
+    @cached_property
+    def l0_ids(self) -> frozenset[int]:
+        return frozenset(s.id for s in self.l0)
+
+    @cached_property
+    def dropped_ids(self) -> frozenset[int]:
+        return frozenset(s.id for s in self.dropped)
 
     @property
     def readable(self) -> tuple[SegmentInfo, ...]:

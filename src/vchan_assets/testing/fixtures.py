@@ -18,6 +18,7 @@ import pytest
 
 from vchan_assets.config import Settings
 from vchan_assets.meta.embedded import EmbeddedEtcd
+from vchan_assets.meta.segment_cache import SegmentCache
 from vchan_assets.meta.segments import SegmentMeta
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
@@ -89,6 +90,18 @@ def _new_root(meta: MetaStore) -> MetaStore:
 def store(settings: Settings) -> Iterator[MetaStore]:
     meta = _new_root(MetaStore.connect(settings))
     yield meta
+    meta.close()
+
+
+@pytest.fixture
+def cached(settings: Settings) -> Iterator[MetaStore]:
+    """A second client of the test's root, holding the segment cache (as `vchan datacoord`)."""
+    meta = MetaStore.connect(settings)
+    cache = SegmentCache(meta).start()
+    assert cache.wait_loaded(30), "the segment cache never loaded"
+    meta.segment_cache = cache
+    yield meta
+    cache.stop()
     meta.close()
 
 
