@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: demo check test lint bench clean system-deps browser lab
+.PHONY: demo check test lint bench clean system-deps browser lab bytecode
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,14 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The project's modules compiled to bytecode (in a moment when they are current). A shell
+# that sets PYTHONDONTWRITEBYTECODE (this project's CI machine does) never writes it, and
+# then every process compiles src/ from source as it imports it: each `vchan` child, Dagster
+# code server and run worker of a test run, 0.2-0.3 CPU s a process.
+bytecode: $(STAMP)
+	@$(PY) -m compileall -q src >/dev/null
+
+demo: bytecode
 	$(VENV)/bin/vchan demo $(ARGS)
 
 # JupyterLab on the notebooks, with this .venv as the kernel (the `lab` extra, pinned).
@@ -57,7 +64,7 @@ lab: $(LAB_STAMP)
 # without them; they take about a minute). The side lane's reports are printed after the main
 # lane's; `make test` fails if any of the three failed.
 SIDE_TESTS := tests/catalog/test_notebooks.py tests/cluster tests/datacoord/test_cluster.py
-test: $(STAMP) browser
+test: bytecode browser
 ifeq ($(strip $(ARGS)),)
 	@side_log=$$(mktemp); \
 	{ $(PY) -m pytest -p no:cacheprovider tests/defs; defs=$$?; \
