@@ -198,7 +198,8 @@ class SegmentCache:
             revision = self._revision
             self._aligned_records()
             groups = dict(self._groups.get(collection, {}))
-            malformed = [self._kvs[k] for k in self._malformed if k.startswith(tuple(prefixes))]
+            ranges = tuple(prefixes)
+            malformed = [self._kvs[k] for k in self._malformed if k.startswith(ranges)]
         if malformed:
             self.store.decode_models(malformed, SegmentInfo, skip_malformed)  # raises, or logs and counts
         return groups, revision

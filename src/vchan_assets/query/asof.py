@@ -50,10 +50,11 @@ from vchan_assets.failpoints import failpoint
 from vchan_assets.indexes.meta import live_indexes
 from vchan_assets.meta.allocator import now_ts
 from vchan_assets.meta.segments import SegmentMeta
-from vchan_assets.meta.store import Decoded, MetaStore
+from vchan_assets.meta.store import Decoded, KeyValue, MetaStore
 from vchan_assets.model import (
     CollectionInfo,
     FieldIndex,
+    MsgPosition,
     SegmentIndex,
     SegmentInfo,
     compose_ts,
@@ -242,15 +243,24 @@ def meta_at(
         None if chosen is None else (chosen, info.vchannels),
         exact=exact,
     )
-    others, at_keys = others[: len(prefixes)], others[len(prefixes) :]
-    checkpoints = checkpoints_of(info.vchannels, [items[0] if items else None for items in at_keys])
+    checkpoints, indexes, found = _decoded_others(store, info, others, len(prefixes))
     segments = segments_at([d.model for d in listed], ts)
-    indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
-    found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)
     views = collection_views(store, info, segments, checkpoints, ts, indexes)
     order = {view.vchannel: i for i, view in enumerate(views)}
     segments.sort(key=lambda seg: order[seg.vchannel])  # by vchannel, as a held plan lists them
     return MetaAt(segments, views, indexes, found)
+
+
+def _decoded_others(
+    store: MetaStore, info: CollectionInfo, others: Sequence[Sequence[KeyValue]], prefixes: int
+) -> tuple[dict[str, MsgPosition | None], list[FieldIndex], list[Decoded[SegmentIndex]]]:
+    """What `meta_at` read beside the segments, decoded: the listings of its `prefixes`
+    ranges (the field indexes, then the builds) and then the channel checkpoint keys."""
+    ranges, at_keys = others[:prefixes], others[prefixes:]
+    checkpoints = checkpoints_of(info.vchannels, [items[0] if items else None for items in at_keys])
+    indexes = [d.model for d in live_indexes(store.decode_models(ranges[0], FieldIndex, True))]
+    builds = store.decode_models([kv for items in ranges[1:] for kv in items], SegmentIndex, True)
+    return checkpoints, indexes, builds
 
 
 def _held_meta_at(
@@ -261,16 +271,15 @@ def _held_meta_at(
     revision, and each vchannel's plan kept from an earlier read where it still serves this
     one (`channel_plans`). None without a cache or when it cannot prove it is current."""
     cache = store.segment_cache
-    held = None if cache is None else SegmentMeta(store).held_channels(info.id, prefixes, True, exact)
-    if cache is None or held is None:
+    if cache is None:
+        return None
+    held = SegmentMeta(store).held_channels(info.id, prefixes, True, exact)
+    if held is None:
         return None
     groups, others = held
-    others, at_keys = others[: len(prefixes)], others[len(prefixes) :]
-    checkpoints = checkpoints_of(info.vchannels, [items[0] if items else None for items in at_keys])
+    checkpoints, indexes, found = _decoded_others(store, info, others, len(prefixes))
     if extra := [v for v in groups if v not in checkpoints]:  # a vchannel no longer the collection's
         checkpoints = {**checkpoints, **read_checkpoints(store, extra)}
-    indexes = [d.model for d in live_indexes(store.decode_models(others[0], FieldIndex, True))]
-    found = store.decode_models([kv for items in others[1:] for kv in items], SegmentIndex, True)
     segments, views = channel_views(held_plans(cache), info, groups, checkpoints, ts, indexes)
     return MetaAt(segments, views, indexes, found)
 

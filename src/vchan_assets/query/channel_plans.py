@@ -100,8 +100,7 @@ class ChannelPlan:
 
     generation: int  # of the vchannel's group of records it was made from
     ts: int
-    settled: bool  # `ts` passed every stamp: serves a read at any time that does too
-    stamps: _Stamps
+    stamps: _Stamps  # once `ts` is past them all, the plan serves any later time past them
     indexes: tuple[FieldIndex, ...]
     start: MsgPosition
     segments: list[SegmentInfo]
@@ -121,12 +120,12 @@ class ChannelPlan:
         stamps = _Stamps.of([records[k].model for k in records])
         view = query_view(segments, vchannel, None, start, lambda seg: replaces_inputs_at(seg, indexes, ts))
         generation = 0 if group is None else group.generation
-        return cls(generation, ts, stamps.passed_by(ts), stamps, indexes, start, segments, view)
+        return cls(generation, ts, stamps, indexes, start, segments, view)
 
     def serves(self, generation: int, ts: int, indexes: tuple[FieldIndex, ...], start: MsgPosition) -> bool:
         if generation != self.generation or indexes != self.indexes or start != self.start:
             return False
-        return ts == self.ts or (self.settled and self.stamps.passed_by(ts))
+        return ts == self.ts or (self.stamps.passed_by(self.ts) and self.stamps.passed_by(ts))
 
     def view_with(self, checkpoint: MsgPosition | None) -> QueryView:
         """The view with the vchannel's checkpoint: replay starts there."""

@@ -68,6 +68,11 @@ from vchan_assets.model import (
 Ready = Callable[[SegmentInfo], bool]
 
 
+def _ids_of(kind: str) -> cached_property[frozenset[int]]:
+    """The ids of a view's segments of one class (`QueryView.flushed` ...), made once."""
+    return cached_property(lambda view: frozenset(s.id for s in getattr(view, kind)))
+
+
 @dataclass(frozen=True)
 class QueryView:
     """What a reader may see of one vchannel: its segments by class (each sorted by id)
@@ -81,23 +86,12 @@ class QueryView:
     l0: tuple[SegmentInfo, ...] = ()
     dropped: tuple[SegmentInfo, ...] = ()
 
-    # The ids of each class, for membership tests (made at the first: a view kept between
-    # reads is copied with each read's checkpoint, `query.channel_plans`).
-    @cached_property
-    def flushed_ids(self) -> frozenset[int]:
-        return frozenset(s.id for s in self.flushed)
-
-    @cached_property
-    def growing_ids(self) -> frozenset[int]:
-        return frozenset(s.id for s in self.growing)
-
-    @cached_property
-    def l0_ids(self) -> frozenset[int]:
-        return frozenset(s.id for s in self.l0)
-
-    @cached_property
-    def dropped_ids(self) -> frozenset[int]:
-        return frozenset(s.id for s in self.dropped)
+    # The ids of each class, for membership tests (made at the first use: a view kept
+    # between reads is copied with each read's checkpoint, `query.channel_plans`).
+    flushed_ids = _ids_of("flushed")
+    growing_ids = _ids_of("growing")
+    l0_ids = _ids_of("l0")
+    dropped_ids = _ids_of("dropped")
 
     @property
     def readable(self) -> tuple[SegmentInfo, ...]:
