@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 ENV = "VCHAN_FAILPOINT"
@@ -60,10 +61,10 @@ def failpoint(name: str) -> None:
     marker = os.environ.get(MARKER_ENV)
     if action.endswith("-once"):
         action = action.removesuffix("-once")
-        if not marker or not _first_to_mark(marker, name):
+        if not marker or not mark(marker, name, first=True):
             return
     elif marker:
-        Path(marker).write_text(f"{name} {os.getpid()}")
+        mark(marker, name)
     if action in ("", "kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
@@ -72,12 +73,22 @@ def failpoint(name: str) -> None:
         raise ValueError(f"{ENV}={spec!r}: action must be kill, stop, kill-once or stop-once")
 
 
-def _first_to_mark(marker: str, name: str) -> bool:
-    """Create the marker atomically; False if another process already did."""
+def mark(marker: str, name: str, first: bool = False) -> bool:
+    """Write `name pid` to the marker, whole: it appears with its content, never empty or
+    half written, so a test that sees the file can read the pid at once (the content is
+    written to a file of its own, then linked or renamed into place). `first`: only if no
+    process marked it yet (the link fails if the marker exists); False then."""
+    path = Path(marker)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    staged.write_text(f"{name} {os.getpid()}")
     try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as out:
-        out.write(f"{name} {os.getpid()}")
-    return True
+        if not first:
+            staged.replace(path)
+            return True
+        try:
+            os.link(staged, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        staged.unlink(missing_ok=True)
