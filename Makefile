@@ -59,12 +59,10 @@ lab: $(LAB_STAMP)
 # cluster tests in a second process: tests/defs run Dagster in-process against a Spark Connect
 # server, which cannot share a process with a classic Spark session (the other tests'), and
 # it leaves Spark Connect variables in its environment that a notebook kernel started from it
-# would inherit. Three modules of tests/datacoord that run clusters of node processes go with
-# them, so that both lanes end at about the same time: on 2026-11-30 the main lane took 14:03
-# and the side lane 11:09 with none of them (test_cluster takes about a minute), and 13:52
-# against 12:17 with test_cluster only (test_node_health and test_graceful_stop take about 55
-# s). The side lane's reports are printed after the main lane's; `make test` fails if any of
-# the three failed.
+# would inherit. The three modules of tests/datacoord that run clusters of node processes go
+# with them, so that both lanes end at about the same time (docs/testing.md has the runs).
+# The side lane's reports are printed after the main lane's; `make test` fails if any of the
+# three failed.
 SIDE_TESTS := tests/catalog/test_notebooks.py tests/cluster tests/datacoord/test_cluster.py \
 	tests/datacoord/test_node_health.py tests/datacoord/test_graceful_stop.py
 test: bytecode browser

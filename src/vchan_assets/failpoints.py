@@ -75,20 +75,21 @@ def failpoint(name: str) -> None:
 
 def mark(marker: str, name: str, first: bool = False) -> bool:
     """Write `name pid` to the marker, whole: it appears with its content, never empty or
-    half written, so a test that sees the file can read the pid at once (the content is
-    written to a file of its own, then linked or renamed into place). `first`: only if no
-    process marked it yet (the link fails if the marker exists); False then."""
+    half written, so a test that sees the file can read the pid at once. The content is
+    written to a file of its own, then renamed into place or, `first`, hard-linked: the link
+    fails if the marker exists, so only the first process marks it (False for the others).
+    The same steps as `Storage.write_atomic` on local files, which this module, below
+    storage in the layers, cannot import."""
     path = Path(marker)
     staged = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     staged.write_text(f"{name} {os.getpid()}")
     try:
-        if not first:
-            staged.replace(path)
-            return True
-        try:
+        if first:
             os.link(staged, path)
-        except FileExistsError:
-            return False
-        return True
+        else:
+            staged.replace(path)
+    except FileExistsError:
+        return False
     finally:
         staged.unlink(missing_ok=True)
+    return True
