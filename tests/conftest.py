@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["vchan_assets.testing.fixtures", "vchan_assets.testing.cpu_report"]
+pytest_plugins = [
+    "vchan_assets.testing.fixtures",
+    "vchan_assets.testing.cpu_report",
+    "vchan_assets.testing.wait_report",
+]
 
 
 # --- the fast lane: the `integration` marker ----------------------------------------------

@@ -22,6 +22,7 @@ EXTRA_VARIABLES = {
     "VCHAN_FAILPOINT": "the commit step at which a process kills itself (failpoints.py)",
     "VCHAN_FAILPOINT_MARKER": "a file written when a failpoint is reached (failpoints.py)",
     "VCHAN_TEST_CPU": "where a test run reports each test's CPU seconds (testing/cpu_report.py)",
+    "VCHAN_TEST_WAITS": "where a test run reports how near its timeout each wait came (testing/wait_report.py)",
 }
 
 
