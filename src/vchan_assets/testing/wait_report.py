@@ -27,7 +27,7 @@ TOP = 25
 
 def nearest_timeout(waits: list[Wait], top: int = TOP) -> list[Wait]:
     """The `top` waits that used the largest share of their timeout, a timed-out one first."""
-    return sorted(waits, key=lambda w: -(w.took / w.timeout if w.timeout > 0 else float("inf")))[:top]
+    return sorted(waits, key=lambda w: -w.share)[:top]
 
 
 class WaitReport:
@@ -43,10 +43,9 @@ class WaitReport:
         self.path.write_text(json.dumps([asdict(w) for w in self.waits], indent=1))
         terminalreporter.section(f"Waits nearest their timeout ({len(self.waits)} waits; {self.path})")
         for wait in nearest_timeout(self.waits):
-            share = wait.took / wait.timeout if wait.timeout > 0 else float("inf")
             state = "" if wait.held else "  TIMED OUT"
             terminalreporter.write_line(
-                f"{share:6.0%} {wait.took:7.1f}s of {wait.timeout:g}s{state}  {wait.what}  [{wait.test}]"
+                f"{wait.share:6.0%} {wait.took:7.1f}s of {wait.timeout:g}s{state}  {wait.what}  [{wait.test}]"
             )
 
     def pytest_unconfigure(self) -> None:

@@ -29,6 +29,11 @@ class Wait:
     held: bool
     test: str
 
+    @property
+    def share(self) -> float:
+        """The share of its timeout the wait used (a timeout of 0: infinite)."""
+        return self.took / self.timeout if self.timeout > 0 else float("inf")
+
 
 _recorders: list[Callable[[Wait], None]] = []
 
