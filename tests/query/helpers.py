@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from vchan_assets.config import Settings
 from vchan_assets.model import CollectionInfo
 from vchan_assets.testing.harness import cli_env, fast_settings
+from vchan_assets.testing.waiting import wait_until
 
 TIME_TRAVEL = 6.0  # seconds: GC removes a dropped segment's files this long after its drop
 # A read in the past goes back at least this far, and stays this far inside the window
@@ -67,11 +67,12 @@ def stopped_read(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while not (marker.exists() and marker.read_text().startswith(failpoint)):
+
+    def reached() -> bool:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the read never reached its failpoint"
-        time.sleep(0.05)
+        return marker.exists() and marker.read_text().startswith(failpoint)
+
+    wait_until(reached, 60, "the read to reach its failpoint", interval=0.05)
     return proc
 
 

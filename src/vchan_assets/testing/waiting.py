@@ -74,17 +74,21 @@ def wait_until(
 
 
 def wait_stopped(proc: subprocess.Popen[str], marker: Path, timeout: float = 120) -> None:
-    """Wait until the child reached its `=stop` failpoint (marker written, state T)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Wait until the child reached its `=stop` failpoint (marker written, state T); a
+    child that never does is killed."""
+
+    def stopped() -> bool:
         if proc.poll() is not None:
             raise AssertionError(
                 f"child exited early: {proc.returncode} {proc.stderr.read() if proc.stderr else ''}"
             )
-        if marker.exists():
-            with open(f"/proc/{proc.pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "T":
-                    return
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    raise AssertionError("child never reached its failpoint")
+        if not marker.exists():
+            return False
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "T"
+
+    try:
+        wait_until(stopped, timeout, "the child stopped at its failpoint", interval=0.05)
+    except WaitTimeout:
+        proc.send_signal(signal.SIGKILL)
+        raise
