@@ -4,9 +4,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The classes a Spark driver loads, for the tests' JVMs to map (vchan_assets.testing.spark_archive):
-# made by `make test` beside its first tests, again after each install.
-SPARK_ARCHIVE := $(VENV)/spark-classes.jsa
 ARGS ?=
 
 .PHONY: demo check test lint bench clean system-deps browser lab bytecode
@@ -35,7 +32,6 @@ browser:
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(MAKE) --no-print-directory system-deps
 	$(PY) -m pip install --quiet -e '.[test]'
-	rm -f $(SPARK_ARCHIVE)
 	touch $(STAMP)
 
 # The project's modules compiled to bytecode (in a moment when they are current). A shell
@@ -66,21 +62,18 @@ lab: $(LAB_STAMP)
 # would inherit. The three modules of tests/datacoord that run clusters of node processes go
 # with them, so that both lanes end at about the same time (docs/testing.md has the runs).
 # The side lane's reports are printed after the main lane's; `make test` fails if any of the
-# three failed. The Spark class archive is made beside the lanes when there is none (40 CPU s,
-# once per install): every Spark JVM started after it exists maps it.
+# three failed.
 SIDE_TESTS := tests/catalog/test_notebooks.py tests/cluster tests/datacoord/test_cluster.py \
 	tests/datacoord/test_node_health.py tests/datacoord/test_graceful_stop.py
 test: bytecode browser
 ifeq ($(strip $(ARGS)),)
-	@archive_log=$$(mktemp); $(PY) -m vchan_assets.testing.spark_archive > $$archive_log 2>&1 & archive=$$!; \
-	side_log=$$(mktemp); \
+	@side_log=$$(mktemp); \
 	{ $(PY) -m pytest -p no:cacheprovider tests/defs; defs=$$?; \
 	  $(PY) -m pytest -p no:cacheprovider $(SIDE_TESTS); exit $$((defs | $$?)); } > $$side_log 2>&1 & side=$$!; \
 	$(PY) -m pytest --ignore=tests/defs $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
 	wait $$side; side_rc=$$?; \
 	echo "=== side lane: tests/defs, then $(SIDE_TESTS) (exit $$side_rc) ==="; \
 	cat $$side_log; rm -f $$side_log; \
-	wait $$archive; cat $$archive_log; rm -f $$archive_log; \
 	test $$main -eq 0 && test $$side_rc -eq 0
 else
 	$(PY) -m pytest $(ARGS)

@@ -25,7 +25,6 @@ from vchan_assets.model import CollectionInfo
 from vchan_assets.storage import Storage
 from vchan_assets.system import System
 from vchan_assets.testing.harness import Cluster, fast_settings
-from vchan_assets.testing.spark_archive import submit_options
 from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
@@ -35,9 +34,8 @@ from vchan_assets.wal.producer import Producer
 # lives seconds to minutes on tiny data: C2's compiler threads would spend the CPU a start
 # needs on code that never gets hot (measured: 8.7-11.2 s of JVM CPU for a start and a
 # first job, against 14.0-20.1 s with the defaults). Children inherit it with the
-# environment; a SPARK_SUBMIT_OPTS set by the caller wins. They also map the class archive
-# `make test` makes (`spark_archive`): a third less CPU for a start.
-os.environ.setdefault("SPARK_SUBMIT_OPTS", submit_options())
+# environment; a SPARK_SUBMIT_OPTS set by the caller wins.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 @pytest.fixture(scope="session")
