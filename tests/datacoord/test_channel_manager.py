@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -26,14 +27,22 @@ from vchan_assets.model import (
 from vchan_assets.storage import Storage
 from vchan_assets.testing.harness import Produced, create_collections, fast_settings, produce
 from vchan_assets.testing.steps import assert_exactly_once
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
 
 from .helpers import Sessions, answer, node_system
+
+if TYPE_CHECKING:
+    from vchan_assets.datanode.node import DataNode
 
 
 def _watch(store: MetaStore, node_id: int, vchannel: str) -> tuple[ChannelWatchInfo, int] | None:
     found = store.get_model(store.keys.channel_watch(node_id, vchannel), ChannelWatchInfo)
     return None if found is None else (found.model, found.kv.version)
+
+
+def _wait_watching(node: DataNode, channels: list[str], what: str) -> None:
+    wait_until(lambda: node.channels == channels, 10, what, interval=0.05, describe=lambda: node.channels)
 
 
 @dataclass(frozen=True)
@@ -288,13 +297,7 @@ def test_a_relist_watches_listed_channels_and_releases_unlisted_ones(
         manager = ChannelManager(store, settings)
         manager.reconcile()
 
-        def both() -> bool:
-            return node.channels == sorted([v0, v1])
-
-        deadline = time.monotonic() + 10
-        while not both() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert both()
+        _wait_watching(node, sorted([v0, v1]), "the node to watch both channels")
         # As after a compaction: the listing no longer has v1 (deleted while not watching).
         store.delete(store.keys.channel_watch(node.node_id, v1))
         assert node.watcher is not None
@@ -319,10 +322,7 @@ def test_a_relist_read_before_a_watch_event_it_handles_late_does_not_release_tha
     try:
         stale = store.list_prefix(store.keys.channel_watch.under(node.node_id))  # nothing yet
         ChannelManager(store, settings).reconcile()
-        deadline = time.monotonic() + 10
-        while node.channels != sorted(infos[0].vchannels) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert node.channels == sorted(infos[0].vchannels)
+        _wait_watching(node, sorted(infos[0].vchannels), "the node to watch both channels")
         node._on_relist(stale)
         assert node.lanes.wait_idle(30)
         assert node.channels == sorted(infos[0].vchannels)
@@ -364,16 +364,11 @@ def test_a_channel_whose_lease_is_replaced_stops_and_the_node_goes_on(
     node = DataNode(node_system(store, settings), engine="local", poll_interval=0.1).start()
     try:
         ChannelManager(store, settings).reconcile()
-        deadline = time.monotonic() + 10
-        while node.channels != sorted([v0, v1]) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_watching(node, sorted([v0, v1]), "the node to watch both channels")
         grant_channel_lease(store, IdAllocator(store), v1, node_id=424242)  # fences the node off v1
         produce(producer, infos[0].name, Produced(), 50, 1)
         producer.time_tick(infos[0].name)
-        deadline = time.monotonic() + 10
-        while node.channels != [v0] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert node.channels == [v0]
+        _wait_watching(node, [v0], "the node to stop the fenced-off channel")
         assert node.lease_losses == 1 and not node.session_lost.is_set()
     finally:
         node.stop()
@@ -400,23 +395,30 @@ def test_tickler_progress_updates_are_not_handled_as_new_watch_requests(
             found = store.get_model(key, ChannelWatchInfo)
             return found is not None and found.model.state is WatchState.WATCH_SUCCESS
 
-        deadline = time.monotonic() + 10
-        while not watched() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert watched()
+        wait_until(
+            watched,
+            10,
+            "the channel WatchSuccess in etcd",
+            interval=0.05,
+            describe=lambda: _watch(store, node.node_id, vchannel),
+        )
         time.sleep(1.0)  # the tickler's queued PUTs are delivered meanwhile
         assert node.channels == [vchannel], "WatchSuccess in etcd, but the node runs no worker"
         produced = Produced()
         produce(producer, infos[0].name, produced, 20, 1)
         producer.time_tick(infos[0].name)
         head = producer.time_tick(infos[0].name)[vchannel]
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+
+        def checkpoint() -> MsgPosition | None:
             found = store.get_model(store.keys.channel_checkpoint(vchannel), MsgPosition)
-            if found is not None and found.model.offset >= head.offset:
-                break
-            time.sleep(0.1)
-        assert found is not None and found.model.offset >= head.offset
+            return None if found is None else found.model
+
+        wait_until(
+            lambda: (c := checkpoint()) is not None and c.offset >= head.offset,
+            15,
+            f"the channel's checkpoint at the head, offset {head.offset}",
+            describe=checkpoint,
+        )
     finally:
         node.stop()
 
@@ -552,10 +554,13 @@ def test_a_slow_event_of_one_channel_never_delays_another_channels_watch(
             found = _watch(store, node.node_id, vchannel)
             return found[0].state if found else None
 
-        deadline = time.monotonic() + 20
-        while state(v1) is not WatchState.WATCH_SUCCESS and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert state(v1) is WatchState.WATCH_SUCCESS
+        wait_until(
+            lambda: state(v1) is WatchState.WATCH_SUCCESS,
+            20,
+            "the channel whose lane is free WatchSuccess",
+            interval=0.05,
+            describe=lambda: state(v1),
+        )
         assert state(v0) is WatchState.TO_WATCH  # its lane is still busy with the release
         finish.set()
         assert node.lanes.wait_idle(20)
