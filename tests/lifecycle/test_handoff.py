@@ -154,10 +154,11 @@ def test_datacoord_killed_after_the_push_before_the_sort_leaves_nothing_invisibl
         ),
     )
     try:
-        deadline = time.monotonic() + 60
-        while first.poll() is None and store.get(store.keys.datacoord_session()) is None:
-            assert time.monotonic() < deadline, "the first DataCoord never became active"
-            time.sleep(0.1)
+        wait_until(
+            lambda: first.poll() is not None or store.get(store.keys.datacoord_session()) is not None,
+            60,
+            "the first DataCoord to become active (or exit)",
+        )
         produced = flushed_batches(system, producer, collection, batches=1)
         assert first.wait(60) == -signal.SIGKILL, "killed at the failpoint, right after the push"
         assert marker.read_text().startswith("handoff_taken")

@@ -28,7 +28,18 @@ from vchan_assets.testing.steps import (
     start_datacoord,
     sync_all,
 )
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.producer import Producer
+
+
+def _wait_all_sorted(store: MetaStore, collection: CollectionInfo, interval: float) -> None:
+    wait_until(
+        lambda: all(s.is_sorted for s in live_l1(store, collection)),
+        60,
+        "the datacoord process to sort every flushed segment",
+        interval=interval,
+        describe=lambda: f"unsorted {[s.id for s in live_l1(store, collection) if not s.is_sorted]}",
+    )
 
 
 def test_step_merges_small_flushed_segments_then_sorts_what_is_left_and_garbage_collects(
@@ -71,13 +82,10 @@ def test_datacoord_process_runs_the_lifecycle_step_on_its_interval(
     produced = flushed_batches(system, producer, collection, batches=2)
     proc = start_datacoord(settings, VCHAN_LIFECYCLE_INTERVAL="0.5")
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(s.is_sorted for s in live_l1(store, collection)):
-            time.sleep(0.5)
+        _wait_all_sorted(store, collection, interval=0.5)
     finally:
         proc.terminate()
         proc.wait(30)
-    assert all(s.is_sorted for s in live_l1(store, collection))
     assert_lifecycle_invariants(system, collection, produced)
 
 
@@ -114,9 +122,7 @@ def test_datacoord_process_sorts_a_segment_soon_after_its_flush_not_at_the_lifec
             produced.rows += more.rows
             produced.deleted += more.deleted
             [flushed] = [s for s in live_l1(store, collection) if not s.is_sorted]
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(s.is_sorted for s in live_l1(store, collection)):
-                time.sleep(0.2)
+            _wait_all_sorted(store, collection, interval=0.2)
             assert (flushed.id,) in [s.compaction_from for s in live_l1(store, collection)]
     finally:
         proc.terminate()
