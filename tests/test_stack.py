@@ -25,18 +25,10 @@ from vchan_assets.meta.store import MetaStore
 from vchan_assets.spark.session import SparkJobTimeoutError, get_spark, run_job
 from vchan_assets.storage import Storage
 from vchan_assets.testing.harness import cli_env
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.reader import WalReader
 
 VCHAN = Path(sys.executable).parent / "vchan"
-
-
-def _wait_dead(pid: int, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.integration
@@ -51,7 +43,7 @@ def test_embedded_etcd_starts_healthy_and_a_second_start_reuses_it(tmp_path: Pat
         assert not second.owned and second.pid == first.pid and second.endpoint == first.endpoint
     finally:
         first.stop()
-    assert _wait_dead(pid)
+    wait_until(lambda: not pid_alive(pid), 10, "the stopped etcd to exit", interval=0.05)
     assert not (tmp_path / "etcd" / "server.json").exists()
 
 
@@ -144,7 +136,9 @@ def test_embedded_etcd_dies_with_a_caller_that_is_killed(tmp_path: Path) -> None
     assert pid_alive(etcd_pid)
     caller.send_signal(signal.SIGKILL)
     caller.wait()
-    assert _wait_dead(etcd_pid), "etcd outlived the process that started it"
+    wait_until(
+        lambda: not pid_alive(etcd_pid), 10, "etcd to die with the process that started it", interval=0.05
+    )
 
 
 @pytest.mark.integration

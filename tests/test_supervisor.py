@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from vchan_assets.config import Settings
 from vchan_assets.deploy.service import DagsterService, DagsterServiceError, graphql
 from vchan_assets.deploy.supervisor import Supervisor
 from vchan_assets.meta.embedded import pid_alive
+from vchan_assets.testing.waiting import wait_until
 
 
 def test_a_killed_service_is_started_again(tmp_path: Path) -> None:
@@ -39,9 +39,13 @@ def test_a_killed_service_is_started_again(tmp_path: Path) -> None:
         first = service[0]
         first.kill()
         first.wait()
-        deadline = time.monotonic() + 30
-        while len(service) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(
+            lambda: len(service) >= 2,
+            30,
+            "the supervisor to start the service again",
+            interval=0.05,
+            describe=lambda: f"restarts {supervisor.restarts}",
+        )
         assert len(service) == 2 and pid_alive(service[1].pid)
         assert [names for _, names in supervisor.restarts] == [("sleeper",)]
     finally:
@@ -117,10 +121,9 @@ def test_stopping_a_service_kills_the_rest_of_its_process_group_after_the_leader
     DagsterService._stop_pids([leader.pid], timeout=30)
 
     leader.wait(10)
-    deadline = time.monotonic() + 10
-    while pid_alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not pid_alive(child)
+    wait_until(
+        lambda: not pid_alive(child), 10, "the leader's straggling child to be stopped with it", interval=0.05
+    )
 
 
 # A leader that refuses SIGTERM and holds 1.5 GB: once SIGKILLed, the kernel frees its memory
