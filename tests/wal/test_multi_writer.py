@@ -31,6 +31,7 @@ from vchan_assets.system import System
 from vchan_assets.testing.harness import Produced
 from vchan_assets.testing.steps import assert_exactly_once, sync_all
 from vchan_assets.testing.tcp_proxy import Endpoint
+from vchan_assets.testing.waiting import wait_until
 from vchan_assets.wal.format import data_prefix
 from vchan_assets.wal.producer import Producer, generate_rows
 from vchan_assets.wal.reader import WalReader
@@ -332,10 +333,14 @@ def test_vchan_produce_and_a_flush_from_a_second_vchan_produce_both_succeed(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120  # a hang guard: waits for the loader's first batch
-    while len(WalReader(storage, info.vchannels[0], info).files()) < 2:
-        assert loader.poll() is None and time.monotonic() < deadline, "the loader wrote no batch"
-        time.sleep(0.02)
+
+    def wrote_a_batch() -> bool:
+        if len(WalReader(storage, info.vchannels[0], info).files()) >= 2:
+            return True
+        assert loader.poll() is None, f"the loader exited ({loader.returncode}) before writing a batch"
+        return False
+
+    wait_until(wrote_a_batch, 120, "the loader's first batch in the log", interval=0.02)
     loader.send_signal(signal.SIGSTOP)  # it may hold a lock: its lease expires, the flush goes on
     try:
         flusher = subprocess.run(
