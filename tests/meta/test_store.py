@@ -30,6 +30,7 @@ from vchan_assets.meta.errors import (
 from vchan_assets.meta.store import MAX_REQUEST_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES, KeyValue, MetaStore
 from vchan_assets.model import ChannelLease, MsgPosition
 from vchan_assets.testing.steps import requests
+from vchan_assets.testing.waiting import wait_until
 
 
 @pytest.fixture
@@ -336,10 +337,13 @@ def test_frozen_etcd_gives_meta_unavailable_within_bounded_time(
     try:
         # SIGSTOP is delivered asynchronously: a request sent at once may still be served.
         stat = Path(f"/proc/{private_etcd.pid}/stat")
-        deadline = time.monotonic() + 5
-        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-            assert time.monotonic() < deadline, "etcd did not stop"
-            time.sleep(0.01)
+
+        def state() -> str:
+            return stat.read_text().rsplit(")", 1)[1].split()[0]
+
+        wait_until(
+            lambda: state() == "T", 5, "etcd stopped by SIGSTOP (state T)", interval=0.01, describe=state
+        )
         started = time.monotonic()
         with pytest.raises(MetaUnavailableError) as down:
             store.get(store.keys.tso())
