@@ -82,10 +82,13 @@ def test_a_read_that_outlived_its_pin_fails_naming_the_pin_not_a_missing_file(
     two_flushed_segments(system, producer, collection)
     read = stopped_read(system.settings, collection, tmp_path, VCHAN_READ_PIN_TTL="1")
     try:
-        deadline = time.monotonic() + 30
-        while collection.id in pinned_horizons(store):  # the lease expires
-            assert time.monotonic() < deadline, "the pin outlived its TTL"
-            time.sleep(0.2)
+        wait_until(
+            lambda: collection.id not in pinned_horizons(store),
+            30,
+            "the read's pin to expire with its lease (TTL 1 s)",
+            interval=0.2,
+            describe=lambda: pinned_horizons(store),
+        )
         merge(system, collection)
         removed = collect(system)
         assert len(removed) == 2 and all(
