@@ -75,10 +75,11 @@ def frozen_at_commit(system: System, tmp_path: Path) -> Iterator[subprocess.Pope
     marker = tmp_path / "failpoint"
     env = {"VCHAN_FAILPOINT": "index_after_files=stop-once", "VCHAN_FAILPOINT_MARKER": str(marker)}
     with datacoord(system, **env) as process:
-        deadline = time.monotonic() + PATIENCE
-        while not (marker.exists() and len(marker.read_text().split()) == 2):
-            assert time.monotonic() < deadline, "no build reached its commit"
-            time.sleep(0.1)
+        wait_for(
+            process,
+            lambda: marker.exists() and len(marker.read_text().split()) == 2,
+            "a build stopped at its commit",
+        )
         assert int(marker.read_text().split()[1]) == process.pid
         yield process
 
