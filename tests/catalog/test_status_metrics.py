@@ -103,10 +103,13 @@ def test_status_json_flags_a_killed_nodes_channels_until_they_are_moved(
 
         node_process.kill()  # SIGKILL: no goodbye; etcd expires the session after its TTL
         node_process.wait()
-        deadline = time.monotonic() + 15
-        while store.get(store.keys.datanode_session(11)) is not None:
-            assert time.monotonic() < deadline, "the dead node's session never expired"
-            time.sleep(0.2)
+        wait_until(
+            lambda: store.get(store.keys.datanode_session(11)) is None,
+            15,
+            "the killed node's session to expire",
+            interval=0.2,
+            describe=lambda: store.get(store.keys.datanode_session(11)),
+        )
 
         dead = status_json(settings)
         assert [n["node_id"] for n in dead["nodes"]] == [12]
