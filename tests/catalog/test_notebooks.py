@@ -216,10 +216,9 @@ def test_vchan_up_keeps_its_dagster_history_under_vchan_home(live_home: Path) ->
     home = live_home / "dagster" / "instance"
     assert (home / "dagster.yaml").read_text() == INSTANCE_CONFIG.read_text()
     with open_instance(home) as instance:
-        deadline = time.monotonic() + 120
-        while not (runs := instance.get_runs(dg.RunsFilter(job_name=sync_job.name))):
-            assert time.monotonic() < deadline, f"no sync run in the instance at {home}"
-            time.sleep(1)
+        syncs = dg.RunsFilter(job_name=sync_job.name)
+        wait_until(lambda: instance.get_runs(syncs), 120, f"a sync run in the instance at {home}", interval=1)
+        runs = instance.get_runs(syncs)
         assert {r.tags[CHANNEL_TAG] for r in runs} <= set(instance.get_dynamic_partitions(VCHANNELS))
 
 
