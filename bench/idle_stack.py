@@ -1,11 +1,20 @@
-"""The CPU an idle `vchan up` stack takes, with Dagster's own daemon and with `vchan up`'s.
+"""The CPU an idle `vchan up` stack takes: with Dagster's own daemon and with `vchan up`'s,
+or with Dagster's SQLite storage and with `vchan up`'s.
 
-    .venv/bin/python -m bench.idle_stack [--rounds 2] [--settle 60] [--seconds 120] [--rows 2000]
+    .venv/bin/python -m bench.idle_stack [--compare daemon|storage] [--rounds 2] [--settle 60]
+        [--seconds 120] [--rows 2000]
 
-Dagster's `dagster-daemon` starts a new code server every minute. `vchan up` runs the daemon
-through `deploy/daemon.py`, which keeps its code server while that server lives
-(docs/dagster-deploy.md). Each round starts the real deployment twice on a fresh
-DAGSTER_HOME, once per daemon, in turn. A deployment here is the embedded etcd, one Spark
+`--compare daemon` (the default): Dagster's `dagster-daemon` starts a new code server every
+minute. `vchan up` runs the daemon through `deploy/daemon.py`, which keeps its code server
+while that server lives (docs/dagster-deploy.md).
+
+`--compare storage`: both with `vchan up`'s daemon, the instance's `storage:` section once
+Dagster's `sqlite` and once `vchan up`'s (`defs/instance_storage.py`: the same files, their
+schema checked once per process instead of at every opening of the instance, which the code
+server does for every sensor evaluation).
+
+Each round starts the real deployment twice on a fresh DAGSTER_HOME, once per design, in
+turn. A deployment here is the embedded etcd, one Spark
 Connect server shared by both, the daemon, the webserver and two Dagster-hosted DataNodes.
 Each start creates a collection of two vchannels and inserts `--rows` rows (2,000), then waits `settle`
 seconds. Then, for `seconds` seconds, it sums the CPU of the deployment's processes: the
@@ -13,7 +22,7 @@ daemon, the webserver and all their descendants, the code servers and the run wo
 included. It polls every 0.2 s, so a process that lives a second still counts. It also
 counts the code servers started in that time.
 
-The figure is the cores each daemon's deployment uses (CPU seconds / seconds), medians over
+The figure is the cores each design's deployment uses (CPU seconds / seconds), medians over
 the rounds, and their ratio. The load average is recorded beside them.
 """
 
@@ -24,6 +33,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +51,15 @@ from vchan_assets.system import System
 from vchan_assets.wal.producer import Producer, generate_rows
 
 SCHEMA = CollectionSchema.build("pk", {"vec": 8}, {"n": "int64"})
-DAEMONS = {"dagster-daemon": False, "vchan up's daemon": True}
+# name: (keep the code server, the instance's storage section: None is vchan up's)
+Design = tuple[bool, Callable[[Path], dict[str, Any]] | None]
+COMPARISONS: dict[str, dict[str, Design]] = {
+    "daemon": {"dagster-daemon": (False, None), "vchan up's daemon": (True, None)},
+    "storage": {
+        "Dagster's SQLite storage": (True, lambda home: {"sqlite": {"base_dir": str(home)}}),
+        "vchan up's SQLite storage": (True, None),
+    },
+}
 
 
 def sample(roots: list[int], seconds: float) -> tuple[float, int]:
@@ -73,9 +91,11 @@ def sample(roots: list[int], seconds: float) -> tuple[float, int]:
     return sum(last[k] - first[k] for k in last), len(servers)
 
 
-def one(keep: bool, spark_remote: str, rows: int, settle: float, seconds: float) -> dict[str, float]:
+def one(design: Design, spark_remote: str, rows: int, settle: float, seconds: float) -> dict[str, float]:
+    keep, storage = design
     tmp, etcd, settings, home = fresh_deployment("idle", session_ttl=60.0, spark_remote=spark_remote)
-    service = DagsterService(settings, dagster_home=home, keep_code_server=keep)
+    section = storage(home) if storage else None
+    service = DagsterService(settings, dagster_home=home, keep_code_server=keep, storage=section)
     store = MetaStore.connect(settings)
     try:
         service.start()
@@ -97,6 +117,7 @@ def one(keep: bool, spark_remote: str, rows: int, settle: float, seconds: float)
 
 def main() -> None:
     parser = bench_parser(__doc__, 2_000, "bench/results/idle_stack.json")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="daemon")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--settle", type=float, default=60.0)
     parser.add_argument("--seconds", type=float, default=120.0)
@@ -104,11 +125,12 @@ def main() -> None:
     spark_dir = Path(tempfile.mkdtemp(prefix="vchan-idle-spark-"))
     spark = LocalSparkConnect(spark_dir)
     remote = spark.start()
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in DAEMONS}
+    designs = COMPARISONS[args.compare]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in designs}
     try:
         for round_ in range(args.rounds):
-            for name, keep in DAEMONS.items():
-                result = one(keep, remote, args.rows, args.settle, args.seconds)
+            for name, design in designs.items():
+                result = one(design, remote, args.rows, args.settle, args.seconds)
                 runs[name].append(result)
                 print(
                     f"round {round_ + 1} {name}: {result['cores']:.2f} cores, "
@@ -119,17 +141,16 @@ def main() -> None:
         spark.stop()
         shutil.rmtree(spark_dir, ignore_errors=True)
     medians = {name: statistics.median(r["cores"] for r in rs) for name, rs in runs.items()}
+    (stock, stock_cores), (ours, our_cores) = medians.items()
     report: dict[str, Any] = {
+        "compare": args.compare,
         "settle_s": args.settle,
         "seconds": args.seconds,
         "runs": runs,
         "median_cores": medians,
-        "ratio": medians["vchan up's daemon"] / medians["dagster-daemon"],
+        "ratio": our_cores / stock_cores,
     }
-    stock, kept = medians["dagster-daemon"], medians["vchan up's daemon"]
-    print(
-        f"median cores: dagster-daemon {stock:.2f}, vchan up's daemon {kept:.2f} (ratio {report['ratio']:.2f})"
-    )
+    print(f"median cores: {stock} {stock_cores:.2f}, {ours} {our_cores:.2f} (ratio {report['ratio']:.2f})")
     write_report(args.out, report)
 
 

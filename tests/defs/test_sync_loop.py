@@ -25,6 +25,7 @@ from vchan_assets.defs.sync.sensor import dagster_nodes, sync_sensor
 from vchan_assets.demo.via_dagster import latest_checks
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.model import CollectionInfo
+from vchan_assets.testing.dagster_jobs import one_op
 from vchan_assets.wal.producer import Producer, generate_rows
 
 from .helpers import NODE1, NODE2, SCHEMA, evaluate, watched_by_a_dagster_node
@@ -232,22 +233,12 @@ def reported() -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata={"n": 1})
 
 
-@dg.op
-def wait() -> None:
-    pass
-
-
-@dg.job
-def idle() -> None:
-    wait()
-
-
 def test_retention_deletes_finished_runs_and_their_history_and_keeps_runs_in_flight(
     instance: dg.DagsterInstance,
 ) -> None:
     done = dg.materialize([reported], instance=instance)
     assert instance.fetch_materializations(reported.key, limit=10).records
-    in_flight = instance.create_run_for_job(idle)  # NOT_STARTED
+    in_flight = instance.create_run_for_job(one_op)  # NOT_STARTED
 
     assert prune_runs(instance, before=time.time() - 3600) == []  # nothing that old
     assert prune_runs(instance, before=time.time() + 1) == [done.run_id]

@@ -11,7 +11,8 @@ so `vchan down` (another process) can stop them. Started again, it starts only w
 missing or dead and leaves the healthy ones alone (`vchan up` heals).
 
 The instance keeps its runs, event logs and schedules in SQLite files under its
-DAGSTER_HOME by default; on a cluster, in PostgreSQL (`storage`, or the setting
+DAGSTER_HOME by default (Dagster's files, opened by defs/instance_storage.py, which checks
+their schema once per process); on a cluster, in PostgreSQL (`storage`, or the setting
 VCHAN_DAGSTER_POSTGRES_URL: its `dagster.yaml` gets a `storage: postgres:` section), which
 every daemon and webserver of the cluster shares. deploy/postgres.py starts a server.
 """
@@ -22,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,16 +51,26 @@ DEFAULT_WORKSPACE = REPO / "workspace.yaml"
 INSTANCE_CONFIG = REPO / "dagster_home" / "dagster.yaml"
 
 
+# Dagster's SQLite storage, opened without its schema checks after the first opening in a
+# process (defs/instance_storage.py; the same files as Dagster's default).
+LOCAL_STORAGE = {"module": "vchan_assets.defs.instance_storage", "class": "SqliteStorage"}
+
+
+def local_storage(dagster_home: Path) -> dict[str, Any]:
+    """The `storage:` section of an instance that keeps its SQLite files in `dagster_home`,
+    where Dagster's default storage keeps them."""
+    return {"custom": {**LOCAL_STORAGE, "config": {"base_dir": str(dagster_home)}}}
+
+
 def write_instance_config(dagster_home: Path, storage: dict[str, Any] | None = None) -> Path:
     """`dagster.yaml` of the instance at `dagster_home`: ours (INSTANCE_CONFIG), with the
     `storage:` section `storage` when given (PostgreSQL for a cluster: deploy/postgres.py's
-    `storage_config()`); without it the instance keeps its SQLite files in `dagster_home`."""
+    `storage_config()`), otherwise `local_storage(dagster_home)`."""
     import yaml
 
     text = INSTANCE_CONFIG.read_text()
-    if storage is not None:
-        text += "\n# The instance's runs, event logs and schedules (set by the deployment).\n"
-        text += yaml.safe_dump({"storage": storage}, sort_keys=False)
+    text += "\n# The instance's runs, event logs and schedules (set by the deployment).\n"
+    text += yaml.safe_dump({"storage": storage or local_storage(dagster_home)}, sort_keys=False)
     dagster_home.mkdir(parents=True, exist_ok=True)
     target = dagster_home / "dagster.yaml"
     target.write_text(text)
@@ -207,8 +217,8 @@ class DagsterService:
     extra_env: dict[str, str] = field(default_factory=dict)
     url: str = ""
     # The instance's `storage:` section (None: VCHAN_DAGSTER_POSTGRES_URL's database if
-    # set, else SQLite files in dagster_home, or whatever storage an existing dagster.yaml
-    # there names). Given, dagster.yaml is written with it at every start.
+    # set, else SQLite files in dagster_home: `local_storage`). dagster.yaml is written
+    # with it at every start.
     storage: dict[str, Any] | None = None
     # True: the daemon keeps its code server while it lives (deploy/daemon.py); False:
     # Dagster's own `dagster-daemon`, which starts a new one every minute (picks up changed
@@ -275,10 +285,7 @@ class DagsterService:
             end_dagster_hosted_sessions(self.settings)
         port = int(state.get("port") or 0)
         self.home.mkdir(parents=True, exist_ok=True)
-        if self.storage is not None:
-            write_instance_config(self.home, self.storage)
-        elif not (self.home / "dagster.yaml").exists():
-            shutil.copy(INSTANCE_CONFIG, self.home / "dagster.yaml")
+        write_instance_config(self.home, self.storage)
         logs = settings.home / "dagster"
         logs.mkdir(parents=True, exist_ok=True)
         env = {
