@@ -26,6 +26,7 @@ BENCHMARKS = (
     "clock",
     "sensor_ticks",
     "idle_stack",
+    "instance_open",
 )
 
 if __name__ == "__main__":
