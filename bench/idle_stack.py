@@ -68,7 +68,6 @@ def sample(roots: list[int], seconds: float) -> tuple[float, int, float]:
     servers (where sensors are evaluated)."""
     first: dict[tuple[int, float], float] = {}
     last: dict[tuple[int, float], float] = {}
-    servers: set[tuple[int, float]] = set()
     code_servers: set[tuple[int, float]] = set()
     started = time.time()
     while time.time() - started < seconds:
@@ -86,20 +85,19 @@ def sample(roots: list[int], seconds: float) -> tuple[float, int, float]:
                         first[key] = cpu if process.create_time() < started else 0.0
                         if "api grpc" in " ".join(process.cmdline()):
                             code_servers.add(key)
-                            if process.create_time() >= started:
-                                servers.add(key)
                     last[key] = cpu
                 except psutil.Error:
                     continue
         time.sleep(0.2)
     in_servers = sum(last[k] - first[k] for k in code_servers)
-    return sum(last[k] - first[k] for k in last), len(servers), in_servers
+    started_since = sum(1 for _, created in code_servers if created >= started)
+    return sum(last[k] - first[k] for k in last), started_since, in_servers
 
 
 def one(design: Design, spark_remote: str, rows: int, settle: float, seconds: float) -> dict[str, float]:
-    keep, storage = design
+    keep, instance_storage = design
     tmp, etcd, settings, home = fresh_deployment("idle", session_ttl=60.0, spark_remote=spark_remote)
-    section = storage(home) if storage else None
+    section = instance_storage(home) if instance_storage else None
     service = DagsterService(settings, dagster_home=home, keep_code_server=keep, storage=section)
     store = MetaStore.connect(settings)
     try:

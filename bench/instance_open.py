@@ -5,9 +5,10 @@
 Dagster's code server opens the instance (`DagsterInstance.from_ref`) for every evaluation
 of a sensor that has resources; four of ours tick every second. This opens the instance of
 one scratch DAGSTER_HOME (this project's dagster.yaml, 20 runs in it) `--opens` times and
-counts the runs each time, as a sensor's look at the runs in flight does, once with
-Dagster's `storage: sqlite:` and once with `vchan up`'s (`defs/instance_storage.py`: the same
-files, their schema checked at the first opening in a process only). The designs alternate
+counts the runs each time, as a sensor's look at the runs in flight does: with Dagster's
+default storage (no `storage:` section), with Dagster's `storage: sqlite:`, and with `vchan
+up`'s (`defs/instance_storage.py`: the same files, their schema checked at the first opening
+in a process only). The designs alternate
 within each of `--repeat` rounds; the figure is CPU milliseconds per opening (medians), and
 the baseline is one query on an instance kept open, what no opening at all would cost.
 """
@@ -49,9 +50,8 @@ def main() -> None:
             "vchan up's SQLite storage": scratch / "vchan",
         }
         homes["Dagster's default storage"].mkdir()
-        shutil.copy(
-            INSTANCE_CONFIG, homes["Dagster's default storage"] / "dagster.yaml"
-        )  # no storage: section
+        # Without a storage: section, as `vchan up` wrote dagster.yaml before.
+        shutil.copy(INSTANCE_CONFIG, homes["Dagster's default storage"] / "dagster.yaml")
         write_instance_config(
             homes["Dagster's SQLite storage"], {"sqlite": {"base_dir": str(scratch / "dagster")}}
         )

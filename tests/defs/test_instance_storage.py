@@ -58,9 +58,8 @@ def test_a_second_opening_skips_the_checks_and_shares_dagsters_files(
     with _instance(home) as second:
         assert schema_checks == ["runs", "schedules"]  # none again
         assert second.get_run_by_id(done.run_id).is_success
-        assert [e.dagster_event_type for e in second.all_logs(done.run_id)][
-            -1
-        ] == dg.DagsterEventType.RUN_SUCCESS
+        events = [e.dagster_event_type for e in second.all_logs(done.run_id)]
+        assert events[-1] == dg.DagsterEventType.RUN_SUCCESS
         second.add_dynamic_partitions("vchannels", ["v0"])  # the run and schedule tables
         assert second.get_dynamic_partitions("vchannels") == ["v0"]
     # Dagster's own storage on the same directory reads what this one wrote, and this one

@@ -4,8 +4,8 @@ Dagster's code server opens the instance again for every sensor evaluation that 
 resources, as do `vchan` commands and notebooks that read it. Dagster's SQLite storage
 checks on every opening that its run and schedule databases exist and carry an Alembic
 revision, and to learn the newest revision it loads every migration script Dagster ships
-(some 90 Python files, twice): 86 ms of CPU an opening against 3 ms for a query
-(BENCHMARKS.md). Four sensors tick every second.
+(some 90 Python files, twice): about 50 ms of CPU an opening against 2 ms for a query
+(BENCHMARKS.md, `bench.instance_open`). Four sensors tick every second.
 
 `SqliteStorage` is `DagsterSqliteStorage` with the same files under the same `base_dir`
 (the instance's DAGSTER_HOME) and the same tables. Its first opening in a process makes

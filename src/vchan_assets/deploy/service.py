@@ -51,15 +51,12 @@ DEFAULT_WORKSPACE = REPO / "workspace.yaml"
 INSTANCE_CONFIG = REPO / "dagster_home" / "dagster.yaml"
 
 
-# Dagster's SQLite storage, opened without its schema checks after the first opening in a
-# process (defs/instance_storage.py; the same files as Dagster's default).
-LOCAL_STORAGE = {"module": "vchan_assets.defs.instance_storage", "class": "SqliteStorage"}
-
-
 def local_storage(dagster_home: Path) -> dict[str, Any]:
     """The `storage:` section of an instance that keeps its SQLite files in `dagster_home`,
-    where Dagster's default storage keeps them."""
-    return {"custom": {**LOCAL_STORAGE, "config": {"base_dir": str(dagster_home)}}}
+    where Dagster's default storage keeps them: Dagster's SQLite storage, opened without
+    its schema checks after the first opening in a process (defs/instance_storage.py)."""
+    storage = {"module": "vchan_assets.defs.instance_storage", "class": "SqliteStorage"}
+    return {"custom": {**storage, "config": {"base_dir": str(dagster_home)}}}
 
 
 def write_instance_config(dagster_home: Path, storage: dict[str, Any] | None = None) -> Path:
