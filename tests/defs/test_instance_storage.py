@@ -4,14 +4,18 @@ checked once per process."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
+import sqlalchemy
 import yaml
 from dagster._core.instance.ref import InstanceRef
+from dagster._core.storage.event_log.sqlite import sqlite_event_log
 from dagster._core.storage.runs.sqlite import sqlite_run_storage
 from dagster._core.storage.schedules.sqlite import sqlite_schedule_storage
 from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
+from sqlalchemy.engine import Engine
 
 from vchan_assets.defs.instance_storage import SqliteStorage
 from vchan_assets.deploy.service import INSTANCE_CONFIG, local_storage, write_instance_config
@@ -27,7 +31,11 @@ def _instance(home: Path) -> dg.DagsterInstance:
 def schema_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The databases whose Alembic revision Dagster's storages check, in order."""
     checked: list[str] = []
-    for module, name in ((sqlite_run_storage, "runs"), (sqlite_schedule_storage, "schedules")):
+    for module, name in (
+        (sqlite_run_storage, "runs"),
+        (sqlite_schedule_storage, "schedules"),
+        (sqlite_event_log, "event log"),
+    ):
         check = module.check_alembic_revision
 
         def counted(config, connection, check=check, name=name):  # type: ignore[no-untyped-def]
@@ -52,16 +60,20 @@ def test_a_second_opening_skips_the_checks_and_shares_dagsters_files(
     home = tmp_path / "instance"
     write_instance_config(home)
     with _instance(home) as first:
-        assert schema_checks == ["runs", "schedules"]  # created and stamped
+        assert {"runs", "schedules"} <= set(schema_checks)  # created and stamped
         done = one_op.execute_in_process(instance=first)
         assert done.success
+    # and the event log's: its index, then the run's own database
+    created = list(schema_checks)
+    assert set(created) == {"runs", "schedules", "event log"}
     with _instance(home) as second:
-        assert schema_checks == ["runs", "schedules"]  # none again
+        assert schema_checks == created  # none again
         assert second.get_run_by_id(done.run_id).is_success
         events = [e.dagster_event_type for e in second.all_logs(done.run_id)]
         assert events[-1] == dg.DagsterEventType.RUN_SUCCESS
         second.add_dynamic_partitions("vchannels", ["v0"])  # the run and schedule tables
         assert second.get_dynamic_partitions("vchannels") == ["v0"]
+        assert schema_checks == created  # the event log's index neither
     # Dagster's own storage on the same directory reads what this one wrote, and this one
     # what Dagster's wrote.
     with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home), config_filename="none.yaml")) as plain:
@@ -80,4 +92,48 @@ def test_a_new_home_in_the_same_process_gets_its_databases_created(
         with _instance(home) as instance:
             assert one_op.execute_in_process(instance=instance).success
             assert len(instance.get_runs()) == 1
-    assert schema_checks == ["runs", "schedules", "runs", "schedules"]
+    assert len(schema_checks) % 2 == 0
+    assert schema_checks[: len(schema_checks) // 2] == schema_checks[len(schema_checks) // 2 :]
+    assert set(schema_checks) == {"runs", "schedules", "event log"}
+
+
+def _tick(instance: dg.DagsterInstance) -> None:
+    """What the sensors of an idle deployment ask the instance at each tick."""
+    instance.get_run_records(dg.RunsFilter(job_name="sync", statuses=[dg.DagsterRunStatus.STARTED]))
+    instance.all_instigator_state()
+    instance.get_dynamic_partitions("vchannels")
+
+
+def test_later_openings_make_no_engine_and_inspect_no_schema(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dagster's SQLite storages made a SQLAlchemy engine for every connection and inspected
+    the schema (is there an `instigators` table, do `runs` have `start_time`) before most
+    queries: most of an idle deployment's CPU in its daemon and code server. Here only the
+    first opening of the instance in the process does."""
+    home = tmp_path / "instance"
+    write_instance_config(home)
+    with _instance(home) as first:
+        _tick(first)
+    engines: list[object] = []
+    inspected: list[object] = []
+    inspect = sqlalchemy.inspect
+
+    def counted(subject: object) -> object:
+        inspected.append(subject)
+        return inspect(subject)
+
+    engine = Engine.__init__
+
+    def made(self: Engine, *args: Any, **kwargs: Any) -> None:
+        engines.append(args)
+        engine(self, *args, **kwargs)
+
+    monkeypatch.setattr(sqlalchemy, "inspect", counted)
+    monkeypatch.setattr(Engine, "__init__", made)
+    for _ in range(3):
+        with _instance(home) as later:
+            _tick(later)
+            later.add_dynamic_partitions("vchannels", ["v0"])
+            assert later.get_dynamic_partitions("vchannels") == ["v0"]
+    assert engines == [] and inspected == []

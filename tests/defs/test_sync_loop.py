@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -107,6 +108,41 @@ def test_the_loop_reports_every_sync_as_materializations_and_checks_of_its_run(
             latest.metadata["previous_checkpoint_offset"].value == earlier.metadata["checkpoint_offset"].value
         )
         assert latest.metadata["checkpoint_offset"].value > earlier.metadata["checkpoint_offset"].value  # type: ignore[operator]
+
+
+def test_a_look_with_nothing_to_sync_asks_dagster_for_no_runs(
+    instance: dg.DagsterInstance,
+    vchan: VchanResource,
+    node: NodeCursor,
+    producer: Producer,
+    collection: CollectionInfo,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node's loop looks at its channels twice a second and the sync sensor ticks every
+    second. They asked Dagster for its sync runs in flight at each look (a run storage
+    query, most of an idle loop's CPU); now only when a sync policy fired."""
+    time.sleep(1.1)  # the collection's DDL message waits for a sync (VCHAN_SYNC_MAX_AGE=1)
+    assert run_loop(instance, vchan, node.node_id, node.session_lease).success
+    asked: list[dg.RunsFilter | None] = []
+    records = instance.get_run_records
+
+    def counted(filters: dg.RunsFilter | None = None, *args: Any, **kwargs: Any) -> Any:
+        asked.append(filters)
+        return records(filters, *args, **kwargs)
+
+    monkeypatch.setattr(instance, "get_run_records", counted)
+    with vchan.open() as runtime:
+        loop = NodeSyncLoop(runtime, instance, node.node_id, node.session_lease)
+        try:
+            assert loop.step() == 0
+            assert not evaluate(sync_sensor, instance, vchan).run_requests
+            assert asked == []
+            producer.insert(collection.name, generate_rows(SCHEMA, 100, start_pk=1, seed=3))
+            time.sleep(1.1)
+            assert loop.step() == len(collection.vchannels)
+            assert asked  # a channel to sync: in flight in a sync run?
+        finally:
+            loop.close()
 
 
 def test_the_loop_of_a_node_whose_session_is_gone_ends_and_syncs_nothing(

@@ -133,12 +133,13 @@ def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
 )
 def sync_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """Request a sync of a vchannel partition when a sync policy fires."""
-    looping = looping_nodes(context.instance)
     with vchan_env.open() as runtime:
-        plans = plan_syncs(runtime, busy_channels(context.instance))
-    plans = [p for p in plans if p.lease.node_id not in looping]
+        plans = plan_syncs(runtime, set())
+    if plans:  # Dagster's runs are asked only when a policy fired (most ticks: none did)
+        looping, busy = looping_nodes(context.instance), busy_channels(context.instance)
+        plans = [p for p in plans if p.lease.node_id not in looping and p.vchannel not in busy]
     plans = [replace(p, run_key=retry_key(context.instance, p.run_key)) for p in plans]
-    known = set(context.instance.get_dynamic_partitions(VCHANNELS))
+    known = set(context.instance.get_dynamic_partitions(VCHANNELS)) if plans else set()
     missing = sorted({p.vchannel for p in plans} - known)
     return dg.SensorResult(
         run_requests=[sync_run_request(p) for p in plans],
