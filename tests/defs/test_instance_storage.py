@@ -137,3 +137,19 @@ def test_later_openings_make_no_engine_and_inspect_no_schema(
             later.add_dynamic_partitions("vchannels", ["v0"])
             assert later.get_dynamic_partitions("vchannels") == ["v0"]
     assert engines == [] and inspected == []
+
+
+def test_after_a_wipe_runs_and_their_events_are_stored_again(tmp_path: Path) -> None:
+    """Dagster's `wipe` deletes every run's database: the databases this process checked are
+    forgotten, so a run after it gets its database created again, in every opening."""
+    home = tmp_path / "instance"
+    write_instance_config(home)
+    with _instance(home) as first:
+        before = one_op.execute_in_process(instance=first)
+        first.wipe()
+        assert first.get_runs() == []
+        after = one_op.execute_in_process(instance=first)
+    with _instance(home) as later:
+        assert [r.run_id for r in later.get_runs()] == [after.run_id]
+        assert later.all_logs(after.run_id)[-1].dagster_event_type == dg.DagsterEventType.RUN_SUCCESS
+        assert later.all_logs(before.run_id) == []
