@@ -47,7 +47,7 @@ def _moto_command() -> list[str]:
     if importlib.util.find_spec("moto") is None:
         # moto is a test dependency, not the package's: say what to install.
         raise S3ServerError(
-            "the loopback S3 server is moto's: pip install 'moto[server]' (the [test] extra has it)"
+            "the loopback S3 server is moto's: pip install 'moto[s3]' flask flask-cors (the [test] extra has them)"
         )
     return [sys.executable, "-m", "moto.server"]
 
