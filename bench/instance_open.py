@@ -31,7 +31,7 @@ import dagster as dg
 from dagster._core.instance.ref import InstanceRef
 
 from bench import bench_parser, write_report
-from vchan_assets.defs.sync.sensor import IN_FLIGHT
+from vchan_assets.defs.sync.sensor import busy_channels
 from vchan_assets.deploy.service import INSTANCE_CONFIG, local_storage, write_instance_config
 from vchan_assets.testing.dagster_jobs import one_op
 
@@ -71,7 +71,7 @@ def main() -> None:
                     assert one_op.execute_in_process(instance=instance).success
 
         def tick(instance: dg.DagsterInstance) -> None:
-            assert not instance.get_run_records(dg.RunsFilter(job_name="sync", statuses=IN_FLIGHT))
+            assert not busy_channels(instance)
             instance.all_instigator_state()
             assert instance.get_dynamic_partitions("vchannels") == []
 

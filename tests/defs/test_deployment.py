@@ -35,7 +35,7 @@ from vchan_assets.defs.query.assets import VISIBLE_SEGMENTS
 from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.sync.jobs import CHANNEL_TAG, DAGSTER_ADDRESS, LOOP_JOB, NODE_TAG, sync_job
 from vchan_assets.defs.sync.loop import LOOP_RUNNING
-from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
+from vchan_assets.defs.sync.sensor import dagster_nodes, not_busy, plan_syncs
 from vchan_assets.deploy.service import (
     HEARTBEAT_STALE_AFTER,
     INSTANCE_CONFIG,
@@ -271,7 +271,7 @@ def _where_syncs_stand(deployment: Deployment, vchannels: list[str]) -> str:
     in_flight = instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED, *IN_FLIGHT]))
     with VchanResource.from_settings(deployment.settings).open() as runtime:
         nodes = dagster_nodes(runtime)
-        plans = plan_syncs(runtime, busy_channels(instance))
+        plans = not_busy(instance, plan_syncs(runtime))
         known = runtime.vchannels()
         reasons = {v: runtime.sync_reasons(runtime.status(v, known[v])) for v in vchannels}
     return (

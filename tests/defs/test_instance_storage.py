@@ -18,6 +18,7 @@ from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
 from sqlalchemy.engine import Engine
 
 from vchan_assets.defs.instance_storage import SqliteStorage
+from vchan_assets.defs.sync.sensor import busy_channels
 from vchan_assets.deploy.service import INSTANCE_CONFIG, local_storage, write_instance_config
 from vchan_assets.testing.dagster_jobs import one_op
 
@@ -99,7 +100,7 @@ def test_a_new_home_in_the_same_process_gets_its_databases_created(
 
 def _tick(instance: dg.DagsterInstance) -> None:
     """What the sensors of an idle deployment ask the instance at each tick."""
-    instance.get_run_records(dg.RunsFilter(job_name="sync", statuses=[dg.DagsterRunStatus.STARTED]))
+    busy_channels(instance)
     instance.all_instigator_state()
     instance.get_dynamic_partitions("vchannels")
 

@@ -24,7 +24,7 @@ from vchan_assets.config import Settings
 from vchan_assets.defs.cluster.datanodes import NodeCursor
 from vchan_assets.defs.resources import VchanResource, pyspark_resource
 from vchan_assets.defs.sync.loop import AtTeardown, NodeSyncLoop, node_sync_loop_job
-from vchan_assets.defs.sync.sensor import busy_channels, dagster_nodes, plan_syncs
+from vchan_assets.defs.sync.sensor import dagster_nodes, not_busy, plan_syncs
 from vchan_assets.meta.codec import decode
 from vchan_assets.meta.store import MetaStore
 from vchan_assets.meta.watch import EventKind, poll_changes
@@ -191,7 +191,7 @@ def test_a_stopping_node_gets_no_syncs_and_its_sensor_starts_a_new_node(
     produce(producer, info.name, Produced(), 100, start_pk=0)
     time.sleep(1.1)  # VCHAN_SYNC_MAX_AGE=1: the sync policies fire
     with vchan.open() as runtime:
-        assert plan_syncs(runtime, busy_channels(instance), nodes={node.node_id})
+        assert not_busy(instance, plan_syncs(runtime, nodes={node.node_id}))
 
         key = store.keys.datanode_session(node.node_id)
         found = store.get_model(key, NodeSession)
@@ -199,7 +199,7 @@ def test_a_stopping_node_gets_no_syncs_and_its_sensor_starts_a_new_node(
         store.cas(key, found.kv.version, found.model.entered(SessionState.STOPPING), lease=found.kv.lease)
 
         assert node.node_id not in dagster_nodes(runtime)
-        assert not plan_syncs(runtime, busy_channels(instance))
+        assert not not_busy(instance, plan_syncs(runtime))
         loop = NodeSyncLoop(runtime, instance, node.node_id, node.session_lease)
         assert not loop.alive()
         loop.close()

@@ -145,8 +145,7 @@ class EventLogStorage(SqliteEventLogStorage):
 
     def __init__(self, base_dir: str) -> None:
         super().__init__(base_dir)
-        with _lock:
-            self._initialized_dbs = _event_dbs.setdefault(self._base_dir, set())
+        self._initialized_dbs = _event_dbs.setdefault(self._base_dir, set())
 
     @contextmanager
     def _connect(self, shard: str) -> Iterator[Connection]:
@@ -172,9 +171,8 @@ class EventLogStorage(SqliteEventLogStorage):
     def wipe(self) -> None:
         """Dagster's wipe deletes the runs' databases: none of them is checked any more."""
         super().wipe()
-        with _lock:
-            _event_dbs[self._base_dir].clear()
-            self._initialized_dbs = _event_dbs[self._base_dir]
+        _event_dbs[self._base_dir].clear()
+        self._initialized_dbs = _event_dbs[self._base_dir]
 
 
 class SqliteStorage(DagsterSqliteStorage):

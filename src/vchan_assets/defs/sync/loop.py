@@ -51,7 +51,7 @@ from vchan_assets.defs.resources import VchanResource
 from vchan_assets.defs.runtime import VchanRuntime
 from vchan_assets.defs.sync.assets import SyncConfig, previous_checkpoint, sync_results
 from vchan_assets.defs.sync.jobs import LOOP_JOB, LOOP_TAG, NODE_TAG
-from vchan_assets.defs.sync.sensor import busy_channels, plan_syncs
+from vchan_assets.defs.sync.sensor import busy_channels, not_busy, plan_syncs
 from vchan_assets.deploy.spark_connect import drop_connect_session
 from vchan_assets.meta.errors import LeaseLostError, MetaError, SyncSupersededError
 from vchan_assets.model import NodeSession, SessionState
@@ -182,12 +182,9 @@ class NodeSyncLoop:
     def step(self) -> int:
         """Sync every channel of the node whose sync policy fires; how many syncs committed
         (their reports come from `ready`)."""
-        plans = plan_syncs(self.runtime, set(), nodes={self.node_id})
-        # Dagster's runs are asked only when a channel is to be synced: a look that finds
-        # nothing to do (most of an idle node's, twice a second) reads etcd alone.
-        busy = busy_channels(self.instance) if plans else set()
+        plans = not_busy(self.instance, plan_syncs(self.runtime, nodes={self.node_id}))
         synced = 0
-        for i, plan in enumerate(p for p in plans if p.vchannel not in busy):
+        for i, plan in enumerate(plans):
             vchannel, lease = plan.vchannel, plan.lease
             if i and vchannel in busy_channels(self.instance):
                 # A sync run of it was requested while this loop synced the channels before

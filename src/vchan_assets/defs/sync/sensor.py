@@ -71,17 +71,15 @@ def watching(runtime: VchanRuntime, node_id: int, vchannel: str) -> bool:
 
 
 def plan_syncs(
-    runtime: VchanRuntime, busy: set[str], now: float | None = None, nodes: set[int] | None = None
+    runtime: VchanRuntime, now: float | None = None, nodes: set[int] | None = None
 ) -> list[SyncPlan]:
     """The channels a sync policy fires for: those whose lease belongs to a live
-    Dagster-hosted node (one of `nodes`, if given) that watches them (WatchSuccess),
-    skipping channels in `busy`."""
+    Dagster-hosted node (one of `nodes`, if given) that watches them (WatchSuccess). It
+    reads etcd only; `not_busy` drops those a sync run is already on."""
     plans = []
     live = dagster_nodes(runtime)
     nodes = live if nodes is None else live & nodes
     for vchannel, info in sorted(runtime.vchannels().items()):
-        if vchannel in busy:
-            continue
         lease = runtime.store.read_lease(vchannel)
         if lease is None or lease.node_id not in nodes:
             continue  # nobody owns it, or a standalone `vchan datanode` or another node does
@@ -104,6 +102,16 @@ def plan_syncs(
 def busy_channels(instance: dg.DagsterInstance) -> set[str]:
     records = instance.get_run_records(dg.RunsFilter(job_name=sync_job.name, statuses=IN_FLIGHT))
     return {r.dagster_run.tags[CHANNEL_TAG] for r in records if CHANNEL_TAG in r.dagster_run.tags}
+
+
+def not_busy(instance: dg.DagsterInstance, plans: list[SyncPlan]) -> list[SyncPlan]:
+    """`plans` less the channels a sync run is in flight for. Dagster's runs are asked only
+    when there is a plan: most looks of an idle node's loop (twice a second) and most sync
+    sensor ticks have none, and then read etcd alone."""
+    if not plans:
+        return plans
+    busy = busy_channels(instance)
+    return [p for p in plans if p.vchannel not in busy]
 
 
 def looping_nodes(instance: dg.DagsterInstance) -> set[int]:
@@ -134,10 +142,10 @@ def sync_run_request(plan: SyncPlan) -> dg.RunRequest:
 def sync_sensor(context: dg.SensorEvaluationContext, vchan_env: VchanEnvResource) -> dg.SensorResult:
     """Request a sync of a vchannel partition when a sync policy fires."""
     with vchan_env.open() as runtime:
-        plans = plan_syncs(runtime, set())
-    if plans:  # Dagster's runs are asked only when a policy fired (most ticks: none did)
-        looping, busy = looping_nodes(context.instance), busy_channels(context.instance)
-        plans = [p for p in plans if p.lease.node_id not in looping and p.vchannel not in busy]
+        plans = not_busy(context.instance, plan_syncs(runtime))
+    if plans:
+        looping = looping_nodes(context.instance)
+        plans = [p for p in plans if p.lease.node_id not in looping]
     plans = [replace(p, run_key=retry_key(context.instance, p.run_key)) for p in plans]
     known = set(context.instance.get_dynamic_partitions(VCHANNELS)) if plans else set()
     missing = sorted({p.vchannel for p in plans} - known)
