@@ -28,14 +28,19 @@ from vchan_assets.testing.harness import Cluster, fast_settings
 from vchan_assets.testing.steps import new_collection
 from vchan_assets.wal.producer import Producer
 
-# Every Spark JVM the tests start (this process's, the `vchan` processes' and the Spark
-# Connect servers': all are launched by spark-submit, which adds SPARK_SUBMIT_OPTS to the
-# java command line) compiles with C1 only and collects with the serial GC. A test's JVM
-# lives seconds to minutes on tiny data: C2's compiler threads would spend the CPU a start
-# needs on code that never gets hot (measured: 8.7-11.2 s of JVM CPU for a start and a
-# first job, against 14.0-20.1 s with the defaults). Children inherit it with the
-# environment; a SPARK_SUBMIT_OPTS set by the caller wins.
-os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+# Every JVM the tests start compiles with C1 only and collects with the serial GC: Spark
+# drivers (this process's, the `vchan` processes', the Spark Connect servers'), the standalone
+# masters and workers, their executors and spark-class's launcher. `JDK_JAVA_OPTIONS` is read
+# by every `java` launch (JDK 9+), where SPARK_SUBMIT_OPTS reached only the drivers: the
+# standalone daemons take SPARK_DAEMON_JAVA_OPTS, which `SparkStandalone` does not pass on,
+# and executors their driver's `spark.executor.extraJavaOptions`. A test's JVM lives seconds
+# to minutes on tiny data: C2's compiler threads would spend the CPU a start needs on code
+# that never gets hot (measured: 8.7-11.2 s of JVM CPU for a driver's start and first job,
+# against 14.0-20.1 s with the defaults; the two standalone tests and the cluster demo 101
+# CPU s against 136 with the drivers' flags only). Each launch prints "NOTE: Picked up
+# JDK_JAVA_OPTIONS" on its stderr. Children inherit it with the environment; a
+# JDK_JAVA_OPTIONS set by the caller wins.
+os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 @pytest.fixture(scope="session")
