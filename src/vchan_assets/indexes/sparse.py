@@ -45,7 +45,7 @@ def engine_version() -> str:
     return f"scipy-{scipy.__version__}"
 
 
-def csr(arg: Any, shape: tuple[int, ...] | None = None) -> sp.csr_array:
+def _csr(arg: Any, shape: tuple[int, ...] | None = None) -> sp.csr_array:
     """scipy.sparse's CSR array of `arg` (`(data, indices, indptr)` or a matrix). scipy is
     imported at the first one: every Dagster code server and run worker imports this module
     with the definitions, and scipy.sparse would add 0.15 CPU s to each start."""
@@ -57,7 +57,7 @@ def csr(arg: Any, shape: tuple[int, ...] | None = None) -> sp.csr_array:
 def sparse_rows(column: Column) -> sp.csr_array:
     """A sparse column (as stored) as an (n, 2^32 - 1) CSR matrix, without Python rows."""
     offsets, indices, values = sparse_buffers(column)
-    return csr((values, indices, offsets), (len(offsets) - 1, MAX_SPARSE_INDEX))
+    return _csr((values, indices, offsets), (len(offsets) - 1, MAX_SPARSE_INDEX))
 
 
 def segment_rows(storage: Storage, seg: SegmentInfo, field: FieldSchema) -> sp.csr_array:
@@ -85,7 +85,7 @@ def drop_small(rows: sp.csr_array, ratio: float) -> sp.csr_array:
     rank[order] = np.arange(rows.nnz) - np.repeat(rows.indptr[:-1], lengths)
     keep = rank >= np.floor(ratio * lengths).astype(np.int64)[owner]
     kept = np.concatenate([[0], np.cumsum(keep)])[rows.indptr]
-    return csr((rows.data[keep], rows.indices[keep], kept), rows.shape)
+    return _csr((rows.data[keep], rows.indices[keep], kept), rows.shape)
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,10 @@ class InvertedIndex:
         # int32 positions when they fit (the rows' 2^32 - 1 columns made them int64): half
         # the file and memory, and scipy's product runs on int32 indices
         kind = np.int32 if max(len(terms), rows.shape[0], rows.nnz) < 2**31 else np.int64
-        compact = csr(
+        compact = _csr(
             (rows.data, columns.astype(kind), rows.indptr.astype(kind)), (rows.shape[0], len(terms))
         )
-        postings = csr(compact.T)  # CSC of the rows = CSR of their transpose
+        postings = _csr(compact.T)  # CSC of the rows = CSR of their transpose
         return cls(terms.astype(np.int64), postings)
 
     def scores(self, queries: sp.csr_array) -> sp.csr_array:
@@ -130,11 +130,11 @@ class InvertedIndex:
         inside[inside] = self.terms[position[inside]] == queries.indices[inside]
         kept = np.concatenate([[0], np.cumsum(inside)])[queries.indptr]
         kind = self.postings.indices.dtype
-        mapped = csr(
+        mapped = _csr(
             (queries.data[inside], position[inside].astype(kind), kept.astype(kind)),
             (queries.shape[0], len(self.terms)),
         )
-        return csr(mapped @ self.postings)
+        return _csr(mapped @ self.postings)
 
     def to_bytes(self) -> bytes:
         out = io.BytesIO()
@@ -149,7 +149,7 @@ class InvertedIndex:
         """The index of a file (ValueError or OSError when it is not one)."""
         with np.load(io.BytesIO(data), allow_pickle=False) as found:
             shape = tuple(int(x) for x in found["shape"])
-            postings = csr((found["values"], found["rows"], found["indptr"]), shape)
+            postings = _csr((found["values"], found["rows"], found["indptr"]), shape)
             return cls(found["terms"], postings)
 
 
