@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from vchan_assets.catalog import Catalog
@@ -90,6 +91,22 @@ def test_stats_logs_hold_the_text_range_and_a_bloom_filter_of_the_keys(
     absent = np.asarray([str(uuid.uuid4()) for _ in range(2000)], dtype=object)
     stats = PkStats.from_bytes(system.storage.read_bytes(flushed[0].statslogs[0].path))
     assert stats.might_contain(absent).mean() < 0.01
+
+
+def test_binlogs_give_the_keys_no_dictionary_and_repeating_text_one(
+    system: System, docs: tuple[CollectionInfo, pa.Table, list[str]]
+) -> None:
+    """Unique keys would fill a dictionary, overflow it and have it thrown away (a slower
+    write); the titles (100 words) are what a dictionary is for."""
+    info, _, _ = docs
+    seg = next(s for s in segments(system.store, info) if s.level is SegmentLevel.L1)
+    scalars = system.storage.path(seg.binlogs[0].logs[0].path)
+    chunks = pq.ParquetFile(scalars).metadata.row_group(0)
+    encodings = {
+        chunks.column(i).path_in_schema: chunks.column(i).encodings for i in range(chunks.num_columns)
+    }
+    assert "RLE_DICTIONARY" not in encodings["doc_id"], encodings
+    assert "RLE_DICTIONARY" in encodings["title"], encodings
 
 
 def test_pushdown_on_a_varchar_key_finds_its_rows(

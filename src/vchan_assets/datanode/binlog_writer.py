@@ -253,16 +253,31 @@ class TaskWriter:
         return write_parquet(self.spec.storage, key, table, vector, durable=False)
 
 
+# The rows a string column's values are sampled from to tell keys (ids, URLs: every value
+# different) from values that repeat.
+DICTIONARY_SAMPLE = 1000
+
+
 def parquet_options(table: pa.Table, vector: bool) -> dict[str, Any]:
     """Parquet writer settings of a binlog (each measured by `python -m bench.parquet_settings`,
     BENCHMARKS.md). Random vectors do not compress, and dictionary encoding and statistics
-    only cost time on them. In the scalar group only strings get a dictionary: row ids,
-    timestamps and primary keys are unique, so a dictionary there is built, overflows and
-    is thrown away (a slower write and a larger file)."""
+    only cost time on them. In the scalar group only strings that repeat get a dictionary:
+    row ids, timestamps and primary keys (a VarChar key too) are unique, so a dictionary
+    there is built, overflows and is thrown away (a slower write and a larger file). A
+    string column whose first DICTIONARY_SAMPLE values all differ is taken for keys."""
     if vector:
         return {"compression": "none", "use_dictionary": False, "write_statistics": False}
-    strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-    return {"compression": "snappy", "use_dictionary": strings, "write_statistics": True}
+    repeating = [
+        f.name
+        for f in table.schema
+        if (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)) and _repeats(table[f.name])
+    ]
+    return {"compression": "snappy", "use_dictionary": repeating, "write_statistics": True}
+
+
+def _repeats(column: pa.ChunkedArray) -> bool:
+    sample = column.slice(0, DICTIONARY_SAMPLE)
+    return pc.count_distinct(sample, mode="all").as_py() < len(sample)
 
 
 def write_parquet(storage: Storage, key: str, table: pa.Table, vector: bool, durable: bool = True) -> int:
