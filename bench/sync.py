@@ -20,7 +20,9 @@ the same run, interleaved:
   - sync (local): the same task code in-process, without Spark (to show Spark's share);
   - the disk's own sequential write speed (a 1 GiB file written and fdatasync'ed): the
     physical limit of what any of them can write.
-Each sync starts from a forgotten channel (meta and binlogs removed, same log). Every
+Each sync starts from a forgotten channel (meta and binlogs removed, same log); one
+untimed Spark sync of each size's log comes before its rounds, so every task's Python
+worker is started and warm (its seconds are reported as the first sync's). Every
 timed run starts with the disk settled (`os.sync()`): the previous run's deletes and the
 log just generated are written back first, so no run pays for another's writeback.
 Reports seconds (median), rows/s, MB/s of log read and of binlogs written, the ratios
@@ -247,6 +249,11 @@ def measure_size(
     info = make_log(producer, size, schema)
     log_bytes = sum(f.size_bytes for f in WalReader(storage, info.vchannels[0], info).files())
     cores = os.cpu_count() or 1
+    # One untimed sync of this log first: Spark stops a Python worker left idle for a
+    # minute (writing a large log takes longer), and a 1,000-row sync starts only one, so
+    # the first timed sync would otherwise start its tasks' workers and import the sync's
+    # code in them. Its seconds are reported as `spark_first_s`.
+    first = timed_sync(store, storage, settings, info, "spark")["seconds"]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
     disk, loads = [], [os.getloadavg()[0]]
     for i in range(repeat):
@@ -265,6 +272,7 @@ def measure_size(
         "log_mb": log_bytes / 2**20,
         "disk_write_mb_per_s": statistics.median(disk),
         "load_avg_1m": (round(min(loads), 1), round(max(loads), 1)),
+        "spark_first_s": first,
     }
     for name, measured in runs.items():
         assert all(m["rows"] == size for m in measured), f"{name} persisted a different row count"
@@ -304,7 +312,8 @@ def measure_size(
 def print_size(size: int, summary: dict[str, Any]) -> None:
     print(
         f"\n{size:,} rows, log {summary['log_mb']:.0f} MB, disk writes {summary['disk_write_mb_per_s']:.0f} MB/s, "
-        f"load average {summary['load_avg_1m'][0]}-{summary['load_avg_1m'][1]}"
+        f"load average {summary['load_avg_1m'][0]}-{summary['load_avg_1m'][1]}; "
+        f"untimed first sync (Spark) {summary['spark_first_s']:.2f}s"
     )
     for name in RUNS:
         s = summary[name]
