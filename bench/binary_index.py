@@ -135,9 +135,15 @@ def builds(
 
 
 def searches(
-    system: System, info: CollectionInfo, vectors: np.ndarray, queries: np.ndarray, batch: int, dim: int
-) -> dict[str, float]:
-    """Catalog.search and faiss alone over the same index files, batch by batch in turn."""
+    system: System,
+    info: CollectionInfo,
+    vectors: np.ndarray,
+    queries: np.ndarray,
+    batches: list[int],
+    dim: int,
+) -> dict[int, dict[str, float]]:
+    """Catalog.search and faiss alone over the same index files, batch by batch in turn,
+    for each batch size; the index files and the exact answers are loaded once."""
     catalog = Catalog(system)
     segments = sorted_segments(system, info)
     files = {b.model.segment_id: b.model.files[0] for b in list_builds(system.store, info.id)}
@@ -147,8 +153,20 @@ def searches(
     exact = faiss.IndexBinaryFlat(dim)
     exact.add(vectors)
     truth, _ = exact.search(queries, K)
-    ours_search(catalog, info, queries[:batch])  # warm: index files loaded
-    faiss_search(indexes, queries[:batch])
+    ours_search(catalog, info, queries[: batches[0]])  # warm: index files loaded
+    faiss_search(indexes, queries[: batches[0]])
+    return {batch: batch_searches(catalog, info, indexes, queries, truth, batch) for batch in batches}
+
+
+def batch_searches(
+    catalog: Catalog,
+    info: CollectionInfo,
+    indexes: list[tuple[Any, np.ndarray]],
+    queries: np.ndarray,
+    truth: np.ndarray,
+    batch: int,
+) -> dict[str, float]:
+    """Every query in batches of `batch`: ours, then faiss alone, batch by batch."""
     ours = np.full((len(queries), K), np.inf, dtype=np.float32)
     alone = np.full((len(queries), K), np.inf, dtype=np.float32)
     ours_s = faiss_s = 0.0
@@ -198,9 +216,7 @@ def main() -> None:
             "batches": batches,
         }
         report |= builds(system, info, vectors, args.engine, args.dim)
-        report["search"] = {
-            batch: searches(system, info, vectors, queries, batch, args.dim) for batch in batches
-        }
+        report["search"] = searches(system, info, vectors, queries, batches, args.dim)
     report["load_before"] = [round(x, 2) for x in load_before]
     report["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=2), flush=True)
